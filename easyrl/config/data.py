@@ -1,0 +1,62 @@
+"""Configuration of the dataset, prompt formatting and batch sizes (``data.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DataConfig:
+    train_files: str = ""
+    """Training data: a jsonl/json/parquet/csv file, a folder of them, a `datasets` folder saved with
+    `save_to_disk`, optionally suffixed `@split` (e.g. `data/train.parquet`, `data/math@train`)."""
+    val_files: str = ""
+    """Validation data, same forms as `train_files`. Empty: no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (passed to the template as `content`)."""
+    answer_key: str = "answer"
+    """Column holding the ground truth handed to the reward function as `ground_truth`."""
+    image_key: str = "images"
+    """Column holding images (paths relative to `image_dir`, bytes, or lists of them)."""
+    video_key: str = "videos"
+    """Column holding videos (paths relative to `video_dir`, or lists of them)."""
+    image_dir: str | None = None
+    """Folder that relative image paths are resolved against."""
+    video_dir: str | None = None
+    """Folder that relative video paths are resolved against."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (chat template and media tokens included)."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    rollout_batch_size: int = 512
+    """Prompts per training step (each sampled `worker.rollout.n` times)."""
+    mini_rollout_batch_size: int | None = None
+    """With online filtering: prompts sampled per try while refilling a batch (default: rollout_batch_size)."""
+    val_batch_size: int = -1
+    """Prompts per validation batch; -1: the whole validation set at once."""
+    format_prompt: str | None = None
+    """Path to a jinja template that turns a row into the user message. The prompt column is `content`; every
+    column of the row is available too. None: the prompt column is used as is."""
+    override_chat_template: str | None = None
+    """A jinja chat template (inline text or a path to a .jinja file) replacing the tokenizer's own."""
+    shuffle: bool = True
+    """Shuffle the training data every epoch (seeded by `seed`)."""
+    seed: int = 1
+    """Seed of the data order."""
+    min_pixels: int = 262144
+    """Smallest image area in pixels after resizing (vision-language models)."""
+    max_pixels: int = 4194304
+    """Largest image area in pixels after resizing (vision-language models)."""
+    video_fps: float = 2.0
+    """Frames per second sampled from videos."""
+    max_frames: int = 64
+    """Most frames sampled per video."""
+    limit_images: int = 0
+    """Most images per prompt; 0: no limit."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than `max_prompt_length` (with a reported count); false: it is an error."""
+    on_bad_row: str = "drop"
+    """What a malformed row (missing key, wrong type, unreadable media) does: `drop` (counted per reason)
+    or `error` (stop, naming the file and row)."""
+    num_workers: int = 0
+    """Dataloader worker processes (0: load in the driver)."""

@@ -1,0 +1,312 @@
+"""Build an `EasyRLConfig` from dataclass defaults, a YAML file and `key=value` overrides.
+
+Every problem is reported as a `ConfigError` naming the key and how to fix it, before anything starts.
+Secrets: values of secret-looking keys and of `${oc.env:...}` interpolations are masked in every
+printed or logged form of the config (`to_masked_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+if TYPE_CHECKING:
+    from easyrl.config import EasyRLConfig
+
+MASK = "***"
+SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
+# Keys an EasyR1 config may use that easyrl spells differently: old key -> our key (docs/config.md lists them).
+EASYR1_RENAMES = {
+    "worker.reward.score_function": "worker.reward.reward_function",
+    "worker.reward.score_function_kwargs": "worker.reward.reward_function_kwargs",
+    "trainer.total_episodes": "trainer.total_epochs",
+    "data.format_prompt_path": "data.format_prompt",
+    "worker.actor.loss_avg_mode": "worker.actor.loss_avg_mode",
+}
+# EasyR1 keys that describe behaviour easyrl has built in (or not yet): accepted, ignored, and reported.
+EASYR1_IGNORED = {
+    "worker.hybrid_engine",
+    "worker.actor.strategy",
+    "worker.ref.strategy",
+    "worker.critic.strategy",
+    "worker.actor.fsdp.enable_rank0_init",
+    "worker.ref.fsdp.enable_rank0_init",
+    "worker.critic.fsdp.enable_rank0_init",
+    "worker.actor.fsdp.use_orig_params",
+    "worker.actor.fsdp.fsdp_size",
+    "worker.actor.fsdp.mp_buffer_dtype",
+    "worker.actor.use_torch_compile",
+    "worker.rollout.disable_log_stats",
+    "worker.rollout.disable_tqdm",
+    "worker.rollout.trust_remote_code",
+    "worker.reward.reward_type_name",
+}
+# EasyR1 spelled loss aggregation differently.
+_EASYR1_LOSS_AVG = {"token": "token-mean", "seq": "seq-mean-token-mean"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem: `key` names the culprit, the message says how to fix it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> EasyRLConfig:
+    """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute."""
+    from easyrl.config import EasyRLConfig
+    from easyrl.config.validate import validate
+
+    user = _read_yaml(path) if path is not None else OmegaConf.create({})
+    notes: list[str] = []
+    if overrides:
+        try:
+            cli = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as exc:
+            raise ConfigError("command line", f"cannot parse overrides {overrides}: {exc.msg}") from None
+        _check_dotlist_form(overrides)
+        user = OmegaConf.merge(user, cli)
+    user = _apply_easyr1_compat(user, notes)
+    secret_paths = _interpolated_env_paths(user)
+    _check_unknown_keys(user, EasyRLConfig, "")
+    base = OmegaConf.structured(EasyRLConfig)
+    try:
+        merged = OmegaConf.merge(base, user)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_key_of(exc), _type_message(exc)) from None
+    assert isinstance(cfg, EasyRLConfig)
+    _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
+    validate(cfg)
+    object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))
+    object.__setattr__(cfg, "_notes", tuple(notes))
+    return cfg
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> DictConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", f"file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{p} is not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config", f"{p} must hold a mapping of sections (data, algorithm, worker, trainer)")
+    conf = OmegaConf.create(raw)
+    assert isinstance(conf, DictConfig)
+    return conf
+
+
+def _check_dotlist_form(overrides: list[str]) -> None:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "overrides are written key=value, e.g. worker.rollout.n=8")
+
+
+def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
+    flat = _flatten(OmegaConf.to_container(user, resolve=False))
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in EASYR1_IGNORED:
+            notes.append(f"{key} is an EasyR1 key with no effect in easyrl; ignored")
+            continue
+        new = EASYR1_RENAMES.get(key, key)
+        if new != key:
+            notes.append(f"{key} is EasyR1's name for {new}; using it")
+        if new == "worker.actor.loss_avg_mode" and value in _EASYR1_LOSS_AVG:
+            value = _EASYR1_LOSS_AVG[value]
+        out[new] = value
+    conf = OmegaConf.create(_unflatten(out))
+    assert isinstance(conf, DictConfig)
+    return conf
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts to dotted keys; dict-valued free-form fields stay whole."""
+    if not isinstance(tree, dict) or prefix.endswith(_FREEFORM):
+        return {prefix: tree}
+    if not tree and prefix:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+# Fields whose value is a free-form mapping (their contents are not config keys).
+_FREEFORM = ("override_config", "val_override_config", "reward_function_kwargs")
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = root
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return root
+
+
+def _interpolated_env_paths(user: DictConfig) -> set[str]:
+    flat = _flatten(OmegaConf.to_container(user, resolve=False))
+    found = set()
+    for key, value in flat.items():
+        if isinstance(value, dict):
+            for sub_key, sub in _flatten(value).items():
+                if isinstance(sub, str) and "${oc.env:" in sub:
+                    found.add(f"{key}.{sub_key}")
+        elif isinstance(value, str) and "${oc.env:" in value:
+            found.add(key)
+    return found
+
+
+def _check_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
+    names = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(full, f"unknown key.{_suggest(str(key), list(names), prefix)}")
+        ftype = _dataclass_type(schema, str(key))
+        child = node._get_node(key)  # raw node: no interpolation resolved here
+        if ftype is not None:
+            if not isinstance(child, DictConfig):
+                raise ConfigError(full, f"is a section; expected a mapping of its keys, got {_raw(child)!r}")
+            _check_unknown_keys(child, ftype, f"{full}.")
+
+
+def _dataclass_type(schema: type, name: str) -> type | None:
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    t = hints.get(name)
+    return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
+
+
+def _suggest(key: str, options: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    if close:
+        return f" Did you mean {prefix}{close[0]}?"
+    return f" Valid keys here: {', '.join(sorted(options))}."
+
+
+def _raw(node: Any) -> Any:
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=False)
+    return getattr(node, "_value", lambda: node)() if hasattr(node, "_value") else node
+
+
+def _key_of(exc: OmegaConfBaseException) -> str:
+    return str(getattr(exc, "full_key", "") or "config")
+
+
+def _type_message(exc: OmegaConfBaseException) -> str:
+    msg = str(getattr(exc, "msg", exc)).splitlines()[0]
+    if "oc.env" in msg or "Environment variable" in msg:
+        return f"{msg}. Export the variable or give the value directly."
+    return f"{msg}. Give a value of the field's type (see docs/config.md)."
+
+
+def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
+    """Make local paths absolute (Ray workers may run elsewhere); `path@split` keeps its suffix."""
+    del base_dir  # paths are relative to the working directory, as in EasyR1
+
+    def absolute(p: str | None) -> str | None:
+        return os.path.abspath(p) if p and os.path.exists(p) else p
+
+    for model in (cfg.worker.actor.model, cfg.worker.critic.model):
+        model.model_path = absolute(model.model_path)
+        model.tokenizer_path = absolute(model.tokenizer_path)
+    if cfg.worker.critic.model.model_path is None:
+        cfg.worker.critic.model.model_path = cfg.worker.actor.model.model_path
+    if cfg.worker.actor.model.tokenizer_path is None:
+        cfg.worker.actor.model.tokenizer_path = cfg.worker.actor.model.model_path
+    if cfg.worker.critic.model.tokenizer_path is None:
+        cfg.worker.critic.model.tokenizer_path = cfg.worker.actor.model.tokenizer_path
+    if cfg.trainer.save_checkpoint_path is None:
+        cfg.trainer.save_checkpoint_path = os.path.join("checkpoints", cfg.trainer.project_name, cfg.trainer.experiment_name)
+    cfg.trainer.save_checkpoint_path = os.path.abspath(cfg.trainer.save_checkpoint_path)
+    if cfg.trainer.load_checkpoint_path:
+        cfg.trainer.load_checkpoint_path = os.path.abspath(cfg.trainer.load_checkpoint_path)
+    for name in ("format_prompt", "image_dir", "video_dir"):
+        setattr(cfg.data, name, absolute(getattr(cfg.data, name)))
+    rf = cfg.worker.reward.reward_function
+    if rf:
+        file, _, fn = rf.rpartition(":") if rf.rpartition(":")[0].endswith(".py") else (rf, "", "")
+        cfg.worker.reward.reward_function = f"{os.path.abspath(file)}:{fn or 'main'}"
+
+
+def _schema_paths(schema: type, prefix: str = "") -> set[str]:
+    """Dotted paths of every field of the dataclass tree: our own keys, never secrets by their name."""
+    import typing
+
+    out = set()
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        out.add(path)
+        sub = typing.get_type_hints(schema).get(f.name)
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            out |= _schema_paths(sub, f"{path}.")
+    return out
+
+
+def _is_secret(path: str, key: str, value: Any, secret_paths: frozenset[str], schema: set[str]) -> bool:
+    if path in secret_paths:
+        return True
+    if path in schema or isinstance(value, (dict, list)) or value in (None, ""):
+        return False
+    return bool(SECRET_KEY.search(key))
+
+
+def to_masked_dict(cfg: EasyRLConfig) -> dict[str, Any]:
+    """The config as plain data with secrets replaced by `***` (safe to print, log and save)."""
+    from easyrl.config import EasyRLConfig
+
+    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
+    return _mask(dataclasses.asdict(cfg), "", secret_paths, _schema_paths(EasyRLConfig))
+
+
+def _mask(tree: Any, prefix: str, secret_paths: frozenset[str], schema: set[str]) -> Any:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            out[k] = MASK if _is_secret(path, str(k), v, secret_paths, schema) else _mask(v, path, secret_paths, schema)
+        return out
+    if isinstance(tree, (list, tuple)):
+        return [_mask(v, prefix, secret_paths, schema) for v in tree]
+    return tree
+
+
+def secret_values(cfg: EasyRLConfig) -> list[str]:
+    """Every secret string in the config (to scrub from logs and generations)."""
+    from easyrl.config import EasyRLConfig
+
+    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
+    schema = _schema_paths(EasyRLConfig)
+    found: list[str] = []
+
+    def walk(tree: Any, prefix: str) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                path = f"{prefix}.{k}" if prefix else str(k)
+                if _is_secret(path, str(k), v, secret_paths, schema):
+                    found.append(str(v))
+                else:
+                    walk(v, path)
+
+    walk(dataclasses.asdict(cfg), "")
+    return found

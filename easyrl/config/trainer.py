@@ -1,0 +1,55 @@
+"""Configuration of the training run: length, resources, logging, validation, checkpoints (``trainer.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many steps (overrides `total_epochs` when smaller)."""
+    project_name: str = "easyrl"
+    """Project name (trackers, checkpoint folder)."""
+    experiment_name: str = "demo"
+    """Experiment name (trackers, checkpoint folder)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """Where metrics go: console, file, tensorboard, wandb, swanlab, mlflow."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    n_gpus_per_node: int = 8
+    """Workers per node: one per GPU (on a machine without GPUs, CPU workers)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cuda or cpu."""
+    seed: int = 1
+    """Seed of model init, dropout and sampling helpers."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+    val_freq: int = -1
+    """Validate every N steps; -1: never (except before training/at the end when asked)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Only validate, then exit."""
+    val_generations_to_log: int = 0
+    """Validation generations (prompt, response, ground truth, score) sent to the loggers."""
+    save_freq: int = -1
+    """Save a checkpoint every N steps; -1: only at the end."""
+    save_limit: int = -1
+    """Keep the newest N checkpoints (plus the best by validation score); -1: keep all."""
+    save_model_only: bool = False
+    """Save only the model weights (no optimizer, no trainer state): cannot resume."""
+    save_checkpoint_path: str | None = None
+    """Checkpoint and log folder; default `checkpoints/<project_name>/<experiment_name>`."""
+    load_checkpoint_path: str | None = None
+    """Resume from this checkpoint folder (an error if it does not exist or is incomplete)."""
+    find_last_checkpoint: bool = True
+    """Resume from the newest complete checkpoint under `save_checkpoint_path` when there is one."""
+    save_on_interrupt: bool = False
+    """On SIGTERM/SIGINT, save a checkpoint before exiting."""
+    worker_timeout_s: float = 3600.0
+    """Longest a single worker call may take before the run stops naming the role."""
+    ray_num_cpus: int | None = None
+    """CPUs given to a local Ray cluster; default: all."""

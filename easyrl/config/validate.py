@@ -1,0 +1,218 @@
+"""Checks on a built config, before any worker starts: each failure names the key and the fix."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from easyrl.config.loader import ConfigError
+
+
+if TYPE_CHECKING:
+    from easyrl.config import EasyRLConfig
+
+LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
+_ENUMS: dict[str, tuple[str, ...]] = {
+    "worker.rollout.name": ("vllm", "hf"),
+    "worker.reward.reward_type": ("batch", "sequential"),
+    "algorithm.kl_type": ("fixed", "adaptive"),
+    "worker.actor.optim.strategy": ("adamw", "adamw_bf16"),
+    "worker.critic.optim.strategy": ("adamw", "adamw_bf16"),
+    "worker.actor.optim.lr_scheduler_type": ("constant", "cosine"),
+    "worker.critic.optim.lr_scheduler_type": ("constant", "cosine"),
+    "worker.rollout.dtype": ("bf16", "fp16", "fp32"),
+    "worker.actor.fsdp.mp_param_dtype": ("bf16", "fp16", "fp32"),
+    "worker.actor.fsdp.mp_reduce_dtype": ("bf16", "fp16", "fp32"),
+    "data.on_bad_row": ("drop", "error"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+}
+
+
+def _get(cfg: EasyRLConfig, key: str) -> object:
+    node: object = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def validate(cfg: EasyRLConfig) -> None:
+    """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
+    _check_enums(cfg)
+    _check_numbers(cfg)
+    _check_batch_arithmetic(cfg)
+    _check_files(cfg)
+
+
+def _check_enums(cfg: EasyRLConfig) -> None:
+    from easyrl.algorithms import KL_PENALTY_KINDS, LOSS_AGG_MODES, list_advantage_estimators, list_policy_losses
+
+    for key, allowed in _ENUMS.items():
+        _one_of(key, _get(cfg, key), allowed)
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_advantage_estimators())
+    _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, list_policy_losses())
+    _one_of("worker.actor.loss_avg_mode", cfg.worker.actor.loss_avg_mode, list(LOSS_AGG_MODES))
+    _one_of("worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, list(LOSS_AGG_MODES))
+    kinds = [k for k in KL_PENALTY_KINDS if k != "full"]
+    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kinds)
+    for name in cfg.trainer.logger:
+        _one_of("trainer.logger", name, LOGGERS)
+
+
+def _check_numbers(cfg: EasyRLConfig) -> None:
+    positive = [
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "data.rollout_batch_size",
+        "worker.rollout.n",
+        "worker.actor.global_batch_size",
+        "worker.actor.micro_batch_size_per_device_for_update",
+        "worker.actor.micro_batch_size_per_device_for_experience",
+        "worker.actor.ppo_epochs",
+        "trainer.total_epochs",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    ]
+    for key in positive:
+        if not isinstance(_get(cfg, key), int) or int(_get(cfg, key)) < 1:  # type: ignore[call-overload]
+            raise ConfigError(key, f"must be a positive integer, got {_get(cfg, key)!r}")
+    if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
+        raise ConfigError("trainer.max_steps", f"must be >= 1 or null, got {cfg.trainer.max_steps}")
+    if cfg.worker.rollout.temperature < 0:
+        raise ConfigError("worker.rollout.temperature", "must be >= 0 (0 means greedy)")
+    if not 0 < cfg.worker.rollout.top_p <= 1:
+        raise ConfigError("worker.rollout.top_p", f"must be in (0, 1], got {cfg.worker.rollout.top_p}")
+    if not 0 < cfg.worker.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError("worker.rollout.gpu_memory_utilization", "must be in (0, 1]")
+    if cfg.worker.actor.optim.lr <= 0:
+        raise ConfigError("worker.actor.optim.lr", f"must be > 0, got {cfg.worker.actor.optim.lr}")
+    if not 0 <= cfg.worker.actor.clip_ratio_low < 1:
+        raise ConfigError("worker.actor.clip_ratio_low", "must be in [0, 1)")
+    if cfg.worker.actor.clip_ratio_high < 0:
+        raise ConfigError("worker.actor.clip_ratio_high", "must be >= 0")
+    if cfg.worker.actor.clip_ratio_dual <= 1:
+        raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
+    if not 0 <= cfg.worker.rollout.logprob_sample_ratio <= 1:
+        raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1]")
+    if cfg.worker.reward.timeout_s <= 0:
+        raise ConfigError("worker.reward.timeout_s", "must be > 0 seconds")
+    if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
+        raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
+
+
+def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
+    from easyrl.algorithms import GROUP_ESTIMATORS
+
+    workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    n = cfg.worker.rollout.n
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(
+            "worker.rollout.n",
+            f"{cfg.algorithm.adv_estimator} compares the responses of one prompt, so it needs n >= 2 (got {n})",
+        )
+    rollout = cfg.data.rollout_batch_size
+    if (rollout * n) % workers:
+        raise ConfigError(
+            "data.rollout_batch_size",
+            f"rollout_batch_size * rollout.n = {rollout * n} must divide evenly over {workers} workers",
+        )
+    for role in ("actor", "critic"):
+        if role == "critic" and cfg.algorithm.adv_estimator != "gae":
+            continue
+        wcfg = getattr(cfg.worker, role)
+        gbs = wcfg.global_batch_size
+        if gbs > rollout or rollout % gbs:
+            raise ConfigError(
+                f"worker.{role}.global_batch_size",
+                f"{gbs} must divide data.rollout_batch_size ({rollout}): each step makes rollout/global optimizer steps",
+            )
+        if (gbs * n) % workers:
+            raise ConfigError(
+                f"worker.{role}.global_batch_size",
+                f"global_batch_size * rollout.n = {gbs * n} must divide evenly over {workers} workers",
+            )
+        per_device = gbs * n // workers
+        micro = wcfg.micro_batch_size_per_device_for_update
+        if per_device % micro:
+            raise ConfigError(
+                f"worker.{role}.micro_batch_size_per_device_for_update",
+                f"{micro} must divide the per-worker mini-batch of {per_device} samples "
+                f"(global_batch_size * n / workers)",
+            )
+    if cfg.worker.rollout.tensor_parallel_size > workers or workers % cfg.worker.rollout.tensor_parallel_size:
+        raise ConfigError("worker.rollout.tensor_parallel_size", f"must divide the number of workers ({workers})")
+
+
+def _check_files(cfg: EasyRLConfig) -> None:
+    model = cfg.worker.actor.model.model_path
+    if not model:
+        raise ConfigError("worker.actor.model.model_path", "is required: a local Hugging Face model folder")
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError("worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {model}")
+    tok = cfg.worker.actor.model.tokenizer_path
+    if tok and not Path(tok).is_dir():
+        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
+    _check_context_length(cfg, Path(model) / "config.json")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files", "is required: a local jsonl/json/parquet/csv file or folder")
+    for key in ("data.train_files", "data.val_files"):
+        value = str(_get(cfg, key) or "")
+        for part in filter(None, value.split(",")):
+            path = part.rsplit("@", 1)[0] if "@" in part and not os.path.exists(part) else part
+            if not os.path.exists(path):
+                raise ConfigError(key, f"not found: {path}")
+    if cfg.data.format_prompt and not Path(cfg.data.format_prompt).is_file():
+        raise ConfigError("data.format_prompt", f"template file not found: {cfg.data.format_prompt}")
+    chat = cfg.data.override_chat_template
+    if chat and chat.endswith(".jinja") and not Path(chat).is_file():
+        raise ConfigError("data.override_chat_template", f"template file not found: {chat}")
+    for key in ("data.image_dir", "data.video_dir"):
+        value = _get(cfg, key)
+        if value and not Path(str(value)).is_dir():
+            raise ConfigError(key, f"folder not found: {value}")
+    _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:
+    try:
+        hf = json.loads(config_json.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError("worker.actor.model.model_path", f"cannot read {config_json}: {exc}") from None
+    text = hf.get("text_config", hf)
+    limit = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if limit and total > limit:
+        raise ConfigError(
+            "data.max_response_length",
+            f"max_prompt_length + max_response_length = {total} exceeds the model's context ({limit})",
+        )
+
+
+def _check_reward_function(spec: str | None) -> None:
+    key = "worker.reward.reward_function"
+    if not spec:
+        raise ConfigError(key, "is required: path/to/file.py:function")
+    file, _, fn = spec.rpartition(":")
+    if not file.endswith(".py"):
+        raise ConfigError(key, f"expected path/to/file.py:function, got {spec!r}")
+    if not Path(file).is_file():
+        raise ConfigError(key, f"reward file not found: {file}")
+    try:
+        tree = ast.parse(Path(file).read_text(encoding="utf-8"), filename=file)
+    except SyntaxError as exc:
+        raise ConfigError(key, f"{file} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    names = {
+        node.name
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    } | {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    if fn not in names:
+        funcs = sorted(n for n in names if not n.isupper())
+        raise ConfigError(key, f"no function {fn!r} in {file}; it defines: {', '.join(funcs) or 'nothing'}")

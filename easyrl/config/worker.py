@@ -1,0 +1,221 @@
+"""Configuration of the workers: actor, reference, critic, rollout and reward (``worker.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    model_path: str | None = None
+    """Local Hugging Face model folder (nothing is downloaded at run time)."""
+    tokenizer_path: str | None = None
+    """Tokenizer (or processor) folder; default: `model_path`."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Overrides applied to the model's HF config before building it."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code shipped in the model folder."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: do not train the vision encoder."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    strategy: str = "adamw"
+    """Optimizer: adamw (fp32 states) or adamw_bf16 (bf16 states)."""
+    lr_warmup_ratio: float = 0.0
+    """Fraction of training steps spent warming the LR up linearly."""
+    lr_warmup_steps: int | None = None
+    """Warm-up steps; overrides `lr_warmup_ratio` when set."""
+    lr_scheduler_type: str = "constant"
+    """LR schedule after warm-up: constant or cosine."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor, as a fraction of `lr`."""
+
+
+@dataclass
+class FSDPConfig:
+    enable_full_shard: bool = True
+    """Shard parameters, gradients and optimizer states (FSDP2 `reshard_after_forward=True`)."""
+    enable_cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters (and their optimizer states)."""
+    torch_dtype: str | None = None
+    """dtype of the master weights: fp32 (default for training), bf16 or fp16."""
+    mp_param_dtype: str = "bf16"
+    """Mixed precision: dtype of parameters in forward/backward (fp32 on CPU)."""
+    mp_reduce_dtype: str = "fp32"
+    """Mixed precision: dtype of gradient reduction."""
+
+
+@dataclass
+class OffloadConfig:
+    offload_params: bool = False
+    """Move the model's parameters to CPU while the rollout engine generates."""
+    offload_optimizer: bool = False
+    """Move the optimizer states to CPU while the rollout engine generates."""
+
+
+@dataclass
+class ActorConfig:
+    global_batch_size: int = 256
+    """Prompts per optimizer step (one mini-batch), over all workers; each brings its `rollout.n` responses
+    (EasyR1's meaning). `data.rollout_batch_size / global_batch_size` optimizer steps per training step."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples (responses) per forward/backward pass on one worker during the update."""
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward pass on one worker when computing log-probs."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: lower bound is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.3
+    """PPO clip: upper bound is 1 + clip_ratio_high (DAPO's clip-higher)."""
+    clip_ratio_dual: float = 3.0
+    """Dual-clip PPO constant: losses of negative-advantage tokens are capped at -A * clip_ratio_dual."""
+    loss_type: str = "ppo"
+    """Policy loss, by registered name: ppo (vanilla), gspo, cispo, or one you registered."""
+    loss_avg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    padding_free: bool = False
+    """Train on packed sequences without pad tokens (GPU attention path)."""
+    dynamic_batching: bool = False
+    """Form micro-batches by a token budget instead of a fixed count."""
+    max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch when `dynamic_batching` is on."""
+    max_consecutive_skips: int = 3
+    """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and LR schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 sharding and precision."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Offload around generation."""
+
+
+@dataclass
+class RefConfig:
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 sharding of the reference model."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Keep the reference model on CPU between uses."""
+    micro_batch_size_per_device_for_experience: int | None = None
+    """Samples per forward pass; default: the actor's."""
+
+
+@dataclass
+class CriticConfig:
+    global_batch_size: int = 256
+    """Prompts per critic optimizer step, over all workers (times `rollout.n` responses)."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples per forward/backward pass on one worker."""
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward pass when computing values."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+    loss_avg_mode: str = "token-mean"
+    """Value loss aggregation mode."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The critic model (default: the actor's model with a value head)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The critic optimizer."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 sharding and precision."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Offload around generation."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    """Rollout engine: vllm (GPU and the CPU build) or hf (transformers, any device)."""
+    n: int = 1
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1: off."""
+    seed: int = 1
+    """Sampling seed."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to `max_response_length` (benchmarks)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (EOS always does)."""
+    dtype: str = "bf16"
+    """Engine dtype: bf16, fp16 or fp32 (fp32 on CPU)."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the vLLM engine may use (weights + KV cache)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size (spans the workers' own process group)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill."""
+    max_model_len: int | None = None
+    """vLLM context length; default: max_prompt_length + max_response_length."""
+    max_num_batched_tokens: int = 8192
+    """vLLM scheduler token budget per step."""
+    enable_sleep_mode: bool = True
+    """Free the engine's GPU memory during training (CUDA only)."""
+    logprob_sample_ratio: float = 1.0
+    """Fraction of sequences whose per-token log-probs the engine returns (for the consistency metric and TIS);
+    asking for fewer is faster on vLLM."""
+    limit_images: int = 0
+    """vLLM `limit_mm_per_prompt` for images; 0: default."""
+    val_override_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
+
+
+@dataclass
+class RewardConfig:
+    reward_type: str = "batch"
+    """How the reward function is called: batch (a list of inputs) or sequential (one input); a REWARD_TYPE
+    attribute in the reward file takes precedence."""
+    reward_function: str | None = None
+    """`path/to/file.py:function` (default function name: `main`)."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to every call of the reward function."""
+    skip_special_tokens: bool = True
+    """Decode responses without special tokens before scoring."""
+    num_workers: int = 2
+    """Processes that run the reward function (0: in the driver process, no isolation)."""
+    timeout_s: float = 60.0
+    """Per-call timeout; a call past it gets `fallback_score`."""
+    fallback_score: float = 0.0
+    """Score given to a call that raised, hung or returned a non-finite value."""
+    max_error_ratio: float = 0.5
+    """Stop the run when more than this fraction of a batch's reward calls fail."""
+    max_concurrency: int = 32
+    """Concurrent calls of an async reward function."""
+
+
+@dataclass
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy being trained."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy for the KL."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (GAE only)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward function."""
