@@ -1,0 +1,208 @@
+"""Built-in policy-gradient losses: PPO (with dual clip), GSPO and CISPO.
+
+All take ``(B, T)`` tensors by keyword and return ``(scalar loss, metrics)`` where the metrics are plain floats
+(already detached and moved to the host) so the trainer can log them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from easyrl.algorithms.aggregation import agg_loss, masked_mean
+from easyrl.algorithms.registry import register_policy_loss
+
+
+__all__ = ["compute_cispo_loss", "compute_gspo_loss", "compute_ppo_loss"]
+
+_LOG_RATIO_LIMIT = 20.0
+"""Log-ratios are clamped to +-20 before exp: beyond that the ratio is meaningless and exp overflows fp32/bf16."""
+
+
+def _apply_is_weights(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """Multiply truncated importance-sampling weights (B, T) into the per-token loss, without gradient."""
+    if rollout_is_weights is None:
+        return loss_mat
+    return loss_mat * rollout_is_weights.detach().to(loss_mat.dtype)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_dual: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped loss per token, optionally with the dual clip for negative advantages.
+
+    Args:
+        ratio: (B, T) importance ratio pi / pi_old.
+        advantages: (B, T).
+        clip_ratio_low, clip_ratio_high: the ratio is clipped to [1 - low, 1 + high].
+        clip_ratio_dual: cap for negative-advantage losses (``-A * clip_ratio_dual``); None disables it.
+
+    Returns:
+        ``(loss_mat, clipped, dual_clipped)``: (B, T) loss and two (B, T) bool masks of the active branches.
+    """
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    if clip_ratio_dual is None:
+        return loss_mat, clipped, torch.zeros_like(clipped)
+    # With A < 0 and a huge ratio the max() above grows without bound; the dual clip caps it at -A * c.
+    loss_dual = -advantages * clip_ratio_dual
+    negative = advantages < 0
+    dual_clipped = negative & (loss_mat > loss_dual)
+    loss_mat = torch.where(negative, torch.minimum(loss_mat, loss_dual), loss_mat)
+    return loss_mat, clipped, dual_clipped
+
+
+@register_policy_loss("ppo")
+@register_policy_loss("vanilla")
+def compute_ppo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_dual: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO surrogate with dual clip.
+
+    ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``;
+    ``L = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))`` and, where ``A < 0``, ``L = min(L, -A * dual)``;
+    then optionally ``L *= rollout_is_weights`` and ``agg_loss(L, response_mask, loss_agg_mode)``.
+
+    Args:
+        old_log_prob: (B, T) log-probs of the sampling policy.
+        log_prob: (B, T) log-probs of the current policy (with grad).
+        advantages: (B, T).
+        response_mask: (B, T).
+        clip_ratio_low, clip_ratio_high: clip range [1 - low, 1 + high].
+        clip_ratio_dual: dual-clip constant, must be > 1.
+        loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: optional (B, T) truncated IS weights.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss; metrics ``pg_clipfrac`` (fraction of valid tokens on the clipped branch),
+        ``pg_clipfrac_lower`` (fraction where the dual clip is active) and ``ppo_kl`` (mean of
+        ``old_log_prob - log_prob`` over valid tokens).
+    """
+    if clip_ratio_dual <= 1.0:
+        raise ValueError(f"clip_ratio_dual must be > 1, got {clip_ratio_dual}")
+    log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    loss_mat, clipped, dual_clipped = _clipped_surrogate(
+        ratio, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_dual
+    )
+    loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
+            "pg_clipfrac_lower": masked_mean(dual_clipped.to(ratio.dtype), response_mask).item(),
+            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def compute_gspo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_dual: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: PPO clipping on a length-normalised sequence ratio.
+
+    ``r_i = exp(mean_{valid t} (log_prob - old_log_prob))`` and the per-token ratio
+    ``r_it = sg(r_i) * exp(log_prob_it - sg(log_prob_it))``: its value is ``r_i`` on every token while its
+    gradient w.r.t. ``log_prob_it`` is ``r_i``, so every token of a sequence is clipped together.
+    Then ``L = max(-A * r_it, -A * clip(r_it, 1 - low, 1 + high))`` -- the two-sided clip of the GSPO paper;
+    ``clip_ratio_dual`` is accepted for the common signature but not applied. Aggregated with ``loss_agg_mode``
+    (the paper uses ``seq-mean-token-mean``).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (B, T).
+        clip_ratio_low, clip_ratio_high: clip range (GSPO uses much smaller values than PPO, e.g. 3e-4 / 4e-4).
+        clip_ratio_dual: ignored.
+        loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: optional (B, T) truncated IS weights.
+
+    Returns:
+        ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
+    """
+    mask_f = response_mask.to(log_prob.dtype)
+    log_ratio_tok = log_prob - old_log_prob
+    n_valid = mask_f.sum(dim=-1).clamp(min=1.0)  # (B,); fully masked rows have no tokens to weigh anyway
+    seq_log_ratio = torch.where(mask_f != 0, log_ratio_tok, torch.zeros_like(log_ratio_tok)).sum(dim=-1) / n_valid
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+    ratio = torch.exp(log_ratio.clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT))
+    loss_mat, clipped, dual_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, None)
+    loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
+            "pg_clipfrac_lower": masked_mean(dual_clipped.to(ratio.dtype), response_mask).item(),
+            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def compute_cispo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_dual: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: REINFORCE with a clipped, stop-gradient importance weight.
+
+    ``L = -sg(clip(ratio, 1 - low, 1 + high)) * A * log_prob``. Unlike PPO, clipped tokens still receive gradient
+    (scaled by the clipped weight); only the weight is bounded. ``clip_ratio_dual`` is ignored.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (B, T).
+        clip_ratio_low, clip_ratio_high: bounds of the IS weight.
+        clip_ratio_dual: ignored.
+        loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: optional (B, T) truncated IS weights.
+
+    Returns:
+        ``(loss, metrics)`` with ``pg_clipfrac`` (fraction of valid tokens whose weight was clipped),
+        ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
+    """
+    with torch.no_grad():
+        log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
+        ratio = torch.exp(log_ratio)
+        weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        clipped = weight != ratio
+    loss_mat = -weight * advantages * log_prob
+    loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
+            "pg_clipfrac_lower": 0.0,
+            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
+        }
+    return loss, metrics

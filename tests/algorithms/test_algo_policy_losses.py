@@ -1,0 +1,179 @@
+"""PPO / GSPO / CISPO losses and the value loss against hand-computed numbers and autograd."""
+
+import math
+
+import pytest
+import torch
+
+from easyrl.algorithms import compute_value_loss, get_policy_loss
+
+
+CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_dual": 3.0}  # ratio range [0.8, 1.28]
+
+
+def _ppo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Valid tokens (A, ratio):
+    #   t1 (+1, 1.1): -1.1 vs -1.1            -> -1.1, unclipped
+    #   t2 (+1, 1.5): -1.5 vs -1.28           -> -1.28, clipped
+    #   t3 (-1, 0.5):  0.5 vs  0.8            ->  0.8, clipped; dual min(0.8, 3) inactive
+    #   t4 (-1, 5.0):  5.0 vs  1.28           ->  5.0, then dual min(5, 3) = 3 (dual active, not "clipped")
+    #   t5 (+2, 0.5): -1.0 vs -1.6            -> -1.0, unclipped
+    # Padding: a huge ratio, and a -inf log-prob, both must be ignored.
+    old = torch.full((2, 4), -1.0)
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 100.0], [5.0, 0.5, 1.0, 1.0]])
+    lp = old + ratios.log()
+    lp[1, 3] = float("-inf")
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0], [-1.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    return old, lp.requires_grad_(True), adv, mask
+
+
+@pytest.mark.parametrize("name", ["ppo", "vanilla"])
+def test_ppo_values_metrics_and_grad(name: str) -> None:
+    old, lp, adv, mask = _ppo_batch()
+    loss, metrics = get_policy_loss(name)(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+    )
+    # (-1.1 - 1.28 + 0.8 + 3.0 - 1.0) / 5 = 0.42 / 5
+    assert loss.item() == pytest.approx(0.084, abs=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(2 / 5)  # t2, t3
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 5)  # t4
+    # mean(old - lp) = -ln(1.1 * 1.5 * 0.5 * 5 * 0.5) / 5 = -ln(2.0625) / 5
+    assert metrics["ppo_kl"] == pytest.approx(-math.log(2.0625) / 5, abs=1e-6)
+    assert all(isinstance(v, float) for v in metrics.values())
+    loss.backward()
+    # Only unclipped tokens carry gradient: d(-A*r)/dlp = -A*r, / 5 tokens. t1: -1.1/5, t5: -2*0.5/5.
+    expected_grad = torch.tensor([[-0.22, 0.0, 0.0, 0.0], [0.0, -0.2, 0.0, 0.0]])
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, expected_grad, atol=1e-6, rtol=0)
+
+
+def test_ppo_seq_mean_token_mean_and_is_weights() -> None:
+    old, lp, adv, mask = _ppo_batch()
+    fn = get_policy_loss("ppo")
+    loss, _ = fn(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-mean", **CLIP
+    )
+    # row0 (-1.1 - 1.28 + 0.8) / 3 = -0.5266667; row1 (3 - 1) / 2 = 1; mean 0.2366667
+    assert loss.item() == pytest.approx(0.2366667, abs=1e-6)
+    weights = torch.tensor([[0.5, 1.0, 1.0, 1.0], [1.0, 2.0, 1.0, 1.0]])
+    loss_w, _ = fn(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, rollout_is_weights=weights, **CLIP
+    )
+    # (-0.55 - 1.28 + 0.8 + 3.0 - 2.0) / 5 = -0.03 / 5
+    assert loss_w.item() == pytest.approx(-0.006, abs=1e-6)
+
+
+def test_ppo_without_dual_clip_effect_and_bad_dual() -> None:
+    old, lp, adv, mask = _ppo_batch()
+    fn = get_policy_loss("ppo")
+    # A huge dual constant never binds: t4 keeps 5.0 -> (-1.1 - 1.28 + 0.8 + 5.0 - 1.0) / 5 = 2.42 / 5
+    loss, metrics = fn(
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_dual=1e9,
+    )
+    assert loss.item() == pytest.approx(0.484, abs=1e-6)
+    assert metrics["pg_clipfrac_lower"] == 0.0
+    with pytest.raises(ValueError, match="clip_ratio_dual"):
+        fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, clip_ratio_dual=1.0)
+
+
+def _gspo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = torch.zeros(2, 3)
+    # Row 0: valid log-ratios 0.1, 0.2 -> mean 0.15 -> r0 = e^0.15 = 1.1618342 (inside [0.8, 1.28]); pad 5.0.
+    # Row 1: log-ratios -0.3, -0.3, -0.6 -> mean -0.4 -> r1 = e^-0.4 = 0.6703200 (< 0.8).
+    lp = torch.tensor([[0.1, 0.2, 5.0], [-0.3, -0.3, -0.6]], requires_grad=True)
+    # Different advantages inside row 0 expose the stop-gradient: each token's gradient must follow its own A.
+    adv = torch.tensor([[1.0, 3.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    return old, lp, adv, mask
+
+
+def test_gspo_token_mean_and_stop_gradient() -> None:
+    old, lp, adv, mask = _gspo_batch()
+    loss, metrics = get_policy_loss("gspo")(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+    )
+    # Row 0 tokens: -A * 1.1618342 = -1.1618342, -3.4855026 (unclipped). Row 1 (A=-1): max(0.67032, 0.8) = 0.8,
+    # clipped. (-4 * 1.1618342 + 3 * 0.8) / 5 = (-4.6473368 + 2.4) / 5 = -2.2473368 / 5
+    assert loss.item() == pytest.approx(-0.44946736, abs=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(3 / 5)
+    assert metrics["pg_clipfrac_lower"] == 0.0
+    # mean(old - lp) over valid = -(0.1 + 0.2 - 0.3 - 0.3 - 0.6) / 5 = 0.9 / 5
+    assert metrics["ppo_kl"] == pytest.approx(0.18, abs=1e-6)
+    loss.backward()
+    # d r_it / d lp_it' = sg(r0) if t == t' else 0, so grad_t = -A_t * r0 / 5: [-0.2323668, -0.6971005] on row 0;
+    # clipped row 1 and the pad get 0. Without the stop-gradient every r_it would depend on the whole row
+    # (d r0 / d lp_t = r0 / 2) and both tokens would get -(1 + 3) * r0 / 2 / 5 = -0.4647337 instead.
+    r0 = 1.1618342
+    assert lp.grad is not None
+    expected = torch.tensor([[-r0 / 5, -3 * r0 / 5, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=0)
+
+
+def test_gspo_seq_mean_token_mean_and_dual_ignored() -> None:
+    old, lp, adv, mask = _gspo_batch()
+    fn = get_policy_loss("gspo")
+    loss, _ = fn(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-mean", **CLIP
+    )
+    # row 0: (-1.1618342 - 3.4855026) / 2 = -2.3236684; row 1: 0.8; mean (-2.3236684 + 0.8) / 2
+    assert loss.item() == pytest.approx(-0.7618342, abs=1e-6)
+    loss.backward()
+    r0 = 1.1618342  # grad_t = -A_t * r0, / 2 tokens in row 0, / 2 sequences
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad[0], torch.tensor([-r0 / 4, -3 * r0 / 4, 0.0]), atol=1e-6, rtol=0)
+    # Row 1 with a dual constant of 1.1 would be capped at 1.1 * 1 -- GSPO does not apply it, so no change.
+    loss2, _ = fn(
+        old_log_prob=old,
+        log_prob=lp.detach(),
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-mean",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_dual=1.1,
+    )
+    assert loss2.item() == pytest.approx(-0.7618342, abs=1e-6)
+
+
+def test_cispo_value_and_gradient_through_clipped_tokens() -> None:
+    # t0: old -1, lp -1 -> r = 1 (inside), A = +1: loss -1 * 1 * (-1) = 1
+    # t1: old 0, lp ln2 -> r = 2 -> w = 1.28, A = +1: loss -1.28 * 0.6931472 = -0.8872284
+    # t2: old 0, lp -ln2 -> r = 0.5 -> w = 0.8, A = -1: loss -0.8 * -1 * -0.6931472 = -0.5545177
+    old = torch.tensor([[-1.0, 0.0, 0.0]])
+    lp = torch.tensor([[-1.0, math.log(2.0), -math.log(2.0)]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, metrics = get_policy_loss("cispo")(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=torch.ones(1, 3), **CLIP
+    )
+    # (1 - 0.8872284 - 0.5545177) / 3
+    assert loss.item() == pytest.approx(-0.1472487, abs=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(2 / 3)
+    loss.backward()
+    # The weight is a constant: grad = -w * A / 3 = [-1/3, -1.28/3, 0.8/3]. Clipped tokens keep gradient
+    # (PPO would give 0 there); a non-detached weight would give 0 at t0 (-(r*lp + r) = -(-1 + 1)).
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 3, -1.28 / 3, 0.8 / 3]]), atol=1e-6, rtol=0)
+
+
+def test_value_loss() -> None:
+    vpreds = torch.tensor([[1.0, 2.0, 0.0, 9.0]], requires_grad=True)
+    values = torch.tensor([[0.5, 1.0, 0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, metrics = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2, loss_agg_mode="token-mean")
+    # t0: clipped pred 0.5 + 0.2 = 0.7: max(0^2, 0.3^2) = 0.09 -> 0.045 (clipped term larger)
+    # t1: clipped pred 1.2: max(1^2, 0.2^2) = 1 -> 0.5;  t2: pred 0 = clipped 0: max(1, 1) -> 0.5
+    assert loss.item() == pytest.approx(1.045 / 3, abs=1e-6)
+    assert metrics["vf_clipfrac"] == pytest.approx(1 / 3)
+    assert metrics["vpred_mean"] == pytest.approx(1.0)  # (1 + 2 + 0) / 3
+    loss.backward()
+    # t0: the clamp saturates -> 0; t1: (v - R) / 3 = 1/3; t2: (0 - 1) / 3; pad 0.
+    assert vpreds.grad is not None
+    torch.testing.assert_close(vpreds.grad, torch.tensor([[0.0, 1 / 3, -1 / 3, 0.0]]), atol=1e-6, rtol=0)
