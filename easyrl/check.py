@@ -1,0 +1,75 @@
+"""`easyrl check`: everything that can be checked without a GPU and without training, then the plan."""
+
+from __future__ import annotations
+
+import sys
+
+from easyrl.config import EasyRLConfig
+
+
+def plan_lines(cfg: EasyRLConfig) -> list[str]:
+    """What will run: algorithm, engines, workers and the batch arithmetic."""
+    alg, w, d, t = cfg.algorithm, cfg.worker, cfg.data, cfg.trainer
+    workers = t.nnodes * t.n_gpus_per_node
+    samples = d.rollout_batch_size * w.rollout.n
+    updates = d.rollout_batch_size // w.actor.global_batch_size
+    per_worker = w.actor.global_batch_size * w.rollout.n // workers
+    if alg.disable_kl:
+        kl = "off (no reference model)"
+    else:
+        kl = f"{alg.kl_penalty} x {alg.kl_coef} {'in the loss' if alg.use_kl_loss else f'in the reward ({alg.kl_type})'}"
+    return [
+        f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
+        + (", online filtering" if alg.online_filtering else ""),
+        f"model: {w.actor.model.model_path}",
+        f"rollout: {w.rollout.name} engine, n={w.rollout.n}, temperature={w.rollout.temperature}, "
+        f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
+        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
+        + ("" if alg.disable_kl else ", ref") + (", critic" if alg.adv_estimator == "gae" else ""),
+        f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
+        f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
+        f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}",
+        f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
+        f"output: {t.save_checkpoint_path}",
+    ]
+
+
+def run_check(cfg: EasyRLConfig) -> int:
+    """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
+    from transformers import AutoTokenizer
+
+    from easyrl.data import RLDataset
+    from easyrl.data.loading import DataError
+    from easyrl.rewards import RewardManager
+
+    out = sys.stdout
+    mcfg = cfg.worker.actor.model
+    tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    try:
+        train = RLDataset(cfg.data.train_files, cfg.data, tokenizer)
+    except DataError as exc:
+        print(f"easyrl: data error: {exc}", file=sys.stderr)
+        return 2
+    print("== data", file=out)
+    print(f"train: {len(train)} usable rows from {cfg.data.train_files}", file=out)
+    dropped = {k: v for k, v in train.drop_counts.items() if v}
+    print(f"dropped: {dropped or 'none'}", file=out)
+    stats = train.prompt_length_stats()
+    print(
+        "prompt tokens: " + ", ".join(f"{k}={v:.1f}" for k, v in stats.items())
+        + f" (max_prompt_length={cfg.data.max_prompt_length}, over it: {dropped.get('overlong_prompt', 0)})",
+        file=out,
+    )
+    print("== first prompt, rendered", file=out)
+    first = train[0]
+    print(first["raw_prompt"], file=out)
+    print("== reward function", file=out)
+    sample = {**first["row"], "prompt": first["raw_prompt"], "response": str(first["ground_truth"]),
+              "response_length": 1, "ground_truth": first["ground_truth"]}
+    with RewardManager(cfg.worker.reward) as manager:
+        scores, _ = manager.score([sample])
+    print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)
+    print("== plan", file=out)
+    for line in plan_lines(cfg):
+        print(line, file=out)
+    return 0

@@ -1,0 +1,74 @@
+"""`easyrl train|check CONFIG [key=value ...]`: parse, build, run, close."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from easyrl import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="easyrl", description="RL post-training for LLMs and VLMs.")
+    parser.add_argument("--version", action="version", version=f"easyrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("train", "train with a YAML config; `key=value` arguments override it"),
+        ("check", "validate a config, its data, template and reward function; runs no training, needs no GPU"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("config", help="path to the YAML config")
+        cmd.add_argument("overrides", nargs="*", help="overrides such as worker.rollout.n=8")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from easyrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    for note in getattr(cfg, "_notes", ()):
+        logging.getLogger("easyrl").info(note)
+    if args.command == "check":
+        from easyrl.check import run_check
+
+        return run_check(cfg)
+    return _train(cfg)
+
+
+def _train(cfg) -> int:  # type: ignore[no-untyped-def]
+    from easyrl.check import plan_lines
+    from easyrl.config import ConfigError
+    from easyrl.trainer.trainer import Trainer
+
+    log = logging.getLogger("easyrl")
+    for line in plan_lines(cfg):
+        log.info(line)
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.fit()
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from easyrl.errors import is_user_facing
+
+        if not is_user_facing(exc):
+            raise
+        print(f"easyrl: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

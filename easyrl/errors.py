@@ -1,0 +1,19 @@
+"""Errors that end a run with a one-line message instead of a traceback."""
+
+from __future__ import annotations
+
+
+def is_user_facing(exc: BaseException) -> bool:
+    """Errors whose message already names the culprit and the fix."""
+    from easyrl.data.loading import DataError
+    from easyrl.distributed.errors import WorkerGroupError
+    from easyrl.trainer.trainer import TrainingError
+
+    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError)
+    try:
+        from easyrl.rewards import RewardError
+
+        user_facing += (RewardError,)
+    except ImportError:
+        pass
+    return isinstance(exc, user_facing)

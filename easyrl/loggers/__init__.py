@@ -1,0 +1,13 @@
+"""Where metrics go: the console (a progress bar), a local jsonl file, and experiment trackers.
+
+Every logger takes already-masked config dicts: secrets never reach a logger.
+"""
+
+from __future__ import annotations
+
+from easyrl.loggers.base import Logger, Tracker, build_tracker
+from easyrl.loggers.console import ConsoleLogger
+from easyrl.loggers.file import FileLogger
+
+
+__all__ = ["ConsoleLogger", "FileLogger", "Logger", "Tracker", "build_tracker"]

@@ -1,0 +1,132 @@
+"""The trainer's per-step computations on a `Batch`, kept free of workers and I/O so they read (and test) alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from easyrl.algorithms import KLController, agg_loss, get_advantage_estimator, kl_penalty, masked_mean
+from easyrl.config import AlgorithmConfig
+from easyrl.protocol import Batch
+
+
+def token_level_scores(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's score on its last valid response token: (B, R)."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    lengths = response_mask.sum(dim=1).long()
+    for i, (score, length) in enumerate(zip(scores, lengths.tolist())):
+        out[i, max(length, 1) - 1] = float(score)
+    return out
+
+
+def apply_kl_in_reward(batch: Batch, controller: KLController, kind: str) -> dict[str, float]:
+    """token_level_rewards = scores - beta * KL(old || ref) per token; updates the controller."""
+    mask = batch["response_mask"].float()
+    kl = kl_penalty(log_prob=batch["old_log_probs"], ref_log_prob=batch["ref_log_probs"], kl_penalty=kind) * mask
+    beta = controller.value
+    batch.set(token_level_rewards=batch["token_level_scores"] - beta * kl)
+    current = float(agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode="seq-mean-token-mean"))
+    controller.update(current_kl=current, n_steps=len(batch))
+    return {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
+    """Fill `advantages` and `returns` (B, R) with the configured estimator."""
+    estimator = get_advantage_estimator(cfg.adv_estimator)
+    extra: dict[str, object] = {"gamma": cfg.gamma, "lam": cfg.lam, "norm_adv_by_std": cfg.norm_adv_by_std_in_grpo}
+    if "values" in batch:
+        extra["values"] = batch["values"]
+    if "reward_baselines" in batch:
+        extra["reward_baselines"] = batch["reward_baselines"]
+    adv, ret = estimator(
+        token_level_rewards=batch["token_level_rewards"],
+        response_mask=batch["response_mask"].float(),
+        index=batch["uid"],
+        **extra,
+    )
+    batch.set(advantages=adv, returns=ret)
+
+
+def keep_informative_groups(
+    uids: Sequence[Hashable], scores: Sequence[float], low: float, high: float
+) -> list[int]:
+    """DAPO dynamic sampling: indices of samples whose group's mean score lies strictly in (low, high).
+
+    A group whose samples all score the same (all right or all wrong) has zero advantage under group
+    baselines and teaches nothing; the bounds drop those groups.
+    """
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for i, uid in enumerate(uids):
+        groups[uid].append(i)
+    keep = []
+    for members in groups.values():
+        mean = sum(scores[i] for i in members) / len(members)
+        if low < mean < high:
+            keep.extend(members)
+    return sorted(keep)
+
+
+def rollout_tis_weights(batch: Batch, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(pi_actor / pi_rollout, cap) per token (B, R), zero on padding."""
+    ratio = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(max=cap)
+    return ratio * batch["response_mask"]
+
+
+def logprob_consistency(batch: Batch) -> dict[str, float]:
+    """|rollout engine log-prob - actor log-prob| of the sampled tokens, over valid tokens."""
+    mask = batch["response_mask"].bool()
+    sampled = batch.tensors.get("rollout_logprob_mask")
+    if sampled is not None:
+        mask = mask & sampled.bool().unsqueeze(1)
+    if not mask.any():
+        return {}
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+
+
+def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
+    """verl-named statistics of scores, rewards, advantages, returns, values and lengths."""
+    mask = batch["response_mask"].float()
+    response_length = mask.sum(dim=1)
+    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(dim=1)
+    seq_score = batch["token_level_scores"].sum(dim=1)
+    seq_reward = batch["token_level_rewards"].sum(dim=1)
+    out: dict[str, float] = {}
+    for name, values in (("score", seq_score), ("rewards", seq_reward)):
+        out |= {f"critic/{name}/mean": float(values.mean()), f"critic/{name}/max": float(values.max()),
+                f"critic/{name}/min": float(values.min())}
+    for name in ("advantages", "returns", "values"):
+        if name in batch:
+            valid = batch[name][mask.bool()]
+            if valid.numel():
+                out |= {f"critic/{name}/mean": float(valid.mean()), f"critic/{name}/max": float(valid.max()),
+                        f"critic/{name}/min": float(valid.min())}
+    for name, lengths, limit in (("response_length", response_length, max_response_length),
+                                 ("prompt_length", prompt_length, max_prompt_length)):
+        out |= {
+            f"{name}/mean": float(lengths.mean()),
+            f"{name}/max": float(lengths.max()),
+            f"{name}/min": float(lengths.min()),
+            f"{name}/clip_ratio": float((lengths >= limit).float().mean()),
+        }
+    if "entropys" in batch:
+        out["actor/entropy_rollout"] = float(masked_mean(batch["entropys"], mask))
+    return out
+
+
+def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) -> dict[str, float]:
+    """Tokens per second per worker over the whole step, and milliseconds per token of each stage."""
+    total_tokens = float(batch["attention_mask"].sum())
+    response_tokens = float(batch["response_mask"].sum())
+    step = timings.get("step", 0.0)
+    out = {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step,
+        "perf/throughput": total_tokens / max(step, 1e-9) / n_workers,
+    }
+    for stage, seconds in timings.items():
+        tokens = response_tokens if stage == "gen" else total_tokens
+        out[f"timing_per_token_ms/{stage}"] = 1000.0 * seconds / max(tokens, 1.0)
+    return out

@@ -1,0 +1,134 @@
+"""Building what `fit()` drives: the data, the step arithmetic and the worker groups on Ray."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from easyrl.config import EasyRLConfig
+from easyrl.protocol import Batch
+
+
+logger = logging.getLogger(__name__)
+
+
+def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
+    """Tokenizer, train dataset, validation dataset (or None) and the resumable prompt sampler."""
+    from transformers import AutoTokenizer
+
+    from easyrl.data import PromptSampler, RLDataset
+
+    mcfg = cfg.worker.actor.model
+    logger.info("loading tokenizer from %s", mcfg.tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    logger.info("loading and checking training data %s", cfg.data.train_files)
+    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer)
+    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer) if cfg.data.val_files else None
+    if len(train) < cfg.data.rollout_batch_size:
+        from easyrl.config import ConfigError
+
+        raise ConfigError(
+            "data.rollout_batch_size", f"{cfg.data.rollout_batch_size} is larger than the {len(train)} usable training rows"
+        )
+    sampler = PromptSampler(len(train), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+    return tokenizer, train, val, sampler
+
+
+def count_steps(cfg: EasyRLConfig, steps_per_epoch: int) -> tuple[int, int]:
+    """(training steps, optimizer steps of the actor over the run) for the LR schedule."""
+    total = steps_per_epoch * cfg.trainer.total_epochs
+    if cfg.trainer.max_steps is not None:
+        total = min(total, cfg.trainer.max_steps)
+    updates_per_step = cfg.data.rollout_batch_size // cfg.worker.actor.global_batch_size * cfg.worker.actor.ppo_epochs
+    return total, total * updates_per_step
+
+
+@dataclass
+class PaddedBatch:
+    batch: Batch
+    real: int
+    """How many leading samples are real (the rest repeat the last one to fill every worker)."""
+
+
+class Workers:
+    """The worker groups of a run: actor (+rollout), and the optional reference and critic."""
+
+    def __init__(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+        from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+        from easyrl.workers.actor import ActorWorker
+        from easyrl.workers.critic import CriticWorker
+        from easyrl.workers.ref import RefWorker
+
+        use_gpu = _use_gpu(cfg)
+        self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        env = _engine_env(cfg)
+        logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if use_gpu else "CPU")
+        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1), env_vars=env)
+        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, use_gpu)
+        need_ref = not cfg.algorithm.disable_kl
+        need_critic = cfg.algorithm.adv_estimator == "gae"
+        roles = 1 + int(need_ref) + int(need_critic)
+        share: dict[str, Any] = {
+            "num_cpus_per_worker": 1.0 / roles, "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
+            "timeout_s": cfg.trainer.worker_timeout_s,
+        }
+        self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)
+        self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
+        self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
+        logger.info("loading models into the workers")
+        pending = [self.actor.call_async("init_model", optimizer_steps)]
+        if self.ref is not None:
+            pending.append(self.ref.call_async("init_model"))
+        if self.critic is not None:
+            critic_steps = optimizer_steps // cfg.worker.actor.global_batch_size * cfg.worker.critic.global_batch_size
+            pending.append(self.critic.call_async("init_model", max(critic_steps, 1)))
+        for handle in pending:
+            handle.result()
+
+    def pad_for_dp(self, batch: Batch) -> PaddedBatch:
+        """Repeat the last sample so the batch splits evenly over the workers."""
+        real = len(batch)
+        extra = (-real) % self.world_size
+        if extra:
+            batch = batch.index(list(range(real)) + [real - 1] * extra)
+        return PaddedBatch(batch, real)
+
+    def memory_metrics(self) -> dict[str, float]:
+        out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+        if torch.cuda.is_available():
+            peaks = self.actor.call_async("max_memory_allocated_gb").result()
+            out["perf/max_memory_allocated_gb"] = max(peaks) if isinstance(peaks, list) else float(peaks)
+        return out
+
+    def shutdown(self) -> None:
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                group.shutdown()
+
+
+def build_workers(cfg: EasyRLConfig, optimizer_steps: int) -> Workers:
+    return Workers(cfg, optimizer_steps)
+
+
+def _use_gpu(cfg: EasyRLConfig) -> bool:
+    if cfg.trainer.device == "cpu":
+        return False
+    if cfg.trainer.device == "cuda":
+        return True
+    return torch.cuda.is_available()
+
+
+def _engine_env(cfg: EasyRLConfig) -> dict[str, str]:
+    """Environment the rollout engine needs in every worker process."""
+    if cfg.worker.rollout.name != "vllm":
+        return {}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if not _use_gpu(cfg):
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env

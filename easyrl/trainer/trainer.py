@@ -1,0 +1,259 @@
+"""The single controller: builds the workers on Ray and runs the RL loop. `fit()` reads as the algorithm."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
+from easyrl.config import EasyRLConfig, to_masked_dict
+from easyrl.protocol import Batch
+from easyrl.trainer.core import (
+    apply_kl_in_reward,
+    compute_advantages,
+    data_metrics,
+    keep_informative_groups,
+    logprob_consistency,
+    rollout_tis_weights,
+    throughput_metrics,
+    token_level_scores,
+)
+from easyrl.trainer.setup import build_data, build_workers, count_steps
+from easyrl.trainer.timer import timer
+
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite updates in a row, online-filtering budget spent, ...)."""
+
+
+class Trainer:
+    def __init__(self, cfg: EasyRLConfig) -> None:
+        from easyrl.loggers import build_tracker
+        from easyrl.rewards import RewardManager
+
+        self.cfg = cfg
+        self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
+        self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
+        self.reward = RewardManager(cfg.worker.reward)
+        alg = cfg.algorithm
+        self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
+        self.entropy_ctrl = AdaptiveEntropyController(
+            alg.entropy_init_coef, alg.entropy_target, alg.entropy_delta, alg.entropy_min_coef, alg.entropy_max_coef
+        ) if alg.adaptive_entropy else None
+        self.workers = build_workers(cfg, self.optimizer_steps)
+        self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
+        self.global_step = 0
+        self.prompts_drawn = 0  # numbers group ids; part of the resumable state
+        self.consecutive_skips = 0
+        self.tracker = build_tracker(
+            cfg.trainer.logger, cfg.trainer.save_checkpoint_path or ".", cfg.trainer.project_name,
+            cfg.trainer.experiment_name, self.total_steps,
+        )
+        self.tracker.log_config(to_masked_dict(cfg))
+
+    # ------------------------------------------------------------------ the algorithm
+    def fit(self) -> dict[str, float]:
+        """Run training to `total_steps`; returns the last step's metrics."""
+        cfg, metrics = self.cfg, {}
+        if cfg.trainer.val_before_train or cfg.trainer.val_only:
+            val = self.validate()
+            self.tracker.log_metrics(val, self.global_step)
+            if cfg.trainer.val_only:
+                return val
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            timings: dict[str, float] = {}
+            metrics = {}
+            with timer("step", timings):
+                batch, gen_metrics = self.rollout_with_rewards(timings)
+                metrics |= gen_metrics
+                with timer("old", timings):
+                    batch = batch.union(self.actor.compute_log_probs(batch))
+                if self.ref is not None:
+                    with timer("ref", timings):
+                        batch = batch.union(self.ref.compute_ref_log_probs(batch))
+                if self.critic is not None:
+                    with timer("values", timings):
+                        batch = batch.union(self.critic.compute_values(batch))
+                with timer("adv", timings):
+                    metrics |= self.compute_rewards_and_advantages(batch)
+                if self.critic is not None:
+                    with timer("update_critic", timings):
+                        metrics |= self.critic.update_critic(batch)
+                if self.global_step > cfg.trainer.critic_warmup:
+                    with timer("update_actor", timings):
+                        metrics |= self.actor.update_actor(batch)
+                    self.check_skipped_updates(metrics)
+            metrics |= data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length)
+            metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
+            metrics |= throughput_metrics(batch, timings, self.workers.world_size)
+            metrics |= self.workers.memory_metrics()
+            if self.should_validate():
+                metrics |= self.validate()
+            self.tracker.log_metrics(metrics, self.global_step)
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def rollout_with_rewards(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Sample prompts, generate `n` responses each, score them; with online filtering, keep only
+        informative groups and sample again until the batch is full."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        want = cfg.data.rollout_batch_size
+        per_try = (cfg.data.mini_rollout_batch_size or want) if alg.online_filtering else want
+        kept: list[Batch] = []
+        kept_prompts, tries, metrics = 0, 0, {}
+        while kept_prompts < want:
+            tries += 1
+            if alg.online_filtering and 0 < alg.max_try_make_batch < tries:
+                raise TrainingError(
+                    f"online filtering kept {kept_prompts}/{want} prompts after {alg.max_try_make_batch} tries "
+                    f"(algorithm.max_try_make_batch): widen algorithm.filter_low/filter_high or raise the budget"
+                )
+            prompts = self.next_prompts(per_try)
+            with timer("gen", timings):
+                batch = self.generate(prompts, seed=self.global_step * 1000 + tries, metrics=metrics)
+                if alg.adv_estimator == "remax":
+                    batch.set(reward_baselines=self.greedy_baselines(prompts, tries))
+            with timer("reward", timings):
+                scores, reward_metrics = self.score(batch)
+            if not alg.online_filtering:
+                return batch, {**metrics, **reward_metrics}
+            metrics |= reward_metrics
+            keep = keep_informative_groups(batch["uid"], [s[alg.filter_key] for s in scores], alg.filter_low, alg.filter_high)
+            if keep:
+                kept.append(batch.index(keep))
+                kept_prompts += len(keep) // cfg.worker.rollout.n
+        batch = Batch.concat(kept).slice(0, want * cfg.worker.rollout.n)
+        metrics["batch/num_gen_batches"] = float(tries)
+        return batch, metrics
+
+    def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
+        n = int((overrides or {}).get("n", self.cfg.worker.rollout.n))
+        prompts = prompts.repeat_interleave(n)
+        prompts.meta.update(seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides))
+        out = self.actor.generate_sequences(prompts)
+        metrics |= out.meta.pop("timing", {})
+        return prompts.union(out)
+
+    def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
+        """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
+        greedy = self.generate(prompts, seed=tries, metrics={}, overrides={"temperature": 0.0, "n": 1})
+        scores, _ = self.score(greedy, store=False)
+        return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
+
+    def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`."""
+        lengths = batch["response_mask"].sum(dim=1).tolist()
+        texts = self.tokenizer.batch_decode(
+            [r[: int(n)] for r, n in zip(batch["responses"].tolist(), lengths)],
+            skip_special_tokens=self.cfg.worker.reward.skip_special_tokens,
+        )
+        inputs = [
+            {**row, "prompt": prompt, "response": text, "response_length": int(n), "ground_truth": gt}
+            for row, prompt, text, n, gt in zip(batch["row"], batch["raw_prompt"], texts, lengths, batch["ground_truth"])
+        ]
+        scores, metrics = self.reward.score(inputs)
+        if store:
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["response_mask"]))
+            batch.set(response_text=texts)
+        return scores, metrics
+
+    def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
+        alg, metrics = self.cfg.algorithm, {}
+        if not alg.disable_kl and not alg.use_kl_loss:
+            metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
+        else:
+            batch.set(token_level_rewards=batch["token_level_scores"])
+        if "rollout_log_probs" in batch:
+            metrics |= logprob_consistency(batch)
+            if alg.tis_cap is not None:
+                batch.set(rollout_is_weights=rollout_tis_weights(batch, alg.tis_cap))
+        compute_advantages(batch, alg)
+        entropy = float((batch["entropys"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1))
+        if self.entropy_ctrl is not None:
+            self.entropy_ctrl.update(entropy)
+            batch.meta["entropy_coeff"] = self.entropy_ctrl.value
+        else:
+            batch.meta["entropy_coeff"] = alg.entropy_coeff
+        metrics["actor/entropy_coeff"] = batch.meta["entropy_coeff"]
+        return metrics
+
+    def check_skipped_updates(self, metrics: dict[str, float]) -> None:
+        """Count updates skipped for non-finite values; too many in a row stops the run."""
+        skipped = metrics.get("actor/skipped_updates", 0.0)
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped > 0 else 0
+        limit = self.cfg.worker.actor.max_consecutive_skips
+        if self.consecutive_skips >= limit:
+            culprit = next((k for k, v in sorted(metrics.items()) if not math.isfinite(v)), "actor/grad_norm")
+            raise TrainingError(
+                f"step {self.global_step}: {self.consecutive_skips} consecutive actor updates skipped for "
+                f"non-finite values (first non-finite: {culprit}); see worker.actor.max_consecutive_skips"
+            )
+
+    def should_validate(self) -> bool:
+        freq = self.cfg.trainer.val_freq
+        last = self.global_step == self.total_steps
+        return self.val_data is not None and ((freq > 0 and self.global_step % freq == 0) or (last and freq > 0))
+
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set with `val_override_config`; mean scores as `val/*`."""
+        if self.val_data is None:
+            return {}
+        from easyrl.data import collate_prompts
+
+        overrides = dict(self.cfg.worker.rollout.val_override_config)
+        size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
+        all_scores: list[dict[str, float]] = []
+        generations: list[dict[str, Any]] = []
+        for start in range(0, len(self.val_data), size):
+            items = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
+            prompts = self.workers.pad_for_dp(_as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)))
+            batch = self.generate(prompts.batch, seed=10**6 + start, metrics={}, overrides=overrides)
+            batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
+            scores, _ = self.score(batch)
+            all_scores += scores
+            generations += [
+                {"prompt": p, "response": r, "ground_truth": g, "score": s["overall"]}
+                for p, r, g, s in zip(batch["raw_prompt"], batch["response_text"], batch["ground_truth"], scores)
+            ]
+        keys = sorted({k for s in all_scores for k in s})
+        metrics = {f"val/reward/{k}": sum(s.get(k, 0.0) for s in all_scores) / len(all_scores) for k in keys}
+        metrics["val/reward_score"] = metrics.get("val/reward/overall", float("nan"))
+        if self.cfg.trainer.val_generations_to_log > 0:
+            self.tracker.log_generations(generations[: self.cfg.trainer.val_generations_to_log], self.global_step)
+        return metrics
+
+    def next_prompts(self, num: int) -> Batch:
+        """The next `num` prompts from the resumable sampler, each with a fresh group id."""
+        from easyrl.data import collate_prompts
+
+        indices: list[int] = []
+        while len(indices) < num:
+            indices += self.sampler.next_indices()
+        items = [self.train_data[i] for i in indices[:num]]
+        batch = _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
+        first = self.prompts_drawn
+        self.prompts_drawn += num
+        return batch.set(uid=[f"p{first + j}" for j in range(num)])
+
+    def close(self) -> None:
+        self.tracker.close()
+        self.reward.close()
+        self.workers.shutdown()
+
+
+def _sampling(overrides: dict | None) -> dict[str, Any]:
+    """Sampling overrides for the engine (`n` is applied by repeating prompts, not by the engine)."""
+    return {k: v for k, v in (overrides or {}).items() if k != "n"}
+
+
+def _as_batch(collated: dict[str, Any]) -> Batch:
+    tensors = {k: v for k, v in collated.items() if isinstance(v, torch.Tensor)}
+    others = {k: v for k, v in collated.items() if not isinstance(v, torch.Tensor)}
+    return Batch(tensors, others)

@@ -1,0 +1,81 @@
+"""The critic role: a value model (the policy's backbone with a one-output token head) for GAE."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from easyrl.algorithms import compute_value_loss
+from easyrl.config import EasyRLConfig
+from easyrl.distributed import Dispatch, register
+from easyrl.protocol import Batch
+from easyrl.workers.actor import _setup_process
+from easyrl.workers.common import optimize
+from easyrl.workers.fsdp import DTYPES, build_optimizer, build_scheduler, load_model, shard_model
+
+
+class CriticWorker:
+    def __init__(self, cfg: EasyRLConfig) -> None:
+        self.cfg = cfg
+        self.device = _setup_process(cfg)
+
+    @register(dispatch=Dispatch.ALL)
+    def init_model(self, total_optimizer_steps: int) -> None:
+        ccfg = self.cfg.worker.critic
+        dtype = DTYPES[ccfg.fsdp.torch_dtype] if ccfg.fsdp.torch_dtype else torch.float32
+        model = load_model(ccfg.model, "value", dtype)
+        self.model = shard_model(model, ccfg.fsdp, self.device, ccfg.model.enable_gradient_checkpointing)
+        self.optimizer = build_optimizer(self.model, ccfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, ccfg.optim, total_optimizer_steps)
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        """Value of the state before each response token: (b, R)."""
+        response_len = mb["responses"].shape[1]
+        out = self.model(
+            input_ids=mb["input_ids"].to(self.device),
+            attention_mask=mb["attention_mask"].to(self.device),
+            position_ids=mb["position_ids"].to(self.device),
+            use_cache=False,
+        )
+        values = out.logits[:, -response_len - 1 : -1, 0].float()
+        return values * mb["response_mask"].to(self.device)
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch:
+        self.model.eval()
+        micro = self.cfg.worker.critic.micro_batch_size_per_device_for_experience
+        with torch.no_grad():
+            values = torch.cat([self._values(mb).cpu() for mb in batch.split(micro)])
+        return Batch({"values": values})
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        ccfg = self.cfg.worker.critic
+        self.model.train()
+
+        def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+            vpreds = self._values(mb)
+            loss, metrics = compute_value_loss(
+                vpreds=vpreds,
+                returns=mb["returns"].to(self.device),
+                values=mb["values"].to(self.device),
+                response_mask=mb["response_mask"].to(self.device).float(),
+                cliprange_value=ccfg.cliprange_value,
+                loss_agg_mode=ccfg.loss_avg_mode,
+            )
+            out = {f"critic/{k}": float(v) for k, v in metrics.items()}
+            out["critic/vf_loss"] = float(loss.detach())
+            out["critic/vpred_mean"] = float(vpreds.detach().mean())
+            return loss * weight, out
+
+        mini = ccfg.global_batch_size * self.cfg.worker.rollout.n // int(os.environ.get("WORLD_SIZE", "1"))
+        return optimize(
+            self.model, self.optimizer, self.scheduler, batch,
+            mini_batch_size=mini,
+            micro_batch_size=ccfg.micro_batch_size_per_device_for_update,
+            epochs=ccfg.ppo_epochs,
+            max_grad_norm=ccfg.max_grad_norm,
+            loss_fn=loss_fn,
+            prefix="critic",
+        )

@@ -1,0 +1,137 @@
+"""Shared helpers of the training workers: device, model loading, FSDP2 sharding, optimizer, weight streaming.
+
+Sharding is applied here and nowhere else: each decoder layer is its own FSDP2 unit, then the root.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from easyrl.config import FSDPConfig, ModelConfig, OptimConfig
+
+
+logger = logging.getLogger(__name__)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def worker_device() -> torch.device:
+    """cuda:LOCAL_RANK on GPU machines, cpu elsewhere."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_model(model_cfg: ModelConfig, kind: str = "causal_lm", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a local HF model: `causal_lm` for the policy, `value` for a critic (a one-output token head)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    assert model_cfg.model_path is not None
+    hf_config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
+    for key, value in model_cfg.override_config.items():
+        setattr(hf_config, key, value)
+    common: dict[str, Any] = {"config": hf_config, "dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    if kind == "value":
+        hf_config.num_labels = 1
+        hf_config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(model_cfg.model_path, **common)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.model_path, **common)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard (no _no_split_modules)")
+    return layers
+
+
+def shard_model(
+    model: nn.Module, fsdp_cfg: FSDPConfig, device: torch.device, gradient_checkpointing: bool = False
+) -> nn.Module:
+    """FSDP2-shard `model` over the default process group: one unit per decoder layer, then the root.
+
+    Mixed precision follows `fsdp_cfg` on GPUs; on CPU everything stays fp32 (CPU bf16 matmuls are slow and
+    gloo reductions gain nothing from it).
+    """
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp_cfg.mp_param_dtype], reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype])
+    else:
+        mp = MixedPrecisionPolicy()
+    offload: OffloadPolicy = CPUOffloadPolicy() if fsdp_cfg.enable_cpu_offload else OffloadPolicy()
+    if not fsdp_cfg.enable_cpu_offload:
+        model.to(device)
+    reshard = fsdp_cfg.enable_full_shard
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.strategy == "adamw_bf16":
+        # States follow the parameter dtype: cast the master weights to bf16 for bf16 optimizer states.
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)  # type: ignore[arg-type]
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then constant or cosine (down to `min_lr_ratio`), stepped once per optimizer step."""
+    warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps is not None else int(cfg.lr_warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_scheduler_type == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def iter_full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) one parameter at a time: each is all-gathered, used, then freed.
+
+    Every rank must consume the whole iterator (the gathers are collectives). Buffers (e.g. rotary
+    frequencies) are not weights and are skipped.
+    """
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, tensor.detach()
+
+
+def all_finite(value: torch.Tensor | float) -> bool:
+    """Whether `value` is finite on every rank (a collective when distributed)."""
+    flag = torch.tensor([1.0 if math.isfinite(float(value)) else 0.0])
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,37 @@
+"""The reference role: the frozen initial policy, for the KL term. Forward passes only."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from easyrl.config import EasyRLConfig
+from easyrl.distributed import Dispatch, register
+from easyrl.protocol import Batch
+from easyrl.workers.actor import _setup_process
+from easyrl.workers.common import batched_log_probs
+from easyrl.workers.fsdp import DTYPES, load_model, shard_model
+
+
+class RefWorker:
+    def __init__(self, cfg: EasyRLConfig) -> None:
+        self.cfg = cfg
+        self.device = _setup_process(cfg)
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    @register(dispatch=Dispatch.ALL)
+    def init_model(self) -> None:
+        rcfg = self.cfg.worker.ref
+        dtype = DTYPES[rcfg.fsdp.torch_dtype] if rcfg.fsdp.torch_dtype else torch.float32
+        model = load_model(self.cfg.worker.actor.model, "causal_lm", dtype)
+        model.requires_grad_(False)
+        self.model = shard_model(model, rcfg.fsdp, self.device).eval()
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """The reference policy's log-prob of each response token: `ref_log_probs` (B, R)."""
+        micro = self.cfg.worker.ref.micro_batch_size_per_device_for_experience
+        micro = micro or self.cfg.worker.actor.micro_batch_size_per_device_for_experience
+        lp, _ = batched_log_probs(self.model, batch, self.device, self.cfg.worker.rollout.temperature, micro)
+        return Batch({"ref_log_probs": lp})

@@ -1,0 +1,97 @@
+"""The rollout engine interface shared by the vLLM and HF engines.
+
+An engine lives inside the actor worker's process (the HybridEngine): it generates from the actor's current
+weights, which the worker streams into it in memory after every update (`load_weights`), and it can release
+its accelerator memory while the actor trains (`sleep` / `wake_up`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from easyrl.protocol import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Responses per prompt (the caller has usually repeated the prompts already and passes 1)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 512
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Per-call seed: the same seed and weights give the same samples."""
+    logprobs: bool = True
+    """Return the engine's log-prob of each sampled token."""
+
+    def override(self, changes: dict[str, Any]) -> SamplingParams:
+        """A copy with `changes` applied (e.g. `val_override_config`)."""
+        unknown = set(changes) - set(self.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {sorted(self.__dataclass_fields__)}")
+        if "stop_token_ids" in changes:
+            changes = {**changes, "stop_token_ids": tuple(changes["stop_token_ids"])}
+        return replace(self, **changes)
+
+
+class RolloutEngine(ABC):
+    """Generates responses for left-padded prompts.
+
+    `generate` takes a batch with `input_ids` (B, P) left-padded, `attention_mask` (B, P), `position_ids`
+    (B, P) and returns a batch with: `prompts` (B, P), `responses` (B, R) right-padded with the pad id,
+    `response_mask` (B, R) (1 up to and including EOS), `input_ids`/`attention_mask`/`position_ids` (B, P+R)
+    for the whole sequence, and `rollout_log_probs` (B, R) (zeros where not requested).
+    """
+
+    @abstractmethod
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take new weights in memory, one (HF parameter name, full tensor) pair at a time."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and KV cache) until `wake_up`. No-op where unsupported."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-acquire memory: `["weights"]` before `load_weights`, `["kv_cache"]` before generating."""
+
+
+def assemble_sequences(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_ids: set[int], pad_id: int,
+    log_probs: torch.Tensor,
+) -> Batch:
+    """Build the full-sequence fields from left-padded prompts and raw responses (B, R).
+
+    Everything after the first EOS (or stop token) is replaced by padding and masked out.
+    """
+    is_stop = torch.zeros_like(responses, dtype=torch.bool)
+    for tok in eos_ids:
+        is_stop |= responses == tok
+    # A token is valid when no stop token came strictly before it.
+    stops_before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()
+    response_mask = (stops_before == 0).to(prompt_mask.dtype)
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    log_probs = log_probs * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+    return Batch(
+        tensors={
+            "prompts": prompt_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "rollout_log_probs": log_probs.float(),
+        }
+    )

@@ -1,0 +1,86 @@
+"""Rollout with Hugging Face transformers' `generate`: for CPU runs, tests, and models vLLM cannot serve.
+
+The engine keeps its own unsharded copy of the policy in eval mode; the actor streams new weights into it
+after every update. Log-probs are computed from the raw logits of each decoding step divided by the
+temperature, which is what the actor computes for the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from easyrl.protocol import Batch
+from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
+
+
+logger = logging.getLogger(__name__)
+
+
+class HFRolloutEngine(RolloutEngine):
+    def __init__(
+        self, model_path: str, device: torch.device, dtype: torch.dtype, eos_token_ids: list[int], pad_token_id: int,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model.to(device).eval()
+        self.model.requires_grad_(False)
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        input_ids = prompts["input_ids"].to(self.device)
+        attention_mask = prompts["attention_mask"].to(self.device)
+        if params.n > 1:
+            input_ids = input_ids.repeat_interleave(params.n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
+        greedy = params.temperature == 0
+        stop_ids = [] if params.ignore_eos else self.eos_token_ids + list(params.stop_token_ids)
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy or params.top_p >= 1.0 else params.top_p,
+            top_k=None if greedy or params.top_k <= 0 else params.top_k,
+            max_new_tokens=params.max_tokens,
+            min_new_tokens=params.max_tokens if params.ignore_eos else None,
+            eos_token_id=stop_ids or None,
+            pad_token_id=self.pad_token_id,
+            output_logits=params.logprobs,
+            return_dict_in_generate=True,
+        )
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
+        prompt_len = input_ids.shape[1]
+        responses = out.sequences[:, prompt_len:]
+        if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width
+            pad = torch.full((responses.shape[0], params.max_tokens - responses.shape[1]), self.pad_token_id)
+            responses = torch.cat([responses, pad.to(responses)], dim=1)
+        log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+        if params.logprobs:
+            temperature = 1.0 if greedy else params.temperature
+            for t, step_logits in enumerate(out.logits):
+                lp = torch.log_softmax(step_logits.float() / temperature, dim=-1)
+                log_probs[:, t] = lp.gather(-1, responses[:, t : t + 1]).squeeze(-1)
+        stop = set() if params.ignore_eos else set(stop_ids)
+        return assemble_sequences(
+            input_ids.cpu(), attention_mask.cpu(), responses.cpu(), stop, self.pad_token_id, log_probs.cpu()
+        )
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaded = 0
+        for name, tensor in weights:
+            target = self._params.get(name)
+            if target is None:
+                raise KeyError(f"rollout model has no parameter {name!r}")
+            target.copy_(tensor.to(target.device, target.dtype))
+            loaded += 1
+        logger.debug("loaded %d tensors into the HF rollout engine", loaded)

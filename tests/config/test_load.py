@@ -1,0 +1,244 @@
+"""Loading: defaults <- YAML <- CLI, EasyR1 compatibility, secrets masking, and the bad-config table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from easyrl.config import ConfigError, load_config, to_masked_dict
+from tests.conftest import REPO, base_config, write_config
+
+
+@pytest.fixture
+def good_config(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> str:
+    return write_config(tmp_path / "good.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+
+
+def test_precedence_defaults_yaml_cli(good_config: str) -> None:
+    cfg = load_config(good_config, ["worker.rollout.n=4", "trainer.experiment_name=try1"])
+    assert cfg.worker.rollout.n == 4  # CLI beats YAML (2)
+    assert cfg.data.rollout_batch_size == 4  # YAML beats the default (512)
+    assert cfg.worker.actor.clip_ratio_dual == 3.0  # default
+    assert cfg.trainer.experiment_name == "try1"
+    assert cfg.worker.reward.reward_function.endswith("digits.py:compute_score")
+
+
+def test_reward_function_default_name_is_main(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["worker"]["reward"]["reward_function"] = str(REPO / "reward_functions" / "digits.py")
+    cfg = load_config(write_config(tmp_path / "c.yaml", conf))
+    assert cfg.worker.reward.reward_function.endswith("digits.py:main")
+
+
+def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -> None:
+    monkeypatch.setenv("EASYRL_TEST_SECRET", "s3cr3t-value-123")
+    cfg = load_config(
+        good_config,
+        ["+worker.reward.reward_function_kwargs.api_key=sk-abcdef", "trainer.experiment_name=${oc.env:EASYRL_TEST_SECRET}"],
+    )
+    assert cfg.trainer.experiment_name == "s3cr3t-value-123"  # resolved for use
+    text = json.dumps(to_masked_dict(cfg))
+    assert "sk-abcdef" not in text and "s3cr3t-value-123" not in text
+    masked = to_masked_dict(cfg)
+    assert masked["worker"]["reward"]["reward_function_kwargs"]["api_key"] == "***"
+    assert masked["data"]["prompt_key"] == "prompt"  # our own *_key fields are not secrets
+
+
+def test_easyr1_config_loads_with_documented_renames(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:
+    """An EasyR1-schema config (examples/config.yaml layout) loads; renamed keys are mapped and reported."""
+    easyr1 = f"""
+data:
+  train_files: {digits_data["train"]}
+  val_files: {digits_data["val"]}
+  prompt_key: prompt
+  answer_key: answer
+  image_key: images
+  max_prompt_length: 48
+  max_response_length: 8
+  rollout_batch_size: 4
+  val_batch_size: -1
+  shuffle: true
+  seed: 1
+  max_pixels: 4194304
+  min_pixels: 262144
+  filter_overlong_prompts: true
+algorithm:
+  adv_estimator: grpo
+  disable_kl: false
+  use_kl_loss: true
+  kl_penalty: low_var_kl
+  kl_coef: 1.0e-2
+worker:
+  actor:
+    global_batch_size: 2
+    micro_batch_size_per_device_for_update: 1
+    micro_batch_size_per_device_for_experience: 2
+    max_grad_norm: 1.0
+    padding_free: false
+    loss_avg_mode: token
+    model:
+      model_path: {tiny_model_dir}
+      enable_gradient_checkpointing: true
+      trust_remote_code: false
+      freeze_vision_tower: false
+    optim:
+      lr: 1.0e-6
+      weight_decay: 1.0e-2
+      strategy: adamw
+      lr_warmup_ratio: 0.0
+    fsdp:
+      enable_full_shard: true
+      enable_cpu_offload: false
+      enable_rank0_init: true
+    offload:
+      offload_params: true
+      offload_optimizer: true
+  rollout:
+    n: 5
+    temperature: 1.0
+    top_p: 0.99
+    gpu_memory_utilization: 0.6
+    enforce_eager: false
+    enable_chunked_prefill: false
+    tensor_parallel_size: 2
+    limit_images: 0
+    val_override_config:
+      temperature: 0.5
+      n: 1
+  ref:
+    fsdp:
+      enable_full_shard: true
+      enable_cpu_offload: true
+      enable_rank0_init: true
+    offload:
+      offload_params: false
+  reward:
+    reward_type: batch
+    score_function: {REPO / "reward_functions" / "digits.py"}:compute_score
+trainer:
+  total_episodes: 2
+  logger: ["console", "wandb"]
+  project_name: easy_r1
+  experiment_name: qwen2_5_7b_math_grpo
+  n_gpus_per_node: 2
+  nnodes: 1
+  val_freq: 5
+  val_before_train: true
+  val_only: false
+  val_generations_to_log: 3
+  save_freq: 5
+  save_limit: 3
+  save_checkpoint_path: null
+  load_checkpoint_path: null
+"""
+    path = tmp_path / "easyr1.yaml"
+    path.write_text(easyr1)
+    cfg = load_config(path)
+    assert cfg.worker.reward.reward_function.endswith("digits.py:compute_score")
+    assert cfg.trainer.total_epochs == 2
+    assert cfg.worker.actor.loss_avg_mode == "token-mean"
+    notes = " ".join(cfg._notes)  # type: ignore[attr-defined]
+    assert "score_function" in notes and "total_episodes" in notes and "enable_rank0_init" in notes
+
+
+def _mutate(conf: dict, dotted: str, value: object) -> None:
+    *parents, leaf = dotted.split(".")
+    node = conf
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+
+
+# (case id, YAML edits {dotted key: value} or CLI overrides, the key the message must name, a word of the fix)
+BAD = [
+    ("unknown-section", {"datas": {"x": 1}}, "datas", "Did you mean data"),
+    ("unknown-nested", {"worker.rollout.temprature": 0.5}, "worker.rollout.temprature", "temperature"),
+    ("unknown-deep", {"worker.actor.optim.learning_rate": 1e-5}, "worker.actor.optim.learning_rate", "Did you mean"),
+    ("type-int", ["worker.rollout.n=abc"], "worker.rollout.n", "Integer"),
+    ("type-float-to-int", {"data.max_prompt_length": 1.5}, "data.max_prompt_length", "Integer"),
+    ("type-bool", {"trainer.val_before_train": "maybe"}, "trainer.val_before_train", "bool"),
+    ("section-scalar", {"worker.actor": 3}, "worker.actor", "mapping"),
+    ("enum-estimator", {"algorithm.adv_estimator": "grpoo"}, "algorithm.adv_estimator", "grpo"),
+    ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "vllm, hf"),
+    ("enum-kl", {"algorithm.kl_penalty": "k5"}, "algorithm.kl_penalty", "low_var_kl"),
+    ("enum-agg", {"worker.actor.loss_avg_mode": "sum"}, "worker.actor.loss_avg_mode", "token-mean"),
+    ("enum-loss", {"worker.actor.loss_type": "ppo2"}, "worker.actor.loss_type", "gspo"),
+    ("enum-logger", {"trainer.logger": ["console", "neptune"]}, "trainer.logger", "wandb"),
+    ("enum-bad-row", {"data.on_bad_row": "skip"}, "data.on_bad_row", "drop, error"),
+    ("enum-kl-type", {"algorithm.kl_type": "pid"}, "algorithm.kl_type", "adaptive"),
+    ("enum-optim", {"worker.actor.optim.strategy": "sgd"}, "worker.actor.optim.strategy", "adamw"),
+    ("group-needs-n", {"worker.rollout.n": 1}, "worker.rollout.n", "n >= 2"),
+    ("rollout-divisible", {"algorithm.adv_estimator": "reinforce_plus_plus", "worker.rollout.n": 1,
+                           "data.rollout_batch_size": 3, "worker.actor.global_batch_size": 1}, "data.rollout_batch_size", "workers"),
+    ("global-divides-rollout", {"worker.actor.global_batch_size": 3}, "worker.actor.global_batch_size", "divide"),
+    ("global-too-big", {"worker.actor.global_batch_size": 8}, "worker.actor.global_batch_size", "divide"),
+    ("micro-divides", {"worker.actor.micro_batch_size_per_device_for_update": 3},
+     "worker.actor.micro_batch_size_per_device_for_update", "divide"),
+    ("context-length", {"data.max_response_length": 5000}, "data.max_response_length", "context"),
+    ("model-missing", {"worker.actor.model.model_path": "/nonexistent/model"}, "worker.actor.model.model_path", "config.json"),
+    ("model-required", {"worker.actor.model.model_path": None}, "worker.actor.model.model_path", "required"),
+    ("train-missing", {"data.train_files": "/nonexistent/train.jsonl"}, "data.train_files", "not found"),
+    ("val-missing", {"data.val_files": "/nonexistent/val.parquet"}, "data.val_files", "not found"),
+    ("template-missing", {"data.format_prompt": "/nonexistent/t.jinja"}, "data.format_prompt", "not found"),
+    ("reward-file-missing", {"worker.reward.reward_function": "/nonexistent/r.py:fn"}, "worker.reward.reward_function", "not found"),
+    ("reward-fn-missing", {"worker.reward.reward_function": str(REPO / "reward_functions" / "digits.py") + ":nope"},
+     "worker.reward.reward_function", "compute_score"),
+    ("reward-not-py", {"worker.reward.reward_function": "rewards.txt:fn"}, "worker.reward.reward_function", "file.py"),
+    ("temperature", {"worker.rollout.temperature": -1.0}, "worker.rollout.temperature", ">= 0"),
+    ("top-p", {"worker.rollout.top_p": 0.0}, "worker.rollout.top_p", "(0, 1]"),
+    ("lr", {"worker.actor.optim.lr": 0.0}, "worker.actor.optim.lr", "> 0"),
+    ("dual-clip", {"worker.actor.clip_ratio_dual": 0.5}, "worker.actor.clip_ratio_dual", "> 1"),
+    ("max-steps", {"trainer.max_steps": 0}, "trainer.max_steps", ">= 1"),
+    ("tp-size", {"worker.rollout.tensor_parallel_size": 3}, "worker.rollout.tensor_parallel_size", "divide"),
+    ("image-dir", {"data.image_dir": "/nonexistent/images"}, "data.image_dir", "not found"),
+    ("override-form", ["worker.rollout.n"], "worker.rollout.n", "key=value"),
+    ("env-missing", ["trainer.experiment_name=${oc.env:EASYRL_SURELY_UNSET_VAR}"], "trainer.experiment_name", "EASYRL_SURELY_UNSET_VAR"),
+]
+
+
+@pytest.mark.parametrize(("edits", "key", "hint"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_names_the_culprit(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], edits: object, key: str, hint: str
+) -> None:
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    overrides: list[str] = []
+    if isinstance(edits, dict):
+        for dotted, value in edits.items():
+            _mutate(conf, dotted, value)
+    else:
+        overrides = list(edits)  # type: ignore[call-overload]
+    path = write_config(tmp_path / "bad.yaml", conf)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert info.value.key == key, message
+    assert message.startswith(key), message
+    assert hint in message, message
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+
+
+def test_cli_exits_2_fast_naming_the_key(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["worker"]["rollout"]["temprature"] = 0.5
+    path = write_config(tmp_path / "bad.yaml", conf)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "easyrl.cli", "train", path], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "worker.rollout.temprature" in lines[0] and "temperature" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 2.0, f"took {elapsed:.2f} s"

@@ -1,0 +1,87 @@
+"""Shared fixtures: a tiny real model folder, a small dataset, a reward file, and a config writer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random-init 2-layer Qwen2 (hidden 64) with a locally built character tokenizer."""
+    from easyrl.testing.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Small train/val jsonl files of the digit-copy task."""
+    folder = tmp_path_factory.mktemp("data")
+    rows = [{"prompt": f"Copy: {a} {b} {c}", "answer": f"{a}{b}{c}"} for a in range(4) for b in range(4) for c in range(4)]
+    paths = {}
+    for split, part in (("train", rows), ("val", rows[:8])):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+        paths[split] = str(path)
+    return paths
+
+
+def base_config(model_dir: str, data: dict[str, str], save_dir: str | Path) -> dict[str, Any]:
+    """A small but complete config for tests: GRPO, HF engine, 2 CPU workers, tiny batches."""
+    return {
+        "data": {
+            "train_files": data["train"],
+            "val_files": "",
+            "max_prompt_length": 48,
+            "max_response_length": 8,
+            "rollout_batch_size": 4,
+            "format_prompt": str(REPO / "prompt_templates" / "digits.jinja"),
+        },
+        "algorithm": {"adv_estimator": "grpo", "disable_kl": True},
+        "worker": {
+            "actor": {
+                "global_batch_size": 2,
+                "micro_batch_size_per_device_for_update": 2,
+                "micro_batch_size_per_device_for_experience": 4,
+                "optim": {"lr": 1e-3},
+                "model": {"model_path": model_dir, "enable_gradient_checkpointing": False},
+            },
+            "rollout": {"name": "hf", "n": 2, "temperature": 1.0, "dtype": "fp32"},
+            "reward": {"reward_function": str(REPO / "reward_functions" / "digits.py") + ":compute_score", "num_workers": 0},
+        },
+        "trainer": {
+            "total_epochs": 1,
+            "max_steps": 2,
+            "n_gpus_per_node": 2,
+            "logger": ["file"],
+            "val_before_train": False,
+            "save_checkpoint_path": str(save_dir),
+            "device": "cpu",
+            "ray_num_cpus": 4,
+        },
+    }
+
+
+def write_config(path: Path, config: dict[str, Any]) -> str:
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
