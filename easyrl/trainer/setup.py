@@ -76,7 +76,7 @@ class Workers:
         roles = 1 + int(need_ref) + int(need_critic)
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles, "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
-            "timeout_s": cfg.trainer.worker_timeout_s,
+            "call_timeout_s": cfg.trainer.worker_timeout_s,
         }
         self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)
         self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None

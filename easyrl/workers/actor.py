@@ -180,10 +180,17 @@ class ActorWorker:
             max_grad_norm=acfg.max_grad_norm,
             loss_fn=loss_fn,
             prefix="actor",
+            loss_agg_mode=acfg.loss_avg_mode,
         )
         self._engine_stale = True
         return metrics
 
+
+    @register(dispatch=Dispatch.RANK0)
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole policy as CPU tensors on rank 0 (every rank joins the gathers); for tests and small models."""
+        weights = {name: t.cpu().clone() for name, t in iter_full_weights(self.model)}
+        return weights if self.rank == 0 else None
 
     @register(dispatch=Dispatch.ALL)
     def max_memory_allocated_gb(self) -> float:

@@ -68,11 +68,12 @@ def optimize(
     max_grad_norm: float,
     loss_fn: LossFn,
     prefix: str,
+    loss_agg_mode: str = "token-mean",
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch optimizer steps with gradient accumulation over micro-batches.
 
-    Each micro-batch's loss is weighted by its share of the mini-batch's valid tokens, so accumulating
-    equals one pass over the whole mini-batch. A non-finite loss or gradient norm skips that optimizer step
+    Each micro-batch's loss is weighted by its share of the mini-batch (valid tokens for `token-mean`,
+    sequences for the sequence-level modes), so accumulating equals one pass over the whole mini-batch. A non-finite loss or gradient norm skips that optimizer step
     (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
@@ -80,10 +81,11 @@ def optimize(
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
-            total_tokens = float(mini["response_mask"].sum().clamp(min=1))
+            by_tokens = loss_agg_mode == "token-mean"
+            total = float(mini["response_mask"].sum().clamp(min=1)) if by_tokens else float(len(mini))
             loss_sum = 0.0
             for mb in mini.split(micro_batch_size):
-                weight = float(mb["response_mask"].sum()) / total_tokens
+                weight = (float(mb["response_mask"].sum()) if by_tokens else float(len(mb))) / total
                 loss, mb_metrics = loss_fn(mb, weight)
                 loss.backward()
                 loss_sum += float(loss.detach())

@@ -78,4 +78,5 @@ class CriticWorker:
             max_grad_norm=ccfg.max_grad_norm,
             loss_fn=loss_fn,
             prefix="critic",
+            loss_agg_mode=ccfg.loss_avg_mode,
         )
