@@ -1,0 +1,240 @@
+"""The prompt dataset: rows loaded, validated, rendered and tokenized once, at construction.
+
+Everything that can go wrong with a row (a missing column, a wrong type, an unreadable image, a prompt that is too
+long) is found here, before the first training step, and either counted and dropped (``data.on_bad_row=drop``) or
+reported with the file and row (``error``). Nothing is validated lazily in ``__getitem__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from easyrl.config.data import DataConfig
+from easyrl.data.loading import DataError, Row, load_rows
+from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
+from easyrl.data.prompts import PromptError, PromptRenderer, check_messages, load_chat_template
+
+
+__all__ = ["BAD_ROW_REASONS", "RLDataset"]
+
+logger = logging.getLogger(__name__)
+
+BAD_ROW_REASONS: tuple[str, ...] = (
+    "missing_prompt",
+    "missing_answer",
+    "bad_prompt_type",
+    "empty_prompt",
+    "bad_answer_type",
+    "unreadable_image",
+    "unreadable_video",
+    "template_error",
+    "overlong_prompt",
+)
+"""Keys of :attr:`RLDataset.drop_counts`, in the order checks run (a row is counted under its first failure)."""
+
+_ANSWER_TYPES = (str, int, float, list, dict)
+_TOKENIZE_CHUNK = 1024  # rows tokenized per call: fast tokenizers parallelise within a batch
+
+
+class _BadRow(Exception):
+    """Internal: a row failed a check; ``reason`` is one of BAD_ROW_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class _Sample:
+    source: str
+    row_index: int
+    row: dict[str, Any]
+    ground_truth: Any
+    raw_prompt: str
+    images: list[MediaRef] = field(default_factory=list)
+    videos: list[MediaRef] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class RLDataset:
+    """Prompts for RL training or validation.
+
+    Args:
+        spec: data files (see :func:`easyrl.data.loading.load_rows`), e.g. ``data.train_files``.
+        data_cfg: the ``data`` config (keys, templates, lengths, ``on_bad_row``...).
+        tokenizer: Hugging Face tokenizer used to apply the chat template and tokenize.
+        processor: optional multimodal processor; its chat template is used when it has one. Media tokens are
+            not counted in prompt lengths yet.
+
+    Raises:
+        DataError: unreadable data, a bad row with ``on_bad_row=error``, an overlong prompt with
+            ``filter_overlong_prompts=false``, or no row left.
+    """
+
+    def __init__(self, spec: str, data_cfg: DataConfig, tokenizer: Any, processor: Any = None) -> None:
+        if data_cfg.on_bad_row not in ("drop", "error"):
+            raise DataError(f"data.on_bad_row must be 'drop' or 'error', got {data_cfg.on_bad_row!r}")
+        self.spec = spec
+        self.cfg = data_cfg
+        self.tokenizer: Any = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
+        if self.tokenizer is None:
+            raise DataError("RLDataset needs a tokenizer (or a processor with one)")
+        self.processor = processor
+        try:
+            chat_template = load_chat_template(data_cfg.override_chat_template)
+            templater = processor if getattr(processor, "chat_template", None) else self.tokenizer
+            self._renderer = PromptRenderer(templater, data_cfg.prompt_key, data_cfg.format_prompt, chat_template)
+        except (OSError, ValueError) as exc:
+            raise DataError(str(exc)) from exc
+        self.drop_counts: dict[str, int] = {}
+        """Rows dropped per reason (only reasons that occurred)."""
+        self.num_rows_read = 0
+        """Rows read from the files, before validation."""
+        self._image_cache: dict[str, str | None] = {}
+        self._samples = self._build(load_rows(spec))
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, rows: list[Row]) -> list[_Sample]:
+        self.num_rows_read = len(rows)
+        drops: Counter[str] = Counter()
+        examples: dict[str, str] = {}
+        samples: list[_Sample] = []
+        for source, row_index, row in rows:
+            try:
+                samples.append(self._prepare(source, row_index, row))
+            except _BadRow as bad:
+                self._reject(bad, source, row_index, drops, examples)
+        samples = self._tokenize(samples, drops, examples)
+        self.drop_counts = {reason: drops[reason] for reason in BAD_ROW_REASONS if drops[reason]}
+        self._log_summary(examples)
+        if not samples:
+            detail = ", ".join(f"{reason}={count}" for reason, count in self.drop_counts.items()) or "no rows read"
+            raise DataError(f"{self.spec}: no usable rows left out of {self.num_rows_read} ({detail})")
+        return samples
+
+    def _reject(
+        self, bad: _BadRow, source: str, row_index: int, drops: Counter[str], examples: dict[str, str]
+    ) -> None:
+        where = f"{source}, row {row_index}"
+        if self.cfg.on_bad_row == "error":
+            raise DataError(f"{where}: {bad.reason}: {bad.detail}")
+        drops[bad.reason] += 1
+        examples.setdefault(bad.reason, f"{where}: {bad.detail}")
+
+    def _prepare(self, source: str, row_index: int, row: dict[str, Any]) -> _Sample:
+        """Validate one row and render its prompt; raise :class:`_BadRow` on the first problem."""
+        cfg = self.cfg
+        prompt = row.get(cfg.prompt_key)
+        if prompt is None:
+            raise _BadRow("missing_prompt", f"no {cfg.prompt_key!r} column (columns: {sorted(row)})")
+        answer = row.get(cfg.answer_key)
+        # CSV leaves missing cells as "" and pandas-made parquet as NaN: both mean "no answer".
+        if answer is None or (isinstance(answer, str) and not answer.strip()) or _is_nan(answer):
+            raise _BadRow("missing_answer", f"no value in the {cfg.answer_key!r} column")
+        if not isinstance(prompt, str | list):
+            raise _BadRow("bad_prompt_type", f"{cfg.prompt_key!r} is a {type(prompt).__name__}, expected str or list")
+        if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
+            raise _BadRow("empty_prompt", f"{cfg.prompt_key!r} is empty")
+        if isinstance(prompt, list):
+            try:
+                check_messages(prompt)
+            except PromptError as exc:
+                raise _BadRow("bad_prompt_type", str(exc)) from exc
+        # bool is an int subclass, but a true/false "answer" is almost always a data mistake.
+        if isinstance(answer, bool) or not isinstance(answer, _ANSWER_TYPES):
+            raise _BadRow("bad_answer_type", f"{cfg.answer_key!r} is a {type(answer).__name__}")
+        try:
+            images = resolve_images(row.get(cfg.image_key), cfg.image_dir, self._image_cache)
+        except MediaError as exc:
+            raise _BadRow("unreadable_image", str(exc)) from exc
+        try:
+            videos = resolve_videos(row.get(cfg.video_key), cfg.video_dir)
+        except MediaError as exc:
+            raise _BadRow("unreadable_video", str(exc)) from exc
+        try:
+            raw_prompt = self._renderer.render(row)
+        except PromptError as exc:
+            raise _BadRow("template_error", str(exc)) from exc
+        return _Sample(source, row_index, row, answer, raw_prompt, images, videos)
+
+    def _tokenize(self, samples: list[_Sample], drops: Counter[str], examples: dict[str, str]) -> list[_Sample]:
+        limit = self.cfg.max_prompt_length
+        kept: list[_Sample] = []
+        for start in range(0, len(samples), _TOKENIZE_CHUNK):
+            chunk = samples[start : start + _TOKENIZE_CHUNK]
+            # The chat template already placed every special token, so the tokenizer must not add its own.
+            encoded = self.tokenizer([s.raw_prompt for s in chunk], add_special_tokens=False)["input_ids"]
+            for sample, ids in zip(chunk, encoded):
+                sample.prompt_ids = list(ids)
+                if len(ids) <= limit:
+                    kept.append(sample)
+                    continue
+                detail = f"prompt has {len(ids)} tokens > data.max_prompt_length={limit}"
+                if not self.cfg.filter_overlong_prompts:
+                    raise DataError(
+                        f"{sample.source}, row {sample.row_index}: overlong_prompt: {detail} "
+                        "(set data.filter_overlong_prompts=true to drop such rows)"
+                    )
+                self._reject(_BadRow("overlong_prompt", detail), sample.source, sample.row_index, drops, examples)
+        return kept
+
+    def _log_summary(self, examples: dict[str, str]) -> None:
+        dropped = sum(self.drop_counts.values())
+        if not dropped:
+            logger.info("%s: %d rows loaded", self.spec, self.num_rows_read)
+            return
+        lines = [f"  {reason}: {count} (e.g. {examples[reason]})" for reason, count in self.drop_counts.items()]
+        logger.warning(
+            "%s: kept %d of %d rows, dropped %d:\n%s",
+            self.spec,
+            self.num_rows_read - dropped,
+            self.num_rows_read,
+            dropped,
+            "\n".join(lines),
+        )
+
+    # ------------------------------------------------------------------ access
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """One prompt: ``prompt_ids`` (unpadded), ``raw_prompt``, ``ground_truth``, ``row``, ``index``, plus the
+        resolved ``images`` / ``videos`` (paths or bytes; empty lists when the row has none)."""
+        sample = self._samples[index]
+        return {
+            "prompt_ids": list(sample.prompt_ids),
+            "raw_prompt": sample.raw_prompt,
+            "ground_truth": sample.ground_truth,
+            "row": sample.row,
+            "index": index,
+            "images": list(sample.images),
+            "videos": list(sample.videos),
+        }
+
+    def source_of(self, index: int) -> tuple[str, int]:
+        """``(file, row_index)`` the sample at ``index`` came from."""
+        sample = self._samples[index]
+        return sample.source, sample.row_index
+
+    def prompt_length_stats(self) -> dict[str, float]:
+        """Token lengths of the kept prompts: ``min``, ``mean``, ``max`` and ``p95``."""
+        lengths = np.array([len(s.prompt_ids) for s in self._samples], dtype=np.float64)
+        return {
+            "min": float(lengths.min()),
+            "mean": float(lengths.mean()),
+            "max": float(lengths.max()),
+            "p95": float(np.percentile(lengths, 95)),
+        }
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
