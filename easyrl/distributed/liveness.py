@@ -1,0 +1,253 @@
+"""Waiting on worker results without ever hanging on a dead worker.
+
+How dead workers are detected
+-----------------------------
+Every live :class:`~easyrl.distributed.WorkerGroup` registers itself here and keeps, for each of its actors, at
+most one outstanding *ping*: a call of the actor's built-in ``__ray_ready__`` method. Actor tasks run in
+submission order, so a ping sent to an idle actor returns at once, while a ping sent to a busy actor stays queued
+behind the running method. Either way, when the actor process dies (``ray.kill``, crash, ``os._exit``, OOM kill)
+Ray fails the queued ping with :class:`ray.exceptions.RayActorError` -- immediately, there is no polling of
+the actor and no call into a busy actor.
+
+:func:`wait_for_results` loops ``ray.wait(result refs + every group's pending pings, num_returns=1,
+timeout=tick)``; a ping that completed is re-sent at most once per ``tick`` (1 s), so an idle actor costs one
+trivial call a second while the driver waits, a busy one costs nothing.
+
+Guarantee: while the driver waits on *any* group call (a synchronous call, or ``GroupCall.result()``), the death
+of *any* actor of *any* live (not shut down) group of this driver process raises :class:`WorkerDiedError` naming
+that group's role and the rank -- within about one tick plus Ray's death notification (measured: well under a
+second on one node). A death that happens while the driver is not waiting is reported by the next wait (or by
+:func:`check_alive`). A group with a dead worker stays broken: every later wait raises until it is shut down.
+When a method raises on some rank, the error is reported as :class:`WorkerError` unless a death shows up within
+``death_grace_s`` (a rank blocked in a collective usually fails *because* a peer died; the death is the cause).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from easyrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+
+
+if TYPE_CHECKING:
+    from easyrl.distributed.worker_group import WorkerGroup
+
+__all__ = ["PING_INTERVAL_S", "check_alive", "live_groups", "summarize_remote_error", "wait_for_results"]
+
+logger = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 1.0
+"""Wait tick, and the shortest time between two pings of one idle actor."""
+
+DEATH_GRACE_S = 1.0
+"""How long a method error waits for a worker death that would explain it."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_registry: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+_registry_lock = threading.Lock()
+
+
+def register_group(group: WorkerGroup) -> None:
+    """Make ``group``'s actors watched by every wait of this process."""
+    with _registry_lock:
+        _registry.add(group)
+
+
+def unregister_group(group: WorkerGroup) -> None:
+    """Stop watching ``group`` (on shutdown)."""
+    with _registry_lock:
+        _registry.discard(group)
+
+
+def live_groups() -> list[WorkerGroup]:
+    """The registered (live) groups."""
+    with _registry_lock:
+        return list(_registry)
+
+
+def summarize_remote_error(error: BaseException, max_lines: int = 20) -> str:
+    """The tail of a remote error's text, without ANSI colours and ``^^^`` marker lines."""
+    text = _ANSI.sub("", str(error))
+    lines = [line for line in text.splitlines() if line.strip() and set(line.strip()) != {"^"}]
+    return "\n".join(lines[-max_lines:])
+
+
+def _death_cause(error: BaseException) -> str:
+    """A one-line account of an actor death from Ray's error text (without the actor id / pid block)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines()]
+    kept = [line for line in lines if line and not _is_metadata(line)]
+    return " ".join(kept) or type(error).__name__
+
+
+def _is_metadata(line: str) -> bool:
+    return bool(re.match(r"^(class_name|actor_id|pid|namespace|ip|name):", line))
+
+
+def to_group_error(role: str, rank: int, error: BaseException) -> WorkerDiedError | WorkerError:
+    """Turn what ``ray.get`` raised for rank ``rank`` of group ``role`` into the driver-side error."""
+    import ray
+
+    if isinstance(error, ray.exceptions.RayActorError):
+        if getattr(error, "_actor_init_failed", False):
+            return WorkerError(role, rank, summarize_remote_error(error))
+        return WorkerDiedError(role, rank, _death_cause(error))
+    return WorkerError(role, rank, summarize_remote_error(error))
+
+
+def _get_ready(ref: Any) -> tuple[bool, Any]:
+    """``ray.get`` a ready ref: ``(True, value)`` or ``(False, exception)``."""
+    import ray
+
+    try:
+        return True, ray.get(ref, timeout=0)
+    except Exception as exc:  # any remote failure is reported as a group error
+        return False, exc
+
+
+def _ping_refs(groups: Iterable[WorkerGroup]) -> dict[Any, tuple[WorkerGroup, int]]:
+    """The outstanding pings of ``groups`` (re-sending the ones due), by ref."""
+    refs: dict[Any, tuple[WorkerGroup, int]] = {}
+    for group in groups:
+        for ref, rank in group._liveness_refs().items():
+            refs[ref] = (group, rank)
+    return refs
+
+
+def _raise_recorded_deaths(groups: Sequence[WorkerGroup]) -> None:
+    """Raise the failure of the first group with a worker known dead."""
+    for group in groups:
+        failure = group._first_failure()
+        if failure is not None:
+            rank, error = failure
+            raise _ping_error(group.role, rank, error) from error
+
+
+def _ping_error(role: str, rank: int, error: BaseException) -> WorkerDiedError | WorkerError:
+    """The group error for a failed ping (any ping failure means the actor is gone)."""
+    if _is_death(error):
+        return to_group_error(role, rank, error)
+    return WorkerDiedError(role, rank, summarize_remote_error(error))
+
+
+def _handle_ping(group: WorkerGroup, rank: int, ref: Any) -> None:
+    """Account for a ready ping; raise if it failed."""
+    ok, value = _get_ready(ref)
+    group._ping_done(rank, ref, None if ok else value)
+    if not ok:
+        raise _ping_error(group.role, rank, value) from value
+
+
+def _is_death(error: BaseException) -> bool:
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def check_alive() -> None:
+    """Raise :class:`WorkerDiedError` if a worker of a live group is known dead (does not block)."""
+    import ray
+
+    groups = live_groups()
+    _raise_recorded_deaths(groups)
+    pings = _ping_refs(groups)
+    if pings:
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0)
+        for ref in ready:
+            group, rank = pings[ref]
+            _handle_ping(group, rank, ref)
+
+
+def _explain_by_death(error: WorkerError, pending: dict[Any, int], role: str, grace_s: float) -> None:
+    """Raise a worker death seen within ``grace_s`` in place of ``error``; return if there is none."""
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    pending = dict(pending)
+    while True:
+        groups = live_groups()
+        _raise_recorded_deaths(groups)
+        pings = _ping_refs(groups)
+        refs = list(pending) + list(pings)
+        remaining = deadline - time.monotonic()
+        if not refs or remaining <= 0:
+            return
+        ready, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, PING_INTERVAL_S))
+        for ref in ready:
+            if ref in pending:
+                rank = pending.pop(ref)
+                ok, value = _get_ready(ref)
+                if not ok and _is_death(value):
+                    raise to_group_error(role, rank, value) from error
+            else:
+                group, rank = pings[ref]
+                try:
+                    _handle_ping(group, rank, ref)
+                except WorkerDiedError as died:
+                    raise died from error
+
+
+def wait_for_results(
+    refs: Sequence[Any],
+    role: str,
+    method: str,
+    timeout_s: float | None = None,
+    deadline: float | None = None,
+    death_grace_s: float = DEATH_GRACE_S,
+) -> list[Any]:
+    """Wait for one result per rank (``refs[rank]``) while watching every live group's workers.
+
+    Args:
+        refs: the object refs of a group call, by rank.
+        role: the role of the called group (for errors).
+        method: the called method (for errors).
+        timeout_s: the call's total timeout, reported in :class:`WorkerTimeoutError`.
+        deadline: a ``time.monotonic()`` instant after which :class:`WorkerTimeoutError` is raised.
+        death_grace_s: how long a method error waits for a death that explains it.
+
+    Returns:
+        The results, by rank.
+
+    Raises:
+        WorkerDiedError: a worker of this or of another live group died.
+        WorkerError: a method raised on some rank.
+        WorkerTimeoutError: ``deadline`` passed.
+    """
+    import ray
+
+    results: list[Any] = [None] * len(refs)
+    pending: dict[Any, int] = {ref: rank for rank, ref in enumerate(refs)}
+    while pending:
+        groups = live_groups()
+        _raise_recorded_deaths(groups)
+        pings = _ping_refs(groups)
+        tick = PING_INTERVAL_S
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerTimeoutError(role, method, timeout_s)
+            tick = min(tick, remaining)
+        ready, _ = ray.wait(list(pending) + list(pings), num_returns=1, timeout=tick)
+        if ready:  # collect whatever else is ready too, in one go
+            more, _ = ray.wait(list(pending) + list(pings), num_returns=len(pending) + len(pings), timeout=0)
+            ready = list(dict.fromkeys([*ready, *more]))
+        for ref in ready:
+            if ref in pings:
+                group, rank = pings[ref]
+                _handle_ping(group, rank, ref)
+                continue
+            rank = pending.pop(ref)
+            ok, value = _get_ready(ref)
+            if ok:
+                results[rank] = value
+                continue
+            error = to_group_error(role, rank, value)
+            if isinstance(error, WorkerError) and death_grace_s > 0:
+                _explain_by_death(error, pending, role, death_grace_s)
+            raise error from value
+    return results

@@ -1,0 +1,79 @@
+"""``torch.distributed`` set-up inside a worker process started by a :class:`~easyrl.distributed.WorkerGroup`.
+
+The group gives every worker ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+``EASYRL_ROLE``; :func:`init_distributed` reads them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+
+__all__ = ["DistInfo", "dist_info", "init_distributed"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """The distributed identity of the current worker, read from its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    role: str
+
+
+def dist_info() -> DistInfo:
+    """Rank, world size, local rank and role of this worker (rank 0 of 1 outside a worker group)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        role=os.environ.get("EASYRL_ROLE", ""),
+    )
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
+    """Initialize the default ``torch.distributed`` process group of this worker (idempotent).
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; by default nccl when CUDA is available, else gloo.
+        timeout_s: the process-group timeout (rendezvous and collectives).
+
+    On CUDA, the current device is set from ``LOCAL_RANK`` (modulo the visible devices: Ray usually shows each
+    worker only its own GPU, which is then device 0).
+    """
+    import torch
+    import torch.distributed as dist
+
+    info = dist_info()
+    if dist.is_available() and dist.is_initialized():
+        return info
+    use_cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % max(torch.cuda.device_count(), 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    logger.debug(
+        "init_distributed role=%s rank=%d/%d backend=%s at %s:%s",
+        info.role,
+        info.rank,
+        info.world_size,
+        backend,
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return info

@@ -1,0 +1,342 @@
+"""A group of Ray actors, one per rank, driven from the single controller.
+
+The worker class is a plain Python class; its methods decorated with :func:`~easyrl.distributed.register` become
+methods of the group, which call every rank and gather the results as their dispatch mode says::
+
+    group = WorkerGroup(MyWorker, pool, "actor", model_path, num_cpus_per_worker=0.5, num_gpus_per_worker=0.5)
+    out = group.compute_log_probs(batch)  # DP_SPLIT: split over the ranks, concatenated back
+    handle = group.call_async("compute_log_probs", batch)
+    out = handle.result()
+    group.shutdown()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from easyrl.distributed import liveness
+from easyrl.distributed.dispatch import Dispatch, DispatchSpec, collect_dp_results, registered_methods, split_dp_args
+from easyrl.distributed.resource_pool import ResourcePool
+
+
+__all__ = ["GroupCall", "WorkerGroup", "pick_free_port"]
+
+logger = logging.getLogger(__name__)
+
+_used_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _bind_free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def pick_free_port() -> int:
+    """A free TCP port on this host, never one this process handed out before (several groups start at once)."""
+    with _ports_lock:
+        for _ in range(100):
+            port = _bind_free_port()
+            if port not in _used_ports:
+                _used_ports.add(port)
+                return port
+    raise RuntimeError("could not find a free TCP port")
+
+
+def _free_port_on(node_id: str) -> int:
+    """A free TCP port on the Ray node ``node_id`` (a zero-resource task pinned to it when it is another host)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not node_id or node_id == ray.get_runtime_context().get_node_id():
+        return pick_free_port()
+    task = ray.remote(num_cpus=0)(_bind_free_port)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    return int(ray.get(task.options(scheduling_strategy=strategy).remote(), timeout=120))
+
+
+class GroupCall:
+    """A call running on every rank of a group; :meth:`result` waits for it and gathers the ranks' results."""
+
+    def __init__(
+        self, group: WorkerGroup, method: str, spec: DispatchSpec, refs: list[Any], timeout_s: float | None
+    ) -> None:
+        self.group = group
+        self.method = method
+        self.spec = spec
+        self._refs = refs
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether every rank has finished (successfully or not); does not block."""
+        import ray
+
+        if self._done:
+            return True
+        ready, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def result(self) -> Any:
+        """Wait for every rank and return the gathered result (see :class:`~easyrl.distributed.Dispatch`).
+
+        Raises:
+            WorkerDiedError: a worker of this group, or of another live group, died meanwhile.
+            WorkerError: the method raised on some rank.
+            WorkerTimeoutError: the call's ``timeout_s`` passed.
+        """
+        if not self._done:
+            try:
+                results = liveness.wait_for_results(
+                    self._refs, self.group.role, self.method, timeout_s=self._timeout_s, deadline=self._deadline
+                )
+                self._value = self._gather(results)
+            except BaseException as exc:
+                self._error = exc
+                raise
+            finally:
+                self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _gather(self, results: list[Any]) -> Any:
+        if self.spec.dispatch is Dispatch.RANK0:
+            return results[0]
+        if self.spec.dispatch is Dispatch.DP_SPLIT:
+            return collect_dp_results(results)
+        return results
+
+    def __repr__(self) -> str:
+        return f"GroupCall({self.group.role}.{self.method}, done={self._done})"
+
+
+class WorkerGroup:
+    """``pool.world_size`` Ray actors of ``worker_cls``, actor ``i`` on bundle ``i`` of ``pool``.
+
+    Args:
+        worker_cls: a plain Python class (the group wraps it with ``ray.remote``); its ``__init__`` gets
+            ``init_args`` / ``init_kwargs``. It sets up ``torch.distributed`` itself, e.g. by calling
+            :func:`~easyrl.distributed.init_distributed` in ``__init__``.
+        pool: the placement group to run on.
+        role: the name of this group (``"actor"``, ``"ref"``, ``"critic"``, ``"rollout"``...), in errors and in
+            the workers' ``EASYRL_ROLE``.
+        num_cpus_per_worker: CPUs each actor takes from its bundle (fractions let groups share bundles).
+        num_gpus_per_worker: GPUs each actor takes from its bundle (0 on CPU pools).
+        env: extra environment variables for the workers.
+        call_timeout_s: the default total timeout of a call (``None``: no timeout).
+        init_timeout_s: how long the actors may take to start (their ``__init__`` included).
+
+    Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``EASYRL_ROLE``; the port is picked for this group, so several groups sharing a pool each have their own
+    ``torch.distributed`` world.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type,
+        pool: ResourcePool,
+        role: str,
+        *init_args: Any,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        env: dict[str, str] | None = None,
+        call_timeout_s: float | None = None,
+        init_timeout_s: float | None = 600.0,
+        **init_kwargs: Any,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not isinstance(worker_cls, type) or isinstance(worker_cls, ray.actor.ActorClass):
+            raise TypeError(f"worker_cls must be a plain Python class (not a Ray actor class), got {worker_cls!r}")
+        self.role = role
+        self.pool = pool
+        self.world_size = pool.world_size
+        self.worker_cls = worker_cls
+        self.call_timeout_s = call_timeout_s
+        self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pings: list[Any | None] = [None] * self.world_size
+        self._ping_sent: list[float] = [0.0] * self.world_size
+        self._failures: dict[int, BaseException] = {}
+
+        self.master_addr = pool.node_ip(0)
+        self.master_port = _free_port_on(pool.bundle_node_ids[0])
+        local_ranks = pool.local_ranks()
+        remote_cls: Any = ray.remote(worker_cls)
+        self._actors: list[Any] = []
+        for rank in range(self.world_size):
+            worker_env = {
+                **(env or {}),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(local_ranks[rank]),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "EASYRL_ROLE": role,
+            }
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pool.placement_group, placement_group_bundle_index=rank
+            )
+            actor = remote_cls.options(
+                num_cpus=num_cpus_per_worker,
+                num_gpus=num_gpus_per_worker,
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": worker_env},
+                max_restarts=0,
+            ).remote(*init_args, **init_kwargs)
+            self._actors.append(actor)
+        liveness.register_group(self)
+        try:
+            ready = [actor.__ray_ready__.remote() for actor in self._actors]
+            deadline = None if init_timeout_s is None else time.monotonic() + init_timeout_s
+            liveness.wait_for_results(ready, role, "__init__", timeout_s=init_timeout_s, deadline=deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "started %d %s workers (%s) rendezvous %s:%d",
+            self.world_size,
+            role,
+            worker_cls.__name__,
+            self.master_addr,
+            self.master_port,
+        )
+
+    # ----------------------------------------------------------------------------------------------- calling
+    @property
+    def methods(self) -> dict[str, Dispatch]:
+        """The callable methods of this group and their dispatch modes."""
+        return {name: spec.dispatch for name, spec in self._methods.items()}
+
+    def call_async(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> GroupCall:
+        """Start ``method`` on every rank and return at once; ``.result()`` waits and gathers.
+
+        Args:
+            method: the name of a method declared with :func:`~easyrl.distributed.register`.
+            args: positional arguments (for ``DP_SPLIT``, the first one is the batch to split).
+            timeout_s: the total timeout of this call, from now (default: the group's ``call_timeout_s``).
+            kwargs: keyword arguments, the same on every rank.
+        """
+        if self._closed:
+            raise RuntimeError(f"the {self.role} worker group is shut down")
+        spec = self._methods.get(method)
+        if spec is None:
+            raise AttributeError(self._undeclared(method))
+        if spec.dispatch is Dispatch.DP_SPLIT:
+            per_rank = split_dp_args(self.world_size, args, kwargs)
+        else:
+            per_rank = [(tuple(args), dict(kwargs))] * self.world_size
+        import ray
+
+        # Put shared arguments in the object store once instead of once per rank.
+        if spec.dispatch is not Dispatch.DP_SPLIT and self.world_size > 1:
+            shared_args = tuple(ray.put(a) if _is_large(a) else a for a in args)
+            per_rank = [(shared_args, dict(kwargs))] * self.world_size
+        refs = [
+            getattr(actor, method).remote(*rank_args, **rank_kwargs)
+            for actor, (rank_args, rank_kwargs) in zip(self._actors, per_rank, strict=True)
+        ]
+        return GroupCall(self, method, spec, refs, self.call_timeout_s if timeout_s is None else timeout_s)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run ``method`` on every rank and wait for the gathered result (see :meth:`call_async`)."""
+        return self.call_async(method, *args, timeout_s=timeout_s, **kwargs).result()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        methods = self.__dict__.get("_methods", {})
+        if name in methods:
+            return functools.partial(self.call, name)
+        raise AttributeError(self._undeclared(name))
+
+    def _undeclared(self, name: str) -> str:
+        cls = self.__dict__.get("worker_cls")
+        cls_name = cls.__name__ if cls is not None else "the worker class"
+        if cls is not None and callable(getattr(cls, name, None)):
+            return f"{cls_name}.{name} is not declared with @register(dispatch=...): it cannot be called on the group"
+        return f"{cls_name} has no method {name!r} declared with @register(dispatch=...)"
+
+    def check_alive(self) -> None:
+        """Raise if a worker of any live group is known dead (does not block)."""
+        liveness.check_alive()
+
+    # ---------------------------------------------------------------------------------------------- liveness
+    def _liveness_refs(self) -> dict[Any, int]:
+        """The outstanding pings of this group, by ref, after re-sending those due (used by the wait loop)."""
+        now = time.monotonic()
+        out: dict[Any, int] = {}
+        with self._lock:
+            if self._closed:
+                return out
+            for rank, actor in enumerate(self._actors):
+                if rank in self._failures:
+                    continue
+                if self._pings[rank] is None and now - self._ping_sent[rank] >= liveness.PING_INTERVAL_S:
+                    self._pings[rank] = actor.__ray_ready__.remote()
+                    self._ping_sent[rank] = now
+                ping = self._pings[rank]
+                if ping is not None:
+                    out[ping] = rank
+        return out
+
+    def _ping_done(self, rank: int, ref: Any, error: BaseException | None) -> None:
+        """Record a finished ping of ``rank``; ``error`` when it failed (the actor is gone)."""
+        with self._lock:
+            if self._pings[rank] is ref:
+                self._pings[rank] = None
+            if error is not None and not self._closed:
+                self._failures.setdefault(rank, error)
+
+    def _first_failure(self) -> tuple[int, BaseException] | None:
+        """The lowest rank known dead and the error of its failed ping, if any."""
+        with self._lock:
+            if self._closed or not self._failures:
+                return None
+            rank = min(self._failures)
+            return rank, self._failures[rank]
+
+    # ---------------------------------------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Kill the actors (idempotent). Running calls fail; the pool stays reserved."""
+        import ray
+
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        liveness.unregister_group(self)
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead or Ray shut down
+                logger.debug("killing a %s worker failed", self.role, exc_info=True)
+        self._pings = [None] * self.world_size
+        logger.info("shut down the %s workers", self.role)
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else "live"
+        return (
+            f"WorkerGroup(role={self.role!r}, cls={self.worker_cls.__name__}, world_size={self.world_size}, {state})"
+        )
+
+
+def _is_large(value: Any) -> bool:
+    """Whether an argument is worth one ``ray.put`` shared by every rank (tensors, arrays, batches)."""
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return False
+    return hasattr(value, "nbytes") or hasattr(value, "chunk") or hasattr(value, "element_size")
