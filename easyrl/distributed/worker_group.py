@@ -102,11 +102,11 @@ class GroupCall:
                     self._refs, self.group.role, self.method, timeout_s=self._timeout_s, deadline=self._deadline
                 )
                 self._value = self._gather(results)
-            except BaseException as exc:
+            except Exception as exc:  # a KeyboardInterrupt leaves the call waitable again
                 self._error = exc
-                raise
-            finally:
                 self._done = True
+                raise
+            self._done = True
         if self._error is not None:
             raise self._error
         return self._value
