@@ -25,7 +25,8 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"rollout: {w.rollout.name} engine, n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
-        + ("" if alg.disable_kl else ", ref") + (", critic" if alg.adv_estimator == "gae" else ""),
+        + ("" if alg.disable_kl else ", ref")
+        + (", critic" if alg.adv_estimator == "gae" else ""),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}",
@@ -56,7 +57,8 @@ def run_check(cfg: EasyRLConfig) -> int:
     print(f"dropped: {dropped or 'none'}", file=out)
     stats = train.prompt_length_stats()
     print(
-        "prompt tokens: " + ", ".join(f"{k}={v:.1f}" for k, v in stats.items())
+        "prompt tokens: "
+        + ", ".join(f"{k}={v:.1f}" for k, v in stats.items())
         + f" (max_prompt_length={cfg.data.max_prompt_length}, over it: {dropped.get('overlong_prompt', 0)})",
         file=out,
     )
@@ -64,8 +66,13 @@ def run_check(cfg: EasyRLConfig) -> int:
     first = train[0]
     print(first["raw_prompt"], file=out)
     print("== reward function", file=out)
-    sample = {**first["row"], "prompt": first["raw_prompt"], "response": str(first["ground_truth"]),
-              "response_length": 1, "ground_truth": first["ground_truth"]}
+    sample = {
+        **first["row"],
+        "prompt": first["raw_prompt"],
+        "response": str(first["ground_truth"]),
+        "response_length": 1,
+        "ground_truth": first["ground_truth"],
+    }
     with RewardManager(cfg.worker.reward) as manager:
         scores, _ = manager.score([sample])
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)

@@ -20,12 +20,27 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="path to the YAML config")
         cmd.add_argument("overrides", nargs="*", help="overrides such as worker.rollout.n=8")
+    text = "write an HTML report (curves and validation generations) of a run folder's file-logger output"
+    report = sub.add_parser("report", help=text, description=text)
+    report.add_argument("run_dir", help="the run folder holding experiment_log.jsonl and generations.jsonl")
+    report.add_argument("--output", default=None, help="HTML file to write (default RUN_DIR/report.html)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    if args.command == "report":
+        from easyrl.report import build_report
+
+        try:
+            print(build_report(args.run_dir, args.output))
+        except (FileNotFoundError, ImportError) as exc:
+            print(f"easyrl: {exc}", file=sys.stderr)
+            return 2
+        return 0
     from easyrl.config import ConfigError, load_config
 
     try:

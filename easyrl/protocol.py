@@ -68,7 +68,9 @@ class Batch:
 
     def union(self, other: Batch) -> Batch:
         """Fields of both (other wins on a clash); sizes must agree."""
-        return Batch({**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors}, {**self.meta, **other.meta})
+        return Batch(
+            {**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors}, {**self.meta, **other.meta}
+        )
 
     def index(self, idx: Sequence[int] | torch.Tensor) -> Batch:
         """The samples at positions `idx`, in that order."""
@@ -110,7 +112,7 @@ class Batch:
     @classmethod
     def concat(cls, parts: Iterable[Batch]) -> Batch:
         """Concatenate along the batch; tensors of different widths are right-padded with zeros first."""
-        parts = [p for p in parts]
+        parts = list(parts)
         if not parts:
             return cls()
         tensors = {}

@@ -37,7 +37,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def digits_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Small train/val jsonl files of the digit-copy task."""
     folder = tmp_path_factory.mktemp("data")
-    rows = [{"prompt": f"Copy: {a} {b} {c}", "answer": f"{a}{b}{c}"} for a in range(4) for b in range(4) for c in range(4)]
+    rows = [
+        {"prompt": f"Copy: {a} {b} {c}", "answer": f"{a}{b}{c}"} for a in range(4) for b in range(4) for c in range(4)
+    ]
     paths = {}
     for split, part in (("train", rows), ("val", rows[:8])):
         path = folder / f"{split}.jsonl"
@@ -67,7 +69,10 @@ def base_config(model_dir: str, data: dict[str, str], save_dir: str | Path) -> d
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": False},
             },
             "rollout": {"name": "hf", "n": 2, "temperature": 1.0, "dtype": "fp32"},
-            "reward": {"reward_function": str(REPO / "reward_functions" / "digits.py") + ":compute_score", "num_workers": 0},
+            "reward": {
+                "reward_function": str(REPO / "reward_functions" / "digits.py") + ":compute_score",
+                "num_workers": 0,
+            },
         },
         "trainer": {
             "total_epochs": 1,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -55,6 +55,9 @@ class AlgorithmConfig:
     """Adaptive entropy: highest coefficient."""
     entropy_init_coef: float = 0.0
     """Adaptive entropy: initial coefficient."""
+    user_modules: list[str] = field(default_factory=list)
+    """Python files imported in the driver and in every worker before the run: estimators and losses they
+    register with `@register_advantage_estimator` / `@register_policy_loss` can then be selected by name."""
     tis_cap: float | None = None
     """Truncated importance sampling against rollout/actor log-prob mismatch: weights capped at this value.
     None: off."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 import typing
 
@@ -14,7 +15,7 @@ def field_docs(schema: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
@@ -60,7 +61,9 @@ def render_config_reference() -> str:
         "in sync. Values load as dataclass defaults <- YAML file <- command-line `key=value`.",
         "",
     ]
-    sections: list[tuple[str, type]] = [(f.name, typing.get_type_hints(EasyRLConfig)[f.name]) for f in dataclasses.fields(EasyRLConfig)]
+    sections: list[tuple[str, type]] = [
+        (f.name, typing.get_type_hints(EasyRLConfig)[f.name]) for f in dataclasses.fields(EasyRLConfig)
+    ]
     while sections:
         name, schema = sections.pop(0)
         rows: list[str] = []

@@ -75,7 +75,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         except OmegaConfBaseException as exc:
             raise ConfigError("command line", f"cannot parse overrides {overrides}: {exc.msg}") from None
         _check_dotlist_form(overrides)
-        user = OmegaConf.merge(user, cli)
+        merged_cli = OmegaConf.merge(user, cli)
+        assert isinstance(merged_cli, DictConfig)
+        user = merged_cli
     user = _apply_easyr1_compat(user, notes)
     secret_paths = _interpolated_env_paths(user)
     _check_unknown_keys(user, EasyRLConfig, "")
@@ -87,10 +89,33 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         raise ConfigError(_key_of(exc), _type_message(exc)) from None
     assert isinstance(cfg, EasyRLConfig)
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
+    import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
     object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))
     object.__setattr__(cfg, "_notes", tuple(notes))
     return cfg
+
+
+def import_user_modules(paths: list[str]) -> None:
+    """Import the files of `algorithm.user_modules` (once per process) so their registrations take effect."""
+    import importlib.util
+    import sys
+
+    for i, file in enumerate(paths):
+        name = f"easyrl_user_module_{Path(file).stem}_{abs(hash(file)) % 10**8}"
+        if name in sys.modules:
+            continue
+        if not Path(file).is_file():
+            raise ConfigError(f"algorithm.user_modules[{i}]", f"file not found: {file}")
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ConfigError(f"algorithm.user_modules[{i}]", f"importing {file} failed: {exc!r}") from None
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> DictConfig:
@@ -177,7 +202,7 @@ def _interpolated_env_paths(user: DictConfig) -> set[str]:
 def _check_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
     names = {f.name: f for f in dataclasses.fields(schema)}
     for key in node:
-        full = f"{prefix}{key}"
+        full = f"{prefix}{key!s}"
         if key not in names:
             raise ConfigError(full, f"unknown key.{_suggest(str(key), list(names), prefix)}")
         ftype = _dataclass_type(schema, str(key))
@@ -237,12 +262,15 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     if cfg.worker.critic.model.tokenizer_path is None:
         cfg.worker.critic.model.tokenizer_path = cfg.worker.actor.model.tokenizer_path
     if cfg.trainer.save_checkpoint_path is None:
-        cfg.trainer.save_checkpoint_path = os.path.join("checkpoints", cfg.trainer.project_name, cfg.trainer.experiment_name)
+        cfg.trainer.save_checkpoint_path = os.path.join(
+            "checkpoints", cfg.trainer.project_name, cfg.trainer.experiment_name
+        )
     cfg.trainer.save_checkpoint_path = os.path.abspath(cfg.trainer.save_checkpoint_path)
     if cfg.trainer.load_checkpoint_path:
         cfg.trainer.load_checkpoint_path = os.path.abspath(cfg.trainer.load_checkpoint_path)
     for name in ("format_prompt", "image_dir", "video_dir"):
         setattr(cfg.data, name, absolute(getattr(cfg.data, name)))
+    cfg.algorithm.user_modules = [os.path.abspath(p) for p in cfg.algorithm.user_modules]
     rf = cfg.worker.reward.reward_function
     if rf:
         file, _, fn = rf.rpartition(":") if rf.rpartition(":")[0].endswith(".py") else (rf, "", "")
@@ -284,7 +312,9 @@ def _mask(tree: Any, prefix: str, secret_paths: frozenset[str], schema: set[str]
         out = {}
         for k, v in tree.items():
             path = f"{prefix}.{k}" if prefix else str(k)
-            out[k] = MASK if _is_secret(path, str(k), v, secret_paths, schema) else _mask(v, path, secret_paths, schema)
+            out[k] = (
+                MASK if _is_secret(path, str(k), v, secret_paths, schema) else _mask(v, path, secret_paths, schema)
+            )
         return out
     if isinstance(tree, (list, tuple)):
         return [_mask(v, prefix, secret_paths, schema) for v in tree]

@@ -174,9 +174,9 @@ def _check_files(cfg: EasyRLConfig) -> None:
     if chat and chat.endswith(".jinja") and not Path(chat).is_file():
         raise ConfigError("data.override_chat_template", f"template file not found: {chat}")
     for key in ("data.image_dir", "data.video_dir"):
-        value = _get(cfg, key)
-        if value and not Path(str(value)).is_dir():
-            raise ConfigError(key, f"folder not found: {value}")
+        folder = _get(cfg, key)
+        if folder and not Path(str(folder)).is_dir():
+            raise ConfigError(key, f"folder not found: {folder}")
     _check_reward_function(cfg.worker.reward.reward_function)
 
 
@@ -209,9 +209,7 @@ def _check_reward_function(spec: str | None) -> None:
     except SyntaxError as exc:
         raise ConfigError(key, f"{file} has a syntax error at line {exc.lineno}: {exc.msg}") from None
     names = {
-        node.name
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     } | {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
     if fn not in names:
         funcs = sorted(n for n in names if not n.isupper())

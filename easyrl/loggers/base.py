@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 
@@ -33,7 +32,7 @@ class Tracker:
             lg.log_config(config)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k: _plain(v) for k, v in sorted(metrics.items())}
+        clean = {k: float(v) for k, v in sorted(metrics.items())}  # non-finite values are kept: they are evidence
         for lg in self.loggers:
             lg.log_metrics(clean, step)
 
@@ -44,11 +43,6 @@ class Tracker:
     def close(self) -> None:
         for lg in self.loggers:
             lg.close()
-
-
-def _plain(value: Any) -> float:
-    v = float(value)
-    return v if math.isfinite(v) else v  # non-finite values are kept: they are evidence
 
 
 def build_tracker(names: list[str], run_dir: str, project: str, experiment: str, total_steps: int) -> Tracker:

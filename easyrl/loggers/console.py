@@ -12,16 +12,30 @@ from easyrl.loggers.base import Logger
 
 
 logger = logging.getLogger("easyrl")
-_HEADLINE = ("reward/overall", "val/reward_score", "response_length/mean", "actor/pg_loss", "actor/entropy",
-             "actor/grad_norm", "timing_s/step")
+_HEADLINE = (
+    "reward/overall",
+    "val/reward_score",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "timing_s/step",
+)
 
 
 class ConsoleLogger(Logger):
     def __init__(self, total_steps: int) -> None:
         self.console = Console(stderr=False, highlight=False)
         self.progress = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
-            TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=self.console, transient=False,
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, status="")
         self._started = False
@@ -33,7 +47,11 @@ class ConsoleLogger(Logger):
         if not self._started:
             self.progress.start()
             self._started = True
-        parts = [f"{k.split('/')[-1] if k != 'val/reward_score' else 'val'}={metrics[k]:.4g}" for k in _HEADLINE if k in metrics]
+        parts = [
+            f"{k.split('/')[-1] if k != 'val/reward_score' else 'val'}={metrics[k]:.4g}"
+            for k in _HEADLINE
+            if k in metrics
+        ]
         status = " ".join(parts)
         self.progress.update(self.task, completed=step, status=status)
         self.progress.console.print(f"step {step}: {status}")

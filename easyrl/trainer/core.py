@@ -49,9 +49,7 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
     batch.set(advantages=adv, returns=ret)
 
 
-def keep_informative_groups(
-    uids: Sequence[Hashable], scores: Sequence[float], low: float, high: float
-) -> list[int]:
+def keep_informative_groups(uids: Sequence[Hashable], scores: Sequence[float], low: float, high: float) -> list[int]:
     """DAPO dynamic sampling: indices of samples whose group's mean score lies strictly in (low, high).
 
     A group whose samples all score the same (all right or all wrong) has zero advantage under group
@@ -66,6 +64,15 @@ def keep_informative_groups(
         if low < mean < high:
             keep.extend(members)
     return sorted(keep)
+
+
+def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
+    """The first of `keys` holding a NaN/inf on a valid response token, or None."""
+    mask = batch["response_mask"].bool()
+    for key in keys:
+        if key in batch and not torch.isfinite(batch[key][mask]).all():
+            return key
+    return None
 
 
 def rollout_tis_weights(batch: Batch, cap: float) -> torch.Tensor:
@@ -95,16 +102,24 @@ def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int)
     seq_reward = batch["token_level_rewards"].sum(dim=1)
     out: dict[str, float] = {}
     for name, values in (("score", seq_score), ("rewards", seq_reward)):
-        out |= {f"critic/{name}/mean": float(values.mean()), f"critic/{name}/max": float(values.max()),
-                f"critic/{name}/min": float(values.min())}
+        out |= {
+            f"critic/{name}/mean": float(values.mean()),
+            f"critic/{name}/max": float(values.max()),
+            f"critic/{name}/min": float(values.min()),
+        }
     for name in ("advantages", "returns", "values"):
         if name in batch:
             valid = batch[name][mask.bool()]
             if valid.numel():
-                out |= {f"critic/{name}/mean": float(valid.mean()), f"critic/{name}/max": float(valid.max()),
-                        f"critic/{name}/min": float(valid.min())}
-    for name, lengths, limit in (("response_length", response_length, max_response_length),
-                                 ("prompt_length", prompt_length, max_prompt_length)):
+                out |= {
+                    f"critic/{name}/mean": float(valid.mean()),
+                    f"critic/{name}/max": float(valid.max()),
+                    f"critic/{name}/min": float(valid.min()),
+                }
+    for name, lengths, limit in (
+        ("response_length", response_length, max_response_length),
+        ("prompt_length", prompt_length, max_prompt_length),
+    ):
         out |= {
             f"{name}/mean": float(lengths.mean()),
             f"{name}/max": float(lengths.max()),

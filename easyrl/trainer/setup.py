@@ -34,7 +34,8 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
         from easyrl.config import ConfigError
 
         raise ConfigError(
-            "data.rollout_batch_size", f"{cfg.data.rollout_batch_size} is larger than the {len(train)} usable training rows"
+            "data.rollout_batch_size",
+            f"{cfg.data.rollout_batch_size} is larger than the {len(train)} usable training rows",
         )
     sampler = PromptSampler(len(train), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
     return tokenizer, train, val, sampler
@@ -75,7 +76,8 @@ class Workers:
         need_critic = cfg.algorithm.adv_estimator == "gae"
         roles = 1 + int(need_ref) + int(need_critic)
         share: dict[str, Any] = {
-            "num_cpus_per_worker": 1.0 / roles, "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
+            "num_cpus_per_worker": 1.0 / roles,
+            "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
             "call_timeout_s": cfg.trainer.worker_timeout_s,
         }
         self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)

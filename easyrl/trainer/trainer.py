@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from easyrl.trainer.core import (
     apply_kl_in_reward,
     compute_advantages,
     data_metrics,
+    first_nonfinite,
     keep_informative_groups,
     logprob_consistency,
     rollout_tis_weights,
@@ -43,24 +43,36 @@ class Trainer:
         self.reward = RewardManager(cfg.worker.reward)
         alg = cfg.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
-        self.entropy_ctrl = AdaptiveEntropyController(
-            alg.entropy_init_coef, alg.entropy_target, alg.entropy_delta, alg.entropy_min_coef, alg.entropy_max_coef
-        ) if alg.adaptive_entropy else None
+        self.entropy_ctrl = (
+            AdaptiveEntropyController(
+                alg.entropy_init_coef,
+                alg.entropy_target,
+                alg.entropy_delta,
+                alg.entropy_min_coef,
+                alg.entropy_max_coef,
+            )
+            if alg.adaptive_entropy
+            else None
+        )
         self.workers = build_workers(cfg, self.optimizer_steps)
         self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
         self.global_step = 0
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
         self.consecutive_skips = 0
         self.tracker = build_tracker(
-            cfg.trainer.logger, cfg.trainer.save_checkpoint_path or ".", cfg.trainer.project_name,
-            cfg.trainer.experiment_name, self.total_steps,
+            cfg.trainer.logger,
+            cfg.trainer.save_checkpoint_path or ".",
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            self.total_steps,
         )
         self.tracker.log_config(to_masked_dict(cfg))
 
     # ------------------------------------------------------------------ the algorithm
     def fit(self) -> dict[str, float]:
         """Run training to `total_steps`; returns the last step's metrics."""
-        cfg, metrics = self.cfg, {}
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
         if cfg.trainer.val_before_train or cfg.trainer.val_only:
             val = self.validate()
             self.tracker.log_metrics(val, self.global_step)
@@ -83,10 +95,16 @@ class Trainer:
                         batch = batch.union(self.critic.compute_values(batch))
                 with timer("adv", timings):
                     metrics |= self.compute_rewards_and_advantages(batch)
-                if self.critic is not None:
+                    bad = first_nonfinite(
+                        batch, ("token_level_scores", "token_level_rewards", "advantages", "returns")
+                    )
+                if self.critic is not None and bad is None:
                     with timer("update_critic", timings):
                         metrics |= self.critic.update_critic(batch)
-                if self.global_step > cfg.trainer.critic_warmup:
+                if bad is not None:  # never let a non-finite value reach an optimizer
+                    metrics |= {"actor/skipped_updates": 1.0, f"training/nonfinite/{bad}": 1.0}
+                    self.check_skipped_updates(metrics, culprit=bad)
+                elif self.global_step > cfg.trainer.critic_warmup:
                     with timer("update_actor", timings):
                         metrics |= self.actor.update_actor(batch)
                     self.check_skipped_updates(metrics)
@@ -107,7 +125,8 @@ class Trainer:
         want = cfg.data.rollout_batch_size
         per_try = (cfg.data.mini_rollout_batch_size or want) if alg.online_filtering else want
         kept: list[Batch] = []
-        kept_prompts, tries, metrics = 0, 0, {}
+        kept_prompts, tries = 0, 0
+        metrics: dict[str, float] = {}
         while kept_prompts < want:
             tries += 1
             if alg.online_filtering and 0 < alg.max_try_make_batch < tries:
@@ -125,7 +144,9 @@ class Trainer:
             if not alg.online_filtering:
                 return batch, {**metrics, **reward_metrics}
             metrics |= reward_metrics
-            keep = keep_informative_groups(batch["uid"], [s[alg.filter_key] for s in scores], alg.filter_low, alg.filter_high)
+            keep = keep_informative_groups(
+                batch["uid"], [s[alg.filter_key] for s in scores], alg.filter_low, alg.filter_high
+            )
             if keep:
                 kept.append(batch.index(keep))
                 kept_prompts += len(keep) // cfg.worker.rollout.n
@@ -136,7 +157,9 @@ class Trainer:
     def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
         n = int((overrides or {}).get("n", self.cfg.worker.rollout.n))
         prompts = prompts.repeat_interleave(n)
-        prompts.meta.update(seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides))
+        prompts.meta.update(
+            seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides)
+        )
         out = self.actor.generate_sequences(prompts)
         metrics |= out.meta.pop("timing", {})
         return prompts.union(out)
@@ -156,7 +179,9 @@ class Trainer:
         )
         inputs = [
             {**row, "prompt": prompt, "response": text, "response_length": int(n), "ground_truth": gt}
-            for row, prompt, text, n, gt in zip(batch["row"], batch["raw_prompt"], texts, lengths, batch["ground_truth"])
+            for row, prompt, text, n, gt in zip(
+                batch["row"], batch["raw_prompt"], texts, lengths, batch["ground_truth"]
+            )
         ]
         scores, metrics = self.reward.score(inputs)
         if store:
@@ -165,7 +190,8 @@ class Trainer:
         return scores, metrics
 
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
-        alg, metrics = self.cfg.algorithm, {}
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
         if not alg.disable_kl and not alg.use_kl_loss:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
@@ -184,13 +210,17 @@ class Trainer:
         metrics["actor/entropy_coeff"] = batch.meta["entropy_coeff"]
         return metrics
 
-    def check_skipped_updates(self, metrics: dict[str, float]) -> None:
+    def check_skipped_updates(self, metrics: dict[str, float], culprit: str | None = None) -> None:
         """Count updates skipped for non-finite values; too many in a row stops the run."""
         skipped = metrics.get("actor/skipped_updates", 0.0)
         self.consecutive_skips = self.consecutive_skips + 1 if skipped > 0 else 0
+        metrics["actor/consecutive_skips"] = float(self.consecutive_skips)
+        if skipped > 0:
+            if culprit is None:
+                culprit = "actor loss" if metrics.get("actor/nonfinite_loss", 0.0) > 0 else "actor/grad_norm"
+            logger.warning("step %d: update skipped for a non-finite %s", self.global_step, culprit)
         limit = self.cfg.worker.actor.max_consecutive_skips
         if self.consecutive_skips >= limit:
-            culprit = next((k for k, v in sorted(metrics.items()) if not math.isfinite(v)), "actor/grad_norm")
             raise TrainingError(
                 f"step {self.global_step}: {self.consecutive_skips} consecutive actor updates skipped for "
                 f"non-finite values (first non-finite: {culprit}); see worker.actor.max_consecutive_skips"
@@ -213,7 +243,9 @@ class Trainer:
         generations: list[dict[str, Any]] = []
         for start in range(0, len(self.val_data), size):
             items = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
-            prompts = self.workers.pad_for_dp(_as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length)))
+            prompts = self.workers.pad_for_dp(
+                _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
+            )
             batch = self.generate(prompts.batch, seed=10**6 + start, metrics={}, overrides=overrides)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
             scores, _ = self.score(batch)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+
 import torch
 
 from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from easyrl.config import EasyRLConfig
+from easyrl.config.loader import import_user_modules
 from easyrl.distributed import Dispatch, init_distributed, register
 from easyrl.protocol import Batch
 from easyrl.workers.common import batched_log_probs, optimize, token_log_probs
@@ -38,6 +40,7 @@ def _setup_process(cfg: EasyRLConfig) -> torch.device:
         torch.set_num_threads(int(os.environ.get("EASYRL_NUM_THREADS", "1")))
     init_distributed()
     seed_everything(cfg.trainer.seed)
+    import_user_modules(cfg.algorithm.user_modules)
     return worker_device()
 
 
@@ -126,8 +129,12 @@ class ActorWorker:
         """The policy's log-prob (B, R) and entropy (B, R) of each response token before the update."""
         self.model.eval()
         lp, ent = batched_log_probs(
-            self.model, batch, self.device, self.cfg.worker.rollout.temperature,
-            self.cfg.worker.actor.micro_batch_size_per_device_for_experience, with_entropy=True,
+            self.model,
+            batch,
+            self.device,
+            self.cfg.worker.rollout.temperature,
+            self.cfg.worker.actor.micro_batch_size_per_device_for_experience,
+            with_entropy=True,
         )
         assert ent is not None
         return Batch({"old_log_probs": lp, "entropys": ent})
@@ -144,7 +151,9 @@ class ActorWorker:
 
         def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"].to(self.device).float()
-            log_prob, entropy = token_log_probs(self.model, mb, self.device, temperature, with_entropy=entropy_coeff != 0)
+            log_prob, entropy = token_log_probs(
+                self.model, mb, self.device, temperature, with_entropy=entropy_coeff != 0
+            )
             pg_loss, pg_metrics = policy_loss(
                 old_log_prob=mb["old_log_probs"].to(self.device),
                 log_prob=log_prob,
@@ -164,7 +173,9 @@ class ActorWorker:
                 loss = loss - entropy_coeff * ent
                 metrics["actor/entropy"] = float(ent.detach())
             if use_kl_loss:
-                kl = kl_penalty(log_prob=log_prob, ref_log_prob=mb["ref_log_probs"].to(self.device), kl_penalty=alg.kl_penalty)
+                kl = kl_penalty(
+                    log_prob=log_prob, ref_log_prob=mb["ref_log_probs"].to(self.device), kl_penalty=alg.kl_penalty
+                )
                 kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=acfg.loss_avg_mode)
                 loss = loss + alg.kl_coef * kl_loss
                 metrics["actor/kl_loss"] = float(kl_loss.detach())
@@ -173,7 +184,10 @@ class ActorWorker:
 
         mini = acfg.global_batch_size * self.cfg.worker.rollout.n // _world_size()
         metrics = optimize(
-            self.model, self.optimizer, self.scheduler, batch,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
             mini_batch_size=mini,
             micro_batch_size=acfg.micro_batch_size_per_device_for_update,
             epochs=acfg.ppo_epochs,
@@ -184,7 +198,6 @@ class ActorWorker:
         )
         self._engine_stale = True
         return metrics
-
 
     @register(dispatch=Dispatch.RANK0)
     def full_weights(self) -> dict[str, torch.Tensor] | None:

@@ -39,7 +39,11 @@ def token_log_probs(
 
 @torch.no_grad()
 def batched_log_probs(
-    model: nn.Module, batch: Batch, device: torch.device, temperature: float, micro_batch_size: int,
+    model: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    temperature: float,
+    micro_batch_size: int,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_log_probs` over a whole batch in micro-batches: (B, R) each, on CPU."""
@@ -77,7 +81,7 @@ def optimize(
     (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
-    skipped = 0
+    skipped = nonfinite_loss = nonfinite_grad = 0
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
@@ -93,15 +97,20 @@ def optimize(
                     metrics[k].append(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if all_finite(grad_norm_value) and all_finite(loss_sum):
+            loss_ok = all_finite(loss_sum)
+            grad_ok = all_finite(grad_norm_value)
+            if loss_ok and grad_ok:
                 optimizer.step()
                 metrics[f"{prefix}/grad_norm"].append(grad_norm_value)
-            else:
+            else:  # the gradients are dropped: nothing non-finite reaches the optimizer
                 skipped += 1
+                nonfinite_loss += int(not loss_ok)
+                nonfinite_grad += int(loss_ok and not grad_ok)
                 optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            metrics[f"{prefix}/lr"].append(scheduler.get_last_lr()[0])
+            metrics[f"{prefix}/lr"].append(float(scheduler.get_last_lr()[0]))
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     out[f"{prefix}/skipped_updates"] = float(skipped)
+    out[f"{prefix}/nonfinite_loss"] = float(nonfinite_loss)
+    out[f"{prefix}/nonfinite_grad_norm"] = float(nonfinite_grad)
     return out
-

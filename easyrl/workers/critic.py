@@ -71,7 +71,10 @@ class CriticWorker:
 
         mini = ccfg.global_batch_size * self.cfg.worker.rollout.n // int(os.environ.get("WORLD_SIZE", "1"))
         return optimize(
-            self.model, self.optimizer, self.scheduler, batch,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
             mini_batch_size=mini,
             micro_batch_size=ccfg.micro_batch_size_per_device_for_update,
             epochs=ccfg.ppo_epochs,

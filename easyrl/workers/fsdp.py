@@ -67,9 +67,12 @@ def shard_model(
     gloo reductions gain nothing from it).
     """
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable: Any = model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp_cfg.mp_param_dtype], reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype])
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[fsdp_cfg.mp_param_dtype], reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype]
+        )
     else:
         mp = MixedPrecisionPolicy()
     offload: OffloadPolicy = CPUOffloadPolicy() if fsdp_cfg.enable_cpu_offload else OffloadPolicy()
@@ -91,7 +94,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)  # type: ignore[arg-type]
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then constant or cosine (down to `min_lr_ratio`), stepped once per optimizer step."""
     warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps is not None else int(cfg.lr_warmup_ratio * total_steps)
 

@@ -28,7 +28,9 @@ def test_precedence_defaults_yaml_cli(good_config: str) -> None:
     assert cfg.worker.reward.reward_function.endswith("digits.py:compute_score")
 
 
-def test_reward_function_default_name_is_main(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:
+def test_reward_function_default_name_is_main(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["worker"]["reward"]["reward_function"] = str(REPO / "reward_functions" / "digits.py")
     cfg = load_config(write_config(tmp_path / "c.yaml", conf))
@@ -39,7 +41,10 @@ def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -
     monkeypatch.setenv("EASYRL_TEST_SECRET", "s3cr3t-value-123")
     cfg = load_config(
         good_config,
-        ["+worker.reward.reward_function_kwargs.api_key=sk-abcdef", "trainer.experiment_name=${oc.env:EASYRL_TEST_SECRET}"],
+        [
+            "+worker.reward.reward_function_kwargs.api_key=sk-abcdef",
+            "trainer.experiment_name=${oc.env:EASYRL_TEST_SECRET}",
+        ],
     )
     assert cfg.trainer.experiment_name == "s3cr3t-value-123"  # resolved for use
     text = json.dumps(to_masked_dict(cfg))
@@ -49,7 +54,9 @@ def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -
     assert masked["data"]["prompt_key"] == "prompt"  # our own *_key fields are not secrets
 
 
-def test_easyr1_config_loads_with_documented_renames(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:
+def test_easyr1_config_loads_with_documented_renames(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
     """An EasyR1-schema config (examples/config.yaml layout) loads; renamed keys are mapped and reported."""
     easyr1 = f"""
 data:
@@ -173,21 +180,48 @@ BAD = [
     ("enum-kl-type", {"algorithm.kl_type": "pid"}, "algorithm.kl_type", "adaptive"),
     ("enum-optim", {"worker.actor.optim.strategy": "sgd"}, "worker.actor.optim.strategy", "adamw"),
     ("group-needs-n", {"worker.rollout.n": 1}, "worker.rollout.n", "n >= 2"),
-    ("rollout-divisible", {"algorithm.adv_estimator": "reinforce_plus_plus", "worker.rollout.n": 1,
-                           "data.rollout_batch_size": 3, "worker.actor.global_batch_size": 1}, "data.rollout_batch_size", "workers"),
+    (
+        "rollout-divisible",
+        {
+            "algorithm.adv_estimator": "reinforce_plus_plus",
+            "worker.rollout.n": 1,
+            "data.rollout_batch_size": 3,
+            "worker.actor.global_batch_size": 1,
+        },
+        "data.rollout_batch_size",
+        "workers",
+    ),
     ("global-divides-rollout", {"worker.actor.global_batch_size": 3}, "worker.actor.global_batch_size", "divide"),
     ("global-too-big", {"worker.actor.global_batch_size": 8}, "worker.actor.global_batch_size", "divide"),
-    ("micro-divides", {"worker.actor.micro_batch_size_per_device_for_update": 3},
-     "worker.actor.micro_batch_size_per_device_for_update", "divide"),
+    (
+        "micro-divides",
+        {"worker.actor.micro_batch_size_per_device_for_update": 3},
+        "worker.actor.micro_batch_size_per_device_for_update",
+        "divide",
+    ),
     ("context-length", {"data.max_response_length": 5000}, "data.max_response_length", "context"),
-    ("model-missing", {"worker.actor.model.model_path": "/nonexistent/model"}, "worker.actor.model.model_path", "config.json"),
+    (
+        "model-missing",
+        {"worker.actor.model.model_path": "/nonexistent/model"},
+        "worker.actor.model.model_path",
+        "config.json",
+    ),
     ("model-required", {"worker.actor.model.model_path": None}, "worker.actor.model.model_path", "required"),
     ("train-missing", {"data.train_files": "/nonexistent/train.jsonl"}, "data.train_files", "not found"),
     ("val-missing", {"data.val_files": "/nonexistent/val.parquet"}, "data.val_files", "not found"),
     ("template-missing", {"data.format_prompt": "/nonexistent/t.jinja"}, "data.format_prompt", "not found"),
-    ("reward-file-missing", {"worker.reward.reward_function": "/nonexistent/r.py:fn"}, "worker.reward.reward_function", "not found"),
-    ("reward-fn-missing", {"worker.reward.reward_function": str(REPO / "reward_functions" / "digits.py") + ":nope"},
-     "worker.reward.reward_function", "compute_score"),
+    (
+        "reward-file-missing",
+        {"worker.reward.reward_function": "/nonexistent/r.py:fn"},
+        "worker.reward.reward_function",
+        "not found",
+    ),
+    (
+        "reward-fn-missing",
+        {"worker.reward.reward_function": str(REPO / "reward_functions" / "digits.py") + ":nope"},
+        "worker.reward.reward_function",
+        "compute_score",
+    ),
     ("reward-not-py", {"worker.reward.reward_function": "rewards.txt:fn"}, "worker.reward.reward_function", "file.py"),
     ("temperature", {"worker.rollout.temperature": -1.0}, "worker.rollout.temperature", ">= 0"),
     ("top-p", {"worker.rollout.top_p": 0.0}, "worker.rollout.top_p", "(0, 1]"),
@@ -197,7 +231,12 @@ BAD = [
     ("tp-size", {"worker.rollout.tensor_parallel_size": 3}, "worker.rollout.tensor_parallel_size", "divide"),
     ("image-dir", {"data.image_dir": "/nonexistent/images"}, "data.image_dir", "not found"),
     ("override-form", ["worker.rollout.n"], "worker.rollout.n", "key=value"),
-    ("env-missing", ["trainer.experiment_name=${oc.env:EASYRL_SURELY_UNSET_VAR}"], "trainer.experiment_name", "EASYRL_SURELY_UNSET_VAR"),
+    (
+        "env-missing",
+        ["trainer.experiment_name=${oc.env:EASYRL_SURELY_UNSET_VAR}"],
+        "trainer.experiment_name",
+        "EASYRL_SURELY_UNSET_VAR",
+    ),
 ]
 
 
@@ -235,7 +274,9 @@ def test_cli_exits_2_fast_naming_the_key(tmp_path: Path, tiny_model_dir: str, di
     conf["worker"]["rollout"]["temprature"] = 0.5
     path = write_config(tmp_path / "bad.yaml", conf)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "easyrl.cli", "train", path], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "easyrl.cli", "train", path], capture_output=True, text=True, timeout=60
+    )
     elapsed = time.perf_counter() - start
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -32,8 +32,16 @@ def ray_session():
     ray.shutdown()
 
 
-def run(tmp_path: Path, model: str, data: dict[str, str], edits: dict[str, Any], steps: int,
-        weights: bool = False) -> tuple[list[dict[str, float]], dict | None, dict | None]:
+def run(
+    tmp_path: Path,
+    model: str,
+    data: dict[str, str],
+    edits: dict[str, Any],
+    steps: int,
+    weights: bool = False,
+    weights_each_step: list | None = None,
+) -> tuple[list[dict[str, float]], dict | None, dict | None]:
+    """Train `steps` steps with `edits` on the base test config; returns the logged rows (and weights)."""
     from easyrl.trainer.trainer import Trainer
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -49,7 +57,14 @@ def run(tmp_path: Path, model: str, data: dict[str, str], edits: dict[str, Any],
     trainer = Trainer(cfg)
     try:
         before = trainer.actor.full_weights() if weights else None
-        trainer.fit()
+        if weights_each_step is None:
+            trainer.fit()
+        else:  # one step at a time, keeping the policy after each
+            weights_each_step.append(trainer.actor.full_weights())
+            for step in range(1, steps + 1):
+                trainer.total_steps = step
+                trainer.fit()
+                weights_each_step.append(trainer.actor.full_weights())
         after = trainer.actor.full_weights() if weights else None
     finally:
         trainer.close()
@@ -68,8 +83,17 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
     rows, before, after = run(tmp_path, tiny_model_dir, digits_data, {}, steps=3, weights=True)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_finite(rows)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "reward/overall", "response_length/mean",
-                "timing_s/gen", "timing_s/update_actor", "perf/throughput", "actor/entropy_rollout"):
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/lr",
+        "reward/overall",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "perf/throughput",
+        "actor/entropy_rollout",
+    ):
         assert key in rows[-1], key
     assert before is not None and after is not None and before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
@@ -79,8 +103,11 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
 @pytest.mark.parametrize(
     "edits",
     [
-        {"algorithm.adv_estimator": "gae", "worker.critic.global_batch_size": 2,
-         "worker.critic.micro_batch_size_per_device_for_update": 2},
+        {
+            "algorithm.adv_estimator": "gae",
+            "worker.critic.global_batch_size": 2,
+            "worker.critic.micro_batch_size_per_device_for_update": 2,
+        },
         {"algorithm.adv_estimator": "reinforce_plus_plus"},
         {"algorithm.adv_estimator": "rloo"},
         {"algorithm.adv_estimator": "remax"},
@@ -104,8 +131,14 @@ def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -
 
 
 def test_online_filtering_refills_the_batch(tmp_path, tiny_model_dir, digits_data) -> None:
-    edits = {"algorithm.online_filtering": True, "algorithm.filter_low": 0.0, "algorithm.filter_high": 1.0,
-             "algorithm.max_try_make_batch": 30, "data.mini_rollout_batch_size": 2, "worker.rollout.n": 4}
+    edits = {
+        "algorithm.online_filtering": True,
+        "algorithm.filter_low": 0.0,
+        "algorithm.filter_high": 1.0,
+        "algorithm.max_try_make_batch": 30,
+        "data.mini_rollout_batch_size": 2,
+        "worker.rollout.n": 4,
+    }
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert_finite(rows)
     # The batch always ends full: rollout_batch_size prompts x n samples.

@@ -59,15 +59,19 @@ class RolloutEngine(ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights in memory, one (HF parameter name, full tensor) pair at a time."""
 
-    def sleep(self) -> None:
+    def sleep(self) -> None:  # noqa: B027  (optional hook: engines without sleep mode keep the no-op)
         """Release accelerator memory (weights and KV cache) until `wake_up`. No-op where unsupported."""
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:  # noqa: B027
         """Re-acquire memory: `["weights"]` before `load_weights`, `["kv_cache"]` before generating."""
 
 
 def assemble_sequences(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_ids: set[int], pad_id: int,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    eos_ids: set[int],
+    pad_id: int,
     log_probs: torch.Tensor,
 ) -> Batch:
     """Build the full-sequence fields from left-padded prompts and raw responses (B, R).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -22,12 +23,17 @@ logger = logging.getLogger(__name__)
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(
-        self, model_path: str, device: torch.device, dtype: torch.dtype, eos_token_ids: list[int], pad_token_id: int,
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_token_ids: list[int],
+        pad_token_id: int,
         trust_remote_code: bool = False,
     ) -> None:
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.model.to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model = model.to(device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -57,7 +63,9 @@ class HFRolloutEngine(RolloutEngine):
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
+            out: Any = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg
+            )
         prompt_len = input_ids.shape[1]
         responses = out.sequences[:, prompt_len:]
         if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width
