@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="path to the YAML config")
         cmd.add_argument("overrides", nargs="*", help="overrides such as worker.rollout.n=8")
+    sub.add_parser("merge", add_help=False, help="merge a sharded checkpoint into a Hugging Face folder")
     text = "write an HTML report (curves and validation generations) of a run folder's file-logger output"
     report = sub.add_parser("report", help=text, description=text)
     report.add_argument("run_dir", help="the run folder holding experiment_log.jsonl and generations.jsonl")
@@ -28,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["merge"]:  # `easyrl merge` has its own parser
+        from easyrl.merge import main as merge_main
+
+        return merge_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"

@@ -1,0 +1,158 @@
+"""Durable file-system primitives for checkpoints, and the only readers the package uses.
+
+Every mutating step of a save goes through a function of this module (write, fsync, rename, replace, remove),
+so a crash can only happen between two of them, and tests can inject a failure at each boundary by
+monkeypatching these functions. Reading is restricted to JSON and safetensors: nothing here (or anywhere in the
+package) unpickles, so a planted pickle payload is refused as malformed and never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from easyrl.checkpoint.errors import CheckpointError
+
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_file(path: str) -> None:
+    """Flush a file's data and metadata to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (new, renamed or removed names) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems do not support fsync on directories
+        logger.debug("fsync of directory %s not supported", path, exc_info=True)
+    finally:
+        os.close(fd)
+
+
+def makedirs(path: str) -> None:
+    """Create `path` (and parents) if missing."""
+    os.makedirs(path, exist_ok=True)
+
+
+def rename(src: str, dst: str) -> None:
+    """Atomically rename `src` to `dst` (same file system); `dst` must not be a non-empty directory."""
+    os.rename(src, dst)
+
+
+def replace(src: str, dst: str) -> None:
+    """Atomically replace the file `dst` by `src`."""
+    os.replace(src, dst)
+
+
+def rmtree(path: str) -> None:
+    """Remove a folder tree, ignoring a folder that is already gone."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (not atomic: use inside a folder not yet committed)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write `obj` as JSON and fsync it. Raises CheckpointError if `obj` is not JSON-serializable."""
+    try:
+        text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot write {path}: the state is not JSON-serializable ({exc})") from exc
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Replace `path` by `obj` as JSON atomically: write a temp file, fsync, os.replace, fsync the folder."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    write_json(tmp, obj)
+    replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy a file's bytes and fsync the copy."""
+    shutil.copyfile(src, dst)
+    fsync_file(dst)
+
+
+def save_tensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` (moved to CPU, made contiguous) as safetensors and fsync the file."""
+    from safetensors.torch import save_file
+
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    save_file(cpu, path, metadata=dict(metadata) if metadata else None)
+    fsync_file(path)
+
+
+def read_json(path: str) -> Any:
+    """Parse a JSON file; anything else (a pickle, binary junk, a missing file) raises CheckpointError."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        return json.loads(raw.decode("utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON; refusing to load it ({exc})") from exc
+
+
+def read_tensor_metadata(path: str) -> dict[str, str]:
+    """The `__metadata__` of a safetensors header, validating the file (CheckpointError if it is not safetensors)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return dict(handle.metadata() or {})
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except Exception as exc:  # SafetensorError and friends: malformed header, truncated file, ...
+        raise CheckpointError(
+            f"checkpoint file {path} is not a valid safetensors file; refusing to load it ({exc})"
+        ) from exc
+
+
+def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the header metadata of a safetensors file (CheckpointError if it is not safetensors)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            meta = dict(handle.metadata() or {})
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint file {path} is not a valid safetensors file; refusing to load it ({exc})"
+        ) from exc
+    return tensors, meta
+
+
+def json_metadata(meta: Mapping[str, str], key: str, path: str) -> Any:
+    """Decode the JSON stored under `key` in a safetensors header."""
+    if key not in meta:
+        raise CheckpointError(f"checkpoint file {path} has no {key!r} entry in its header (not written by easyrl?)")
+    try:
+        return json.loads(meta[key])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint file {path} has a malformed {key!r} header entry ({exc})") from exc

@@ -1,0 +1,345 @@
+"""The driver side: atomic checkpoint folders, the `latest` tracker, pruning, and the trainer's own state.
+
+A save goes::
+
+    tmp = manager.begin(step)                    # <root>/.tmp_global_step_<N>_<random>
+    actor.save_checkpoint(f"{tmp}/actor", ...)   # the workers write their shards
+    write_trainer_state(tmp, state)              # trainer_state.json + trainer_rng.safetensors
+    manager.commit(tmp, step, val_score)         # manifest, rename, tracker, prune
+
+`commit` writes the `COMPLETE` manifest last (file names and sizes), fsyncs, renames the folder to
+`<root>/global_step_<N>`, fsyncs the root, atomically replaces `latest_checkpointed_iteration.txt`, and only
+then prunes old checkpoints. A crash at any point leaves every previously committed checkpoint intact; the
+next `CheckpointManager` on the same root removes the leftovers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import secrets
+import time
+from typing import Any
+
+from easyrl.checkpoint import fsio
+from easyrl.checkpoint.errors import CheckpointError
+from easyrl.checkpoint.rng import RngState
+
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "global_step_"
+TMP_PREFIX = ".tmp_global_step_"
+OLD_PREFIX = ".old_global_step_"
+TRASH_PREFIX = ".trash_global_step_"
+MANIFEST = "COMPLETE"
+TRACKER = "latest_checkpointed_iteration.txt"
+SCORES = "checkpoint_scores.json"
+TRAINER_STATE = "trainer_state.json"
+TRAINER_RNG = "trainer_rng.safetensors"
+MANIFEST_FORMAT = "easyrl-checkpoint-v1"
+_STEP_RE = re.compile(r"^global_step_(\d+)$")
+_HIDDEN_RE = re.compile(r"^\.(?:tmp|old|trash)_global_step_(\d+)_[0-9a-f]+$")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _list_files(folder: str) -> list[str]:
+    """Relative paths of every file under `folder` (the manifest excluded), sorted."""
+    out = []
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), folder)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def read_manifest(folder: str) -> dict[str, Any] | None:
+    """The `COMPLETE` manifest of a checkpoint folder, or None when it is missing or malformed."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        manifest = fsio.read_json(path)
+    except CheckpointError:
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    return manifest
+
+
+def is_complete(folder: str, verify_checksums: bool = False) -> bool:
+    """Whether `folder` holds a manifest and every file it lists, each with the listed size (and hash)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+    root = os.path.abspath(folder)
+    for rel, entry in manifest["files"].items():
+        path = os.path.abspath(os.path.join(folder, rel))
+        if not path.startswith(root + os.sep) or not isinstance(entry, dict):
+            return False
+        try:
+            if os.path.getsize(path) != entry.get("size"):
+                return False
+        except OSError:
+            return False
+        if verify_checksums and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return False
+    return True
+
+
+def is_resumable(folder: str) -> bool:
+    """Whether a complete checkpoint carries the trainer state needed to resume (not saved model-only)."""
+    manifest = read_manifest(folder)
+    return bool(manifest and manifest.get("resumable")) and is_complete(folder)
+
+
+# --------------------------------------------------------------------------------------------- trainer state
+def write_trainer_state(folder: str, state: dict[str, Any], rng: RngState | None = None) -> None:
+    """Write the driver's state (`trainer_state.json`) and RNG (`trainer_rng.safetensors`) into `folder`.
+
+    `state` must be JSON-serializable (step counters, sampler / controller `state_dict()`s...). `rng` defaults
+    to the calling process's RNG state; its Python/NumPy part is stored inside `trainer_state.json`.
+    """
+    rng = rng or RngState.capture()
+    fsio.save_tensors(os.path.join(folder, TRAINER_RNG), rng.tensors, {"format": "easyrl-rng-v1"})
+    fsio.write_json(os.path.join(folder, TRAINER_STATE), {"format": MANIFEST_FORMAT, "state": state, "rng": rng.info})
+
+
+def read_trainer_state(folder: str) -> tuple[dict[str, Any], RngState]:
+    """(state, RNG) written by :func:`write_trainer_state`; only JSON and safetensors are parsed."""
+    path = os.path.join(folder, TRAINER_STATE)
+    doc = fsio.read_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict) or not isinstance(doc.get("rng"), dict):
+        raise CheckpointError(f"{path} is not a trainer state written by easyrl")
+    tensors, _ = fsio.read_tensors(os.path.join(folder, TRAINER_RNG))
+    if "torch_cpu" not in tensors:
+        raise CheckpointError(f"{os.path.join(folder, TRAINER_RNG)} has no torch_cpu generator state")
+    return doc["state"], RngState(tensors, doc["rng"])
+
+
+# --------------------------------------------------------------------------------------------- the manager
+class CheckpointManager:
+    """Commits, finds and prunes the `global_step_<N>` checkpoints under `root`.
+
+    Args:
+        root: the checkpoint folder of the run (created if missing).
+        save_limit: keep the newest `save_limit` complete checkpoints plus the best by validation score;
+            -1 keeps all.
+        higher_is_better: whether a higher validation score is better.
+        checksums: also record (and let `is_complete(..., verify_checksums=True)` check) SHA-256 of every file.
+    """
+
+    def __init__(
+        self, root: str, save_limit: int = -1, higher_is_better: bool = True, checksums: bool = False
+    ) -> None:
+        if save_limit == 0 or save_limit < -1:
+            raise ValueError(f"save_limit must be -1 (keep all) or a positive number, got {save_limit}")
+        self.root = os.path.abspath(root)
+        self.save_limit = save_limit
+        self.higher_is_better = higher_is_better
+        self.checksums = checksums
+        fsio.makedirs(self.root)
+        self._recover()
+
+    # ------------------------------------------------------------------ paths
+    def step_folder(self, step: int) -> str:
+        return os.path.join(self.root, f"{STEP_PREFIX}{step}")
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete `global_step_*` folders, ascending."""
+        steps = []
+        for entry in os.listdir(self.root):
+            match = _STEP_RE.match(entry)
+            if match and is_complete(os.path.join(self.root, entry)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    # ------------------------------------------------------------------ startup
+    def _recover(self) -> None:
+        """Undo what a crash left: restore a checkpoint moved aside while being replaced, drop temp folders."""
+        for entry in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, entry)
+            match = _HIDDEN_RE.match(entry)
+            if match and entry.startswith(OLD_PREFIX):
+                target = self.step_folder(int(match.group(1)))
+                if not is_complete(target) and is_complete(path):
+                    if os.path.exists(target):
+                        fsio.rename(
+                            target, os.path.join(self.root, f"{TRASH_PREFIX}{match.group(1)}_{secrets.token_hex(4)}")
+                        )
+                    fsio.rename(path, target)
+                    fsio.fsync_dir(self.root)
+                    logger.warning("restored %s, which a crash left aside while it was being replaced", target)
+                    continue
+        for entry in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, entry)
+            if _HIDDEN_RE.match(entry) or (entry.startswith(f"{TRACKER}.tmp") or entry.startswith(f"{SCORES}.tmp")):
+                logger.info("removing %s left by an interrupted save", path)
+                if os.path.isdir(path):
+                    fsio.rmtree(path)
+                else:
+                    os.remove(path)
+        fsio.fsync_dir(self.root)
+
+    # ------------------------------------------------------------------ saving
+    def begin(self, step: int) -> str:
+        """Create and return the temporary folder `<root>/.tmp_global_step_<step>_<random>` to write into."""
+        tmp = os.path.join(self.root, f"{TMP_PREFIX}{step}_{secrets.token_hex(4)}")
+        fsio.makedirs(tmp)
+        return tmp
+
+    def abort(self, tmp: str) -> None:
+        """Throw away a temporary folder whose save failed."""
+        try:
+            fsio.rmtree(tmp)
+        except OSError:
+            logger.warning("could not remove %s (it will be removed at the next start)", tmp, exc_info=True)
+
+    def commit(self, tmp: str, step: int, val_score: float | None = None) -> str:
+        """Seal `tmp` (manifest, fsync), publish it as `global_step_<step>`, update the tracker, then prune.
+
+        Returns the final folder. If a `global_step_<step>` already exists it is replaced (moved aside first,
+        restored by the next start if a crash interrupts the swap).
+        """
+        if os.path.dirname(os.path.abspath(tmp)) != self.root or not os.path.isdir(tmp):
+            raise CheckpointError(f"{tmp} is not a temporary folder of {self.root} (use begin())")
+        for dirpath, _, _ in sorted(os.walk(tmp), key=lambda w: -w[0].count(os.sep)):
+            fsio.fsync_dir(dirpath)
+        files: dict[str, dict[str, Any]] = {}
+        for rel in _list_files(tmp):
+            entry: dict[str, Any] = {"size": os.path.getsize(os.path.join(tmp, rel))}
+            if self.checksums:
+                entry["sha256"] = _sha256(os.path.join(tmp, rel))
+            files[rel] = entry
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": step,
+            "files": files,
+            "resumable": os.path.exists(os.path.join(tmp, TRAINER_STATE)),
+            "val_score": val_score,
+            "time": time.time(),
+        }
+        fsio.write_json(os.path.join(tmp, MANIFEST), manifest)
+        fsio.fsync_dir(tmp)
+        final = self.step_folder(step)
+        old = None
+        if os.path.exists(final):
+            old = os.path.join(self.root, f"{OLD_PREFIX}{step}_{secrets.token_hex(4)}")
+            fsio.rename(final, old)
+            fsio.fsync_dir(self.root)
+        fsio.rename(tmp, final)
+        fsio.fsync_dir(self.root)
+        if old is not None:
+            fsio.rmtree(old)
+        if val_score is not None and math.isfinite(val_score):
+            scores = self._read_scores()
+            scores[str(step)] = float(val_score)
+            fsio.write_json_atomic(os.path.join(self.root, SCORES), scores)
+        tracker = os.path.join(self.root, TRACKER)
+        tracker_tmp = f"{tracker}.tmp.{os.getpid()}"
+        fsio.write_bytes(tracker_tmp, f"{step}\n".encode())
+        fsio.replace(tracker_tmp, tracker)
+        fsio.fsync_dir(self.root)
+        logger.info("saved checkpoint %s", final)
+        self.prune()
+        return final
+
+    # ------------------------------------------------------------------ pruning
+    def _read_scores(self) -> dict[str, float]:
+        path = os.path.join(self.root, SCORES)
+        if not os.path.exists(path):
+            return {}
+        try:
+            raw = fsio.read_json(path)
+        except CheckpointError as exc:
+            logger.warning("ignoring %s: %s", path, exc)
+            return {}
+        if not isinstance(raw, dict):
+            return {}
+        return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+    def best_step(self) -> int | None:
+        """The complete checkpoint with the best recorded validation score, if any."""
+        scores = self._read_scores()
+        candidates = [s for s in self.complete_steps() if str(s) in scores]
+        if not candidates:
+            return None
+        sign = 1.0 if self.higher_is_better else -1.0
+        return max(candidates, key=lambda s: (sign * scores[str(s)], s))
+
+    def prune(self) -> list[int]:
+        """Delete complete checkpoints beyond the newest `save_limit` (the best-scoring one is kept); returns them."""
+        if self.save_limit == -1:
+            return []
+        steps = self.complete_steps()
+        keep = set(steps[-self.save_limit :])
+        best = self.best_step()
+        if best is not None:
+            keep.add(best)
+        latest = self.latest()
+        if latest is not None:
+            keep.add(int(_STEP_RE.match(os.path.basename(latest)).group(1)))  # type: ignore[union-attr]
+        removed = [s for s in steps if s not in keep]
+        for step in removed:
+            trash = os.path.join(self.root, f"{TRASH_PREFIX}{step}_{secrets.token_hex(4)}")
+            fsio.rename(self.step_folder(step), trash)
+            fsio.fsync_dir(self.root)
+            fsio.rmtree(trash)
+            logger.info("pruned checkpoint global_step_%d (save_limit=%d)", step, self.save_limit)
+        if removed:
+            scores = self._read_scores()
+            if any(str(s) in scores for s in removed):
+                kept = {k: v for k, v in scores.items() if int(k) not in removed}
+                fsio.write_json_atomic(os.path.join(self.root, SCORES), kept)
+        return removed
+
+    # ------------------------------------------------------------------ finding
+    def _tracked_step(self) -> int | None:
+        path = os.path.join(self.root, TRACKER)
+        try:
+            with open(path, "rb") as handle:
+                return int(handle.read(64).decode("ascii").strip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+
+    def latest(self, resumable_only: bool = False) -> str | None:
+        """The newest complete checkpoint: the tracker's, else (missing or incomplete) the highest complete step."""
+        check = is_resumable if resumable_only else is_complete
+        tracked = self._tracked_step()
+        if tracked is not None and check(self.step_folder(tracked)):
+            return self.step_folder(tracked)
+        for step in reversed(self.complete_steps()):
+            if check(self.step_folder(step)):
+                return self.step_folder(step)
+        return None
+
+    def resolve_load(self, load_checkpoint_path: str | None, find_last: bool) -> str | None:
+        """The checkpoint to resume from: the explicit path (must exist, be complete and resumable), else the
+        latest resumable one when `find_last`, else None (a fresh start)."""
+        if load_checkpoint_path:
+            path = os.path.abspath(load_checkpoint_path)
+            if not os.path.isdir(path):
+                raise CheckpointError(f"trainer.load_checkpoint_path {path} does not exist")
+            if not is_complete(path):
+                raise CheckpointError(
+                    f"trainer.load_checkpoint_path {path} is incomplete (no valid {MANIFEST} manifest, or files "
+                    f"missing or truncated): its save was interrupted. Pick another global_step_* folder"
+                )
+            if not is_resumable(path):
+                raise CheckpointError(
+                    f"trainer.load_checkpoint_path {path} has no trainer state (saved with save_model_only) and "
+                    f"cannot be resumed; use `easyrl merge` on it and train from the merged model instead"
+                )
+            return path
+        return self.latest(resumable_only=True) if find_last else None

@@ -1,0 +1,181 @@
+"""`easyrl merge CHECKPOINT [--output DIR] [--dtype bf16|fp16|fp32]`: sharded checkpoint -> Hugging Face folder.
+
+CHECKPOINT is a `global_step_<N>` folder (the `actor` role is merged; `--role critic` for the critic) or one of
+its role subfolders. The checkpoint must be complete (its `COMPLETE` manifest present and every listed file
+intact). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
+converted to `--dtype` (default: the dtype in the saved `config.json`), and written as safetensors (split into
+several files with an index past `--max-shard-size-gb`) next to the saved config, generation config and
+tokenizer. The default output is `<role folder>/huggingface_merged`. Only JSON and safetensors are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+
+import torch
+
+from easyrl.checkpoint import fsio
+from easyrl.checkpoint.errors import CheckpointError
+from easyrl.checkpoint.manager import MANIFEST, is_complete
+from easyrl.checkpoint.sharded import ShardedReader
+from easyrl.checkpoint.worker import HF_DIR
+
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]:
+    """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders."""
+    path = os.path.abspath(checkpoint)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} does not exist")
+    if os.path.isfile(os.path.join(path, "meta.json")) and not os.path.isfile(os.path.join(path, MANIFEST)):
+        step_folder, role_folder = os.path.dirname(path), path
+    else:
+        step_folder, role_folder = path, os.path.join(path, role)
+    if not is_complete(step_folder):
+        raise CheckpointError(
+            f"{step_folder} is not a complete checkpoint (no valid {MANIFEST} manifest, or files missing or "
+            f"truncated): its save was interrupted; merge another global_step_* folder"
+        )
+    if not os.path.isdir(role_folder):
+        raise CheckpointError(f"{step_folder} has no {os.path.basename(role_folder)!r} folder")
+    return step_folder, role_folder
+
+
+def _target_dtype(config: dict, dtype: str | None) -> torch.dtype | None:
+    if dtype is not None:
+        return DTYPES[dtype]
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return DTYPES[_CONFIG_DTYPES[saved]] if saved in _CONFIG_DTYPES else None
+
+
+def merge_checkpoint(
+    checkpoint: str,
+    output: str | None = None,
+    dtype: str | None = None,
+    role: str = "actor",
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+) -> str:
+    """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring)."""
+    _, role_folder = resolve_role_folder(checkpoint, role)
+    hf_src = os.path.join(role_folder, HF_DIR)
+    config = fsio.read_json(os.path.join(hf_src, "config.json"))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{hf_src}/config.json does not hold a config")
+    out = os.path.abspath(output or os.path.join(role_folder, "huggingface_merged"))
+    if os.path.exists(out) and not overwrite:
+        raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
+    reader = ShardedReader(role_folder)
+    target = _target_dtype(config, dtype)
+    tied = bool(config.get("tie_word_embeddings", False))
+    names = reader.names() + ([] if tied else [a for a in reader.aliases if a not in reader.infos])
+
+    tmp = f"{out}.tmp_{secrets.token_hex(4)}"
+    fsio.makedirs(tmp)
+    try:
+        shards: list[list[str]] = []
+        pending: dict[str, torch.Tensor] = {}
+        pending_bytes = total = 0
+        for name in names:
+            tensor = reader.full_tensor(reader.aliases.get(name, name) if name not in reader.infos else name)
+            if target is not None and tensor.is_floating_point():
+                tensor = tensor.to(target)
+            size = tensor.numel() * tensor.element_size()
+            if pending and pending_bytes + size > max_shard_bytes:
+                shards.append(_flush(tmp, len(shards), pending))
+                pending, pending_bytes = {}, 0
+            pending[name] = tensor.contiguous()
+            pending_bytes += size
+            total += size
+        if pending or not shards:
+            shards.append(_flush(tmp, len(shards), pending))
+        _name_shards(tmp, shards, total)
+        if target is not None:
+            config["dtype"] = _HF_NAMES[target]
+            config.pop("torch_dtype", None)
+        fsio.write_json(os.path.join(tmp, "config.json"), config)
+        for entry in sorted(os.listdir(hf_src)):
+            if entry != "config.json" and os.path.isfile(os.path.join(hf_src, entry)):
+                fsio.copy_file(os.path.join(hf_src, entry), os.path.join(tmp, entry))
+        fsio.fsync_dir(tmp)
+        if os.path.exists(out):
+            fsio.rmtree(out)
+        fsio.rename(tmp, out)
+        fsio.fsync_dir(os.path.dirname(out))
+    except BaseException:
+        fsio.rmtree(tmp)
+        raise
+    logger.info(
+        "merged %d tensors (%d shard files, %.1f MiB) from %s into %s",
+        len(names),
+        len(shards),
+        total / 2**20,
+        role_folder,
+        out,
+    )
+    return out
+
+
+def _flush(folder: str, index: int, tensors: dict[str, torch.Tensor]) -> list[str]:
+    fsio.save_tensors(os.path.join(folder, f"part-{index:05d}.safetensors"), tensors, {"format": "pt"})
+    return list(tensors)
+
+
+def _name_shards(folder: str, shards: list[list[str]], total: int) -> None:
+    """Rename the parts to HF names (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index)."""
+    if len(shards) == 1:
+        fsio.rename(os.path.join(folder, "part-00000.safetensors"), os.path.join(folder, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        fsio.rename(os.path.join(folder, f"part-{i:05d}.safetensors"), os.path.join(folder, final))
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    fsio.write_bytes(os.path.join(folder, "model.safetensors.index.json"), json.dumps(index, indent=2).encode())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="easyrl merge", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("checkpoint", help="a global_step_<N> folder, or its actor/critic subfolder")
+    parser.add_argument(
+        "--output", "-o", default=None, help="output folder (default: <role folder>/huggingface_merged)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the saved config's)"
+    )
+    parser.add_argument("--role", default="actor", help="role subfolder merged from a global_step_<N> folder")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="split the weights past this size")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `easyrl merge`; returns the process exit code (0 ok, 1 a checkpoint error)."""
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        out = merge_checkpoint(
+            args.checkpoint, args.output, args.dtype, args.role, int(args.max_shard_size_gb * 2**30), args.overwrite
+        )
+    except CheckpointError as exc:
+        logger.error("easyrl merge: %s", exc)
+        return 1
+    logger.info("merged model written to %s (load it with AutoModelForCausalLM.from_pretrained)", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
