@@ -168,9 +168,7 @@ class WandbLogger(Logger):
         mode = wandb_mode()
         # No run metadata: it records the command line, where `key=value` overrides may carry secrets.
         settings = self.wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True, silent=True)
-        self.run = self.wandb.init(
-            project=project, name=experiment, dir=run_dir, mode=mode, settings=settings, reinit="create_new"
-        )
+        self.run = self.wandb.init(project=project, name=experiment, dir=run_dir, mode=mode, settings=settings)
         self._rows: list[list[Any]] = []
         where = "offline, sync later with `wandb sync`" if mode == "offline" else "online"
         logger.info("wandb: run %s (%s) under %s", self.run.id, where, run_dir)
