@@ -8,6 +8,7 @@ import math
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def _read_wandb_records(path: str) -> list[Any]:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # end of the written part
             break
         buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
@@ -123,7 +124,12 @@ def test_wandb_offline(clean_env: Path) -> None:
     _exercise("wandb", clean_env)
     files = glob.glob(str(clean_env / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1, "expected one offline run"
+    # wandb-core writes the transaction log in its own process: finish() can return before the last records land.
+    deadline = time.monotonic() + 60
     records = _read_wandb_records(files[0])
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = _read_wandb_records(files[0])
     history: dict[int, dict[str, Any]] = {}
     config: dict[str, Any] = {}
     for rec in records:
