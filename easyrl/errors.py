@@ -5,11 +5,12 @@ from __future__ import annotations
 
 def is_user_facing(exc: BaseException) -> bool:
     """Errors whose message already names the culprit and the fix."""
+    from easyrl.checkpoint import CheckpointError
     from easyrl.data.loading import DataError
     from easyrl.distributed.errors import WorkerGroupError
     from easyrl.trainer.trainer import TrainingError
 
-    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError)
+    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError, CheckpointError)
     try:
         from easyrl.rewards import RewardError
 

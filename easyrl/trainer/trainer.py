@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
+from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from easyrl.config import EasyRLConfig, to_masked_dict
 from easyrl.protocol import Batch
 from easyrl.trainer.core import (
@@ -67,6 +69,8 @@ class Trainer:
             self.total_steps,
         )
         self.tracker.log_config(to_masked_dict(cfg))
+        self.ckpt = CheckpointManager(cfg.trainer.save_checkpoint_path or ".", cfg.trainer.save_limit)
+        self.resume()
 
     # ------------------------------------------------------------------ the algorithm
     def fit(self) -> dict[str, float]:
@@ -114,6 +118,10 @@ class Trainer:
             metrics |= self.workers.memory_metrics()
             if self.should_validate():
                 metrics |= self.validate()
+            if self.should_save():
+                with timer("save", timings):
+                    self.save_checkpoint(metrics.get("val/reward_score"))
+                metrics["timing_s/save"] = timings["save"]
             self.tracker.log_metrics(metrics, self.global_step)
         return metrics
 
@@ -260,6 +268,67 @@ class Trainer:
         if self.cfg.trainer.val_generations_to_log > 0:
             self.tracker.log_generations(generations[: self.cfg.trainer.val_generations_to_log], self.global_step)
         return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def should_save(self) -> bool:
+        freq = self.cfg.trainer.save_freq
+        return (freq > 0 and self.global_step % freq == 0) or self.global_step == self.total_steps
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Everything of the driver a resumed run needs to continue on the same curve (JSON-able)."""
+        return {
+            "global_step": self.global_step,
+            "prompts_drawn": self.prompts_drawn,
+            "consecutive_skips": self.consecutive_skips,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "entropy_ctrl": self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None,
+        }
+
+    def save_checkpoint(self, val_score: float | None) -> None:
+        """Write `global_step_<N>` atomically: workers' shards and the trainer state into a temporary folder,
+        then rename; the previous checkpoints stay until this one is complete."""
+        model_only = self.cfg.trainer.save_model_only
+        tmp = self.ckpt.begin(self.global_step)
+        try:
+            calls = [
+                group.call_async("save_checkpoint", os.path.join(tmp, role), model_only)
+                for role, group in self.trained_groups()
+            ]
+            for call in calls:
+                call.result()
+            if not model_only:
+                write_trainer_state(tmp, self.trainer_state())
+            self.ckpt.commit(tmp, self.global_step, val_score)
+        except BaseException:
+            self.ckpt.abort(tmp)
+            raise
+
+    def resume(self) -> None:
+        """Continue from `trainer.load_checkpoint_path`, or the newest complete checkpoint when
+        `trainer.find_last_checkpoint`; an explicit path that is missing or incomplete is an error."""
+        folder = self.ckpt.resolve_load(self.cfg.trainer.load_checkpoint_path, self.cfg.trainer.find_last_checkpoint)
+        if folder is None:
+            return
+        logger.info("resuming from %s", folder)
+        calls = [
+            group.call_async("load_checkpoint", os.path.join(folder, role)) for role, group in self.trained_groups()
+        ]
+        for call in calls:
+            call.result()
+        state, rng = read_trainer_state(folder)
+        self.global_step = state["global_step"]
+        self.prompts_drawn = state["prompts_drawn"]
+        self.consecutive_skips = state["consecutive_skips"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
+            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        rng.restore()
+
+    def trained_groups(self) -> list[tuple[str, Any]]:
+        groups = [("actor", self.actor)]
+        return groups + ([("critic", self.critic)] if self.critic is not None else [])
 
     def next_prompts(self, num: int) -> Batch:
         """The next `num` prompts from the resumable sampler, each with a fresh group id."""

@@ -13,6 +13,7 @@ import time
 import torch
 
 from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
+from easyrl.checkpoint import CheckpointMixin
 from easyrl.config import EasyRLConfig
 from easyrl.config.loader import import_user_modules
 from easyrl.distributed import Dispatch, init_distributed, register
@@ -63,7 +64,7 @@ def build_rollout_engine(cfg: EasyRLConfig, device: torch.device) -> RolloutEngi
     return VLLMRolloutEngine(cfg, eos, pad)
 
 
-class ActorWorker:
+class ActorWorker(CheckpointMixin):
     """Trains the policy (PPO-family losses) and generates rollouts with it."""
 
     def __init__(self, cfg: EasyRLConfig) -> None:

@@ -7,6 +7,7 @@ import os
 import torch
 
 from easyrl.algorithms import compute_value_loss
+from easyrl.checkpoint import CheckpointMixin
 from easyrl.config import EasyRLConfig
 from easyrl.distributed import Dispatch, register
 from easyrl.protocol import Batch
@@ -15,7 +16,7 @@ from easyrl.workers.common import optimize
 from easyrl.workers.fsdp import DTYPES, build_optimizer, build_scheduler, load_model, shard_model
 
 
-class CriticWorker:
+class CriticWorker(CheckpointMixin):
     def __init__(self, cfg: EasyRLConfig) -> None:
         self.cfg = cfg
         self.device = _setup_process(cfg)

@@ -1,0 +1,48 @@
+"""Resume reproduces the uninterrupted run bit for bit (on CPU), across an epoch boundary too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_e2e import _VOLATILE, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+
+
+pytestmark = pytest.mark.slow
+
+
+def _stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in rows]
+
+
+def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_model_dir, digits_data) -> None:
+    # 64 rows / 16 prompts per step = 4 steps per epoch: saving at step 3 and resuming crosses into epoch 2.
+    edits = {"data.rollout_batch_size": 16, "worker.actor.global_batch_size": 8, "trainer.save_freq": 3,
+             "worker.actor.micro_batch_size_per_device_for_update": 4}
+    full, _, _ = run(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=6)
+    first, _, _ = run(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=3)
+    assert (tmp_path / "split" / "run" / "global_step_3").is_dir()
+    # Same folder, longer run: find_last_checkpoint picks up global_step_3 and continues at step 4.
+    second, _, _ = run(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=6)
+    resumed = [r for r in second if r["step"] > 3]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert _stable(first) == _stable(full[:3])
+    assert _stable(resumed) == _stable(full[3:]), "the resumed run left the uninterrupted curve"
+    tracker = (tmp_path / "split" / "run" / "latest_checkpointed_iteration.txt").read_text().strip()
+    assert tracker == "6"
+
+
+def test_explicit_missing_checkpoint_is_an_error(tmp_path: Path, tiny_model_dir, digits_data) -> None:
+    from easyrl.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="global_step_99"):
+        run(tmp_path, tiny_model_dir, digits_data, {"trainer.load_checkpoint_path": str(tmp_path / "global_step_99")}, steps=1)
+
+
+def test_log_is_appended_not_rewritten_on_resume(tmp_path: Path, tiny_model_dir, digits_data) -> None:
+    run(tmp_path, tiny_model_dir, digits_data, {}, steps=1)
+    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, {}, steps=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert json.loads((tmp_path / "run" / "experiment_config.json").read_text())["trainer"]["max_steps"] == 2
