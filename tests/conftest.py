@@ -27,10 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random-init 2-layer Qwen2 (hidden 64) with a locally built character tokenizer."""
+    """A random-init 2-layer Qwen2 (hidden 64) with a locally built character tokenizer. Two query heads and
+    one KV head of size 32: vLLM's CPU attention kernels reject head size 16."""
     from easyrl.testing.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", num_heads=2, num_kv_heads=1)
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,11 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
     if not 0 <= cfg.worker.rollout.logprob_sample_ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1]")
+    if cfg.algorithm.tis_cap is not None and cfg.worker.rollout.logprob_sample_ratio < 1:
+        raise ConfigError(
+            "algorithm.tis_cap",
+            "truncated importance sampling needs every log-prob: set worker.rollout.logprob_sample_ratio=1",
+        )
     if cfg.worker.reward.timeout_s <= 0:
         raise ConfigError("worker.reward.timeout_s", "must be > 0 seconds")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:

@@ -34,6 +34,10 @@ class TrainingError(RuntimeError):
     """The run cannot go on (non-finite updates in a row, online-filtering budget spent, ...)."""
 
 
+class StopRequested(RuntimeError):
+    """A SIGTERM/SIGINT asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
+
+
 class Trainer:
     def __init__(self, cfg: EasyRLConfig) -> None:
         from easyrl.loggers import build_tracker
@@ -60,6 +64,7 @@ class Trainer:
         self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
         self.global_step = 0
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
+        self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT handler; honoured between stages
         self.consecutive_skips = 0
         self.tracker = build_tracker(
             cfg.trainer.logger,
@@ -82,13 +87,17 @@ class Trainer:
             self.tracker.log_metrics(val, self.global_step)
             if cfg.trainer.val_only:
                 return val
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and self.stop_signal is None:
+            step_start = self.trainer_state()
             self.global_step += 1
             timings: dict[str, float] = {}
             metrics = {}
             with timer("step", timings):
                 batch, gen_metrics = self.rollout_with_rewards(timings)
                 metrics |= gen_metrics
+                if self.stop_signal is not None:  # asked to stop before anything trained: undo this step
+                    self.restore_driver_state(step_start)
+                    break
                 with timer("old", timings):
                     batch = batch.union(self.actor.compute_log_probs(batch))
                 if self.ref is not None:
@@ -123,6 +132,8 @@ class Trainer:
                     self.save_checkpoint(metrics.get("val/reward_score"))
                 metrics["timing_s/save"] = timings["save"]
             self.tracker.log_metrics(metrics, self.global_step)
+        if self.stop_signal is not None:
+            self.stop_cleanly()
         return metrics
 
     # ------------------------------------------------------------------ stages
@@ -304,6 +315,29 @@ class Trainer:
             self.ckpt.abort(tmp)
             raise
 
+    def request_stop(self, signal_name: str) -> None:
+        """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
+        `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`."""
+        self.stop_signal = signal_name
+
+    def stop_cleanly(self) -> None:
+        logger.warning("%s: stopping after step %d", self.stop_signal, self.global_step)
+        if self.cfg.trainer.save_on_interrupt and self.global_step > 0:
+            latest = self.ckpt.latest()
+            if latest is None or not latest.endswith(f"global_step_{self.global_step}"):
+                self.save_checkpoint(None)
+        raise StopRequested(f"stopped by {self.stop_signal} after step {self.global_step}")
+
+    def restore_driver_state(self, state: dict[str, Any]) -> None:
+        """Put the driver back to `state` (from `trainer_state()`): used to undo an unfinished step."""
+        self.global_step = state["global_step"]
+        self.prompts_drawn = state["prompts_drawn"]
+        self.consecutive_skips = state["consecutive_skips"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
+            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+
     def resume(self) -> None:
         """Continue from `trainer.load_checkpoint_path`, or the newest complete checkpoint when
         `trainer.find_last_checkpoint`; an explicit path that is missing or incomplete is an error."""
@@ -317,13 +351,7 @@ class Trainer:
         for call in calls:
             call.result()
         state, rng = read_trainer_state(folder)
-        self.global_step = state["global_step"]
-        self.prompts_drawn = state["prompts_drawn"]
-        self.consecutive_skips = state["consecutive_skips"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
-            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        self.restore_driver_state(state)
         rng.restore()
 
     def trained_groups(self) -> list[tuple[str, Any]]:

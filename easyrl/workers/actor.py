@@ -87,9 +87,7 @@ class ActorWorker(CheckpointMixin):
     @register(dispatch=Dispatch.DP_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample responses for `prompts` with the current policy weights."""
-        timing = {}
-        if self._engine_stale:
-            timing.update(self._sync_weights())
+        timing = self._wake_engine()
         rcfg = self.cfg.worker.rollout
         params = SamplingParams(
             n=1,
@@ -111,7 +109,13 @@ class ActorWorker(CheckpointMixin):
         out.meta["timing"] = timing
         return out
 
-    def _sync_weights(self) -> dict[str, float]:
+    def _wake_engine(self) -> dict[str, float]:
+        """Wake the engine; when the policy changed since it last generated, stream the new weights in
+        between waking its weight memory and its KV cache (so both are never resident at once)."""
+        if not self._engine_stale:
+            start = time.perf_counter()
+            self.engine.wake_up()
+            return {"timing_s/wake": time.perf_counter() - start}
         start = time.perf_counter()
         self.engine.wake_up(["weights"])
         wake = time.perf_counter() - start

