@@ -1,0 +1,1 @@
+"""Helpers for tests and demos: tiny, locally built models and tokenizers (see `easyrl.testing.tiny`)."""
