@@ -51,8 +51,9 @@ class HFRolloutEngine(RolloutEngine):
         gen_cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
-            top_p=None if greedy or params.top_p >= 1.0 else params.top_p,
-            top_k=None if greedy or params.top_k <= 0 else params.top_k,
+            # Explicit "off" values: None would let transformers fall back to its own defaults (top_k=50).
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k,
             max_new_tokens=params.max_tokens,
             min_new_tokens=params.max_tokens if params.ignore_eos else None,
             eos_token_id=stop_ids or None,

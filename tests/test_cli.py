@@ -1,0 +1,43 @@
+"""The command line: version, help on every subcommand, and `easyrl check`'s report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from easyrl import __version__
+from tests.conftest import base_config, write_config
+
+
+def easyrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "easyrl.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version() -> None:
+    proc = easyrl("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"easyrl {__version__}"
+
+
+@pytest.mark.parametrize("command", ["train", "check", "merge", "report"])
+def test_help(command: str) -> None:
+    proc = easyrl(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: easyrl" in proc.stdout
+
+
+def test_check_prints_the_report(tmp_path, tiny_model_dir, digits_data) -> None:
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["data"]["max_prompt_length"] = 24  # some prompts of the fixture are longer: counted, not trained on
+    path = write_config(tmp_path / "cfg.yaml", conf)
+    proc = easyrl("check", path, "worker.rollout.n=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for section in ("== data", "== first prompt, rendered", "== reward function", "== plan"):
+        assert section in out, out
+    assert "usable rows" in out and "overlong_prompt" in out
+    assert "prompt tokens: min=" in out
+    assert "'overall'" in out  # the reward function ran on one sample
+    assert "grpo advantages" in out and "n=4" in out and "2 per role" in out
+    assert not (tmp_path / "run").exists(), "check must not start training"
