@@ -1,0 +1,231 @@
+"""Helpers the workers call for vision-language policies (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+
+How media travels through a batch: every sample carries its own processed media in the non-tensor field
+``multi_modal_inputs`` (a dict of tensors: ``pixel_values`` (N_i, D) with the patches of *its* images,
+``image_grid_thw`` (n_i, 3), and the ``*_videos`` / ``video_grid_thw`` / ``second_per_grid_ts`` equivalents; an
+empty dict for a text-only sample). ``Batch.split`` / ``index`` / ``repeat_interleave`` keep that list aligned with
+the rows, so a micro-batch selects its patches simply by concatenating its own samples' tensors, in row order
+(:func:`multimodal_forward_kwargs`) -- which is the order the ``<|image_pad|>`` runs appear in ``input_ids``.
+
+Position ids are not stored in the batch for VL models: the 3D (M-RoPE) positions are recomputed per micro-batch
+from ``input_ids``, the attention mask and the grids (:func:`mrope_position_ids`), using the model's own
+``get_rope_index``; response tokens are text, so their positions continue the prompt's.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+__all__ = [
+    "MEDIA_KEYS",
+    "freeze_vision_tower",
+    "generate_with_media",
+    "is_vision_language",
+    "mm_token_type_ids",
+    "model_class_for",
+    "mrope_position_ids",
+    "multimodal_forward_kwargs",
+    "stack_media",
+    "vision_tower",
+]
+
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""Keys of a sample's ``multi_modal_inputs`` that are concatenated across samples, in this order."""
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether an HF config (or model) is a vision-language model (has a ``vision_config``)."""
+    config = getattr(config, "config", config)
+    return getattr(config, "vision_config", None) is not None
+
+
+def model_class_for(config: Any) -> Any:
+    """``AutoModelForImageTextToText`` for VL configs, else ``AutoModelForCausalLM`` (which has no VL mapping)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def _rope_owner(model_or_config: Any) -> Any:
+    """An object with ``config`` and ``get_rope_index``: the model's inner ``*VLModel``, or a stand-in built from a
+    config (the methods only read ``self.config`` and call ``self.get_vision_position_ids``)."""
+    for candidate in (getattr(model_or_config, "model", None), model_or_config):
+        if candidate is not None and hasattr(candidate, "get_rope_index") and hasattr(candidate, "config"):
+            return candidate
+    config = getattr(model_or_config, "config", model_or_config)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or not hasattr(cls, "get_rope_index"):
+        raise ValueError(f"{type(model_or_config).__name__}: no get_rope_index for model_type {config.model_type!r}")
+    owner = types.SimpleNamespace(config=config)
+    owner.get_vision_position_ids = types.MethodType(cls.get_vision_position_ids, owner)
+    owner.get_rope_index = types.MethodType(cls.get_rope_index, owner)
+    return owner
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """0 for text, 1 for ``<|image_pad|>``, 2 for ``<|video_pad|>`` tokens (what ``get_rope_index`` groups by)."""
+    config = getattr(config, "config", config)
+    types_ = torch.zeros_like(input_ids, dtype=torch.int)
+    types_[input_ids == config.image_token_id] = 1
+    types_[input_ids == config.video_token_id] = 2
+    return types_
+
+
+def mrope_position_ids(
+    model_or_config: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """3D rotary positions (3, B, L) for left-padded prompt+response sequences.
+
+    Uses the model's own ``get_rope_index`` (transformers 5.19: ``model.model.get_rope_index(input_ids,
+    mm_token_type_ids, image_grid_thw, video_grid_thw, [second_per_grid_ts,] attention_mask)``). Padding gets 0;
+    text tokens after an image continue from ``max(vision positions) + 1``, and response tokens, being text,
+    continue the prompt. ``image_grid_thw`` / ``video_grid_thw`` list the media of all rows in row order.
+
+    Args:
+        model_or_config: the VL model (FSDP-wrapped is fine) or its HF config.
+        input_ids: (B, L) token ids.
+        attention_mask: (B, L), 1 for real tokens.
+        image_grid_thw: (num_images, 3), or None.
+        video_grid_thw: (num_videos, 3), or None.
+        second_per_grid_ts: (num_videos,) seconds per temporal patch (Qwen2.5-VL), or None.
+    """
+    owner = _rope_owner(model_or_config)
+    if image_grid_thw is None and video_grid_thw is None:
+        # Text only: every component equals the 1D position.
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return positions.unsqueeze(0).expand(3, -1, -1).clone()
+    kwargs: dict[str, Any] = {
+        "image_grid_thw": image_grid_thw,
+        "video_grid_thw": video_grid_thw,
+        "attention_mask": attention_mask,
+    }
+    if second_per_grid_ts is not None:
+        kwargs["second_per_grid_ts"] = second_per_grid_ts
+    position_ids, _ = owner.get_rope_index(input_ids, mm_token_type_ids(input_ids, owner.config), **kwargs)
+    return position_ids
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The vision encoder (``visual``, with its patch merger) of a VL model, or None for a text model."""
+    for candidate in (getattr(model, "model", None), model):
+        visual = getattr(candidate, "visual", None)
+        if isinstance(visual, nn.Module):
+            return visual
+    return None
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Stop training the vision encoder (merger included); returns how many parameters were frozen.
+
+    Call before sharding and before building the optimizer, so the frozen tensors get no optimizer state.
+    A text model is left as is (returns 0).
+    """
+    visual = vision_tower(model)
+    if visual is None:
+        return 0
+    frozen = 0
+    for param in visual.parameters():
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
+
+
+def stack_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """Concatenate the ``multi_modal_inputs`` of ``samples`` (in order) into one set of model inputs.
+
+    Samples without media (None or empty) contribute nothing. Keys missing from every sample are left out.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key in MEDIA_KEYS:
+        parts = [s[key] for s in samples if s and key in s]
+        if parts:
+            out[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0)
+    return out
+
+
+def multimodal_forward_kwargs(
+    batch_slice: Any, model: nn.Module | None = None, device: torch.device | str | None = None
+) -> dict[str, Any]:
+    """Extra ``model(...)`` arguments for a micro-batch of a VL batch; ``{}`` when it carries no media.
+
+    ``batch_slice`` is a :class:`easyrl.protocol.Batch` (or a dict) with ``input_ids``, ``attention_mask`` and the
+    per-sample list ``multi_modal_inputs``. Returns ``pixel_values`` / ``image_grid_thw`` (and the video
+    equivalents) for exactly these rows and, when ``model`` is given, ``position_ids`` (3, b, L) from
+    :func:`mrope_position_ids`, which replace the batch's 1D positions, and ``mm_token_type_ids`` (Qwen3-VL
+    insists on it whenever grids are passed). Everything is moved to ``device``.
+    """
+    if "multi_modal_inputs" not in batch_slice:
+        return {}
+    media = stack_media(batch_slice["multi_modal_inputs"])
+    if not media:
+        return {}
+    kwargs: dict[str, Any] = dict(media)
+    if model is not None:
+        kwargs["position_ids"] = mrope_position_ids(
+            model,
+            batch_slice["input_ids"],
+            batch_slice["attention_mask"],
+            media.get("image_grid_thw"),
+            media.get("video_grid_thw"),
+            media.get("second_per_grid_ts"),
+        )
+        kwargs["mm_token_type_ids"] = mm_token_type_ids(batch_slice["input_ids"], model.config)
+    if device is not None:
+        kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    if model is not None and "pixel_values" in kwargs:
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(_param_dtype(model))
+    if model is not None and "pixel_values_videos" in kwargs:
+        kwargs["pixel_values_videos"] = kwargs["pixel_values_videos"].to(_param_dtype(model))
+    return kwargs
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    visual = vision_tower(model)
+    for param in (visual if visual is not None else model).parameters():
+        return param.dtype
+    return torch.float32
+
+
+@torch.no_grad()
+def generate_with_media(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    multi_modal_inputs: Sequence[dict[str, torch.Tensor] | None] | None,
+    **generate_kwargs: Any,
+) -> Any:
+    """``model.generate`` for left-padded prompts whose rows carry media (one dict per row, already repeated for
+    ``n`` samples per prompt). Text-only batches go straight to ``generate``.
+
+    Passes ``pixel_values`` / grids and ``mm_token_type_ids`` (without which the model cannot build its 3D
+    positions), and clears the model's cached ``rope_deltas`` afterwards so later forwards start clean.
+    """
+    media = stack_media(list(multi_modal_inputs or []))
+    device = input_ids.device
+    extra: dict[str, Any] = {k: v.to(device) for k, v in media.items()}
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in extra:
+            extra[key] = extra[key].to(_param_dtype(model))
+    if media:
+        extra["mm_token_type_ids"] = mm_token_type_ids(input_ids, model.config)
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **generate_kwargs)
+    finally:
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "rope_deltas"):
+            inner.rope_deltas = None
