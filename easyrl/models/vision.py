@@ -14,6 +14,7 @@ from ``input_ids``, the attention mask and the grids (:func:`mrope_position_ids`
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "freeze_vision_tower",
     "generate_with_media",
     "is_vision_language",
+    "media_token_ids",
     "mm_token_type_ids",
     "model_class_for",
     "mrope_position_ids",
@@ -176,6 +178,7 @@ def multimodal_forward_kwargs(
         return {}
     kwargs: dict[str, Any] = dict(media)
     if model is not None:
+        _check_media_tokens(batch_slice["input_ids"], model.config, media)
         kwargs["position_ids"] = mrope_position_ids(
             model,
             batch_slice["input_ids"],
@@ -192,6 +195,20 @@ def multimodal_forward_kwargs(
     if model is not None and "pixel_values_videos" in kwargs:
         kwargs["pixel_values_videos"] = kwargs["pixel_values_videos"].to(_param_dtype(model))
     return kwargs
+
+
+def _check_media_tokens(input_ids: torch.Tensor, config: Any, media: dict[str, torch.Tensor]) -> None:
+    """Raise a readable error when the pad tokens in ``input_ids`` do not match the media's patch counts."""
+    config = getattr(config, "config", config)
+    merge = int(config.vision_config.spatial_merge_size) ** 2
+    for token_key, grid_key in (("image_token_id", "image_grid_thw"), ("video_token_id", "video_grid_thw")):
+        expected = int(media[grid_key].prod(dim=-1).sum()) // merge if grid_key in media else 0
+        found = int((input_ids == getattr(config, token_key)).sum())
+        if found != expected:
+            raise ValueError(
+                f"{found} {token_key} tokens in the micro-batch but its media have {expected} patches: a prompt was "
+                "truncated, or a response contains vision special tokens (the rollout must never sample them)"
+            )
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
@@ -213,10 +230,13 @@ def generate_with_media(
     ``n`` samples per prompt). Text-only batches go straight to ``generate``.
 
     Passes ``pixel_values`` / grids and ``mm_token_type_ids`` (without which the model cannot build its 3D
-    positions), and clears the model's cached ``rope_deltas`` afterwards so later forwards start clean.
+    positions), and clears the model's cached ``rope_deltas`` afterwards so later forwards start clean. The vision
+    special tokens are never sampled: a ``<|image_pad|>`` in a response would be taken for an image slot by every
+    later forward pass ("Image features and image tokens do not match").
     """
     media = stack_media(list(multi_modal_inputs or []))
     device = input_ids.device
+    generate_kwargs = _suppress_media_tokens(model.config, generate_kwargs)
     extra: dict[str, Any] = {k: v.to(device) for k, v in media.items()}
     for key in ("pixel_values", "pixel_values_videos"):
         if key in extra:
@@ -229,3 +249,26 @@ def generate_with_media(
         inner = getattr(model, "model", None)
         if inner is not None and hasattr(inner, "rope_deltas"):
             inner.rope_deltas = None
+
+
+def media_token_ids(config: Any) -> list[int]:
+    """Ids of the vision special tokens (image/video pads, vision start/end) of a VL config; [] for text models."""
+    config = getattr(config, "config", config)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(v) for v in (getattr(config, n, None) for n in names) if v is not None]
+
+
+def _suppress_media_tokens(config: Any, generate_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``generate_kwargs`` with the vision special tokens added to ``suppress_tokens``."""
+    ids = media_token_ids(config)
+    if not ids:
+        return generate_kwargs
+    kwargs = dict(generate_kwargs)
+    gen_cfg = kwargs.get("generation_config")
+    if gen_cfg is not None:
+        gen_cfg = copy.deepcopy(gen_cfg)
+        gen_cfg.suppress_tokens = sorted(set(gen_cfg.suppress_tokens or []) | set(ids))
+        kwargs["generation_config"] = gen_cfg
+    else:
+        kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens") or []) | set(ids))
+    return kwargs

@@ -148,3 +148,35 @@ def test_generate_with_media_left_padded_repeated(vl: tuple[Any, Any]) -> None:
     )
     assert out.shape == (4, width + 3)
     assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[3])  # greedy: repeats agree
+
+
+def test_media_tokens_are_never_generated_and_mismatches_are_explained(vl: tuple[Any, Any]) -> None:
+    processor, model = vl
+    model.eval()
+    batch = _batch(processor)
+    width = batch["input_ids"].shape[1] - RESPONSE
+    image_id = model.config.image_token_id
+    # Make the image pad the most likely next token: generation must still not produce it.
+    with torch.no_grad():
+        model.lm_head.weight[image_id] += 50.0
+    try:
+        out = generate_with_media(
+            model,
+            batch["input_ids"][:, :width],
+            batch["attention_mask"][:, :width],
+            batch["multi_modal_inputs"],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=processor.tokenizer.pad_token_id,
+        )
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[image_id] -= 50.0
+    assert not (out[:, width:] == image_id).any()
+    bad = Batch(
+        {"input_ids": batch["input_ids"].clone(), "attention_mask": batch["attention_mask"]},
+        {"multi_modal_inputs": batch["multi_modal_inputs"]},
+    )
+    bad["input_ids"][0, -1] = image_id  # a response token that looks like an image slot
+    with pytest.raises(ValueError, match="vision special tokens"):
+        multimodal_forward_kwargs(bad, model)
