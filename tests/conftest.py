@@ -66,12 +66,12 @@ def base_config(model_dir: str, data: dict[str, str], save_dir: str | Path) -> d
                 "global_batch_size": 2,
                 "micro_batch_size_per_device_for_update": 2,
                 "micro_batch_size_per_device_for_experience": 4,
-                "optim": {"lr": 1e-3},
+                "optim": {"lr": 1e-3, "weight_decay": 0.0},  # parameters move only through gradients
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": False},
             },
             "rollout": {"name": "hf", "n": 2, "temperature": 1.0, "dtype": "fp32"},
             "reward": {
-                "reward_function": str(REPO / "reward_functions" / "digits.py") + ":compute_score",
+                "reward_function": str(REPO / "tests" / "assets" / "digit_fraction_reward.py") + ":compute_score",
                 "num_workers": 0,
             },
         },

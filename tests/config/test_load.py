@@ -25,7 +25,7 @@ def test_precedence_defaults_yaml_cli(good_config: str) -> None:
     assert cfg.data.rollout_batch_size == 4  # YAML beats the default (512)
     assert cfg.worker.actor.clip_ratio_dual == 3.0  # default
     assert cfg.trainer.experiment_name == "try1"
-    assert cfg.worker.reward.reward_function.endswith("digits.py:compute_score")
+    assert cfg.worker.reward.reward_function.endswith("digit_fraction_reward.py:compute_score")
 
 
 def test_reward_function_default_name_is_main(
