@@ -18,6 +18,7 @@ import numpy as np
 from easyrl.config.data import DataConfig
 from easyrl.data.loading import DataError, Row, load_rows
 from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
+from easyrl.data.multimodal import MultimodalError, encode_multimodal_prompt, media_token_counts
 from easyrl.data.prompts import PromptError, PromptRenderer, check_messages, load_chat_template
 
 
@@ -34,6 +35,7 @@ BAD_ROW_REASONS: tuple[str, ...] = (
     "unreadable_image",
     "unreadable_video",
     "template_error",
+    "bad_media",
     "overlong_prompt",
 )
 """Keys of :attr:`RLDataset.drop_counts`, in the order checks run (a row is counted under its first failure)."""
@@ -61,6 +63,8 @@ class _Sample:
     images: list[MediaRef] = field(default_factory=list)
     videos: list[MediaRef] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
+    media_prompt_tokens: int | None = None
+    """Prompt length with the media tokens expanded (rows with media and a processor only)."""
 
 
 class RLDataset:
@@ -71,7 +75,7 @@ class RLDataset:
         data_cfg: the ``data`` config (keys, templates, lengths, ``on_bad_row``...).
         tokenizer: Hugging Face tokenizer used to apply the chat template and tokenize.
         processor: optional multimodal processor; its chat template is used when it has one. Media tokens are
-            not counted in prompt lengths yet.
+            counted in prompt lengths (see :mod:`easyrl.data.multimodal`).
 
     Raises:
         DataError: unreadable data, a bad row with ``on_bad_row=error``, an overlong prompt with
@@ -163,7 +167,15 @@ class RLDataset:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
-        return _Sample(source, row_index, row, answer, raw_prompt, images, videos)
+        sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
+        if self.processor is not None and (images or videos):
+            try:
+                sample.media_prompt_tokens = media_token_counts(
+                    self.processor, self._renderer.messages(row), images, videos, cfg, self._renderer.chat_template
+                ).prompt_tokens
+            except (MultimodalError, MediaError, OSError) as exc:
+                raise _BadRow("bad_media", str(exc)) from exc
+        return sample
 
     def _tokenize(self, samples: list[_Sample], drops: Counter[str], examples: dict[str, str]) -> list[_Sample]:
         limit = self.cfg.max_prompt_length
@@ -174,10 +186,11 @@ class RLDataset:
             encoded = self.tokenizer([s.raw_prompt for s in chunk], add_special_tokens=False)["input_ids"]
             for sample, ids in zip(chunk, encoded):
                 sample.prompt_ids = list(ids)
-                if len(ids) <= limit:
+                length = sample.media_prompt_tokens if sample.media_prompt_tokens is not None else len(ids)
+                if length <= limit:
                     kept.append(sample)
                     continue
-                detail = f"prompt has {len(ids)} tokens > data.max_prompt_length={limit}"
+                detail = f"prompt has {length} tokens (media included) > data.max_prompt_length={limit}"
                 if not self.cfg.filter_overlong_prompts:
                     raise DataError(
                         f"{sample.source}, row {sample.row_index}: overlong_prompt: {detail} "
@@ -210,7 +223,7 @@ class RLDataset:
         """One prompt: ``prompt_ids`` (unpadded), ``raw_prompt``, ``ground_truth``, ``row``, ``index``, plus the
         resolved ``images`` / ``videos`` (paths or bytes; empty lists when the row has none)."""
         sample = self._samples[index]
-        return {
+        item: dict[str, Any] = {
             "prompt_ids": list(sample.prompt_ids),
             "raw_prompt": sample.raw_prompt,
             "ground_truth": sample.ground_truth,
@@ -219,6 +232,21 @@ class RLDataset:
             "images": list(sample.images),
             "videos": list(sample.videos),
         }
+        if self.processor is not None:
+            # Pixels are decoded here, per batch; the prompt ids get one pad token per merged patch.
+            item["multi_modal_inputs"] = {}
+            if sample.images or sample.videos:
+                encoded = encode_multimodal_prompt(
+                    self.processor,
+                    self._renderer.messages(sample.row),
+                    sample.images,
+                    sample.videos,
+                    self.cfg,
+                    self._renderer.chat_template,
+                )
+                item["prompt_ids"] = encoded["input_ids"]
+                item["multi_modal_inputs"] = encoded["multi_modal_inputs"]
+        return item
 
     def source_of(self, index: int) -> tuple[str, int]:
         """``(file, row_index)`` the sample at ``index`` came from."""

@@ -220,7 +220,7 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
-    model = model.to(config.dtype)
+    model = model.to(config.dtype)  # type: ignore[arg-type]
     model.generation_config = make_generation_config(tokenizer)
     save_checkpoint(model, tokenizer, path)
     logger.debug("built %s model (%d parameters) at %s", arch, model.num_parameters(), path)
@@ -251,4 +251,5 @@ def build_tiny_checkpoint(path: str | os.PathLike[str], arch: str = "qwen2", **k
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved by `build_tokenizer` (a thin wrapper over `AutoTokenizer.from_pretrained`)."""
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
+    return tokenizer

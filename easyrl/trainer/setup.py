@@ -21,15 +21,21 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     from transformers import AutoTokenizer
 
     from easyrl.data import PromptSampler, RLDataset
+    from easyrl.models import load_processor
 
     mcfg = cfg.worker.actor.model
     logger.info("loading tokenizer from %s", mcfg.tokenizer_path)
-    tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    assert mcfg.tokenizer_path is not None
+    processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    if processor is not None:  # vision-language model: its tokenizer lives in the processor
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     logger.info("loading and checking training data %s", cfg.data.train_files)
-    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer)
-    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer) if cfg.data.val_files else None
+    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
+    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor) if cfg.data.val_files else None
     if len(train) < cfg.data.rollout_batch_size:
         from easyrl.config import ConfigError
 
@@ -80,9 +86,20 @@ class Workers:
             "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
             "call_timeout_s": cfg.trainer.worker_timeout_s,
         }
-        self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)
-        self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
-        self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
+        self.actor: Any = None
+        self.ref: Any = None
+        self.critic: Any = None
+        try:
+            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)
+            self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
+            self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
+            self._init_models(cfg, optimizer_steps)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_models(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+        assert self.actor is not None
         logger.info("loading models into the workers")
         pending = [self.actor.call_async("init_model", optimizer_steps)]
         if self.ref is not None:
@@ -109,9 +126,11 @@ class Workers:
         return out
 
     def shutdown(self) -> None:
+        """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
         for group in (self.actor, self.ref, self.critic):
             if group is not None:
                 group.shutdown()
+        self.pool.remove()
 
 
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int) -> Workers:

@@ -46,7 +46,6 @@ class Trainer:
         self.cfg = cfg
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
-        self.reward = RewardManager(cfg.worker.reward)
         alg = cfg.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.entropy_ctrl = (
@@ -60,22 +59,27 @@ class Trainer:
             if alg.adaptive_entropy
             else None
         )
-        self.workers = build_workers(cfg, self.optimizer_steps)
-        self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
         self.global_step = 0
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
         self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT handler; honoured between stages
         self.consecutive_skips = 0
-        self.tracker = build_tracker(
-            cfg.trainer.logger,
-            cfg.trainer.save_checkpoint_path or ".",
-            cfg.trainer.project_name,
-            cfg.trainer.experiment_name,
-            self.total_steps,
-        )
-        self.tracker.log_config(to_masked_dict(cfg))
-        self.ckpt = CheckpointManager(cfg.trainer.save_checkpoint_path or ".", cfg.trainer.save_limit)
-        self.resume()
+        run_dir = cfg.trainer.save_checkpoint_path or "."
+        self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
+        # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
+        resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+        self.reward = RewardManager(cfg.worker.reward)
+        try:
+            self.workers = build_workers(cfg, self.optimizer_steps)
+            self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
+            if resume_from is not None:
+                self.resume(resume_from)
+            self.tracker = build_tracker(
+                cfg.trainer.logger, run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name, self.total_steps
+            )
+            self.tracker.log_config(to_masked_dict(cfg))
+        except BaseException:
+            self.close()  # release whatever started (processes, workers, the placement group)
+            raise
 
     # ------------------------------------------------------------------ the algorithm
     def fit(self) -> dict[str, float]:
@@ -338,12 +342,9 @@ class Trainer:
         if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
 
-    def resume(self) -> None:
-        """Continue from `trainer.load_checkpoint_path`, or the newest complete checkpoint when
-        `trainer.find_last_checkpoint`; an explicit path that is missing or incomplete is an error."""
-        folder = self.ckpt.resolve_load(self.cfg.trainer.load_checkpoint_path, self.cfg.trainer.find_last_checkpoint)
-        if folder is None:
-            return
+    def resume(self, folder: str) -> None:
+        """Continue from the checkpoint `folder` (chosen by `CheckpointManager.resolve_load`: the explicit
+        `trainer.load_checkpoint_path`, or the newest complete one with `trainer.find_last_checkpoint`)."""
         logger.info("resuming from %s", folder)
         calls = [
             group.call_async("load_checkpoint", os.path.join(folder, role)) for role, group in self.trained_groups()
@@ -372,9 +373,12 @@ class Trainer:
         return batch.set(uid=[f"p{first + j}" for j in range(num)])
 
     def close(self) -> None:
-        self.tracker.close()
-        self.reward.close()
-        self.workers.shutdown()
+        """Release everything this trainer started; safe on a partly built trainer."""
+        for name in ("tracker", "reward"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+        if hasattr(self, "workers"):
+            self.workers.shutdown()
 
 
 def _sampling(overrides: dict | None) -> dict[str, Any]:

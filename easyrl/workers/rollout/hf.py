@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
+
+from easyrl.models import generate_with_media, model_class_for
 
 from easyrl.protocol import Batch
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
@@ -32,7 +34,8 @@ class HFRolloutEngine(RolloutEngine):
         trust_remote_code: bool = False,
     ) -> None:
         self.device = device
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model: Any = model_class_for(config).from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model = model.to(device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids = list(eos_token_ids)
@@ -43,9 +46,11 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         input_ids = prompts["input_ids"].to(self.device)
         attention_mask = prompts["attention_mask"].to(self.device)
+        media = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
         if params.n > 1:
             input_ids = input_ids.repeat_interleave(params.n, dim=0)
             attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
+            media = [m for m in media for _ in range(params.n)] if media is not None else None
         greedy = params.temperature == 0
         stop_ids = [] if params.ignore_eos else self.eos_token_ids + list(params.stop_token_ids)
         gen_cfg = GenerationConfig(
@@ -64,9 +69,7 @@ class HFRolloutEngine(RolloutEngine):
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out: Any = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg
-            )
+            out: Any = generate_with_media(self.model, input_ids, attention_mask, media, generation_config=gen_cfg)
         prompt_len = input_ids.shape[1]
         responses = out.sequences[:, prompt_len:]
         if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width

@@ -104,7 +104,8 @@ class VLLMRolloutEngine(RolloutEngine):
             tokens = list(completion.token_ids)[: params.max_tokens]
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             if completion.logprobs:
-                log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, completion.logprobs)])
+                per_token: list[Any] = list(completion.logprobs)
+                log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
         stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
         batch = assemble_sequences(input_ids, mask, responses, stop, self.pad_token_id, log_probs)
         return batch.set(rollout_logprob_mask=torch.tensor(with_logprobs, dtype=torch.bool))
