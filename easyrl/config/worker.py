@@ -88,11 +88,16 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     padding_free: bool = False
-    """Train on packed sequences without pad tokens (GPU attention path)."""
+    """Pack each micro-batch's valid tokens into one row (flash-attention varlen on GPU, block mask on CPU);
+    the reference and critic follow it, as they follow `dynamic_batching`."""
     dynamic_batching: bool = False
-    """Form micro-batches by a token budget instead of a fixed count."""
+    """Form micro-batches by a token budget instead of a fixed count (also for the reference and critic)."""
     max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch when `dynamic_batching` is on."""
+    fused_logprobs: bool = False
+    """Compute log-probs and entropy from hidden states chunk by chunk (no full tokens x vocab fp32 logits)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the fused log-prob head."""
     max_consecutive_skips: int = 3
     """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
     model: ModelConfig = field(default_factory=ModelConfig)

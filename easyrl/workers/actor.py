@@ -25,10 +25,13 @@ from easyrl.workers.fsdp import (
     build_scheduler,
     iter_full_weights,
     load_model,
+    load_to_device,
+    offload_to_cpu,
     seed_everything,
     shard_model,
     worker_device,
 )
+from easyrl.workers.packing import forward_options, packed_attn_implementation
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -76,7 +79,9 @@ class ActorWorker(CheckpointMixin):
     def init_model(self, total_optimizer_steps: int) -> None:
         acfg = self.cfg.worker.actor
         dtype = DTYPES[acfg.fsdp.torch_dtype] if acfg.fsdp.torch_dtype else torch.float32
-        model = load_model(acfg.model, "causal_lm", dtype)
+        attn = packed_attn_implementation() if acfg.padding_free else None
+        model = load_model(acfg.model, "causal_lm", dtype, attn_implementation=attn)
+        self.fwd_opts = forward_options(acfg)
         self.model = shard_model(model, acfg.fsdp, self.device, acfg.model.enable_gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, total_optimizer_steps)
@@ -105,6 +110,8 @@ class ActorWorker(CheckpointMixin):
         timing["timing_s/generate_engine"] = time.perf_counter() - start
         start = time.perf_counter()
         self.engine.sleep()
+        off = self.cfg.worker.actor.offload
+        load_to_device(self.model, self.optimizer, off.offload_params, off.offload_optimizer, self.device)
         timing["timing_s/sleep"] = time.perf_counter() - start
         out.meta["timing"] = timing
         return out
@@ -112,8 +119,10 @@ class ActorWorker(CheckpointMixin):
     def _wake_engine(self) -> dict[str, float]:
         """Wake the engine; when the policy changed since it last generated, stream the new weights in
         between waking its weight memory and its KV cache (so both are never resident at once)."""
+        off = self.cfg.worker.actor.offload  # training state leaves the GPU while the engine holds it
         if not self._engine_stale:
             start = time.perf_counter()
+            offload_to_cpu(self.model, self.optimizer, off.offload_params, off.offload_optimizer)
             self.engine.wake_up()
             return {"timing_s/wake": time.perf_counter() - start}
         start = time.perf_counter()
@@ -123,6 +132,7 @@ class ActorWorker(CheckpointMixin):
         self.engine.load_weights(iter_full_weights(self.model))
         update = time.perf_counter() - start
         start = time.perf_counter()
+        offload_to_cpu(self.model, self.optimizer, off.offload_params, off.offload_optimizer)
         self.engine.wake_up(["kv_cache"])
         wake += time.perf_counter() - start
         self._engine_stale = False
@@ -140,6 +150,7 @@ class ActorWorker(CheckpointMixin):
             self.cfg.worker.rollout.temperature,
             self.cfg.worker.actor.micro_batch_size_per_device_for_experience,
             with_entropy=True,
+            opts=self.fwd_opts,
         )
         assert ent is not None
         return Batch({"old_log_probs": lp, "entropys": ent})
@@ -157,7 +168,7 @@ class ActorWorker(CheckpointMixin):
         def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"].to(self.device).float()
             log_prob, entropy = token_log_probs(
-                self.model, mb, self.device, temperature, with_entropy=entropy_coeff != 0
+                self.model, mb, self.device, temperature, with_entropy=entropy_coeff != 0, opts=self.fwd_opts
             )
             pg_loss, pg_metrics = policy_loss(
                 old_log_prob=mb["old_log_probs"].to(self.device),
@@ -200,6 +211,7 @@ class ActorWorker(CheckpointMixin):
             loss_fn=loss_fn,
             prefix="actor",
             loss_agg_mode=acfg.loss_avg_mode,
+            max_token_len=self.fwd_opts.max_token_len,
         )
         self._engine_stale = True
         return metrics

@@ -10,7 +10,9 @@ from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
 from easyrl.protocol import Batch
+from easyrl.workers.batching import make_micro_batches
 from easyrl.workers.fsdp import all_finite
+from easyrl.workers.packing import ForwardOptions, fused_forward, prepare_inputs
 
 
 def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
@@ -26,15 +28,62 @@ def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.
 
 
 def token_log_probs(
-    model: nn.Module, mb: Batch, device: torch.device, temperature: float, with_entropy: bool
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool,
+    opts: ForwardOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each response token under `model` at `temperature`: (b, R), and its entropy (b, R)."""
-    logits = response_logits(model, mb, device).float()
+    """Log-prob of each response token under `model` at `temperature`: (b, R), and its entropy (b, R).
+
+    `opts` picks the layout (padded, trimmed or packed) and the head (full logits or fused chunks); every path
+    gives the same values at valid response tokens. The non-plain paths give 0 at padding.
+    """
+    if opts is None or opts.plain:
+        logits = response_logits(model, mb, device).float()
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        log_probs = logprobs_from_logits(logits, mb["responses"].to(device))
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return log_probs, entropy
+    inputs = prepare_inputs(mb, opts.padding_free).to(device)
+    if opts.fused:
+        lp, ent = fused_forward(model, inputs, temperature, opts.chunk_size)
+        return inputs.scatter(lp), (inputs.scatter(ent) if with_entropy else None)
+    # Packed rows: `logits_to_keep` (a tensor of positions) makes the model compute logits only where needed.
+    keep: dict[str, torch.Tensor] = {"logits_to_keep": inputs.select} if opts.padding_free else {}
+    out = model(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+        **keep,
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    logits = (logits if opts.padding_free else logits.index_select(0, inputs.select)).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    log_probs = logprobs_from_logits(logits, mb["responses"].to(device))
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+    lp = inputs.scatter(logprobs_from_logits(logits, inputs.labels))
+    return lp, (inputs.scatter(entropy_from_logits(logits)) if with_entropy else None)
+
+
+def response_values(
+    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
+) -> torch.Tensor:
+    """A value model's estimate of the state before each response token: (b, R), zeros at padding."""
+    if opts is None or opts.plain:
+        values = response_logits(model, mb, device)[..., 0].float()
+        return values * mb["response_mask"].to(device)
+    inputs = prepare_inputs(mb, opts.padding_free).to(device)
+    out = model(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
+    values = inputs.scatter(out.logits.reshape(-1).index_select(0, inputs.select).float())
+    return values * mb["response_mask"].to(device)
 
 
 @torch.no_grad()
@@ -45,15 +94,30 @@ def batched_log_probs(
     temperature: float,
     micro_batch_size: int,
     with_entropy: bool = False,
+    opts: ForwardOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_log_probs` over a whole batch in micro-batches: (B, R) each, on CPU."""
+    """`token_log_probs` over a whole batch in micro-batches (token-budget ones with dynamic batching): (B, R)
+    each, on CPU, in the batch's order."""
+    mbs = make_micro_batches(batch, micro_batch_size, opts.max_token_len if opts else None)
     lps, ents = [], []
-    for mb in batch.split(micro_batch_size):
-        lp, ent = token_log_probs(model, mb, device, temperature, with_entropy)
+    for mb, dummy in zip(mbs.parts, mbs.dummy):
+        lp, ent = token_log_probs(model, mb, device, temperature, with_entropy, opts)
+        if dummy:  # run only so every rank joins the same number of FSDP collectives
+            continue
         lps.append(lp.cpu())
         if ent is not None:
             ents.append(ent.cpu())
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    return mbs.restore(torch.cat(lps)), (mbs.restore(torch.cat(ents)) if with_entropy else None)
+
+
+@torch.no_grad()
+def batched_values(
+    model: nn.Module, batch: Batch, device: torch.device, micro_batch_size: int, opts: ForwardOptions | None = None
+) -> torch.Tensor:
+    """`response_values` over a whole batch in micro-batches: (B, R) on CPU, in the batch's order."""
+    mbs = make_micro_batches(batch, micro_batch_size, opts.max_token_len if opts else None)
+    parts = [response_values(model, mb, device, opts).cpu() for mb in mbs.parts]
+    return mbs.restore(torch.cat([v for v, dummy in zip(parts, mbs.dummy) if not dummy]))
 
 
 LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
@@ -73,12 +137,15 @@ def optimize(
     loss_fn: LossFn,
     prefix: str,
     loss_agg_mode: str = "token-mean",
+    max_token_len: int | None = None,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch optimizer steps with gradient accumulation over micro-batches.
 
     Each micro-batch's loss is weighted by its share of the mini-batch (valid tokens for `token-mean`,
-    sequences for the sequence-level modes), so accumulating equals one pass over the whole mini-batch. A non-finite loss or gradient norm skips that optimizer step
-    (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
+    sequences for the sequence-level modes), so accumulating equals one pass over the whole mini-batch, whatever
+    the micro-batches are: fixed-count, or token-budget ones with `max_token_len` (dynamic batching). A non-finite
+    loss or gradient norm skips that optimizer step (gradients dropped, counted in `<prefix>/skipped_updates`); the
+    caller decides when to stop.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     skipped = nonfinite_loss = nonfinite_grad = 0
@@ -88,10 +155,13 @@ def optimize(
             by_tokens = loss_agg_mode == "token-mean"
             total = float(mini["response_mask"].sum().clamp(min=1)) if by_tokens else float(len(mini))
             loss_sum = 0.0
-            for mb in mini.split(micro_batch_size):
+            mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
+            for mb, dummy in zip(mbs.parts, mbs.dummy):
                 weight = (float(mb["response_mask"].sum()) if by_tokens else float(len(mb))) / total
-                loss, mb_metrics = loss_fn(mb, weight)
-                loss.backward()
+                loss, mb_metrics = loss_fn(mb, 0.0 if dummy else weight)
+                loss.backward()  # a dummy's zero-weight backward keeps this rank in the FSDP collectives
+                if dummy:
+                    continue
                 loss_sum += float(loss.detach())
                 for k, v in mb_metrics.items():
                     metrics[k].append(v)

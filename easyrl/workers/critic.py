@@ -12,8 +12,9 @@ from easyrl.config import EasyRLConfig
 from easyrl.distributed import Dispatch, register
 from easyrl.protocol import Batch
 from easyrl.workers.actor import _setup_process
-from easyrl.workers.common import optimize
+from easyrl.workers.common import batched_values, optimize, response_values
 from easyrl.workers.fsdp import DTYPES, build_optimizer, build_scheduler, load_model, shard_model
+from easyrl.workers.packing import ForwardOptions, forward_options, packed_attn_implementation
 
 
 class CriticWorker(CheckpointMixin):
@@ -25,29 +26,25 @@ class CriticWorker(CheckpointMixin):
     def init_model(self, total_optimizer_steps: int) -> None:
         ccfg = self.cfg.worker.critic
         dtype = DTYPES[ccfg.fsdp.torch_dtype] if ccfg.fsdp.torch_dtype else torch.float32
-        model = load_model(ccfg.model, "value", dtype)
+        acfg = self.cfg.worker.actor  # the critic follows the actor's batching and packing (no fused head: 1 output)
+        attn = packed_attn_implementation() if acfg.padding_free else None
+        model = load_model(ccfg.model, "value", dtype, attn_implementation=attn)
+        self.fwd_opts = ForwardOptions(
+            padding_free=acfg.padding_free, max_token_len=forward_options(acfg).max_token_len
+        )
         self.model = shard_model(model, ccfg.fsdp, self.device, ccfg.model.enable_gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, total_optimizer_steps)
 
     def _values(self, mb: Batch) -> torch.Tensor:
         """Value of the state before each response token: (b, R)."""
-        response_len = mb["responses"].shape[1]
-        out = self.model(
-            input_ids=mb["input_ids"].to(self.device),
-            attention_mask=mb["attention_mask"].to(self.device),
-            position_ids=mb["position_ids"].to(self.device),
-            use_cache=False,
-        )
-        values = out.logits[:, -response_len - 1 : -1, 0].float()
-        return values * mb["response_mask"].to(self.device)
+        return response_values(self.model, mb, self.device, self.fwd_opts)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         micro = self.cfg.worker.critic.micro_batch_size_per_device_for_experience
-        with torch.no_grad():
-            values = torch.cat([self._values(mb).cpu() for mb in batch.split(micro)])
+        values = batched_values(self.model, batch, self.device, micro, self.fwd_opts)
         return Batch({"values": values})
 
     @register(dispatch=Dispatch.DP_SPLIT)
@@ -83,4 +80,5 @@ class CriticWorker(CheckpointMixin):
             loss_fn=loss_fn,
             prefix="critic",
             loss_agg_mode=ccfg.loss_avg_mode,
+            max_token_len=self.fwd_opts.max_token_len,
         )

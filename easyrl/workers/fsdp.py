@@ -30,8 +30,16 @@ def worker_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_model(model_cfg: ModelConfig, kind: str = "causal_lm", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a local HF model: `causal_lm` for the policy, `value` for a critic (a one-output token head)."""
+def load_model(
+    model_cfg: ModelConfig,
+    kind: str = "causal_lm",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """Load a local HF model: `causal_lm` for the policy, `value` for a critic (a one-output token head).
+
+    `attn_implementation` (e.g. `flash_attention_2` for padding-free training on GPU); None: transformers' default.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     assert model_cfg.model_path is not None
@@ -39,6 +47,8 @@ def load_model(model_cfg: ModelConfig, kind: str = "causal_lm", dtype: torch.dty
     for key, value in model_cfg.override_config.items():
         setattr(hf_config, key, value)
     common: dict[str, Any] = {"config": hf_config, "dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    if attn_implementation is not None:
+        common["attn_implementation"] = attn_implementation
     if kind == "value":
         hf_config.num_labels = 1
         hf_config.classifier_dropout = 0.0
@@ -85,13 +95,88 @@ def shard_model(
     return model
 
 
+class AdamWBF16States(torch.optim.Optimizer):
+    """AdamW whose moment estimates are stored in bf16 (half the optimizer memory of fp32 states).
+
+    Parameters (the master weights) keep their dtype; each step upcasts the moments to fp32, updates them and the
+    parameter in fp32, and stores them back in bf16. Works on FSDP2 DTensor shards (element-wise ops only).
+    """
+
+    def __init__(
+        self, params: Any, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad.float()
+                # load_state_dict casts states to the parameter dtype: upcasting here covers both cases.
+                exp_avg = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"] = exp_avg.to(torch.bfloat16)
+                state["exp_avg_sq"] = exp_avg_sq.to(torch.bfloat16)
+                denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                update = (exp_avg / (1 - beta1**step)).div_(denom)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: fp32 states (`adamw`) or bf16 states (`adamw_bf16`)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.strategy == "adamw_bf16":
-        # States follow the parameter dtype: cast the master weights to bf16 for bf16 optimizer states.
-        for p in params:
-            p.data = p.data.to(torch.bfloat16)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)  # type: ignore[arg-type]
+        return AdamWBF16States(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+
+
+def offload_to_cpu(model: nn.Module, optimizer: torch.optim.Optimizer | None, params: bool, optim: bool) -> None:
+    """Move the FSDP2 parameter shards and/or optimizer states to CPU (to free GPU memory for generation).
+
+    CUDA only: on CPU there is nothing to free, so this logs and returns. FSDP2 supports `module.to()` on sharded
+    modules (it re-registers the sharded parameters), and parameters keep their identity, so the optimizer still
+    holds them. GPU-only branch: not exercised in the CPU tests.
+    """
+    _move_training_state(model, optimizer, params, optim, torch.device("cpu"))
+
+
+def load_to_device(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, params: bool, optim: bool, device: torch.device
+) -> None:
+    """Undo `offload_to_cpu`: bring parameters and/or optimizer states back to `device` (CUDA only)."""
+    _move_training_state(model, optimizer, params, optim, device)
+
+
+def _move_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, params: bool, optim: bool, device: torch.device
+) -> None:
+    if not (params or optim):
+        return
+    if not torch.cuda.is_available():
+        logger.info("offload of params/optimizer requested: no-op without CUDA")
+        return
+    if params:
+        model.to(device)
+    if optim and optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+    if device.type == "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def build_scheduler(

@@ -12,6 +12,7 @@ from easyrl.protocol import Batch
 from easyrl.workers.actor import _setup_process
 from easyrl.workers.common import batched_log_probs
 from easyrl.workers.fsdp import DTYPES, load_model, shard_model
+from easyrl.workers.packing import forward_options, packed_attn_implementation
 
 
 class RefWorker:
@@ -24,7 +25,10 @@ class RefWorker:
     def init_model(self) -> None:
         rcfg = self.cfg.worker.ref
         dtype = DTYPES[rcfg.fsdp.torch_dtype] if rcfg.fsdp.torch_dtype else torch.float32
-        model = load_model(self.cfg.worker.actor.model, "causal_lm", dtype)
+        acfg = self.cfg.worker.actor  # the reference follows the actor's batching, packing and fused head
+        attn = packed_attn_implementation() if acfg.padding_free else None
+        model = load_model(acfg.model, "causal_lm", dtype, attn_implementation=attn)
+        self.fwd_opts = forward_options(acfg)
         model.requires_grad_(False)
         self.model = shard_model(model, rcfg.fsdp, self.device).eval()
 
@@ -33,5 +37,6 @@ class RefWorker:
         """The reference policy's log-prob of each response token: `ref_log_probs` (B, R)."""
         micro = self.cfg.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.cfg.worker.actor.micro_batch_size_per_device_for_experience
-        lp, _ = batched_log_probs(self.model, batch, self.device, self.cfg.worker.rollout.temperature, micro)
+        temperature = self.cfg.worker.rollout.temperature
+        lp, _ = batched_log_probs(self.model, batch, self.device, temperature, micro, opts=self.fwd_opts)
         return Batch({"ref_log_probs": lp})

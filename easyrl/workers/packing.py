@@ -1,0 +1,241 @@
+"""Model inputs without padding work, and the fused (chunked) log-prob/entropy head.
+
+Two layouts feed the same computation: *trimmed padded* rows (columns that are padding in every row removed) and
+*packed* rows (padding-free: the valid tokens of all samples concatenated into one row, `position_ids` restarting
+at 0 for each sample). In both, only the hidden states that predict a valid response token are selected (`select`)
+and the per-token results are scattered back into a (b, R) grid (`dest`), zeros at padding.
+
+Packed attention: with `attention_mask=None` and packed `position_ids`, transformers (5.x, `masking_utils`) detects
+the sequence boundaries from the position ids and builds a block-diagonal causal mask for sdpa/eager/flex, and the
+flash-attention integrations derive the varlen `cu_seqlens` from the same position ids. So one code path serves
+CPU (sdpa with a block mask: exact, not faster) and GPU (flash-attention varlen kernels when the model is loaded
+with `attn_implementation="flash_attention_2"`, see `packed_attn_implementation`).
+
+Fused head: logits are never materialized for all tokens. `FusedLinearLogProbs` computes, chunk by chunk over the
+tokens, `hidden @ W.T` in the model's dtype, then fp32 log-softmax, the sampled token's log-prob and the entropy; its
+backward recomputes each chunk. Under FSDP2 the head weight (possibly tied to the embedding) belongs to the root
+unit and is only unsharded inside the root's forward, so the whole computation runs as a method of the root module
+registered with `register_fsdp_forward_method`: FSDP's pre-forward all-gathers the root's parameters and its
+backward hooks reduce-scatter their gradients exactly as for the usual `forward`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from easyrl.protocol import Batch
+
+
+FUSED_METHOD = "easyrl_fused_logprobs"
+"""Name of the fused head method attached to (and registered with FSDP2 on) the root module."""
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the workers run their forward passes; the defaults are the plain padded path."""
+
+    padding_free: bool = False
+    """Pack the valid tokens of a micro-batch into one row."""
+    fused: bool = False
+    """Compute log-probs and entropy from hidden states chunk by chunk (no full logits)."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the fused head."""
+    max_token_len: int | None = None
+    """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches."""
+
+    @property
+    def plain(self) -> bool:
+        """The original path: padded micro-batches, full logits."""
+        return not (self.padding_free or self.fused or self.max_token_len is not None)
+
+
+def forward_options(actor_cfg: Any) -> ForwardOptions:
+    """`ForwardOptions` from `worker.actor` (the reference and critic follow the actor's settings)."""
+    return ForwardOptions(
+        padding_free=actor_cfg.padding_free,
+        fused=actor_cfg.fused_logprobs,
+        chunk_size=actor_cfg.logprob_chunk_size,
+        max_token_len=actor_cfg.max_token_len_per_gpu if actor_cfg.dynamic_batching else None,
+    )
+
+
+def packed_attn_implementation() -> str | None:
+    """The attention implementation to load models with for padding-free training: flash-attention 2 on CUDA
+    when the package is installed (varlen kernels, no mask), else None (keep the default sdpa + block mask).
+    GPU-only branch: not exercised on CPU."""
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch laid out for the model, with the positions to read results from."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    """None when packed (transformers then derives the block-diagonal mask from `position_ids`)."""
+    select: torch.Tensor
+    """(N,) flat indices into the (rows * width) positions whose outputs predict a valid response token."""
+    labels: torch.Tensor
+    """(N,) the response token each selected position predicts."""
+    dest: torch.Tensor
+    """(N,) flat indices into the (b * R) response grid."""
+    grid: tuple[int, int]
+    """(b, R)."""
+
+    def to(self, device: torch.device) -> ModelInputs:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return ModelInputs(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            mask,
+            self.select.to(device),
+            self.labels.to(device),
+            self.dest.to(device),
+            self.grid,
+        )
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(N,) per selected position -> (b, R) grid, zeros at padding (differentiable)."""
+        b, r = self.grid
+        return values.new_zeros(b * r).index_copy(0, self.dest, values).view(b, r)
+
+
+def prepare_inputs(mb: Batch, padding_free: bool) -> ModelInputs:
+    """Lay out `mb` (left-padded prompts, right-padded responses) packed or as trimmed padded rows."""
+    input_ids, mask, pos = mb["input_ids"], mb["attention_mask"].bool(), mb["position_ids"]
+    if pos.dim() != 2:
+        raise NotImplementedError("padding-free/fused paths support 2-D position_ids only (no multimodal RoPE)")
+    b, length = input_ids.shape
+    r = mb["responses"].shape[1]
+    p = length - r
+    rows, cols = mask[:, p:].nonzero(as_tuple=True)  # valid response tokens
+    labels = mb["responses"][rows, cols]
+    dest = rows * r + cols
+    source = cols + p - 1  # the position whose output predicts response token `cols`
+    if padding_free:
+        packed_pos = mask.flatten().long().cumsum(0) - 1
+        select = packed_pos[rows * length + source]
+        return ModelInputs(input_ids[mask][None], pos[mask][None], None, select, labels, dest, (b, r))
+    used = mask.any(dim=0).nonzero()
+    left, right = int(used.min()), int(used.max()) + 1
+    width = right - left
+    select = rows * width + (source - left)
+    return ModelInputs(
+        input_ids[:, left:right], pos[:, left:right], mask[:, left:right].long(), select, labels, dest, (b, r)
+    )
+
+
+def _chunk_stats(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, ...]:
+    """fp32 logits / temperature of one chunk, their softmax, log-prob of `labels` and entropy."""
+    z = (h @ w.T).float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    probs = torch.exp(z - lse[:, None])
+    logp = z.gather(1, labels[:, None]).squeeze(1) - lse
+    entropy = lse - (probs * z).sum(dim=-1)
+    return z, probs, logp, entropy
+
+
+class FusedLinearLogProbs(torch.autograd.Function):
+    """(N, H) hidden, (V, H) head weight, (N,) labels -> (N,) log-probs and (N,) entropy, fp32, by token chunks.
+
+    Memory: one (chunk, V) fp32 block at a time in forward and backward (the backward recomputes it).
+    Gradients: d logp/dz = onehot - p and d H/dz = -p (z - E_p[z]) for z = logits / temperature.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, ents = [], []
+        for h, lab in zip(hidden.split(chunk), labels.split(chunk)):
+            _, _, logp, ent = _chunk_stats(h, weight, lab, temperature)
+            logps.append(logp)
+            ents.append(ent)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, labels = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            h, lab = hidden[sl], labels[sl]
+            z, probs, _, _ = _chunk_stats(h, weight, lab, temperature)
+            grad_z = torch.zeros_like(z)
+            if grad_logp is not None:
+                gl = grad_logp[sl].float()
+                grad_z -= probs * gl[:, None]
+                grad_z.scatter_add_(1, lab[:, None], gl[:, None])
+            if grad_ent is not None:
+                mean_z = (probs * z).sum(dim=-1, keepdim=True)
+                grad_z -= probs * (z - mean_z) * grad_ent[sl].float()[:, None]
+            if temperature != 1.0:
+                grad_z = grad_z / temperature
+            grad_z = grad_z.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[sl] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_z.T @ h).float()
+        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_w, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `labels` and entropy under `hidden @ weight.T / temperature`, without full logits."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    t = temperature if temperature > 0 else 1.0
+    out = FusedLinearLogProbs.apply(hidden, weight, labels, t, chunk_size)
+    return out[0], out[1]
+
+
+def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int) -> tuple[Any, Any]:
+    """Backbone forward, then the fused head on the selected positions. Runs as a method of the root module so
+    FSDP2 unshards the root's parameters (embedding, final norm, head) around it."""
+    backbone: Any = self.model  # type: ignore[attr-defined]
+    head: Any = self.lm_head  # type: ignore[attr-defined]
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("the fused head supports a bias-free lm_head only")
+    out = backbone(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)
+    return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size)
+
+
+def fused_forward(
+    model: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) log-probs and entropy of the selected positions through the fused head (attaching it on first use)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not hasattr(model, FUSED_METHOD):
+        if not (hasattr(model, "model") and hasattr(model, "lm_head")):
+            raise NotImplementedError(f"fused log-probs need a causal LM with .model and .lm_head, not {type(model)}")
+        setattr(model, FUSED_METHOD, types.MethodType(_fused_method, model))
+        register_fsdp_forward_method(model, FUSED_METHOD)  # a no-op for unsharded models
+    return getattr(model, FUSED_METHOD)(inputs, temperature, chunk_size)
