@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
+from easyrl.models import multimodal_forward_kwargs
 from easyrl.protocol import Batch
 from easyrl.workers.batching import make_micro_batches
 from easyrl.workers.fsdp import all_finite
@@ -18,11 +19,15 @@ from easyrl.workers.packing import ForwardOptions, fused_forward, prepare_inputs
 def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
     """Logits predicting each response token: (b, R, V) from a forward pass over prompt+response (b, P+R)."""
     response_len = mb["responses"].shape[1]
+    # Vision-language rows: this micro-batch's patches and grids, and 3D (M-RoPE) positions for the 1D ones.
+    media = multimodal_forward_kwargs(mb, model, device)
+    position_ids = media.pop("position_ids", None)
     out = model(
         input_ids=mb["input_ids"].to(device),
         attention_mask=mb["attention_mask"].to(device),
-        position_ids=mb["position_ids"].to(device),
+        position_ids=position_ids if position_ids is not None else mb["position_ids"].to(device),
         use_cache=False,
+        **media,
     )
     return out.logits[:, -response_len - 1 : -1]
 
@@ -40,7 +45,7 @@ def token_log_probs(
     `opts` picks the layout (padded, trimmed or packed) and the head (full logits or fused chunks); every path
     gives the same values at valid response tokens. The non-plain paths give 0 at padding.
     """
-    if opts is None or opts.plain:
+    if opts is None or opts.plain or "multi_modal_inputs" in mb:  # packed/fused paths carry no pixels
         logits = response_logits(model, mb, device).float()
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature

@@ -40,7 +40,7 @@ def load_model(
 
     `attn_implementation` (e.g. `flash_attention_2` for padding-free training on GPU); None: transformers' default.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     assert model_cfg.model_path is not None
     hf_config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
@@ -54,7 +54,11 @@ def load_model(
         hf_config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(model_cfg.model_path, **common)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.model_path, **common)
+        from easyrl.models import freeze_vision_tower, model_class_for
+
+        model = model_class_for(hf_config).from_pretrained(model_cfg.model_path, **common)
+        if model_cfg.freeze_vision_tower:
+            logger.info("froze %d vision-tower parameters", freeze_vision_tower(model))
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model

@@ -15,7 +15,6 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from easyrl.models import generate_with_media, model_class_for
-
 from easyrl.protocol import Batch
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
 
@@ -35,7 +34,9 @@ class HFRolloutEngine(RolloutEngine):
     ) -> None:
         self.device = device
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        model: Any = model_class_for(config).from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model: Any = model_class_for(config).from_pretrained(
+            model_path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
         self.model = model.to(device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids = list(eos_token_ids)
