@@ -41,13 +41,16 @@ def run_check(cfg: EasyRLConfig) -> int:
 
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
+    from easyrl.models import load_processor
     from easyrl.rewards import RewardManager
 
     out = sys.stdout
     mcfg = cfg.worker.actor.model
-    tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    assert mcfg.tokenizer_path is not None
+    processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(mcfg.tokenizer_path)
     try:
-        train = RLDataset(cfg.data.train_files, cfg.data, tokenizer)
+        train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
     except DataError as exc:
         print(f"easyrl: data error: {exc}", file=sys.stderr)
         return 2
@@ -62,6 +65,15 @@ def run_check(cfg: EasyRLConfig) -> int:
         + f" (max_prompt_length={cfg.data.max_prompt_length}, over it: {dropped.get('overlong_prompt', 0)})",
         file=out,
     )
+    media = train.media_token_stats()
+    if media:
+        print(
+            "media: "
+            + ", ".join(f"{k}={v:g}" for k, v in media.items())
+            + " (prompt lengths above include them; rows whose media push the prompt past max_prompt_length are"
+            " counted under overlong_prompt, the 'image features and image tokens do not match' failure)",
+            file=out,
+        )
     print("== first prompt, rendered", file=out)
     first = train[0]
     print(first["raw_prompt"], file=out)

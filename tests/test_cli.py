@@ -41,3 +41,28 @@ def test_check_prints_the_report(tmp_path, tiny_model_dir, digits_data) -> None:
     assert "'overall'" in out  # the reward function ran on one sample
     assert "grpo advantages" in out and "n=4" in out and "2 per role" in out
     assert not (tmp_path / "run").exists(), "check must not start training"
+
+
+def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> None:
+    """With a VL model, the report counts image tokens and flags rows whose media push the prompt too long."""
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+    from tests.trainer.test_vl_e2e import _image_data
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch="qwen2_5_vl")
+    data = _image_data(tmp_path / "data")
+    conf = base_config(model, {"train": data["train"]}, tmp_path / "run")
+    # 16x16 patches merged 2x2: a 64x48 image is 12 tokens, a 32x32 one 4; 56 tokens leaves room only for some.
+    conf["data"].update(
+        {
+            "image_dir": data["image_dir"],
+            "max_prompt_length": 56,
+            "min_pixels": 32 * 32,
+            "max_pixels": 64 * 64,
+            "rollout_batch_size": 2,
+        }
+    )
+    conf["worker"]["actor"]["global_batch_size"] = 2
+    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "media: rows_with_media=" in proc.stdout and "media_tokens_max=" in proc.stdout, proc.stdout
+    assert "'overlong_prompt': " in proc.stdout, proc.stdout

@@ -18,7 +18,7 @@ import numpy as np
 from easyrl.config.data import DataConfig
 from easyrl.data.loading import DataError, Row, load_rows
 from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
-from easyrl.data.multimodal import MultimodalError, encode_multimodal_prompt, media_token_counts
+from easyrl.data.multimodal import MediaTokenCounts, MultimodalError, encode_multimodal_prompt, media_token_counts
 from easyrl.data.prompts import PromptError, PromptRenderer, check_messages, load_chat_template
 
 
@@ -63,8 +63,8 @@ class _Sample:
     images: list[MediaRef] = field(default_factory=list)
     videos: list[MediaRef] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
-    media_prompt_tokens: int | None = None
-    """Prompt length with the media tokens expanded (rows with media and a processor only)."""
+    media: MediaTokenCounts | None = None
+    """Token counts with the media expanded (rows with media and a processor only)."""
 
 
 class RLDataset:
@@ -170,9 +170,9 @@ class RLDataset:
         sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
         if self.processor is not None and (images or videos):
             try:
-                sample.media_prompt_tokens = media_token_counts(
+                sample.media = media_token_counts(
                     self.processor, self._renderer.messages(row), images, videos, cfg, self._renderer.chat_template
-                ).prompt_tokens
+                )
             except (MultimodalError, MediaError, OSError) as exc:
                 raise _BadRow("bad_media", str(exc)) from exc
         return sample
@@ -186,7 +186,7 @@ class RLDataset:
             encoded = self.tokenizer([s.raw_prompt for s in chunk], add_special_tokens=False)["input_ids"]
             for sample, ids in zip(chunk, encoded):
                 sample.prompt_ids = list(ids)
-                length = sample.media_prompt_tokens if sample.media_prompt_tokens is not None else len(ids)
+                length = sample.media.prompt_tokens if sample.media is not None else len(ids)
                 if length <= limit:
                     kept.append(sample)
                     continue
@@ -252,6 +252,21 @@ class RLDataset:
         """``(file, row_index)`` the sample at ``index`` came from."""
         sample = self._samples[index]
         return sample.source, sample.row_index
+
+    def media_token_stats(self) -> dict[str, float]:
+        """Image/video tokens per row over the kept rows that carry media (empty without media or processor)."""
+        counts = [s.media for s in self._samples if s.media is not None]
+        if not counts:
+            return {}
+        per_row = np.array([c.image_tokens + c.video_tokens for c in counts])
+        return {
+            "rows_with_media": float(len(counts)),
+            "images": float(sum(c.images for c in counts)),
+            "videos": float(sum(c.videos for c in counts)),
+            "media_tokens_min": float(per_row.min()),
+            "media_tokens_mean": float(per_row.mean()),
+            "media_tokens_max": float(per_row.max()),
+        }
 
     def prompt_length_stats(self) -> dict[str, float]:
         """Token lengths of the kept prompts: ``min``, ``mean``, ``max`` and ``p95``."""
