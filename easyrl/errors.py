@@ -10,7 +10,13 @@ def is_user_facing(exc: BaseException) -> bool:
     from easyrl.distributed.errors import WorkerGroupError
     from easyrl.trainer.trainer import StopRequested, TrainingError
 
-    user_facing: tuple[type[BaseException], ...] = (DataError, WorkerGroupError, TrainingError, CheckpointError, StopRequested)
+    user_facing: tuple[type[BaseException], ...] = (
+        DataError,
+        WorkerGroupError,
+        TrainingError,
+        CheckpointError,
+        StopRequested,
+    )
     try:
         from easyrl.rewards import RewardError
 

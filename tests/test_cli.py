@@ -27,16 +27,24 @@ def test_help(command: str) -> None:
     assert "usage: easyrl" in proc.stdout
 
 
-def test_check_prints_the_report(tmp_path, tiny_model_dir, digits_data) -> None:
-    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
-    conf["data"]["max_prompt_length"] = 24  # some prompts of the fixture are longer: counted, not trained on
+def test_check_prints_the_report(tmp_path, tiny_model_dir) -> None:
+    import json
+
+    rows = [
+        {"prompt": "Copy: " + " ".join(str(d) for d in range(n)), "answer": "0" * n}
+        for n in range(1, 9)
+        for _ in range(2)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conf = base_config(tiny_model_dir, {"train": str(tmp_path / "train.jsonl")}, tmp_path / "run")
+    conf["data"]["max_prompt_length"] = 36  # the longer prompts do not fit: counted, not trained on
     path = write_config(tmp_path / "cfg.yaml", conf)
     proc = easyrl("check", path, "worker.rollout.n=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for section in ("== data", "== first prompt, rendered", "== reward function", "== plan"):
         assert section in out, out
-    assert "usable rows" in out and "overlong_prompt" in out
+    assert "usable rows" in out and "'overlong_prompt': " in out
     assert "prompt tokens: min=" in out
     assert "'overall'" in out  # the reward function ran on one sample
     assert "grpo advantages" in out and "n=4" in out and "2 per role" in out

@@ -70,11 +70,13 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
     notes: list[str] = []
     if overrides:
+        _check_dotlist_form(overrides)
+        # Hydra's `+key=value` (add a key) is accepted: free-form mappings take new keys without it anyway.
+        overrides = [item[1:] if item.startswith("+") else item for item in overrides]
         try:
             cli = OmegaConf.from_dotlist(list(overrides))
         except OmegaConfBaseException as exc:
             raise ConfigError("command line", f"cannot parse overrides {overrides}: {exc.msg}") from None
-        _check_dotlist_form(overrides)
         merged_cli = OmegaConf.merge(user, cli)
         assert isinstance(merged_cli, DictConfig)
         user = merged_cli

@@ -190,7 +190,8 @@ class RLDataset:
                 if length <= limit:
                     kept.append(sample)
                     continue
-                detail = f"prompt has {length} tokens (media included) > data.max_prompt_length={limit}"
+                media = " (media included)" if sample.media is not None else ""
+                detail = f"prompt has {length} tokens{media} > data.max_prompt_length={limit}"
                 if not self.cfg.filter_overlong_prompts:
                     raise DataError(
                         f"{sample.source}, row {sample.row_index}: overlong_prompt: {detail} "

@@ -163,7 +163,9 @@ def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> Non
 def test_grpo_with_vllm_engine_two_workers(tmp_path, tiny_model_dir, digits_data) -> None:
     """The HybridEngine path with the real vLLM engine (the CPU build here): every step the new weights are
     streamed into each worker's engine, and its log-probs of the sampled tokens match the actor's."""
-    rows, before, after = run(tmp_path, tiny_model_dir, digits_data, {"worker.rollout.name": "vllm"}, steps=2, weights=True)
+    rows, before, after = run(
+        tmp_path, tiny_model_dir, digits_data, {"worker.rollout.name": "vllm"}, steps=2, weights=True
+    )
     assert_finite(rows)
     assert "timing_s/update_weights" in rows[1]  # step 2 generated from weights synced after step 1
     for row in rows:

@@ -52,7 +52,7 @@ def test_killed_worker_stops_the_driver_and_relaunch_resumes(tmp_path: Path, tin
         def kill(group=group, rank=rank, trainer=trainer, start_step=start_step, killed_at=killed_at) -> None:
             import ray
 
-            while trainer.global_step < start_step + 1:  # let at least one step begin
+            while trainer.global_step < start_step + 2:  # let one step finish (and save), the next begin
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.5))
             killed_at.append(time.monotonic())

@@ -23,6 +23,7 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_
         "data.rollout_batch_size": 16,
         "worker.actor.global_batch_size": 8,
         "trainer.save_freq": 3,
+        "trainer.total_epochs": 2,
         "worker.actor.micro_batch_size_per_device_for_update": 4,
     }
     full, _, _ = run(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=6)
