@@ -64,8 +64,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 "gpu_memory_utilization": rcfg.gpu_memory_utilization,
                 "enable_sleep_mode": self.sleep_enabled,
             }
-            if rcfg.tensor_parallel_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                # Each worker is one SPMD rank of the engine, in the process group the workers already share.
+            if rcfg.tensor_parallel_size > 1:
+                # Each worker is one SPMD rank of a tensor-parallel engine, in the process group the workers
+                # already share. With tp=1 every worker's engine is independent (the path tested on CPU).
                 engine_args["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(**engine_args)
         self._asleep = False
