@@ -103,13 +103,7 @@ def compute_ppo_loss(
     )
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
-            "pg_clipfrac_lower": masked_mean(dual_clipped.to(ratio.dtype), response_mask).item(),
-            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
-        }
-    return loss, metrics
+    return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
 @register_policy_loss("gspo")
@@ -153,13 +147,7 @@ def compute_gspo_loss(
     loss_mat, clipped, dual_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, None)
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
-            "pg_clipfrac_lower": masked_mean(dual_clipped.to(ratio.dtype), response_mask).item(),
-            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
-        }
-    return loss, metrics
+    return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
 @register_policy_loss("cispo")
@@ -199,10 +187,21 @@ def compute_cispo_loss(
     loss_mat = -weight * advantages * log_prob
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(clipped.to(ratio.dtype), response_mask).item(),
-            "pg_clipfrac_lower": 0.0,
-            "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
-        }
-    return loss, metrics
+    return loss, _clip_metrics(clipped, None, old_log_prob, log_prob, response_mask)
+
+
+@torch.no_grad()
+def _clip_metrics(
+    clipped: torch.Tensor,
+    dual_clipped: torch.Tensor | None,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> dict[str, float]:
+    """verl-named statistics over valid tokens: clip fractions (B, T bool masks) and the approximate KL."""
+    lower = 0.0 if dual_clipped is None else masked_mean(dual_clipped.to(log_prob.dtype), response_mask).item()
+    return {
+        "pg_clipfrac": masked_mean(clipped.to(log_prob.dtype), response_mask).item(),
+        "pg_clipfrac_lower": lower,
+        "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
+    }
