@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from easyrl.checkpoint import is_complete
 from easyrl.config import load_config
 from tests.conftest import base_config, write_config
 from tests.trainer.test_e2e import ray_session  # noqa: F401  (module-scoped Ray fixture)
@@ -26,7 +27,7 @@ KILLS = int(os.environ.get("EASYRL_TEST_KILLS", "10"))
 def _config(tmp_path: Path, model: str, data: dict[str, str], **trainer: object) -> str:
     conf = base_config(model, data, tmp_path / "run")
     conf["algorithm"].update({"disable_kl": False, "use_kl_loss": True})  # two roles: actor and ref
-    conf["trainer"].update({"max_steps": 1000, "save_freq": 1, "save_limit": 2, **trainer})
+    conf["trainer"].update({"max_steps": 1000, "total_epochs": 100, "save_freq": 1, "save_limit": 2, **trainer})
     return write_config(tmp_path / "cfg.yaml", conf)
 
 
@@ -71,7 +72,7 @@ def test_killed_worker_stops_the_driver_and_relaunch_resumes(tmp_path: Path, tin
             thread.join(timeout=5)
             trainer.close()
         latest = trainer.ckpt.latest()
-        assert latest is not None and trainer.ckpt.is_complete(latest)
+        assert latest is not None and is_complete(latest)
     assert clean_exits == KILLS
     assert resumed_steps and all(step >= 1 for step in resumed_steps), resumed_steps
     assert resumed_steps == sorted(resumed_steps)  # every re-launch continued from the newest checkpoint
