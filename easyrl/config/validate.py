@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.loader import ConfigError
+from easyrl.config.names import (
+    BUILTIN_ADV_ESTIMATORS,
+    BUILTIN_POLICY_LOSSES,
+    GROUP_ESTIMATORS,
+    KL_PENALTY_KINDS,
+    LOSS_AGG_MODES,
+)
 
 
 if TYPE_CHECKING:
@@ -52,16 +59,18 @@ def validate(cfg: EasyRLConfig) -> None:
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:
-    from easyrl.algorithms import KL_PENALTY_KINDS, LOSS_AGG_MODES, list_advantage_estimators, list_policy_losses
-
     for key, allowed in _ENUMS.items():
         _one_of(key, _get(cfg, key), allowed)
-    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_advantage_estimators())
-    _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, list_policy_losses())
+    estimators, losses = list(BUILTIN_ADV_ESTIMATORS), list(BUILTIN_POLICY_LOSSES)
+    if cfg.algorithm.user_modules:  # their registrations live in the registry (importing it imports torch)
+        from easyrl.algorithms import list_advantage_estimators, list_policy_losses
+
+        estimators, losses = list_advantage_estimators(), list_policy_losses()
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, estimators)
+    _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, losses)
     _one_of("worker.actor.loss_avg_mode", cfg.worker.actor.loss_avg_mode, list(LOSS_AGG_MODES))
     _one_of("worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, list(LOSS_AGG_MODES))
-    kinds = [k for k in KL_PENALTY_KINDS if k != "full"]
-    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kinds)
+    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
 
@@ -113,8 +122,6 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
 
 
 def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
-    from easyrl.algorithms import GROUP_ESTIMATORS
-
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     n = cfg.worker.rollout.n
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:

@@ -41,3 +41,15 @@ def test_public_keys_snapshot() -> None:
     """Adding or removing a config key edits tests/config/config_keys.txt in the same change."""
     keys = sorted(_schema_paths(EasyRLConfig))
     assert keys == SNAPSHOT.read_text().split(), "config keys changed: update tests/config/config_keys.txt"
+
+
+def test_builtin_names_match_the_registry() -> None:
+    """The torch-free name lists the validator uses are exactly what easyrl.algorithms registers."""
+    import easyrl.algorithms as algorithms
+    from easyrl.config import names
+
+    assert sorted(names.BUILTIN_ADV_ESTIMATORS) == algorithms.list_advantage_estimators()
+    assert sorted(names.BUILTIN_POLICY_LOSSES) == algorithms.list_policy_losses()
+    assert names.GROUP_ESTIMATORS == frozenset(algorithms.GROUP_ESTIMATORS)
+    assert set(names.KL_PENALTY_KINDS) == set(algorithms.KL_PENALTY_KINDS) - {"full"}
+    assert tuple(names.LOSS_AGG_MODES) == tuple(algorithms.LOSS_AGG_MODES)
