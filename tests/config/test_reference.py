@@ -50,6 +50,6 @@ def test_builtin_names_match_the_registry() -> None:
 
     assert sorted(names.BUILTIN_ADV_ESTIMATORS) == algorithms.list_advantage_estimators()
     assert sorted(names.BUILTIN_POLICY_LOSSES) == algorithms.list_policy_losses()
-    assert names.GROUP_ESTIMATORS == frozenset(algorithms.GROUP_ESTIMATORS)
+    assert frozenset(algorithms.GROUP_ESTIMATORS) == names.GROUP_ESTIMATORS
     assert set(names.KL_PENALTY_KINDS) == set(algorithms.KL_PENALTY_KINDS) - {"full"}
     assert tuple(names.LOSS_AGG_MODES) == tuple(algorithms.LOSS_AGG_MODES)
