@@ -58,5 +58,3 @@ class DataConfig:
     on_bad_row: str = "drop"
     """What a malformed row (missing key, wrong type, unreadable media) does: `drop` (counted per reason)
     or `error` (stop, naming the file and row)."""
-    num_workers: int = 0
-    """Dataloader worker processes (0: load in the driver)."""

@@ -13,7 +13,15 @@ from easyrl.distributed import Dispatch, register
 from easyrl.protocol import Batch
 from easyrl.workers.actor import _setup_process
 from easyrl.workers.common import batched_values, optimize, response_values
-from easyrl.workers.fsdp import DTYPES, build_optimizer, build_scheduler, load_model, shard_model
+from easyrl.workers.fsdp import (
+    DTYPES,
+    build_optimizer,
+    build_scheduler,
+    load_model,
+    offload_to_cpu,
+    resident,
+    shard_model,
+)
 from easyrl.workers.packing import ForwardOptions, forward_options, packed_attn_implementation
 
 
@@ -35,6 +43,7 @@ class CriticWorker(CheckpointMixin):
         self.model = shard_model(model, ccfg.fsdp, self.device, ccfg.model.enable_gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, ccfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ccfg.optim, total_optimizer_steps)
+        offload_to_cpu(self.model, self.optimizer, ccfg.offload.offload_params, ccfg.offload.offload_optimizer)
 
     def _values(self, mb: Batch) -> torch.Tensor:
         """Value of the state before each response token: (b, R)."""
@@ -44,7 +53,8 @@ class CriticWorker(CheckpointMixin):
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         micro = self.cfg.worker.critic.micro_batch_size_per_device_for_experience
-        values = batched_values(self.model, batch, self.device, micro, self.fwd_opts)
+        with resident(self.model, None, self.cfg.worker.critic.offload, self.device):
+            values = batched_values(self.model, batch, self.device, micro, self.fwd_opts)
         return Batch({"values": values})
 
     @register(dispatch=Dispatch.DP_SPLIT)
@@ -68,17 +78,18 @@ class CriticWorker(CheckpointMixin):
             return loss * weight, out
 
         mini = ccfg.global_batch_size * self.cfg.worker.rollout.n // int(os.environ.get("WORLD_SIZE", "1"))
-        return optimize(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            mini_batch_size=mini,
-            micro_batch_size=ccfg.micro_batch_size_per_device_for_update,
-            epochs=ccfg.ppo_epochs,
-            max_grad_norm=ccfg.max_grad_norm,
-            loss_fn=loss_fn,
-            prefix="critic",
-            loss_agg_mode=ccfg.loss_avg_mode,
-            max_token_len=self.fwd_opts.max_token_len,
-        )
+        with resident(self.model, self.optimizer, ccfg.offload, self.device):
+            return optimize(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                batch,
+                mini_batch_size=mini,
+                micro_batch_size=ccfg.micro_batch_size_per_device_for_update,
+                epochs=ccfg.ppo_epochs,
+                max_grad_norm=ccfg.max_grad_norm,
+                loss_fn=loss_fn,
+                prefix="critic",
+                loss_agg_mode=ccfg.loss_avg_mode,
+                max_token_len=self.fwd_opts.max_token_len,
+            )

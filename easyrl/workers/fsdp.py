@@ -9,6 +9,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from easyrl.config import FSDPConfig, ModelConfig, OptimConfig
+from easyrl.config import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
 
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,19 @@ def load_to_device(
 ) -> None:
     """Undo `offload_to_cpu`: bring parameters and/or optimizer states back to `device` (CUDA only)."""
     _move_training_state(model, optimizer, params, optim, device)
+
+
+@contextmanager
+def resident(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, offload: OffloadConfig, device: torch.device
+) -> Iterator[None]:
+    """Keep what `offload` moves to CPU on `device` only for the duration of the block (CUDA only): the
+    reference and critic models then hold no GPU memory while the rollout engine generates."""
+    load_to_device(model, optimizer, offload.offload_params, offload.offload_optimizer, device)
+    try:
+        yield
+    finally:
+        offload_to_cpu(model, optimizer, offload.offload_params, offload.offload_optimizer)
 
 
 def _move_training_state(

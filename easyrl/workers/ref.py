@@ -11,7 +11,7 @@ from easyrl.distributed import Dispatch, register
 from easyrl.protocol import Batch
 from easyrl.workers.actor import _setup_process
 from easyrl.workers.common import batched_log_probs
-from easyrl.workers.fsdp import DTYPES, load_model, shard_model
+from easyrl.workers.fsdp import DTYPES, load_model, offload_to_cpu, resident, shard_model
 from easyrl.workers.packing import forward_options, packed_attn_implementation
 
 
@@ -31,6 +31,7 @@ class RefWorker:
         self.fwd_opts = forward_options(acfg)
         model.requires_grad_(False)
         self.model = shard_model(model, rcfg.fsdp, self.device).eval()
+        offload_to_cpu(self.model, None, rcfg.offload.offload_params, False)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
@@ -38,5 +39,6 @@ class RefWorker:
         micro = self.cfg.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.cfg.worker.actor.micro_batch_size_per_device_for_experience
         temperature = self.cfg.worker.rollout.temperature
-        lp, _ = batched_log_probs(self.model, batch, self.device, temperature, micro, opts=self.fwd_opts)
+        with resident(self.model, None, self.cfg.worker.ref.offload, self.device):
+            lp, _ = batched_log_probs(self.model, batch, self.device, temperature, micro, opts=self.fwd_opts)
         return Batch({"ref_log_probs": lp})
