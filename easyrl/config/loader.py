@@ -49,6 +49,7 @@ EASYR1_IGNORED = {
     "worker.rollout.disable_tqdm",
     "worker.rollout.trust_remote_code",
     "worker.reward.reward_type_name",
+    "worker.rollout.limit_images",  # data.limit_images bounds images per prompt for every engine
 }
 # EasyR1 spelled loss aggregation differently.
 _EASYR1_LOSS_AVG = {"token": "token-mean", "seq": "seq-mean-token-mean"}

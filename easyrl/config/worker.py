@@ -183,8 +183,6 @@ class RolloutConfig:
     logprob_sample_ratio: float = 1.0
     """Fraction of sequences whose per-token log-probs the engine returns (for the consistency metric and TIS);
     asking for fewer is faster on vLLM."""
-    limit_images: int = 0
-    """vLLM `limit_mm_per_prompt` for images; 0: default."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
 
