@@ -103,13 +103,13 @@ class Trainer:
                     self.restore_driver_state(step_start)
                     break
                 with timer("old", timings):
-                    batch = batch.union(self.actor.compute_log_probs(batch))
+                    batch = batch.union(self.actor.compute_log_probs(for_workers(batch)))
                 if self.ref is not None:
                     with timer("ref", timings):
-                        batch = batch.union(self.ref.compute_ref_log_probs(batch))
+                        batch = batch.union(self.ref.compute_ref_log_probs(for_workers(batch)))
                 if self.critic is not None:
                     with timer("values", timings):
-                        batch = batch.union(self.critic.compute_values(batch))
+                        batch = batch.union(self.critic.compute_values(for_workers(batch)))
                 with timer("adv", timings):
                     metrics |= self.compute_rewards_and_advantages(batch)
                     bad = first_nonfinite(
@@ -117,13 +117,13 @@ class Trainer:
                     )
                 if self.critic is not None and bad is None:
                     with timer("update_critic", timings):
-                        metrics |= self.critic.update_critic(batch)
+                        metrics |= self.critic.update_critic(for_workers(batch))
                 if bad is not None:  # never let a non-finite value reach an optimizer
                     metrics |= {"actor/skipped_updates": 1.0, f"training/nonfinite/{bad}": 1.0}
                     self.check_skipped_updates(metrics, culprit=bad)
                 elif self.global_step > cfg.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        metrics |= self.actor.update_actor(batch)
+                        metrics |= self.actor.update_actor(for_workers(batch))
                     self.check_skipped_updates(metrics)
             metrics |= data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length)
             metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
@@ -183,7 +183,7 @@ class Trainer:
         prompts.meta.update(
             seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides)
         )
-        out = self.actor.generate_sequences(prompts)
+        out = self.actor.generate_sequences(for_workers(prompts))
         metrics |= out.meta.pop("timing", {})
         return prompts.union(out)
 
@@ -379,6 +379,12 @@ class Trainer:
                 getattr(self, name).close()
         if hasattr(self, "workers"):
             self.workers.shutdown()
+
+
+def for_workers(batch: Batch) -> Batch:
+    """What the workers read: the tensors, per-sample media and the meta. Rows, prompt texts and decoded
+    responses stay in the driver instead of being serialized to every worker on every call."""
+    return batch.select(*batch.tensors, "multi_modal_inputs")
 
 
 def _sampling(overrides: dict | None) -> dict[str, Any]:
