@@ -169,7 +169,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6
     """Fraction of GPU memory the vLLM engine may use (weights + KV cache)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallel size (spans the workers' own process group)."""
+    """vLLM tensor parallel size: one engine spans this many consecutive workers (vLLM's external launcher in the
+    workers' own process group); they get the same prompts. Must divide the number of workers."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM."""
     enable_chunked_prefill: bool = True

@@ -14,6 +14,10 @@ The modes (every mode calls *every* rank, because collectives need all ranks):
   ``i`` gets chunk ``i`` (the other arguments go unchanged to every rank). The ranks' results are collected with
   :func:`collect_dp_results`: batch objects are concatenated back in rank order with ``type(result).concat``,
   dicts of metrics are merged (see :func:`merge_metrics`).
+* ``ENGINE_SPLIT``: like ``DP_SPLIT``, but over the group's rollout engines: when one tensor-parallel engine spans
+  ``ranks_per_engine`` consecutive ranks (SPMD, every rank of an engine must be given the same requests), the batch
+  is split into ``world_size // ranks_per_engine`` chunks, every rank of engine ``e`` gets chunk ``e``, and only
+  the first rank of each engine's result is collected. With one rank per engine it is ``DP_SPLIT``.
 
 A batch object is duck-typed: anything with a ``chunk(n) -> list`` method and a ``concat(list)``
 classmethod or staticmethod.
@@ -39,6 +43,7 @@ __all__ = [
     "register",
     "registered_methods",
     "split_dp_args",
+    "split_engine_args",
 ]
 
 DISPATCH_ATTR = "_easyrl_dispatch"
@@ -52,6 +57,7 @@ class Dispatch(str, enum.Enum):
     ALL = "all"
     RANK0 = "rank0"
     DP_SPLIT = "dp_split"
+    ENGINE_SPLIT = "engine_split"
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,16 @@ def split_dp_args(
     if len(chunks) != world_size:
         raise ValueError(f"{type(batch).__name__}.chunk({world_size}) returned {len(chunks)} chunks")
     return [((chunk, *rest), dict(kwargs)) for chunk in chunks]
+
+
+def split_engine_args(
+    world_size: int, ranks_per_engine: int, args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Per-rank ``(args, kwargs)`` for an ``ENGINE_SPLIT`` call: one chunk per engine, repeated for its ranks."""
+    if ranks_per_engine < 1 or world_size % ranks_per_engine:
+        raise ValueError(f"ranks_per_engine={ranks_per_engine} must divide the world size {world_size}")
+    per_engine = split_dp_args(world_size // ranks_per_engine, args, kwargs)
+    return [per_engine[rank // ranks_per_engine] for rank in range(world_size)]
 
 
 def _as_float(value: Any) -> float | None:

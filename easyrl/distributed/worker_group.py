@@ -21,7 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 from easyrl.distributed import liveness
-from easyrl.distributed.dispatch import Dispatch, DispatchSpec, collect_dp_results, registered_methods, split_dp_args
+from easyrl.distributed.dispatch import (
+    Dispatch,
+    DispatchSpec,
+    collect_dp_results,
+    registered_methods,
+    split_dp_args,
+    split_engine_args,
+)
 from easyrl.distributed.resource_pool import ResourcePool
 
 
@@ -116,6 +123,8 @@ class GroupCall:
             return results[0]
         if self.spec.dispatch is Dispatch.DP_SPLIT:
             return collect_dp_results(results)
+        if self.spec.dispatch is Dispatch.ENGINE_SPLIT:
+            return collect_dp_results(results[:: self.group.ranks_per_engine])
         return results
 
     def __repr__(self) -> str:
@@ -137,6 +146,8 @@ class WorkerGroup:
         env: extra environment variables for the workers.
         call_timeout_s: the default total timeout of a call (``None``: no timeout).
         init_timeout_s: how long the actors may take to start (their ``__init__`` included).
+        ranks_per_engine: consecutive ranks that share one tensor-parallel rollout engine (``ENGINE_SPLIT`` calls
+            give them the same chunk and keep the first one's result).
 
     Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
     ``EASYRL_ROLE``; the port is picked for this group, so several groups sharing a pool each have their own
@@ -154,6 +165,7 @@ class WorkerGroup:
         env: dict[str, str] | None = None,
         call_timeout_s: float | None = None,
         init_timeout_s: float | None = 600.0,
+        ranks_per_engine: int = 1,
         **init_kwargs: Any,
     ) -> None:
         import ray
@@ -164,6 +176,9 @@ class WorkerGroup:
         self.role = role
         self.pool = pool
         self.world_size = pool.world_size
+        if ranks_per_engine < 1 or self.world_size % ranks_per_engine:
+            raise ValueError(f"ranks_per_engine={ranks_per_engine} must divide the {role} world size {self.world_size}")
+        self.ranks_per_engine = ranks_per_engine
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
@@ -238,12 +253,14 @@ class WorkerGroup:
             raise AttributeError(self._undeclared(method))
         if spec.dispatch is Dispatch.DP_SPLIT:
             per_rank = split_dp_args(self.world_size, args, kwargs)
+        elif spec.dispatch is Dispatch.ENGINE_SPLIT:
+            per_rank = split_engine_args(self.world_size, self.ranks_per_engine, args, kwargs)
         else:
             per_rank = [(tuple(args), dict(kwargs))] * self.world_size
         import ray
 
         # Put shared arguments in the object store once instead of once per rank.
-        if spec.dispatch is not Dispatch.DP_SPLIT and self.world_size > 1:
+        if spec.dispatch in (Dispatch.ALL, Dispatch.RANK0) and self.world_size > 1:
             shared_args = tuple(ray.put(a) if _is_large(a) else a for a in args)
             per_rank = [(shared_args, dict(kwargs))] * self.world_size
         refs = [

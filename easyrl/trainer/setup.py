@@ -90,7 +90,8 @@ class Workers:
         self.ref: Any = None
         self.critic: Any = None
         try:
-            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, **share)
+            tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
+            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, ranks_per_engine=tp, **share)
             self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
             self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
             self._init_models(cfg, optimizer_steps)

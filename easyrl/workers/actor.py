@@ -89,9 +89,12 @@ class ActorWorker(CheckpointMixin):
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
 
     # ---------------------------------------------------------------- rollout
-    @register(dispatch=Dispatch.DP_SPLIT)
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
     def generate_sequences(self, prompts: Batch) -> Batch:
-        """Sample responses for `prompts` with the current policy weights."""
+        """Sample responses for `prompts` with the current policy weights.
+
+        The ranks of one tensor-parallel engine get the same prompts and must sample alike: the seed is the engine's.
+        """
         timing = self._wake_engine()
         rcfg = self.cfg.worker.rollout
         params = SamplingParams(
@@ -103,7 +106,8 @@ class ActorWorker(CheckpointMixin):
             ignore_eos=rcfg.ignore_eos,
             stop_token_ids=tuple(rcfg.stop_token_ids),
         ).override(prompts.meta.get("sampling_overrides", {}))
-        seed = int(prompts.meta.get("seed", rcfg.seed)) * 1000 + self.rank
+        engine_rank = self.rank // (rcfg.tensor_parallel_size if rcfg.name == "vllm" else 1)
+        seed = int(prompts.meta.get("seed", rcfg.seed)) * 1000 + engine_rank
         params = params.override({"seed": seed})
         start = time.perf_counter()
         out = self.engine.generate(prompts, params)

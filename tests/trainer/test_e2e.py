@@ -172,3 +172,25 @@ def test_grpo_with_vllm_engine_two_workers(tmp_path, tiny_model_dir, digits_data
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
     assert before is not None and after is not None
     assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_grpo_with_tensor_parallel_vllm_engine(tmp_path, tiny_model_dir, digits_data) -> None:
+    """tensor_parallel_size=2 over 2 workers: one engine spans both processes (vLLM's external launcher in the
+    workers' own process group); both ranks get the same prompts, each loads its shard of the synced weights, and
+    the engine's log-probs still match the actor's."""
+    rows, before, after = run(
+        tmp_path,
+        tiny_model_dir,
+        digits_data,
+        {"worker.rollout.name": "vllm", "worker.rollout.tensor_parallel_size": 2},
+        steps=2,
+        weights=True,
+    )
+    assert_finite(rows)
+    assert "timing_s/update_weights" in rows[1]
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+    assert before is not None and after is not None
+    assert all(not torch.equal(before[n], after[n]) for n in before)

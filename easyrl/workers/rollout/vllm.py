@@ -12,9 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -64,11 +65,13 @@ class VLLMRolloutEngine(RolloutEngine):
                 "gpu_memory_utilization": rcfg.gpu_memory_utilization,
                 "enable_sleep_mode": self.sleep_enabled,
             }
-            if rcfg.tensor_parallel_size > 1:
-                # Each worker is one SPMD rank of a tensor-parallel engine, in the process group the workers
-                # already share. With tp=1 every worker's engine is independent (the path tested on CPU).
-                engine_args["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(**engine_args)
+        if rcfg.tensor_parallel_size > 1:
+            # Each worker is one SPMD rank of a tensor-parallel engine: vLLM builds its groups of
+            # `tensor_parallel_size` consecutive ranks inside the process group the workers already share, and
+            # every rank of a group is given the same requests (Dispatch.ENGINE_SPLIT).
+            engine_args["distributed_executor_backend"] = "external_launcher"
+        with _visible_local_rank(on_gpu):
+            self.llm = LLM(**engine_args)
         self._asleep = False
 
     @torch.no_grad()
@@ -129,6 +132,25 @@ class VLLMRolloutEngine(RolloutEngine):
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
                 self.llm.reset_prefix_cache()
+
+
+@contextlib.contextmanager
+def _visible_local_rank(on_gpu: bool) -> Iterator[None]:
+    """Point ``LOCAL_RANK`` at this process's CUDA device while the engine starts.
+
+    vLLM's external launcher takes its device from ``LOCAL_RANK``; Ray shows each worker only its own GPU, so the
+    node-local rank (e.g. 3) is not a valid device index there (the visible device is 0).
+    """
+    saved = os.environ.get("LOCAL_RANK")
+    if on_gpu:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
 
 
 def _logprob_sample(n: int, ratio: float) -> list[bool]:
