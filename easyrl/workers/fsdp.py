@@ -51,15 +51,23 @@ def load_model(
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if kind == "value":
-        hf_config.num_labels = 1
-        hf_config.classifier_dropout = 0.0
-        model = AutoModelForTokenClassification.from_pretrained(model_cfg.model_path, **common)
+        from easyrl.models import is_vision_language
+        from easyrl.models.value import VisionValueModel
+
+        if is_vision_language(hf_config):  # transformers has no token-classification class for VL configs
+            model = VisionValueModel.from_pretrained(model_cfg.model_path, **common)
+        else:
+            hf_config.num_labels = 1
+            hf_config.classifier_dropout = 0.0
+            model = AutoModelForTokenClassification.from_pretrained(model_cfg.model_path, **common)
     else:
-        from easyrl.models import freeze_vision_tower, model_class_for
+        from easyrl.models import model_class_for
 
         model = model_class_for(hf_config).from_pretrained(model_cfg.model_path, **common)
-        if model_cfg.freeze_vision_tower:
-            logger.info("froze %d vision-tower parameters", freeze_vision_tower(model))
+    if model_cfg.freeze_vision_tower:
+        from easyrl.models import freeze_vision_tower
+
+        logger.info("froze %d vision-tower parameters (%s)", freeze_vision_tower(model), kind)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model
