@@ -197,11 +197,6 @@ def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:
         hf = json.loads(config_json.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError("worker.actor.model.model_path", f"cannot read {config_json}: {exc}") from None
-    if "vision_config" in hf and cfg.worker.rollout.name == "vllm":
-        raise ConfigError(
-            "worker.rollout.name",
-            "vision-language rollout through vLLM is not wired yet (docs/vision_language.md); use worker.rollout.name=hf",
-        )
     text = hf.get("text_config", hf)
     limit = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
     total = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -10,7 +10,16 @@ import torch
 
 __all__ = ["collate_prompts"]
 
-_LIST_KEYS = ("raw_prompt", "ground_truth", "row", "index", "images", "videos", "multi_modal_inputs")
+_LIST_KEYS = (
+    "raw_prompt",
+    "ground_truth",
+    "row",
+    "index",
+    "images",
+    "videos",
+    "multi_modal_inputs",
+    "multi_modal_data",
+)
 
 
 def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int, max_prompt_length: int) -> dict[str, Any]:

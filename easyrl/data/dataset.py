@@ -76,13 +76,17 @@ class RLDataset:
         tokenizer: Hugging Face tokenizer used to apply the chat template and tokenize.
         processor: optional multimodal processor; its chat template is used when it has one. Media tokens are
             counted in prompt lengths (see :mod:`easyrl.data.multimodal`).
+        rollout_images: also hand each item's resized images to the rollout engine (``multi_modal_data``), for
+            engines that process pixels themselves (vLLM); rows with videos are then refused.
 
     Raises:
-        DataError: unreadable data, a bad row with ``on_bad_row=error``, an overlong prompt with
+        DataError: unreadable data, a video row with ``rollout_images``, a bad row with ``on_bad_row=error``, an overlong prompt with
             ``filter_overlong_prompts=false``, or no row left.
     """
 
-    def __init__(self, spec: str, data_cfg: DataConfig, tokenizer: Any, processor: Any = None) -> None:
+    def __init__(
+        self, spec: str, data_cfg: DataConfig, tokenizer: Any, processor: Any = None, rollout_images: bool = False
+    ) -> None:
         if data_cfg.on_bad_row not in ("drop", "error"):
             raise DataError(f"data.on_bad_row must be 'drop' or 'error', got {data_cfg.on_bad_row!r}")
         self.spec = spec
@@ -91,6 +95,7 @@ class RLDataset:
         if self.tokenizer is None:
             raise DataError("RLDataset needs a tokenizer (or a processor with one)")
         self.processor = processor
+        self.rollout_images = rollout_images
         try:
             chat_template = load_chat_template(data_cfg.override_chat_template)
             templater = processor if getattr(processor, "chat_template", None) else self.tokenizer
@@ -167,6 +172,12 @@ class RLDataset:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
+        if videos and self.rollout_images:
+            # Not a bad row: the data is fine, the engine cannot take it. Stop before training, naming the row.
+            raise DataError(
+                f"{source}, row {row_index}: videos are not supported by the vLLM rollout engine yet; "
+                "use worker.rollout.name=hf for video data"
+            )
         sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
         if self.processor is not None and (images or videos):
             try:
@@ -247,6 +258,11 @@ class RLDataset:
                 )
                 item["prompt_ids"] = encoded["input_ids"]
                 item["multi_modal_inputs"] = encoded["multi_modal_inputs"]
+                if self.rollout_images and encoded["images"]:
+                    # The very pixels the patches were cut from, as uint8 arrays (small to ship to the workers).
+                    item["multi_modal_data"] = {"image": [np.asarray(img) for img in encoded["images"]]}
+            if self.rollout_images:
+                item.setdefault("multi_modal_data", {})
         return item
 
     def source_of(self, index: int) -> tuple[str, int]:

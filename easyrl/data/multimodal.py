@@ -317,7 +317,8 @@ def encode_multimodal_prompt(
         ``input_ids`` (list of ints, media pads expanded), ``prompt`` (the templated text before expansion),
         ``multi_modal_inputs`` (``pixel_values`` (N, D), ``image_grid_thw`` (n, 3); with videos also
         ``pixel_values_videos``, ``video_grid_thw`` and, except for Qwen3-VL, ``second_per_grid_ts``), and the
-        counts ``image_tokens`` / ``video_tokens``.
+        counts ``image_tokens`` / ``video_tokens``, and ``images``: the resized PIL images the patches were cut from
+        (for an engine that processes pixels itself, like vLLM).
 
     Raises:
         MultimodalError: more images than ``limit_images``, placeholders not matching the media, a bad image size.
@@ -363,6 +364,7 @@ def encode_multimodal_prompt(
         "multi_modal_inputs": mm,
         "image_tokens": image_tokens,
         "video_tokens": video_tokens,
+        "images": pil_images,
     }
 
 

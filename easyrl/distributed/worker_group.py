@@ -177,7 +177,9 @@ class WorkerGroup:
         self.pool = pool
         self.world_size = pool.world_size
         if ranks_per_engine < 1 or self.world_size % ranks_per_engine:
-            raise ValueError(f"ranks_per_engine={ranks_per_engine} must divide the {role} world size {self.world_size}")
+            raise ValueError(
+                f"ranks_per_engine={ranks_per_engine} must divide the {role} world size {self.world_size}"
+            )
         self.ranks_per_engine = ranks_per_engine
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s

@@ -34,8 +34,9 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     logger.info("loading and checking training data %s", cfg.data.train_files)
-    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
-    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor) if cfg.data.val_files else None
+    rollout_images = processor is not None and cfg.worker.rollout.name == "vllm"
+    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_images)
+    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor, rollout_images) if cfg.data.val_files else None
     if len(train) < cfg.data.rollout_batch_size:
         from easyrl.config import ConfigError
 

@@ -183,7 +183,7 @@ class Trainer:
         prompts.meta.update(
             seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides)
         )
-        out = self.actor.generate_sequences(for_workers(prompts))
+        out = self.actor.generate_sequences(for_workers(prompts, "multi_modal_data"))  # raw images: vLLM
         metrics |= out.meta.pop("timing", {})
         return prompts.union(out)
 
@@ -381,10 +381,11 @@ class Trainer:
             self.workers.shutdown()
 
 
-def for_workers(batch: Batch) -> Batch:
-    """What the workers read: the tensors, per-sample media and the meta. Rows, prompt texts and decoded
-    responses stay in the driver instead of being serialized to every worker on every call."""
-    return batch.select(*batch.tensors, "multi_modal_inputs")
+def for_workers(batch: Batch, *extra: str) -> Batch:
+    """What the workers read: the tensors, per-sample media (processed pixels) and the meta, plus the `extra`
+    fields. Rows, prompt texts and decoded responses stay in the driver instead of being serialized to every
+    worker on every call."""
+    return batch.select(*batch.tensors, "multi_modal_inputs", *extra)
 
 
 def _sampling(overrides: dict | None) -> dict[str, Any]:

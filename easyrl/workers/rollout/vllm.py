@@ -19,8 +19,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from easyrl.config import EasyRLConfig
+from easyrl.models import media_token_ids
 from easyrl.protocol import Batch
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
 
@@ -65,6 +67,16 @@ class VLLMRolloutEngine(RolloutEngine):
                 "gpu_memory_utilization": rcfg.gpu_memory_utilization,
                 "enable_sleep_mode": self.sleep_enabled,
             }
+        hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+        self.media_token_ids = media_token_ids(hf_config)
+        self.image_token_id: int | None = getattr(hf_config, "image_token_id", None)
+        if self.media_token_ids:
+            # vLLM runs the model's own processor on the images, which needs the tokenizer.
+            engine_args["skip_tokenizer_init"] = False
+            engine_args["tokenizer"] = mcfg.tokenizer_path or mcfg.model_path
+            engine_args["limit_mm_per_prompt"] = {"video": 0} | (
+                {"image": cfg.data.limit_images} if cfg.data.limit_images > 0 else {}
+            )
         if rcfg.tensor_parallel_size > 1:
             # Each worker is one SPMD rank of a tensor-parallel engine: vLLM builds its groups of
             # `tensor_parallel_size` consecutive ranks inside the process group the workers already share, and
@@ -77,12 +89,16 @@ class VLLMRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
         if params.n > 1:
             input_ids, mask = input_ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-        requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(input_ids, mask)]
+        media = list(prompts["multi_modal_data"]) if "multi_modal_data" in prompts else [None] * len(input_ids)
+        if params.n > 1:
+            media = [m for m in media for _ in range(params.n)]
+        requests = [
+            vllm_request(row[m.bool()].tolist(), mm, self.image_token_id) for row, m, mm in zip(input_ids, mask, media)
+        ]
         with_logprobs = _logprob_sample(len(requests), self.cfg.logprob_sample_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
         sampling = [
@@ -97,6 +113,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs=0 if with_logprobs[i] else None,
                 seed=base_seed * 100_003 + i,
                 detokenize=False,
+                # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
+                logit_bias=dict.fromkeys(self.media_token_ids, -100.0) or None,
             )
             for i in range(len(requests))
         ]
@@ -104,6 +122,7 @@ class VLLMRolloutEngine(RolloutEngine):
         responses = torch.full((len(requests), params.max_tokens), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(len(requests), params.max_tokens, dtype=torch.float32)
         for i, out in enumerate(outputs):
+            _check_media_expansion(out, requests[i], int(mask[i].sum()), i)
             completion = out.outputs[0]
             tokens = list(completion.token_ids)[: params.max_tokens]
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -121,6 +140,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
+        if self.media_token_ids:
+            self.llm.reset_mm_cache()  # processed images and encoder outputs: memory must not grow step after step
         if self.sleep_enabled and not self._asleep:
             self.llm.reset_prefix_cache()
             self.llm.sleep(level=1)
@@ -132,6 +153,43 @@ class VLLMRolloutEngine(RolloutEngine):
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
                 self.llm.reset_prefix_cache()
+
+
+def collapse_media_pads(ids: list[int], pad_id: int) -> list[int]:
+    """``ids`` with every run of ``pad_id`` shrunk to one token: the prompt before the processor expanded each image
+    into one pad per merged patch (vLLM expands it again from the pixels)."""
+    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+
+
+def vllm_request(ids: list[int], media: dict[str, Any] | None, image_token_id: int | None) -> Any:
+    """The vLLM prompt for one row: its token ids, and for a row with images the collapsed ids plus the images
+    (the uint8 arrays our pipeline already resized, so vLLM's processor cuts the same patches as the actor's)."""
+    from PIL import Image
+    from vllm.inputs import TokensPrompt
+
+    images = (media or {}).get("image") or []
+    if not images:
+        return TokensPrompt(prompt_token_ids=ids)
+    if image_token_id is None:
+        raise ValueError("a prompt carries images but the model config has no image_token_id")
+    collapsed = collapse_media_pads(ids, image_token_id)
+    if collapsed.count(image_token_id) != len(images):
+        raise ValueError(f"the prompt has {collapsed.count(image_token_id)} image slots for {len(images)} images")
+    return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [Image.fromarray(a) for a in images]})
+
+
+def _check_media_expansion(out: Any, request: Any, expected: int, row: int) -> None:
+    """vLLM's processor must expand the images to as many tokens as ours did, or the actor and the engine would be
+    scoring different inputs."""
+    if "multi_modal_data" not in request or out.prompt_token_ids is None:
+        return
+    got = len(out.prompt_token_ids)
+    if got not in (expected, len(request["prompt_token_ids"])):
+        raise RuntimeError(
+            f"row {row}: vLLM expanded the prompt's images to {got} prompt tokens, the data pipeline to {expected}: "
+            "the two processors resize differently; keep data.min_pixels/max_pixels inside the model processor's "
+            "min_pixels/max_pixels (preprocessor_config.json)"
+        )
 
 
 @contextlib.contextmanager
