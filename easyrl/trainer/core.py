@@ -66,6 +66,23 @@ def keep_informative_groups(uids: Sequence[Hashable], scores: Sequence[float], l
     return sorted(keep)
 
 
+REWARD_COUNTERS = ("reward/errors", "reward/timeouts", "reward/invalid", "reward/retried_chunks")
+"""Reward metrics that count events (summed across sampling tries); the others are per-sample means."""
+
+
+def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The reward metrics of several scored batches (each ``(metrics, number of samples)``) as if scored at once:
+    counters summed, means weighted by sample count. Online filtering reports every sample generated this step."""
+    pooled: dict[str, float] = {}
+    for key in dict.fromkeys(k for metrics, _ in parts for k in metrics):
+        if key in REWARD_COUNTERS:
+            pooled[key] = sum(metrics.get(key, 0.0) for metrics, _ in parts)
+        else:
+            having = [(metrics[key], n) for metrics, n in parts if key in metrics]
+            pooled[key] = sum(v * n for v, n in having) / max(1, sum(n for _, n in having))
+    return pooled
+
+
 def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     """The first of `keys` holding a NaN/inf on a valid response token, or None."""
     mask = batch["response_mask"].bool()

@@ -19,6 +19,7 @@ from easyrl.trainer.core import (
     first_nonfinite,
     keep_informative_groups,
     logprob_consistency,
+    pool_reward_metrics,
     rollout_tis_weights,
     throughput_metrics,
     token_level_scores,
@@ -150,6 +151,7 @@ class Trainer:
         kept: list[Batch] = []
         kept_prompts, tries = 0, 0
         metrics: dict[str, float] = {}
+        scored: list[tuple[dict[str, float], int]] = []  # reward metrics of every try
         while kept_prompts < want:
             tries += 1
             if alg.online_filtering and 0 < alg.max_try_make_batch < tries:
@@ -166,7 +168,7 @@ class Trainer:
                 scores, reward_metrics = self.score(batch)
             if not alg.online_filtering:
                 return batch, {**metrics, **reward_metrics}
-            metrics |= reward_metrics
+            scored.append((reward_metrics, len(scores)))
             keep = keep_informative_groups(
                 batch["uid"], [s[alg.filter_key] for s in scores], alg.filter_low, alg.filter_high
             )
@@ -174,6 +176,7 @@ class Trainer:
                 kept.append(batch.index(keep))
                 kept_prompts += len(keep) // cfg.worker.rollout.n
         batch = Batch.concat(kept).slice(0, want * cfg.worker.rollout.n)
+        metrics |= pool_reward_metrics(scored)  # over all samples generated this step, filtered out or kept
         metrics["batch/num_gen_batches"] = float(tries)
         return batch, metrics
 
