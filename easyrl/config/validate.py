@@ -108,6 +108,8 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_high", "must be >= 0")
     if cfg.worker.actor.clip_ratio_dual <= 1:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
+    if cfg.worker.rollout.sleep_level not in (1, 2):
+        raise ConfigError("worker.rollout.sleep_level", f"must be 1 or 2, got {cfg.worker.rollout.sleep_level}")
     if not 0 <= cfg.worker.rollout.logprob_sample_ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1]")
     if cfg.algorithm.tis_cap is not None and cfg.worker.rollout.logprob_sample_ratio < 1:

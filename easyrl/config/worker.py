@@ -181,6 +181,9 @@ class RolloutConfig:
     """vLLM scheduler token budget per step."""
     enable_sleep_mode: bool = True
     """Free the engine's GPU memory during training (CUDA only)."""
+    sleep_level: int = 1
+    """vLLM sleep level: 1 copies the weights to CPU memory and back, 2 discards them (faster to sleep, no CPU copy;
+    the actor's weights are then streamed in at every wake, even when the policy did not change)."""
     logprob_sample_ratio: float = 1.0
     """Fraction of sequences whose per-token log-probs the engine returns (for the consistency metric and TIS);
     asking for fewer is faster on vLLM."""

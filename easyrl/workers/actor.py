@@ -114,6 +114,7 @@ class ActorWorker(CheckpointMixin):
         timing["timing_s/generate_engine"] = time.perf_counter() - start
         start = time.perf_counter()
         self.engine.sleep()
+        self._engine_stale |= self.engine.discards_weights_on_sleep
         off = self.cfg.worker.actor.offload
         load_to_device(self.model, self.optimizer, off.offload_params, off.offload_optimizer, self.device)
         timing["timing_s/sleep"] = time.perf_counter() - start

@@ -52,6 +52,9 @@ class RolloutEngine(ABC):
     for the whole sequence, and `rollout_log_probs` (B, R) (zeros where not requested).
     """
 
+    discards_weights_on_sleep = False
+    """Whether `sleep` drops the weights (vLLM sleep level 2): they must be loaded again before generating."""
+
     @abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 

@@ -47,6 +47,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
+        self.discards_weights_on_sleep = self.sleep_enabled and rcfg.sleep_level == 2
         max_len = rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         engine_args: dict[str, Any] = {
             "model": mcfg.model_path,
@@ -144,7 +145,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.reset_mm_cache()  # processed images and encoder outputs: memory must not grow step after step
         if self.sleep_enabled and not self._asleep:
             self.llm.reset_prefix_cache()
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.cfg.sleep_level)
             self._asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
