@@ -15,7 +15,8 @@ sample (`ignore_eos`) and a user module (loaded in every worker through `algorit
 response to a length drawn uniformly in [min, max] right after generation (masks and pad ids updated). Generation
 time therefore covers `max` tokens per sample; training sees the uniform lengths.
 
-Reported: median and p90 over the measured steps of every `timing_s/*`, `perf/throughput` (tokens per second per
+Reported: median and p90 over the measured steps of every `timing_s/*`, the vLLM-vs-actor log-prob difference,
+the GPU memory sleeping gave back (`perf/sleep_freed_gb`), `perf/throughput` (tokens per second per
 GPU over the whole step), generation tokens/s (`n_samples * max_tokens / timing_s/gen`), the actor-update MFU and
 peak GPU memory; then raw vLLM tokens/s on the same prompts (same engine settings, no trainer around it).
 
@@ -152,7 +153,9 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu},
             },
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
-                        "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization},
+                        "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization,
+                        "sleep_level": args.sleep_level, "enforce_eager": args.enforce_eager,
+                        "logprob_sample_ratio": args.logprob_sample_ratio},
             "reward": {"reward_function": files["reward"] + ":compute_score", "num_workers": 0},
         },
         "trainer": {"total_epochs": 1000, "max_steps": args.warmup + args.steps, "n_gpus_per_node": args.gpus,
@@ -216,6 +219,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--sleep-level", type=int, default=1, choices=[1, 2], help="vLLM sleep level (2: drop weights)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (the A/B's 'off')")
+    ap.add_argument("--logprob-sample-ratio", type=float, default=0.125,
+                    help="share of sequences whose vLLM log-probs are returned (consistency metric)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--workdir", default="/tmp/easyrl_benchmark")
     args = ap.parse_args(argv)
@@ -234,7 +241,10 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     """Print and return the summary of the measured steps."""
     measured = rows[args.warmup :] or rows
     summary: dict[str, Any] = {}
-    keys = sorted({k for r in measured for k in r if k.startswith("timing_s/")} | {"perf/throughput"})
+    keys = sorted(
+        {k for r in measured for k in r if k.startswith(("timing_s/", "rollout/logprob_diff"))}
+        | {"perf/throughput", "perf/sleep_freed_gb"}
+    )
     for key in keys:
         vals = [r[key] for r in measured if key in r]
         if vals:

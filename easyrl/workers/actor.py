@@ -113,8 +113,11 @@ class ActorWorker(CheckpointMixin):
         out = self.engine.generate(prompts, params)
         timing["timing_s/generate_engine"] = time.perf_counter() - start
         start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
         self.engine.sleep()
         self._engine_stale |= self.engine.discards_weights_on_sleep
+        if self.device.type == "cuda":  # what sleeping gave back to the device (weights + KV cache)
+            timing["perf/sleep_freed_gb"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
         off = self.cfg.worker.actor.offload
         load_to_device(self.model, self.optimizer, off.offload_params, off.offload_optimizer, self.device)
         timing["timing_s/sleep"] = time.perf_counter() - start
