@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from easyrl.config import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
+from easyrl.models import is_vision_language
+from easyrl.workers.varlen import VARLEN_ATTENTION
 
 
 logger = logging.getLogger(__name__)
@@ -48,10 +50,11 @@ def load_model(
     for key, value in model_cfg.override_config.items():
         setattr(hf_config, key, value)
     common: dict[str, Any] = {"config": hf_config, "dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    if attn_implementation == VARLEN_ATTENTION and is_vision_language(hf_config):
+        attn_implementation = None  # VL micro-batches take the padded path (a mask): varlen serves packed rows only
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if kind == "value":
-        from easyrl.models import is_vision_language
         from easyrl.models.value import VisionValueModel
 
         if is_vision_language(hf_config):  # transformers has no token-classification class for VL configs

@@ -5,11 +5,12 @@ Two layouts feed the same computation: *trimmed padded* rows (columns that are p
 at 0 for each sample). In both, only the hidden states that predict a valid response token are selected (`select`)
 and the per-token results are scattered back into a (b, R) grid (`dest`), zeros at padding.
 
-Packed attention: with `attention_mask=None` and packed `position_ids`, transformers (5.x, `masking_utils`) detects
-the sequence boundaries from the position ids and builds a block-diagonal causal mask for sdpa/eager/flex, and the
-flash-attention integrations derive the varlen `cu_seqlens` from the same position ids. So one code path serves
-CPU (sdpa with a block mask: exact, not faster) and GPU (flash-attention varlen kernels when the model is loaded
-with `attn_implementation="flash_attention_2"`, see `packed_attn_implementation`).
+Packed attention: with `attention_mask=None` and packed `position_ids`, the attention must stay inside each
+sequence. Models are loaded for it (`packed_attn_implementation`) with `flash_attention_2` when the flash-attn
+package is installed (its integration derives `cu_seqlens` from the position ids), else with easyrl's own
+`easyrl_varlen` (`easyrl.workers.varlen`: torch's flash varlen kernel on CUDA, per-sequence sdpa on CPU). The sdpa
+default would also be exact (transformers builds a block-diagonal mask from the position ids) but computes attention
+over the whole packed row.
 
 Fused head: logits are never materialized for all tokens. `FusedLinearLogProbs` computes, chunk by chunk over the
 tokens, `hidden @ W.T` in the model's dtype, then fp32 log-softmax, the sampled token's log-prob and the entropy; its
@@ -65,13 +66,15 @@ def forward_options(actor_cfg: Any) -> ForwardOptions:
     )
 
 
-def packed_attn_implementation() -> str | None:
+def packed_attn_implementation() -> str:
     """The attention implementation to load models with for padding-free training: flash-attention 2 on CUDA
-    when the package is installed (varlen kernels, no mask), else None (keep the default sdpa + block mask).
-    GPU-only branch: not exercised on CPU."""
+    when the package is installed, else easyrl's varlen attention (torch's flash varlen kernel on CUDA, per-sequence
+    sdpa elsewhere; see `easyrl.workers.varlen`). Both attend within each packed sequence only, with no mask."""
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return None
+    from easyrl.workers.varlen import register_varlen_attention
+
+    return register_varlen_attention()
 
 
 @dataclass

@@ -131,3 +131,45 @@ def test_packed_flash_attention_equals_padded_on_gpu() -> None:
     model.set_attn_implementation("flash_attention_2")
     lp, _ = token_log_probs(model, mb, dev, 1.0, with_entropy=False, opts=ForwardOptions(padding_free=True))
     torch.testing.assert_close(lp[mask.to(dev)], ref[mask.to(dev)], atol=5e-2, rtol=0)
+
+
+def _varlen(model: torch.nn.Module) -> torch.nn.Module:
+    from easyrl.workers.varlen import register_varlen_attention
+
+    model.set_attn_implementation(register_varlen_attention())
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_varlen_attention_equals_padded(arch: str) -> None:
+    """easyrl_varlen (per-sequence attention on CPU) on packed rows: the padded sdpa path's log-probs and grads."""
+    padded, packed = tiny_lm(arch), _varlen(tiny_lm(arch))
+    mb = make_batch(seed=7)
+    mask = mb["response_mask"].bool()
+    ref, _ = token_log_probs(padded, mb, CPU, 1.0, with_entropy=False)
+    lp, _ = token_log_probs(packed, mb, CPU, 1.0, with_entropy=False, opts=ForwardOptions(padding_free=True))
+    torch.testing.assert_close(lp[mask], ref[mask], atol=1e-5, rtol=0)
+    padded.train(), packed.train()
+    ref_grads = _grads(padded, mb, None)
+    got = _grads(packed, mb, ForwardOptions(padding_free=True, fused=True, chunk_size=5))
+    for name in ref_grads:
+        torch.testing.assert_close(got[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_varlen_attention_refuses_padded_rows() -> None:
+    model, mb = _varlen(tiny_lm()), make_batch()
+    with pytest.raises(RuntimeError, match="one packed row with its position_ids"):
+        token_log_probs(model, mb, CPU, 1.0, with_entropy=False)
+
+
+@pytest.mark.gpu
+def test_varlen_attention_torch_kernel_equals_padded_on_gpu() -> None:
+    """GPU only: torch's flash varlen kernel (packed, bf16) vs padded sdpa, GQA model."""
+    dev = torch.device("cuda")
+    padded = tiny_lm().to(dev, torch.bfloat16)
+    packed = _varlen(tiny_lm().to(dev, torch.bfloat16))
+    mb = make_batch()
+    mask = mb["response_mask"].bool().to(dev)
+    ref, _ = token_log_probs(padded, mb, dev, 1.0, with_entropy=False)
+    lp, _ = token_log_probs(packed, mb, dev, 1.0, with_entropy=False, opts=ForwardOptions(padding_free=True))
+    torch.testing.assert_close(lp[mask], ref[mask], atol=5e-2, rtol=0)
