@@ -83,6 +83,7 @@ def _torch_varlen(
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (T, H, D) views of (H, T, D) tensors
     out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
