@@ -33,16 +33,21 @@ def _image_data(folder: Path) -> dict[str, str]:
     return {"train": str(train), "image_dir": str(images)}
 
 
-@pytest.mark.parametrize("arch", VL_ARCHS)
-def test_vl_grpo_two_steps(tmp_path: Path, digits_data, arch: str) -> None:
-    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
-    data = _image_data(tmp_path / "data")
-    edits = {
+def vl_edits(data: dict[str, str]) -> dict[str, object]:
+    """Config edits for :func:`_image_data`: its image folder, small images, prompts long enough for them."""
+    return {
         "data.image_dir": data["image_dir"],
         "data.max_prompt_length": 160,
         "data.min_pixels": 32 * 32,
         "data.max_pixels": 64 * 64,
     }
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vl_grpo_two_steps(tmp_path: Path, digits_data, arch: str) -> None:
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
+    data = _image_data(tmp_path / "data")
+    edits = vl_edits(data)
     rows, before, after = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2, weights=True)
     assert_finite(rows)
     assert before is not None and after is not None
@@ -58,11 +63,7 @@ def test_vl_ppo_with_critic(tmp_path: Path, arch: str) -> None:
     same images as the actor."""
     model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
     data = _image_data(tmp_path / "data")
-    edits = {
-        "data.image_dir": data["image_dir"],
-        "data.max_prompt_length": 160,
-        "data.min_pixels": 32 * 32,
-        "data.max_pixels": 64 * 64,
+    edits = vl_edits(data) | {
         "algorithm.adv_estimator": "gae",
         "worker.critic.global_batch_size": 2,
         "worker.critic.micro_batch_size_per_device_for_update": 2,

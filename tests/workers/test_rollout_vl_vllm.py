@@ -107,17 +107,13 @@ def test_vl_grpo_through_vllm(tmp_path: Path, arch: str) -> None:
     weights (vision tower included) are synced each step, and the engine's log-probs match the actor's."""
     from easyrl.distributed import init_ray
     from tests.trainer.test_e2e import assert_finite, run
-    from tests.trainer.test_vl_e2e import _image_data
+    from tests.trainer.test_vl_e2e import _image_data, vl_edits
 
     init_ray(num_cpus=4)
     # Head size 32 in the language model and the vision tower (attention kernels reject 16).
     model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch, num_heads=2, num_kv_heads=1, vision_hidden_size=64)
     data = _image_data(tmp_path / "data")
-    edits = {
-        "data.image_dir": data["image_dir"],
-        "data.max_prompt_length": 160,
-        "data.min_pixels": 32 * 32,
-        "data.max_pixels": 64 * 64,
+    edits = vl_edits(data) | {
         "worker.rollout.name": "vllm",
         "worker.rollout.dtype": "bf16",
         "worker.rollout.gpu_memory_utilization": 0.2,
