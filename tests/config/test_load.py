@@ -284,3 +284,23 @@ def test_cli_exits_2_fast_naming_the_key(tmp_path: Path, tiny_model_dir: str, di
     assert len(lines) == 1 and "worker.rollout.temprature" in lines[0] and "temperature" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 2.0, f"took {elapsed:.2f} s"
+
+
+def test_example_vl_config_validates_with_local_paths(tmp_path: Path) -> None:
+    """configs/geo_grpo_qwen2_5_vl.yaml (vLLM rollout of a VL model) passes validation once its paths exist."""
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model")
+    data = tmp_path / "geo.jsonl"
+    data.write_text('{"problem": "<image>x?", "answer": "1", "images": []}\n')
+    cfg = load_config(
+        REPO / "configs" / "geo_grpo_qwen2_5_vl.yaml",
+        [
+            f"worker.actor.model.model_path={model}",
+            f"data.train_files={data}",
+            f"data.val_files={data}",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+        ],
+    )
+    assert cfg.worker.rollout.name == "vllm" and cfg.data.limit_images == 1
