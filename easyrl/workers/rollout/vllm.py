@@ -189,7 +189,8 @@ def _check_media_expansion(out: Any, request: Any, expected: int, row: int) -> N
     got = len(out.prompt_token_ids)
     if got not in (expected, len(request["prompt_token_ids"])):
         raise RuntimeError(
-            f"row {row}: vLLM expanded the prompt's images to {got} prompt tokens, the data pipeline to {expected}: "
+            f"sequence {row} of this worker's batch: vLLM expanded the prompt's images to {got} prompt tokens, the "
+            f"data pipeline to {expected}: "
             "the two processors resize differently; keep data.min_pixels/max_pixels inside the model processor's "
             "min_pixels/max_pixels (preprocessor_config.json)"
         )
@@ -208,7 +209,8 @@ def _clear_stale_cpu_shm() -> None:
     import torch.distributed as dist
 
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        for path in glob.glob("/dev/shm/*cpushm*"):
+        # Only env:// engines' names start with "-" (an mp/tcp engine's start with its port): never touch those.
+        for path in glob.glob("/dev/shm/-*cpushm*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 logger.info("removed stale vLLM CPU shared memory %s", path)
