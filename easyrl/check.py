@@ -14,6 +14,8 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     samples = d.rollout_batch_size * w.rollout.n
     updates = d.rollout_batch_size // w.actor.global_batch_size
     per_worker = w.actor.global_batch_size * w.rollout.n // workers
+    tp = w.rollout.tensor_parallel_size if w.rollout.name == "vllm" else 1
+    engines = f"{workers // tp} (tensor parallel {tp})" if tp > 1 else str(workers)
     if alg.disable_kl:
         kl = "off (no reference model)"
     else:
@@ -22,7 +24,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
         + (", online filtering" if alg.online_filtering else ""),
         f"model: {w.actor.model.model_path}",
-        f"rollout: {w.rollout.name} engine, n={w.rollout.n}, temperature={w.rollout.temperature}, "
+        f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
         + ("" if alg.disable_kl else ", ref")

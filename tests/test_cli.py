@@ -74,3 +74,15 @@ def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "media: rows_with_media=" in proc.stdout and "media_tokens_max=" in proc.stdout, proc.stdout
     assert "'overlong_prompt': " in proc.stdout, proc.stdout
+
+
+def test_plan_counts_tensor_parallel_engines() -> None:
+    from easyrl.check import plan_lines
+    from easyrl.config import EasyRLConfig
+
+    cfg = EasyRLConfig()
+    cfg.trainer.n_gpus_per_node = 4
+    cfg.worker.rollout.name, cfg.worker.rollout.tensor_parallel_size = "vllm", 2
+    assert any(line.startswith("rollout: 2 (tensor parallel 2) vllm engine(s)") for line in plan_lines(cfg))
+    cfg.worker.rollout.name = "hf"  # the HF engine has no tensor parallelism: one per worker
+    assert any(line.startswith("rollout: 4 hf engine(s)") for line in plan_lines(cfg))

@@ -85,6 +85,8 @@ class VLLMRolloutEngine(RolloutEngine):
             # `tensor_parallel_size` consecutive ranks inside the process group the workers already share, and
             # every rank of a group is given the same requests (Dispatch.ENGINE_SPLIT).
             engine_args["distributed_executor_backend"] = "external_launcher"
+            # Its CUDA-IPC all-reduce needs the peers' GPUs visible; Ray shows each worker only its own.
+            engine_args["disable_custom_all_reduce"] = True
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
