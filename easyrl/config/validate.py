@@ -110,12 +110,13 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
     if cfg.worker.rollout.sleep_level not in (1, 2):
         raise ConfigError("worker.rollout.sleep_level", f"must be 1 or 2, got {cfg.worker.rollout.sleep_level}")
-    if not 0 <= cfg.worker.rollout.logprob_sample_ratio <= 1:
-        raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1]")
-    if cfg.algorithm.tis_cap is not None and cfg.worker.rollout.logprob_sample_ratio < 1:
+    ratio = cfg.worker.rollout.logprob_sample_ratio
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1] (or null: automatic)")
+    if cfg.algorithm.tis_cap is not None and ratio is not None and ratio < 1:
         raise ConfigError(
             "algorithm.tis_cap",
-            "truncated importance sampling needs every log-prob: set worker.rollout.logprob_sample_ratio=1",
+            "truncated importance sampling needs every log-prob: set worker.rollout.logprob_sample_ratio to 1 or null",
         )
     if cfg.worker.reward.timeout_s <= 0:
         raise ConfigError("worker.reward.timeout_s", "must be > 0 seconds")

@@ -173,6 +173,12 @@ BAD = [
     ("enum-estimator", {"algorithm.adv_estimator": "grpoo"}, "algorithm.adv_estimator", "grpo"),
     ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "vllm, hf"),
     ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1 or 2"),
+    (
+        "tis-needs-every-logprob",
+        {"algorithm.tis_cap": 2.0, "worker.rollout.logprob_sample_ratio": 0.5},
+        "algorithm.tis_cap",
+        "every log-prob",
+    ),
     ("enum-kl", {"algorithm.kl_penalty": "k5"}, "algorithm.kl_penalty", "low_var_kl"),
     ("enum-agg", {"worker.actor.loss_avg_mode": "sum"}, "worker.actor.loss_avg_mode", "token-mean"),
     ("enum-loss", {"worker.actor.loss_type": "ppo2"}, "worker.actor.loss_type", "gspo"),

@@ -47,6 +47,7 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
             cfg = EasyRLConfig()
             cfg.worker.actor.model.model_path = model_dir
             cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
+            cfg.worker.rollout.logprob_sample_ratio = 1.0  # every sequence's log-probs, to compare them all
             _ENGINES[name] = VLLMRolloutEngine(cfg, eos, pad)
     return _ENGINES[name]
 
@@ -153,6 +154,7 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
+    cfg.worker.rollout.logprob_sample_ratio = 1.0
     engine = VLLMRolloutEngine(cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = left_padded(tokenizer, PROMPTS)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5)
@@ -170,3 +172,16 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
             (out["rollout_log_probs"] - reference_log_probs(reference, out, 1.0)).abs() * out["response_mask"]
         ).max()
         assert diff < 1e-3, f"{arch} {step}: log-probs differ from transformers by {diff:.2e}"
+
+
+def test_logprob_sample_ratio_defaults() -> None:
+    """vLLM log-probs for one sequence in 8 by default, for all of them with TIS, as set otherwise."""
+    from easyrl.workers.rollout.vllm import _logprob_sample, effective_logprob_ratio
+
+    cfg = EasyRLConfig()
+    assert effective_logprob_ratio(cfg) == 0.125
+    assert _logprob_sample(16, 0.125) == [i % 8 == 0 for i in range(16)]
+    cfg.algorithm.tis_cap = 2.0
+    assert effective_logprob_ratio(cfg) == 1.0
+    cfg.worker.rollout.logprob_sample_ratio = 0.0
+    assert effective_logprob_ratio(cfg) == 0.0 and not any(_logprob_sample(4, 0.0))

@@ -48,6 +48,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
         self.discards_weights_on_sleep = self.sleep_enabled and rcfg.sleep_level == 2
+        self.logprob_ratio = effective_logprob_ratio(cfg)
         max_len = rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         engine_args: dict[str, Any] = {
             "model": mcfg.model_path,
@@ -104,7 +105,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [
             vllm_request(row[m.bool()].tolist(), mm, self.image_token_id) for row, m, mm in zip(input_ids, mask, media)
         ]
-        with_logprobs = _logprob_sample(len(requests), self.cfg.logprob_sample_ratio if params.logprobs else 0.0)
+        with_logprobs = _logprob_sample(len(requests), self.logprob_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
         sampling = [
             VSamplingParams(
@@ -237,6 +238,18 @@ def _visible_local_rank(on_gpu: bool) -> Iterator[None]:
             os.environ.pop("LOCAL_RANK", None)
         else:
             os.environ["LOCAL_RANK"] = saved
+
+
+DEFAULT_LOGPROB_RATIO = 0.125
+"""Share of sequences that get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is off."""
+
+
+def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
+    """`worker.rollout.logprob_sample_ratio`, or when null: 1 with truncated importance sampling, else 1/8."""
+    ratio = cfg.worker.rollout.logprob_sample_ratio
+    if ratio is not None:
+        return ratio
+    return 1.0 if cfg.algorithm.tis_cap is not None else DEFAULT_LOGPROB_RATIO
 
 
 def _logprob_sample(n: int, ratio: float) -> list[bool]:
