@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_checks.sh tests      # the GPU-marked tests (VL through the real vLLM engine, ...)
 #   bash scripts/gpu_checks.sh bench15    # Qwen2.5-1.5B, shape S, all levers on, raw vLLM in the same run
-#   bash scripts/gpu_checks.sh ab         # A/B of each lever on Qwen2.5-0.5B (shorter runs)
+#   bash scripts/gpu_checks.sh ab         # packed-attention layouts, then A/B of each lever on Qwen2.5-0.5B
 #   bash scripts/gpu_checks.sh sizes      # Qwen2.5-0.5B and 3B, shape S
 #
 # Every stage writes its log and summaries under $OUT (default: ./gpu_out) for docs/benchmarks.md.
@@ -41,6 +41,8 @@ case "$STAGE" in
     bench bench15_levers --model 1.5b "${LEVERS[@]}" --sleep-level 2
     ;;
   ab)
+    "$PY" scripts/bench_packed_attention.py --device cuda --dtype bf16 --hidden 1536 --layers 4 --heads 12 \
+      --seqs 32 --len 768 2>&1 | tee "$OUT/packed_attention.log"
     bench ab_all --model 0.5b --steps 4 "${LEVERS[@]}" --no-raw-vllm
     bench ab_no_padding_free --model 0.5b --steps 4 --dynamic-batching --fused-logprobs --no-raw-vllm
     bench ab_no_dynamic --model 0.5b --steps 4 --padding-free --fused-logprobs --no-raw-vllm
