@@ -6,13 +6,14 @@
 #
 #   bash scripts/gpu_checks.sh tests      # the GPU-marked tests (VL through the real vLLM engine, ...)
 #   bash scripts/gpu_checks.sh bench15    # Qwen2.5-1.5B, shape S, all levers on, raw vLLM in the same run
-#   bash scripts/gpu_checks.sh ab         # packed-attention layouts, then A/B of each lever on Qwen2.5-0.5B
+#   bash scripts/gpu_checks.sh ab1        # packed-attention layouts, A/B on Qwen2.5-0.5B: all levers, each off...
+#   bash scripts/gpu_checks.sh ab2        # ...continued: fused head off, CUDA graphs off, sleep level 1
 #   bash scripts/gpu_checks.sh sizes      # Qwen2.5-0.5B and 3B, shape S
 #
 # Every stage writes its log and summaries under $OUT (default: ./gpu_out) for docs/benchmarks.md.
 set -uo pipefail
 
-STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab|sizes}
+STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab1|ab2|sizes}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
@@ -40,12 +41,14 @@ case "$STAGE" in
   bench15)
     bench bench15_levers --model 1.5b "${LEVERS[@]}" --sleep-level 2
     ;;
-  ab)
+  ab1)
     "$PY" scripts/bench_packed_attention.py --device cuda --dtype bf16 --hidden 1536 --layers 4 --heads 12 \
       --seqs 32 --len 768 2>&1 | tee "$OUT/packed_attention.log"
     bench ab_all --model 0.5b --steps 4 "${LEVERS[@]}" --no-raw-vllm
     bench ab_no_padding_free --model 0.5b --steps 4 --dynamic-batching --fused-logprobs --no-raw-vllm
     bench ab_no_dynamic --model 0.5b --steps 4 --padding-free --fused-logprobs --no-raw-vllm
+    ;;
+  ab2)
     bench ab_no_fused --model 0.5b --steps 4 --padding-free --dynamic-batching --no-raw-vllm
     bench ab_eager --model 0.5b --steps 4 "${LEVERS[@]}" --enforce-eager --no-raw-vllm
     bench ab_sleep1 --model 0.5b --steps 4 "${LEVERS[@]}" --sleep-level 1 --no-raw-vllm
