@@ -80,8 +80,8 @@ class RLDataset:
             engines that process pixels themselves (vLLM); rows with videos are then refused.
 
     Raises:
-        DataError: unreadable data, a video row with ``rollout_images``, a bad row with ``on_bad_row=error``, an overlong prompt with
-            ``filter_overlong_prompts=false``, or no row left.
+        DataError: unreadable data, a video row with ``rollout_images``, a bad row with ``on_bad_row=error``, an
+            overlong prompt with ``filter_overlong_prompts=false``, or no row left.
     """
 
     def __init__(
