@@ -14,7 +14,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     samples = d.rollout_batch_size * w.rollout.n
     updates = d.rollout_batch_size // w.actor.global_batch_size
     per_worker = w.actor.global_batch_size * w.rollout.n // workers
-    tp = w.rollout.tensor_parallel_size if w.rollout.name == "vllm" else 1
+    tp = w.rollout.ranks_per_engine
     engines = f"{workers // tp} (tensor parallel {tp})" if tp > 1 else str(workers)
     if alg.disable_kl:
         kl = "off (no reference model)"

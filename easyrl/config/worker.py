@@ -191,6 +191,11 @@ class RolloutConfig:
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
 
+    @property
+    def ranks_per_engine(self) -> int:
+        """Workers one rollout engine spans: `tensor_parallel_size` for vLLM, 1 for the HF engine."""
+        return self.tensor_parallel_size if self.name == "vllm" else 1
+
 
 @dataclass
 class RewardConfig:

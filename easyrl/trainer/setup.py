@@ -91,7 +91,7 @@ class Workers:
         self.ref: Any = None
         self.critic: Any = None
         try:
-            tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
+            tp = cfg.worker.rollout.ranks_per_engine
             self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, ranks_per_engine=tp, **share)
             self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
             self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None

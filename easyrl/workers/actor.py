@@ -106,7 +106,7 @@ class ActorWorker(CheckpointMixin):
             ignore_eos=rcfg.ignore_eos,
             stop_token_ids=tuple(rcfg.stop_token_ids),
         ).override(prompts.meta.get("sampling_overrides", {}))
-        engine_rank = self.rank // (rcfg.tensor_parallel_size if rcfg.name == "vllm" else 1)
+        engine_rank = self.rank // rcfg.ranks_per_engine
         seed = int(prompts.meta.get("seed", rcfg.seed)) * 1000 + engine_rank
         params = params.override({"seed": seed})
         start = time.perf_counter()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from easyrl.algorithms import compute_value_loss
@@ -11,7 +9,7 @@ from easyrl.checkpoint import CheckpointMixin
 from easyrl.config import EasyRLConfig
 from easyrl.distributed import Dispatch, register
 from easyrl.protocol import Batch
-from easyrl.workers.actor import _setup_process
+from easyrl.workers.actor import _setup_process, _world_size
 from easyrl.workers.common import batched_values, optimize, response_values
 from easyrl.workers.fsdp import (
     DTYPES,
@@ -77,7 +75,7 @@ class CriticWorker(CheckpointMixin):
             out["critic/vpred_mean"] = float(vpreds.detach().mean())
             return loss * weight, out
 
-        mini = ccfg.global_batch_size * self.cfg.worker.rollout.n // int(os.environ.get("WORLD_SIZE", "1"))
+        mini = ccfg.global_batch_size * self.cfg.worker.rollout.n // _world_size()
         with resident(self.model, self.optimizer, ccfg.offload, self.device):
             return optimize(
                 self.model,
