@@ -186,7 +186,7 @@ def vllm_request(ids: list[int], media: dict[str, Any] | None, image_token_id: i
 
 def _check_media_expansion(out: Any, request: Any, expected: int, row: int) -> None:
     """vLLM's processor must expand the images to as many tokens as ours did, or the actor and the engine would be
-    scoring different inputs."""
+    scoring different inputs. (A vLLM that reports the prompt unexpanded gives nothing to compare: accepted.)"""
     if "multi_modal_data" not in request or out.prompt_token_ids is None:
         return
     got = len(out.prompt_token_ids)
