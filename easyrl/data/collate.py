@@ -18,7 +18,7 @@ _LIST_KEYS = (
     "images",
     "videos",
     "multi_modal_inputs",
-    "multi_modal_data",
+    "rollout_prompt",
 )
 
 

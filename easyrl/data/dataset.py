@@ -76,16 +76,17 @@ class RLDataset:
         tokenizer: Hugging Face tokenizer used to apply the chat template and tokenize.
         processor: optional multimodal processor; its chat template is used when it has one. Media tokens are
             counted in prompt lengths (see :mod:`easyrl.data.multimodal`).
-        rollout_images: also hand each item's resized images to the rollout engine (``multi_modal_data``), for
-            engines that process pixels themselves (vLLM); rows with videos are then refused.
+        rollout_media: also give each item with media a ``rollout_prompt`` for engines that process pixels
+            themselves (vLLM): its token ids before the media expansion and the very images and video frames the
+            actor's patches are cut from (see :meth:`__getitem__`).
 
     Raises:
-        DataError: unreadable data, a video row with ``rollout_images``, a bad row with ``on_bad_row=error``, an
-            overlong prompt with ``filter_overlong_prompts=false``, or no row left.
+        DataError: unreadable data, a bad row with ``on_bad_row=error``, an overlong prompt with
+            ``filter_overlong_prompts=false``, or no row left.
     """
 
     def __init__(
-        self, spec: str, data_cfg: DataConfig, tokenizer: Any, processor: Any = None, rollout_images: bool = False
+        self, spec: str, data_cfg: DataConfig, tokenizer: Any, processor: Any = None, rollout_media: bool = False
     ) -> None:
         if data_cfg.on_bad_row not in ("drop", "error"):
             raise DataError(f"data.on_bad_row must be 'drop' or 'error', got {data_cfg.on_bad_row!r}")
@@ -95,7 +96,7 @@ class RLDataset:
         if self.tokenizer is None:
             raise DataError("RLDataset needs a tokenizer (or a processor with one)")
         self.processor = processor
-        self.rollout_images = rollout_images
+        self.rollout_media = rollout_media
         try:
             chat_template = load_chat_template(data_cfg.override_chat_template)
             templater = processor if getattr(processor, "chat_template", None) else self.tokenizer
@@ -172,12 +173,6 @@ class RLDataset:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
-        if videos and self.rollout_images:
-            # Not a bad row: the data is fine, the engine cannot take it. Stop before training, naming the row.
-            raise DataError(
-                f"{source}, row {row_index}: videos are not supported by the vLLM rollout engine yet; "
-                "use worker.rollout.name=hf for video data"
-            )
         sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
         if self.processor is not None and (images or videos):
             try:
@@ -233,7 +228,9 @@ class RLDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """One prompt: ``prompt_ids`` (unpadded), ``raw_prompt``, ``ground_truth``, ``row``, ``index``, plus the
-        resolved ``images`` / ``videos`` (paths or bytes; empty lists when the row has none)."""
+        resolved ``images`` / ``videos`` (paths or bytes; empty lists when the row has none). With a processor also
+        ``multi_modal_inputs`` (the actor's pixel patches and grids; ``prompt_ids`` then have the media expanded),
+        and with ``rollout_media`` a ``rollout_prompt`` (``{}`` for a row without media)."""
         sample = self._samples[index]
         item: dict[str, Any] = {
             "prompt_ids": list(sample.prompt_ids),
@@ -258,12 +255,18 @@ class RLDataset:
                 )
                 item["prompt_ids"] = encoded["input_ids"]
                 item["multi_modal_inputs"] = encoded["multi_modal_inputs"]
-                if self.rollout_images and encoded["images"]:
-                    # The very pixels the patches were cut from, as uint8 arrays (small to ship to the workers).
-                    item["multi_modal_data"] = {"image": [np.asarray(img) for img in encoded["images"]]}
-            if self.rollout_images:
-                item.setdefault("multi_modal_data", {})
+                if self.rollout_media:
+                    item["rollout_prompt"] = _rollout_prompt(self.tokenizer, encoded)
+            if self.rollout_media:
+                item.setdefault("rollout_prompt", {})
         return item
+
+    def media_per_row(self) -> dict[str, int]:
+        """The most images and the most videos any kept row has (what an engine must accept per prompt)."""
+        return {
+            "image": max((len(s.images) for s in self._samples), default=0),
+            "video": max((len(s.videos) for s in self._samples), default=0),
+        }
 
     def source_of(self, index: int) -> tuple[str, int]:
         """``(file, row_index)`` the sample at ``index`` came from."""
@@ -298,3 +301,17 @@ class RLDataset:
 
 def _is_nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
+
+
+def _rollout_prompt(tokenizer: Any, encoded: dict[str, Any]) -> dict[str, Any]:
+    """What an engine that processes pixels itself gets for one prompt with media, in vLLM's ``TokensPrompt`` shape:
+    the templated prompt's ids with one pad token per image / video (the engine expands them again from the pixels)
+    and the media as uint8 arrays (small to ship to the workers): the resized images, and per video its sampled
+    resized frames with their :meth:`VideoClip.metadata`."""
+    ids = tokenizer(encoded["prompt"], add_special_tokens=False)["input_ids"]
+    media: dict[str, Any] = {}
+    if encoded["images"]:
+        media["image"] = [np.asarray(img) for img in encoded["images"]]
+    if encoded["videos"]:
+        media["video"] = list(encoded["videos"])
+    return {"prompt_token_ids": list(ids), "multi_modal_data": media}

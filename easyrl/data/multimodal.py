@@ -120,6 +120,21 @@ class VideoClip:
     native_fps: float
     sampled_fps: float
     """Frames per second of the sample (T over the video's duration)."""
+    total_frames: int
+    """Frames in the source video."""
+
+    def metadata(self) -> dict[str, Any]:
+        """The clip described with transformers' ``VideoMetadata`` fields: an engine that runs the model's own video
+        processor (vLLM) derives the same seconds per temporal patch and Qwen3-VL timestamps from it as we do."""
+        return {
+            "fps": self.native_fps,
+            "duration": self.total_frames / self.native_fps,
+            "total_num_frames": self.total_frames,
+            "frames_indices": list(self.indices),
+            "height": int(self.frames.shape[1]),
+            "width": int(self.frames.shape[2]),
+            "video_backend": "pyav",
+        }
 
 
 def sample_frame_indices(
@@ -184,7 +199,7 @@ def load_video(ref: MediaRef, spec: VisionSpec, data_cfg: Any) -> VideoClip:
     last = decoded[max(decoded)]
     frames = np.stack([decoded.get(i, last) for i in indices])
     duration = total / fps
-    return VideoClip(frames, indices, fps, len(indices) / duration if duration > 0 else fps)
+    return VideoClip(frames, indices, fps, len(indices) / duration if duration > 0 else fps, total)
 
 
 def patchify_frames(frames: np.ndarray, spec: VisionSpec) -> tuple[torch.Tensor, list[int]]:
@@ -317,8 +332,9 @@ def encode_multimodal_prompt(
         ``input_ids`` (list of ints, media pads expanded), ``prompt`` (the templated text before expansion),
         ``multi_modal_inputs`` (``pixel_values`` (N, D), ``image_grid_thw`` (n, 3); with videos also
         ``pixel_values_videos``, ``video_grid_thw`` and, except for Qwen3-VL, ``second_per_grid_ts``), and the
-        counts ``image_tokens`` / ``video_tokens``, and ``images``: the resized PIL images the patches were cut from
-        (for an engine that processes pixels itself, like vLLM).
+        counts ``image_tokens`` / ``video_tokens``; for an engine that processes pixels itself (vLLM), ``images``: the
+        resized PIL images the patches were cut from, and ``videos``: ``(frames, metadata)`` per video, the sampled
+        resized uint8 frames (T, H, W, 3) and :meth:`VideoClip.metadata`.
 
     Raises:
         MultimodalError: more images than ``limit_images``, placeholders not matching the media, a bad image size.
@@ -329,10 +345,12 @@ def encode_multimodal_prompt(
     mm: dict[str, torch.Tensor] = {}
     expanded = text
     video_tokens = 0
+    clips: list[VideoClip] = []
     if videos:
         patches, grids, placeholders, seconds = [], [], [], []
         for ref in videos:
             clip = load_video(ref, spec, data_cfg)
+            clips.append(clip)
             pv, grid = patchify_frames(clip.frames, spec)
             patches.append(pv)
             grids.append(grid)
@@ -365,6 +383,7 @@ def encode_multimodal_prompt(
         "image_tokens": image_tokens,
         "video_tokens": video_tokens,
         "images": pil_images,
+        "videos": [(clip.frames, clip.metadata()) for clip in clips],
     }
 
 

@@ -34,9 +34,9 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     logger.info("loading and checking training data %s", cfg.data.train_files)
-    rollout_images = processor is not None and cfg.worker.rollout.name == "vllm"
-    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_images)
-    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor, rollout_images) if cfg.data.val_files else None
+    rollout_media = processor is not None and cfg.worker.rollout.name == "vllm"
+    train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_media)
+    val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor, rollout_media) if cfg.data.val_files else None
     if len(train) < cfg.data.rollout_batch_size:
         from easyrl.config import ConfigError
 
@@ -67,7 +67,9 @@ class PaddedBatch:
 class Workers:
     """The worker groups of a run: actor (+rollout), and the optional reference and critic."""
 
-    def __init__(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+    def __init__(
+        self, cfg: EasyRLConfig, optimizer_steps: int, media_per_prompt: dict[str, int] | None = None
+    ) -> None:
         from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
         from easyrl.workers.actor import ActorWorker
         from easyrl.workers.critic import CriticWorker
@@ -95,15 +97,15 @@ class Workers:
             self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, ranks_per_engine=tp, **share)
             self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
             self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
-            self._init_models(cfg, optimizer_steps)
+            self._init_models(cfg, optimizer_steps, media_per_prompt or {})
         except BaseException:
             self.shutdown()
             raise
 
-    def _init_models(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+    def _init_models(self, cfg: EasyRLConfig, optimizer_steps: int, media_per_prompt: dict[str, int]) -> None:
         assert self.actor is not None
         logger.info("loading models into the workers")
-        pending = [self.actor.call_async("init_model", optimizer_steps)]
+        pending = [self.actor.call_async("init_model", optimizer_steps, media_per_prompt)]
         if self.ref is not None:
             pending.append(self.ref.call_async("init_model"))
         if self.critic is not None:
@@ -135,8 +137,15 @@ class Workers:
         self.pool.remove()
 
 
-def build_workers(cfg: EasyRLConfig, optimizer_steps: int) -> Workers:
-    return Workers(cfg, optimizer_steps)
+def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:
+    """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
+    prompt may carry."""
+    media: dict[str, int] = {}
+    for data in datasets:
+        if data is not None:
+            for kind, count in data.media_per_row().items():
+                media[kind] = max(media.get(kind, 0), count)
+    return Workers(cfg, optimizer_steps, media)
 
 
 def _use_gpu(cfg: EasyRLConfig) -> bool:

@@ -70,7 +70,7 @@ class Trainer:
         resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
         self.reward = RewardManager(cfg.worker.reward)
         try:
-            self.workers = build_workers(cfg, self.optimizer_steps)
+            self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
             if resume_from is not None:
                 self.resume(resume_from)
@@ -186,7 +186,7 @@ class Trainer:
         prompts.meta.update(
             seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides)
         )
-        out = self.actor.generate_sequences(for_workers(prompts, "multi_modal_data"))  # raw images: vLLM
+        out = self.actor.generate_sequences(for_workers(prompts, "rollout_prompt"))  # media for vLLM
         metrics |= out.meta.pop("timing", {})
         return prompts.union(out)
 

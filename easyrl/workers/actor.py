@@ -48,8 +48,11 @@ def _setup_process(cfg: EasyRLConfig) -> torch.device:
     return worker_device()
 
 
-def build_rollout_engine(cfg: EasyRLConfig, device: torch.device) -> RolloutEngine:
-    """The engine named by `worker.rollout.name`, loaded from the actor's model folder."""
+def build_rollout_engine(
+    cfg: EasyRLConfig, device: torch.device, media_per_prompt: dict[str, int] | None = None
+) -> RolloutEngine:
+    """The engine named by `worker.rollout.name`, loaded from the actor's model folder. ``media_per_prompt``: the
+    most images / videos one prompt of the data carries (an engine that processes pixels sizes itself for it)."""
     from transformers import AutoTokenizer
 
     model_cfg = cfg.worker.actor.model
@@ -64,7 +67,7 @@ def build_rollout_engine(cfg: EasyRLConfig, device: torch.device) -> RolloutEngi
         return HFRolloutEngine(model_cfg.model_path, device, dtype, eos, pad, model_cfg.trust_remote_code)
     from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
-    return VLLMRolloutEngine(cfg, eos, pad)
+    return VLLMRolloutEngine(cfg, eos, pad, media_per_prompt or {})
 
 
 class ActorWorker(CheckpointMixin):
@@ -76,7 +79,7 @@ class ActorWorker(CheckpointMixin):
         self.rank = int(os.environ.get("RANK", "0"))
 
     @register(dispatch=Dispatch.ALL)
-    def init_model(self, total_optimizer_steps: int) -> None:
+    def init_model(self, total_optimizer_steps: int, media_per_prompt: dict[str, int] | None = None) -> None:
         acfg = self.cfg.worker.actor
         dtype = DTYPES[acfg.fsdp.torch_dtype] if acfg.fsdp.torch_dtype else torch.float32
         attn = packed_attn_implementation() if acfg.padding_free else None
@@ -85,7 +88,7 @@ class ActorWorker(CheckpointMixin):
         self.model = shard_model(model, acfg.fsdp, self.device, acfg.model.enable_gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, acfg.optim)
         self.scheduler = build_scheduler(self.optimizer, acfg.optim, total_optimizer_steps)
-        self.engine = build_rollout_engine(self.cfg, self.device)
+        self.engine = build_rollout_engine(self.cfg, self.device, media_per_prompt)
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
 
     # ---------------------------------------------------------------- rollout

@@ -32,7 +32,13 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    def __init__(self, cfg: EasyRLConfig, eos_token_ids: list[int], pad_token_id: int) -> None:
+    def __init__(
+        self,
+        cfg: EasyRLConfig,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        media_per_prompt: dict[str, int] | None = None,
+    ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -71,14 +77,21 @@ class VLLMRolloutEngine(RolloutEngine):
             }
         hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
         self.media_token_ids = media_token_ids(hf_config)
-        self.image_token_id: int | None = getattr(hf_config, "image_token_id", None)
+        self.slot_token_ids: dict[str, int | None] = {
+            "image": getattr(hf_config, "image_token_id", None),
+            "video": getattr(hf_config, "video_token_id", None),
+        }
         if self.media_token_ids:
-            # vLLM runs the model's own processor on the images, which needs the tokenizer.
+            # vLLM runs the model's own processor on the media, which needs the tokenizer.
             engine_args["skip_tokenizer_init"] = False
             engine_args["tokenizer"] = mcfg.tokenizer_path or mcfg.model_path
-            engine_args["limit_mm_per_prompt"] = {"video": 0} | (
-                {"image": cfg.data.limit_images} if cfg.data.limit_images > 0 else {}
-            )
+            # vLLM sizes its encoder cache and start-up profiling for these counts: nothing for videos the data does
+            # not have. At least one image, so the vision tower is built and takes the policy's weights.
+            media = media_per_prompt or {}
+            engine_args["limit_mm_per_prompt"] = {
+                "image": max(1, media.get("image", 0)),
+                "video": media.get("video", 0),
+            }
         if rcfg.tensor_parallel_size > 1 and not on_gpu:
             _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
@@ -99,11 +112,11 @@ class VLLMRolloutEngine(RolloutEngine):
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
         if params.n > 1:
             input_ids, mask = input_ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-        media = list(prompts["multi_modal_data"]) if "multi_modal_data" in prompts else [None] * len(input_ids)
+        media = list(prompts["rollout_prompt"]) if "rollout_prompt" in prompts else [None] * len(input_ids)
         if params.n > 1:
             media = [m for m in media for _ in range(params.n)]
         requests = [
-            vllm_request(row[m.bool()].tolist(), mm, self.image_token_id) for row, m, mm in zip(input_ids, mask, media)
+            vllm_request(row[m.bool()].tolist(), mm, self.slot_token_ids) for row, m, mm in zip(input_ids, mask, media)
         ]
         with_logprobs = _logprob_sample(len(requests), self.logprob_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
@@ -128,7 +141,7 @@ class VLLMRolloutEngine(RolloutEngine):
         responses = torch.full((len(requests), params.max_tokens), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(len(requests), params.max_tokens, dtype=torch.float32)
         for i, out in enumerate(outputs):
-            _check_media_expansion(out, requests[i], int(mask[i].sum()), i)
+            _check_media_expansion(out, requests[i], input_ids[i][mask[i].bool()].tolist(), i)
             completion = out.outputs[0]
             tokens = list(completion.token_ids)[: params.max_tokens]
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -161,42 +174,50 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.reset_prefix_cache()
 
 
-def collapse_media_pads(ids: list[int], pad_id: int) -> list[int]:
-    """``ids`` with every run of ``pad_id`` shrunk to one token: the prompt before the processor expanded each image
-    into one pad per merged patch (vLLM expands it again from the pixels)."""
-    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
-
-
-def vllm_request(ids: list[int], media: dict[str, Any] | None, image_token_id: int | None) -> Any:
-    """The vLLM prompt for one row: its token ids, and for a row with images the collapsed ids plus the images
-    (the uint8 arrays our pipeline already resized, so vLLM's processor cuts the same patches as the actor's)."""
+def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_token_ids: dict[str, int | None]) -> Any:
+    """The vLLM prompt for one row: its token ids, or for a row with media the dataset's ``rollout_prompt`` (see
+    :class:`easyrl.data.RLDataset`): the ids with one pad token per image / video, and the very pixels the actor's
+    patches were cut from. vLLM's copy of the model processor expands the pads again from the pixels; it is told not
+    to resize them (they already tile into the model's patches), so it cuts the same patches as the actor."""
     from PIL import Image
     from vllm.inputs import TokensPrompt
 
-    images = (media or {}).get("image") or []
-    if not images:
+    media = (rollout_prompt or {}).get("multi_modal_data") or {}
+    if not media:
         return TokensPrompt(prompt_token_ids=ids)
-    if image_token_id is None:
-        raise ValueError("a prompt carries images but the model config has no image_token_id")
-    collapsed = collapse_media_pads(ids, image_token_id)
-    if collapsed.count(image_token_id) != len(images):
-        raise ValueError(f"the prompt has {collapsed.count(image_token_id)} image slots for {len(images)} images")
-    return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [Image.fromarray(a) for a in images]})
+    assert rollout_prompt is not None
+    prompt_ids = list(rollout_prompt["prompt_token_ids"])
+    for kind, items in media.items():
+        token = slot_token_ids.get(kind)
+        if token is None:
+            raise ValueError(f"a prompt carries {kind}s but the model config has no {kind}_token_id")
+        if prompt_ids.count(token) != len(items):
+            raise ValueError(f"the prompt has {prompt_ids.count(token)} {kind} slots for {len(items)} {kind}s")
+    data: dict[str, Any] = {}
+    if media.get("image"):
+        data["image"] = [Image.fromarray(a) for a in media["image"]]
+    if media.get("video"):
+        # Frames already sampled (data.video_fps, max_frames): the metadata's indices give the timestamps.
+        data["video"] = [(frames, meta | {"do_sample_frames": False}) for frames, meta in media["video"]]
+    return TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data=data, mm_processor_kwargs={"do_resize": False})
 
 
-def _check_media_expansion(out: Any, request: Any, expected: int, row: int) -> None:
-    """vLLM's processor must expand the images to as many tokens as ours did, or the actor and the engine would be
-    scoring different inputs. (A vLLM that reports the prompt unexpanded gives nothing to compare: accepted.)"""
+def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int) -> None:
+    """vLLM's processor must expand the media to the very tokens ours did (pads per merged patch, Qwen3-VL's frame
+    timestamps), or the actor and the engine would be scoring different inputs. (A vLLM that reports the prompt
+    unexpanded gives nothing to compare: accepted.)"""
     if "multi_modal_data" not in request or out.prompt_token_ids is None:
         return
-    got = len(out.prompt_token_ids)
-    if got not in (expected, len(request["prompt_token_ids"])):
-        raise RuntimeError(
-            f"sequence {row} of this worker's batch: vLLM expanded the prompt's images to {got} prompt tokens, the "
-            f"data pipeline to {expected}: "
-            "the two processors resize differently; keep data.min_pixels/max_pixels inside the model processor's "
-            "min_pixels/max_pixels (preprocessor_config.json)"
-        )
+    got = list(out.prompt_token_ids)
+    if got == expected or got == request["prompt_token_ids"]:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    raise RuntimeError(
+        f"sequence {row} of this worker's batch: vLLM expanded the prompt's media to {len(got)} tokens, the data "
+        f"pipeline to {len(expected)}; they first differ at token {at} (vLLM {got[at : at + 8]}, ours "
+        f"{expected[at : at + 8]}): the model's processor and easyrl.data.multimodal disagree on this model's media "
+        "tokens"
+    )
 
 
 def _clear_stale_cpu_shm() -> None:
