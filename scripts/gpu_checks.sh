@@ -9,11 +9,13 @@
 #   bash scripts/gpu_checks.sh ab1        # packed-attention layouts, A/B on Qwen2.5-0.5B: all levers, each off...
 #   bash scripts/gpu_checks.sh ab2        # ...continued: fused head off, CUDA graphs off, sleep level 1
 #   bash scripts/gpu_checks.sh sizes      # Qwen2.5-0.5B and 3B, shape S
+#   bash scripts/gpu_checks.sh vl         # Qwen2.5-VL-3B through vLLM with images, memory step by step
+#   bash scripts/gpu_checks.sh vl_video   # ...with videos (needs PyAV: carried by the bundle from the local env)
 #
 # Every stage writes its log and summaries under $OUT (default: ./gpu_out) for docs/benchmarks.md.
 set -uo pipefail
 
-STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab1|ab2|sizes}
+STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab1|ab2|sizes|vl|vl_video}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
@@ -56,6 +58,14 @@ case "$STAGE" in
   sizes)
     bench size_0.5b --model 0.5b "${LEVERS[@]}" --sleep-level 2
     bench size_3b --model 3b "${LEVERS[@]}" --sleep-level 2 --optim adamw_bf16
+    ;;
+  vl | vl_video)
+    media=image
+    [ "$STAGE" = vl_video ] && media=video
+    "$PY" scripts/bench_vl.py --media "$media" --workdir /tmp/easyrl_bench_vl 2>&1 | tee "$OUT/$STAGE.log" |
+      grep -v " INFO \| DEBUG "
+    cp "$(ls -t /tmp/easyrl_bench_vl/run_3b_"$media"_*/summary.json | head -1)" "$OUT/$STAGE.json" 2>/dev/null ||
+      echo "$STAGE: no summary"
     ;;
   *)
     echo "unknown stage $STAGE" >&2

@@ -94,12 +94,14 @@ def make_vl_processor(
     arch: str = "qwen2_5_vl",
     min_pixels: int = 32 * 32,
     max_pixels: int = 128 * 128,
+    patch_size: int = PATCH_SIZE,
 ) -> Any:
-    """An image processor (PIL backend, 8-pixel patches) and ``tokenizer`` combined into the arch's processor."""
+    """An image processor (PIL backend, ``patch_size``-pixel patches) and ``tokenizer`` combined into the arch's
+    processor."""
     if arch not in _ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {VL_ARCHS}")
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH_SIZE,
+        patch_size=patch_size,
         merge_size=MERGE_SIZE,
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
         min_pixels=min_pixels,
@@ -120,8 +122,12 @@ def make_vl_config(
     vision_hidden_size: int = 32,
     vision_depth: int = 2,
     tie_word_embeddings: bool = True,
+    patch_size: int = PATCH_SIZE,
+    text_overrides: dict[str, Any] | None = None,
+    vision_overrides: dict[str, Any] | None = None,
 ) -> PretrainedConfig:
-    """The model config (token ids from ``tokenizer``; ``mrope_section`` sized to the head dim)."""
+    """The model config (token ids from ``tokenizer``; ``mrope_section`` sized to the head dim). ``text_overrides`` /
+    ``vision_overrides`` replace entries of the text / vision sub-configs (e.g. a public model's exact shape)."""
     if arch not in _ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {VL_ARCHS}")
     head_dim = hidden_size // num_heads
@@ -149,17 +155,19 @@ def make_vl_config(
         "hidden_size": vision_hidden_size,
         "intermediate_size": 2 * vision_hidden_size,
         "num_heads": 2,
-        "patch_size": PATCH_SIZE,
+        "patch_size": patch_size,
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "out_hidden_size": hidden_size,
     }
     if arch == "qwen2_5_vl":
-        vision |= {"window_size": PATCH_SIZE * MERGE_SIZE * 2, "fullatt_block_indexes": [vision_depth - 1]}
+        vision |= {"window_size": patch_size * MERGE_SIZE * 2, "fullatt_block_indexes": [vision_depth - 1]}
     else:
         text |= {"head_dim": head_dim}
         text["rope_parameters"]["mrope_interleaved"] = True
         vision |= {"num_position_embeddings": 256, "deepstack_visual_indexes": [0]}
+    text |= text_overrides or {}
+    vision |= vision_overrides or {}
     config_cls = _ARCHS[arch][0]
     return config_cls(
         text_config=text,
@@ -178,6 +186,8 @@ def build_tiny_vl_checkpoint(
     seed: int = 0,
     min_pixels: int = 32 * 32,
     max_pixels: int = 128 * 128,
+    patch_size: int = PATCH_SIZE,
+    dtype: torch.dtype = torch.float32,
     **config_kwargs: Any,
 ) -> str:
     """Build a random-init VL model, its tokenizer and processor into one folder; returns ``path``.
@@ -188,12 +198,12 @@ def build_tiny_vl_checkpoint(
     :func:`easyrl.models.load_processor`.
     """
     tokenizer = make_vl_tokenizer()
-    processor = make_vl_processor(tokenizer, arch, min_pixels, max_pixels)
-    config = make_vl_config(tokenizer, arch, **config_kwargs)
+    processor = make_vl_processor(tokenizer, arch, min_pixels, max_pixels, patch_size)
+    config = make_vl_config(tokenizer, arch, patch_size=patch_size, **config_kwargs)
     model_cls = _ARCHS[arch][1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: Any = model_cls(config)
+        model: Any = model_cls._from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
@@ -208,7 +218,7 @@ def build_tiny_vl_checkpoint(
         {
             "video_processor_type": "Qwen3VLVideoProcessor" if arch == "qwen3_vl" else "Qwen2VLVideoProcessor",
             "processor_class": _ARCHS[arch][2],
-            "patch_size": PATCH_SIZE,
+            "patch_size": patch_size,
             "merge_size": MERGE_SIZE,
             "temporal_patch_size": TEMPORAL_PATCH_SIZE,
             "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},

@@ -125,8 +125,10 @@ class Workers:
     def memory_metrics(self) -> dict[str, float]:
         out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
         if torch.cuda.is_available():
-            peaks = self.actor.call_async("max_memory_allocated_gb").result()
-            out["perf/max_memory_allocated_gb"] = max(peaks) if isinstance(peaks, list) else float(peaks)
+            per_worker = self.actor.call_async("memory_stats").result()
+            for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
+                for key, value in stats.items():
+                    out[key] = max(out.get(key, 0.0), value)
         return out
 
     def shutdown(self) -> None:

@@ -234,8 +234,19 @@ class ActorWorker(CheckpointMixin):
         return weights if self.rank == 0 else None
 
     @register(dispatch=Dispatch.ALL)
-    def max_memory_allocated_gb(self) -> float:
-        return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    def memory_stats(self) -> dict[str, float]:
+        """GPU memory of this worker's device (GiB): the PyTorch allocator's peak since the last call (then reset),
+        what it holds now, and what the whole device has in use now (the engine's pools and other roles included)."""
+        if not torch.cuda.is_available():
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        stats = {
+            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "perf/memory_allocated_gb": torch.cuda.memory_allocated() / 2**30,
+            "perf/device_memory_used_gb": (total - free) / 2**30,
+        }
+        torch.cuda.reset_peak_memory_stats()
+        return stats
 
 
 def _world_size() -> int:

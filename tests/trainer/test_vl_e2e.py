@@ -73,3 +73,46 @@ def test_vl_ppo_with_critic(tmp_path: Path, arch: str) -> None:
     for row in rows:
         assert row["critic/vf_loss"] > 0
     assert rows[0]["critic/vpred_mean"] != rows[1]["critic/vpred_mean"]  # the critic trained between the steps
+
+
+def test_bench_vl_script_tiny_video_runs(tmp_path: Path) -> None:
+    """`scripts/bench_vl.py --tiny --media video` trains through Ray on CPU and writes its per-step summary."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(repo / "scripts" / "bench_vl.py"), "--tiny", "--media", "video", "--steps", "1"]
+    proc = subprocess.run(
+        [*cmd, "--workdir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(next(tmp_path.glob("run_tiny_video_*/summary.json")).read_text())
+    assert len(summary["steps"]) == 2 and all(s["timing_s/step"] > 0 for s in summary["steps"])
+
+
+def test_bench_vl_model_has_the_public_3b_shape() -> None:
+    """The benchmark's Qwen2.5-VL-3B has the published checkpoint's 3.75B parameters (counted on the meta device)."""
+    import importlib.util
+
+    from easyrl.testing.tiny_vl import make_vl_config, make_vl_tokenizer
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_vl", repo / "scripts" / "bench_vl.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = bench.QWEN25_VL_3B
+    config = make_vl_config(
+        make_vl_tokenizer(),
+        "qwen2_5_vl",
+        patch_size=14,
+        **shape["text"],
+        **shape["vision"],
+        text_overrides=shape["text_overrides"],
+        vision_overrides=shape["vision_overrides"],
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == 3_754_622_976
