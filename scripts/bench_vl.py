@@ -30,7 +30,7 @@ from typing import Any
 
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 QWEN25_VL_3B = {  # public Qwen2.5-VL-3B-Instruct config.json
     "text": {"hidden_size": 2048, "num_layers": 36, "num_heads": 16, "num_kv_heads": 2},
@@ -170,11 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.n, args.prompt_chars = (2, 8) if args.tiny else (8, 64)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import yaml
-
-    from easyrl.config import load_config
-    from easyrl.distributed import init_ray
-    from easyrl.trainer.trainer import Trainer
+    from benchmark import train
 
     work = Path(args.workdir)
     run = work / f"run_{'tiny' if args.tiny else '3b'}_{args.media}_{int(time.time())}"
@@ -183,14 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = build_model(work / ("model_tiny" if args.tiny else "model_qwen2_5_vl_3b"), args.tiny)
     print(f"model ready in {time.perf_counter() - start:.1f} s: {model_dir}")
     files = write_data(run, args)
-    (run / "cfg.yaml").write_text(yaml.safe_dump(make_config(args, model_dir, files, run)))
-    init_ray(num_cpus=4 if args.tiny else None)
-    trainer = Trainer(load_config(str(run / "cfg.yaml")))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    rows = [json.loads(line) for line in (run / "out" / "experiment_log.jsonl").read_text().splitlines()]
+    rows = train(run, make_config(args, model_dir, files, run), num_cpus=4 if args.tiny else None)
     print(f"\n{len(rows)} steps ({args.warmup} warm-up), {args.media}s, engine {args.engine}, run folder {run}")
     summary = report(rows, args.warmup)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))

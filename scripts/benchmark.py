@@ -203,6 +203,24 @@ def raw_vllm_tokens_per_s(args: argparse.Namespace, model_dir: str, prompts: lis
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed
 
 
+def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[str, float]]:
+    """Train with ``config`` (saved as ``run/cfg.yaml``; it logs to ``run/out``) and return the logged rows."""
+    import yaml
+
+    from easyrl.config import load_config
+    from easyrl.distributed import init_ray
+    from easyrl.trainer.trainer import Trainer
+
+    (run / "cfg.yaml").write_text(yaml.safe_dump(config))
+    init_ray(num_cpus=num_cpus)
+    trainer = Trainer(load_config(str(run / "cfg.yaml")))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return [json.loads(line) for line in (run / "out" / "experiment_log.jsonl").read_text().splitlines()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="0.5b", choices=[k for k in QWEN25 if k != "tiny"])
@@ -270,12 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import yaml
-
-    from easyrl.config import load_config
-    from easyrl.distributed import init_ray
     from easyrl.testing.tiny import make_tokenizer
-    from easyrl.trainer.trainer import Trainer
 
     size = "tiny" if args.tiny else args.model
     work = Path(args.workdir)
@@ -284,14 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir, shape = build_model_dir(work / f"model_{size}", size)
     pad = int(make_tokenizer().pad_token_id)
     files = write_inputs(run, args.prompts, args.prompt_len, args.min_response, args.max_response, pad)
-    (run / "cfg.yaml").write_text(yaml.safe_dump(make_config(args, model_dir, files, run)))
-    init_ray(num_cpus=4 if args.tiny else None)
-    trainer = Trainer(load_config(str(run / "cfg.yaml")))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    rows = [json.loads(line) for line in (run / "out" / "experiment_log.jsonl").read_text().splitlines()]
+    rows = train(run, make_config(args, model_dir, files, run), num_cpus=4 if args.tiny else None)
     print(f"\n{size}: {len(rows)} steps ({args.warmup} warm-up), engine {args.engine}, run folder {run}")
     summary = report(args, rows, shape)
     if args.raw_vllm:
