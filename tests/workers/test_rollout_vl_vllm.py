@@ -181,6 +181,22 @@ def test_vllm_request_refuses_mismatched_slots() -> None:
         vllm_request([1, 8, 8, 2], video, {"image": 9, "video": 8})
 
 
+@needs_vllm
+def test_expansion_check_compares_token_for_token() -> None:
+    """vLLM's expanded prompt must be the actor's token for token; a same-length prompt with another token (e.g. a
+    different frame timestamp) is refused, naming where they part."""
+    from types import SimpleNamespace
+
+    from easyrl.workers.rollout.vllm import _check_media_expansion
+
+    request = {"prompt_token_ids": [1, 9, 2], "multi_modal_data": {"image": []}}
+    actor = [1, 9, 9, 9, 2]
+    _check_media_expansion(SimpleNamespace(prompt_token_ids=actor), request, actor, 0)
+    _check_media_expansion(SimpleNamespace(prompt_token_ids=[1, 9, 2]), request, actor, 0)  # reported unexpanded
+    with pytest.raises(RuntimeError, match=r"sequence 3 .* first differ at token 2 \(vLLM \[7, 9, 2\]"):
+        _check_media_expansion(SimpleNamespace(prompt_token_ids=[1, 9, 7, 9, 2]), request, actor, 3)
+
+
 def _video_data(folder: Path) -> dict[str, str]:
     """8 rows, each with a generated 3 s video (4 fps) of its own size."""
     folder.mkdir(parents=True)

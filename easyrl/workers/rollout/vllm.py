@@ -141,7 +141,8 @@ class VLLMRolloutEngine(RolloutEngine):
         responses = torch.full((len(requests), params.max_tokens), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(len(requests), params.max_tokens, dtype=torch.float32)
         for i, out in enumerate(outputs):
-            _check_media_expansion(out, requests[i], input_ids[i][mask[i].bool()].tolist(), i)
+            if "multi_modal_data" in requests[i]:
+                _check_media_expansion(out, requests[i], input_ids[i][mask[i].bool()].tolist(), i)
             completion = out.outputs[0]
             tokens = list(completion.token_ids)[: params.max_tokens]
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -206,7 +207,7 @@ def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int
     """vLLM's processor must expand the media to the very tokens ours did (pads per merged patch, Qwen3-VL's frame
     timestamps), or the actor and the engine would be scoring different inputs. (A vLLM that reports the prompt
     unexpanded gives nothing to compare: accepted.)"""
-    if "multi_modal_data" not in request or out.prompt_token_ids is None:
+    if out.prompt_token_ids is None:
         return
     got = list(out.prompt_token_ids)
     if got == expected or got == request["prompt_token_ids"]:
