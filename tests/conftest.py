@@ -88,6 +88,16 @@ def base_config(model_dir: str, data: dict[str, str], save_dir: str | Path) -> d
     }
 
 
+def run_script(name: str, *args: str, workdir: Path) -> None:
+    """Run ``scripts/<name>`` with ``args`` and ``--workdir workdir`` (from that folder); fail with its output's tail."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(REPO / "scripts" / name), *args, "--workdir", str(workdir)]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def write_config(path: Path, config: dict[str, Any]) -> str:
     path.write_text(yaml.safe_dump(config))
     return str(path)

@@ -17,6 +17,7 @@ refuses anything but a single packed row with its ``position_ids``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from typing import Any
@@ -61,13 +62,21 @@ def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return torch.cat(parts, dim=1).transpose(0, 1)
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The argument names of the installed torch's ``varlen_attn`` (read once, not at every layer of every pass)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _torch_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
 ) -> torch.Tensor:
     """torch's flash-attention varlen kernel (CUDA), called the way the installed torch spells it."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params()
     kwargs: dict[str, Any] = {}
     if "is_causal" in params:
         kwargs["is_causal"] = True

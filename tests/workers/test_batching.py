@@ -197,14 +197,8 @@ def test_dynamic_batching_two_workers_end_to_end(tmp_path, tiny_model_dir, digit
 @pytest.mark.slow
 def test_benchmark_script_tiny_runs(tmp_path) -> None:
     """`scripts/benchmark.py --tiny` runs the real trainer end to end on CPU and prints its summary."""
-    import subprocess
-    import sys
+    from tests.conftest import run_script
 
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(repo / "scripts" / "benchmark.py"), "--tiny", "--steps", "1", "--warmup", "0"]
-    proc = subprocess.run(
-        [*cmd, "--workdir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("benchmark.py", "--tiny", "--steps", "1", "--warmup", "0", workdir=tmp_path)
     summary = json.loads(next(tmp_path.glob("run_tiny_*/summary.json")).read_text())
     assert summary["perf/throughput"][0] > 0 and summary["gen_tokens_per_s"][0] > 0

@@ -120,6 +120,8 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
         with_logprobs = _logprob_sample(len(requests), self.logprob_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
+        # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
+        ban_media = dict.fromkeys(self.media_token_ids, -100.0) or None
         sampling = [
             VSamplingParams(
                 n=1,
@@ -132,8 +134,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs=0 if with_logprobs[i] else None,
                 seed=base_seed * 100_003 + i,
                 detokenize=False,
-                # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
-                logit_bias=dict.fromkeys(self.media_token_ids, -100.0) or None,
+                logit_bias=ban_media,
             )
             for i in range(len(requests))
         ]
