@@ -11,11 +11,12 @@
 #   bash scripts/gpu_checks.sh sizes      # Qwen2.5-0.5B and 3B, shape S
 #   bash scripts/gpu_checks.sh vl         # Qwen2.5-VL-3B through vLLM with images, memory step by step
 #   bash scripts/gpu_checks.sh vl_video   # ...with videos (needs PyAV: carried by the bundle from the local env)
+#   bash scripts/gpu_checks.sh overhead   # easyrl's vLLM rollout vs raw vLLM on one engine (Qwen2.5-0.5B shape)
 #
 # Every stage writes its log and summaries under $OUT (default: ./gpu_out) for docs/benchmarks.md.
 set -uo pipefail
 
-STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab1|ab2|sizes|vl|vl_video}
+STAGE=${1:?usage: gpu_checks.sh tests|bench15|ab1|ab2|sizes|vl|vl_video|overhead}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
@@ -66,6 +67,11 @@ case "$STAGE" in
       grep -v " INFO \| DEBUG "
     cp "$(ls -t /tmp/easyrl_bench_vl/run_3b_"$media"_*/summary.json | head -1)" "$OUT/$STAGE.json" 2>/dev/null ||
       echo "$STAGE: no summary"
+    ;;
+  overhead)
+    "$PY" scripts/bench_rollout_overhead.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 \
+      --vocab 151936 --prompts 128 --n 8 --prompt-len 256 --max-tokens 512 --repeats 2 \
+      --workdir /tmp/easyrl_overhead 2>&1 | tee "$OUT/overhead.log" | grep -v " INFO \| DEBUG "
     ;;
   *)
     echo "unknown stage $STAGE" >&2

@@ -216,3 +216,13 @@ def test_logprob_sample_ratio_defaults() -> None:
     assert effective_logprob_ratio(cfg) == 1.0
     cfg.worker.rollout.logprob_sample_ratio = 0.0
     assert effective_logprob_ratio(cfg) == 0.0 and not any(_logprob_sample(4, 0.0))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_rollout_overhead_benchmark_runs(tmp_path) -> None:
+    """`scripts/bench_rollout_overhead.py` (easyrl's rollout vs raw vLLM on one engine) runs on the CPU build."""
+    from tests.conftest import run_script
+
+    args = ("--prompts", "4", "--n", "2", "--prompt-len", "16", "--max-tokens", "4", "--repeats", "1")
+    run_script("bench_rollout_overhead.py", *args, workdir=tmp_path)
