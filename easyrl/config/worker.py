@@ -88,8 +88,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     padding_free: bool = False
-    """Pack each micro-batch's valid tokens into one row (flash-attention varlen on GPU, block mask on CPU);
-    the reference and critic follow it, as they follow `dynamic_batching`."""
+    """Pack each micro-batch's valid tokens into one row; attention stays within each sequence (flash-attn's varlen
+    kernel when installed, else torch's varlen flash kernel on GPU and per-sequence sdpa on CPU). The reference and
+    critic follow it, as they follow `dynamic_batching`."""
     dynamic_batching: bool = False
     """Form micro-batches by a token budget instead of a fixed count (also for the reference and critic)."""
     max_token_len_per_gpu: int = 16384
