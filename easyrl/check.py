@@ -37,6 +37,35 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     ]
 
 
+def rollout_problem(cfg: EasyRLConfig) -> str | None:
+    """What would stop the rollout engine from starting on this machine, found without starting it."""
+    if cfg.worker.rollout.name != "vllm":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "worker.rollout.name=vllm, but vLLM is not installed here (pip install -e '.[vllm]' on a GPU machine, "
+            "bash scripts/install_vllm_cpu.sh on CPU), or use worker.rollout.name=hf"
+        )
+    from easyrl.trainer.setup import use_gpu
+
+    if not use_gpu(cfg):
+        from transformers import AutoConfig
+
+        from easyrl.workers.rollout.vllm import check_cpu_head_size
+
+        mcfg = cfg.worker.actor.model
+        assert mcfg.model_path is not None
+        try:
+            check_cpu_head_size(
+                AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code), mcfg.model_path
+            )
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
     from transformers import AutoTokenizer
@@ -47,6 +76,10 @@ def run_check(cfg: EasyRLConfig) -> int:
     from easyrl.rewards import RewardManager
 
     out = sys.stdout
+    problem = rollout_problem(cfg)
+    if problem is not None:
+        print(f"easyrl: rollout error: {problem}", file=sys.stderr)
+        return 2
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
     processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)

