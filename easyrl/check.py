@@ -68,6 +68,7 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
+    import torch
     from transformers import AutoTokenizer
 
     from easyrl.data import RLDataset
@@ -78,8 +79,11 @@ def run_check(cfg: EasyRLConfig) -> int:
     out = sys.stdout
     problem = rollout_problem(cfg)
     if problem is not None:
-        print(f"easyrl: rollout error: {problem}", file=sys.stderr)
-        return 2
+        if cfg.trainer.device == "auto" and not torch.cuda.is_available():  # a login node, maybe: only a warning
+            print(f"easyrl: warning: {problem} (no GPU on this machine: ignore this if the run goes to one)", file=out)
+        else:
+            print(f"easyrl: rollout error: {problem}", file=sys.stderr)
+            return 2
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
     processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)

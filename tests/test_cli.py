@@ -104,5 +104,11 @@ def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, dig
         if code:
             assert "head size is 16" in proc.stderr and unsupported in proc.stderr, proc.stderr[-3000:]
             assert "worker.rollout.name=hf" in proc.stderr
+    # trainer.device=auto on a machine without a GPU may be a login node for a GPU run: a warning, not a stop
+    conf = base_config(unsupported, digits_data, tmp_path / "run")
+    proc = easyrl(
+        "check", write_config(tmp_path / "cfg.yaml", conf), "worker.rollout.name=vllm", "trainer.device=auto"
+    )
+    assert proc.returncode == 0 and "easyrl: warning: " in proc.stdout and "head size is 16" in proc.stdout
     proc = easyrl("check", write_config(tmp_path / "cfg.yaml", base_config(unsupported, digits_data, tmp_path)))
     assert proc.returncode == 0, "the HF engine serves any head size"
