@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from easyrl.workers.rollout.base import SamplingParams
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="easyrl_overhead_"))
-    model_dir = work / f"model_h{args.hidden}_l{args.layers}_v{args.vocab}"
+    shape = f"h{args.hidden}_l{args.layers}_a{args.heads}_kv{args.kv_heads}_i{args.intermediate}_v{args.vocab}"
+    model_dir = work / f"model_{shape}"
     if not (model_dir / "config.json").exists():
         build_tiny_checkpoint(
             model_dir,
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
 
-    batch = prompt_batch(args, 16, 80)  # the tiny tokenizer's printable characters
+    batch = prompt_batch(args, 16, 80)  # byte tokens of the tiny byte-level tokenizer
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0, seed=1)
     rows = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
     plain = [TokensPrompt(prompt_token_ids=r) for r in rows]
