@@ -139,6 +139,9 @@ def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str,
         n = int(out["response_mask"][i].sum())
         assert out["responses"][i, :n].tolist() == tokens[:n], f"sequence {i}"
     assert len({tuple(out["responses"][i].tolist()) for i in range(3)}) > 1, "one prompt's samples all alike"
+    # greedy: vLLM takes no n > 1 there, so repeated rows go one request each, and agree
+    greedy = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, seed=5))
+    assert all(torch.equal(greedy["responses"][i], greedy["responses"][i - i % 3]) for i in range(len(rows)))
 
 
 def test_identical_runs() -> None:

@@ -125,7 +125,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if params.n > 1:
             media = [m for m in media for _ in range(params.n)]
         rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
-        runs = identical_runs(rows, media)
+        # vLLM refuses n > 1 with greedy sampling: one request per row then, as seeds do not matter.
+        runs = identical_runs(rows, media) if params.temperature > 0 else [(i, 1) for i in range(len(rows))]
         requests = [vllm_request(rows[start], media[start], self.slot_token_ids) for start, _ in runs]
         # Log-probs for a share of the prompts, each with all its samples (vLLM asks per request).
         run_logprobs = _logprob_sample(len(runs), self.logprob_ratio if params.logprobs else 0.0)
