@@ -244,7 +244,7 @@ def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
 
 
 def test_logprob_sample_ratio_defaults() -> None:
-    """vLLM log-probs for one sequence in 8 by default, for all of them with TIS, as set otherwise."""
+    """vLLM log-probs for one request (a prompt with its samples) in 8 by default, for all with TIS, as set otherwise."""
     from easyrl.workers.rollout.vllm import _logprob_sample, effective_logprob_ratio
 
     cfg = EasyRLConfig()
