@@ -68,18 +68,18 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
-    import torch
     from transformers import AutoTokenizer
 
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
     from easyrl.models import load_processor
     from easyrl.rewards import RewardManager
+    from easyrl.trainer.setup import use_gpu
 
     out = sys.stdout
     problem = rollout_problem(cfg)
     if problem is not None:
-        if cfg.trainer.device == "auto" and not torch.cuda.is_available():  # a login node, maybe: only a warning
+        if cfg.trainer.device == "auto" and not use_gpu(cfg):  # a login node, maybe: only a warning
             print(f"easyrl: warning: {problem} (no GPU on this machine: ignore this if the run goes to one)", file=out)
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
