@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -280,16 +279,20 @@ def test_cli_exits_2_fast_naming_the_key(tmp_path: Path, tiny_model_dir: str, di
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["worker"]["rollout"]["temprature"] = 0.5
     path = write_config(tmp_path / "bad.yaml", conf)
-    start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "easyrl.cli", "train", path], capture_output=True, text=True, timeout=60
+        [sys.executable, "-X", "importtime", "-m", "easyrl.cli", "train", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
     assert len(lines) == 1 and "worker.rollout.temprature" in lines[0] and "temperature" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < 2.0, f"took {elapsed:.2f} s"
+    # Fast by construction, not by a wall-time bound tuned on one CPU: the error comes before torch, transformers
+    # or Ray are even imported (those imports alone take seconds; starting Ray and the workers, tens of seconds).
+    assert imported and not imported & {"torch", "transformers", "ray", "vllm"}, sorted(imported)
 
 
 def test_example_vl_config_validates_with_local_paths(tmp_path: Path) -> None:
