@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from easyrl.config.loader import ConfigError
+from easyrl.config.errors import ConfigError
 from easyrl.config.names import (
     BUILTIN_ADV_ESTIMATORS,
     BUILTIN_POLICY_LOSSES,
@@ -19,7 +19,7 @@ from easyrl.config.names import (
 
 
 if TYPE_CHECKING:
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
 LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
 _ENUMS: dict[str, tuple[str, ...]] = {
@@ -163,6 +163,17 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
     if cfg.worker.rollout.tensor_parallel_size > workers or workers % cfg.worker.rollout.tensor_parallel_size:
         raise ConfigError("worker.rollout.tensor_parallel_size", f"must divide the number of workers ({workers})")
+    engines = workers // cfg.worker.rollout.ranks_per_engine
+    prompt_counts = {"data.rollout_batch_size": rollout}
+    if cfg.algorithm.online_filtering and cfg.data.mini_rollout_batch_size:
+        prompt_counts["data.mini_rollout_batch_size"] = cfg.data.mini_rollout_batch_size
+    for key, prompts in prompt_counts.items():
+        if prompts % engines:
+            raise ConfigError(
+                key,
+                f"{prompts} prompts must divide evenly over the {engines} rollout engines "
+                "(each engine samples all rollout.n responses of its prompts)",
+            )
 
 
 def _check_files(cfg: EasyRLConfig) -> None:
