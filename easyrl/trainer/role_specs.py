@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from easyrl.config import EasyRLConfig
+from easyrl.config.algorithm import KLMode
+from easyrl.config.validate import estimator_needs
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (
@@ -39,10 +41,11 @@ class RoleSpecs:
     """None unless the advantage estimator needs a critic."""
 
 
-def build_role_specs(
-    cfg: EasyRLConfig, optimizer_steps: int, need_ref: bool, need_critic: bool, world_size: int
-) -> RoleSpecs:
-    """The spec of every role this run starts; `optimizer_steps`: the actor's optimizer steps over the run."""
+def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
+    """The spec of every role this run starts: a reference when KL is on, a critic when the advantage estimator
+    declared it needs one. `optimizer_steps`: the actor's optimizer steps over the run."""
+    need_ref = cfg.algorithm.kl_mode != KLMode.OFF
+    need_critic = estimator_needs(cfg).needs_critic
     process = ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules))
     ref = None
     if need_ref:
@@ -83,7 +86,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             clip_ratio_low=acfg.clip_ratio_low,
             clip_ratio_high=acfg.clip_ratio_high,
             clip_ratio_dual=acfg.clip_ratio_dual,
-            kl_in_loss=alg.use_kl_loss and not alg.disable_kl,
+            kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
         ),

@@ -82,10 +82,8 @@ class Workers:
         logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1), env_vars=env)
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
-        need_ref = not cfg.algorithm.disable_kl
-        need_critic = cfg.algorithm.adv_estimator == "gae"
-        specs = build_role_specs(cfg, optimizer_steps, need_ref, need_critic, self.world_size)
-        roles = 1 + int(need_ref) + int(need_critic)
+        specs = build_role_specs(cfg, optimizer_steps, self.world_size)
+        roles = 1 + int(specs.ref is not None) + int(specs.critic is not None)
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles,
             "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,

@@ -11,6 +11,8 @@ import torch
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from easyrl.config import EasyRLConfig, to_masked_dict
+from easyrl.config.algorithm import KLMode
+from easyrl.config.validate import estimator_needs
 from easyrl.protocol import Batch
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.core import (
@@ -50,6 +52,7 @@ class Trainer:
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
+        self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
         alg = cfg.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -166,7 +169,7 @@ class Trainer:
             prompts = self.next_prompts(per_try)
             with timer("gen", timings):
                 batch = self.generate(prompts, derive_seed(self.global_step, tries, "attempt"), metrics)
-                if alg.adv_estimator == "remax":
+                if self.needs.needs_greedy_baseline:
                     batch.set(reward_baselines=self.greedy_baselines(prompts, tries))
             with timer("reward", timings):
                 scores, reward_metrics = self.score(batch)
@@ -223,7 +226,7 @@ class Trainer:
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
         metrics: dict[str, float] = {}
-        if not alg.disable_kl and not alg.use_kl_loss:
+        if alg.kl_mode == KLMode.IN_REWARD:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
             batch.set(token_level_rewards=batch["token_level_scores"])

@@ -23,12 +23,61 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(tmp_path: Path, model_dir: str, data: dict[str, str]) -> EasyRLConfig:
+def _config(tmp_path: Path, model_dir: str, data: dict[str, str], **algorithm: object) -> EasyRLConfig:
     raw = base_config(model_dir, data, tmp_path / "ckpt")
-    raw["algorithm"] = {"adv_estimator": "gae", "disable_kl": False, "use_kl_loss": True}
+    raw["algorithm"] = {"adv_estimator": "gae", "disable_kl": False, "use_kl_loss": True, **algorithm}
     raw["trainer"]["n_gpus_per_node"] = 1
     raw["worker"]["critic"] = {"global_batch_size": 2, "micro_batch_size_per_device_for_update": 2}
     return load_config(write_config(tmp_path / "cfg.yaml", raw), [])
+
+
+USER_ESTIMATORS = """
+from easyrl.algorithms import EstimatorNeeds, get_advantage_estimator, register_advantage_estimator
+
+
+@register_advantage_estimator("spec_test_user_gae", needs=EstimatorNeeds(needs_critic=True))
+def user_gae(**kwargs):
+    return get_advantage_estimator("gae")(**kwargs)
+
+
+@register_advantage_estimator("spec_test_user_plain")
+def user_plain(**kwargs):
+    return get_advantage_estimator("reinforce_plus_plus")(**kwargs)
+
+
+@register_advantage_estimator("spec_test_user_grouped", needs=EstimatorNeeds(grouped=True))
+def user_grouped(**kwargs):
+    return get_advantage_estimator("grpo")(**kwargs)
+"""
+
+
+def test_a_user_estimator_declaring_needs_critic_gets_a_critic(tmp_path, tiny_model_dir, digits_data) -> None:
+    module = tmp_path / "user_estimators.py"
+    module.write_text(USER_ESTIMATORS)
+    users = [str(module)]
+    with_critic = _config(
+        tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_gae", user_modules=users
+    )
+    specs = build_role_specs(with_critic, optimizer_steps=4, world_size=1)
+    assert specs.critic is not None and specs.critic.model.kind == "value"
+    plain = _config(tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_plain", user_modules=users)
+    assert build_role_specs(plain, optimizer_steps=4, world_size=1).critic is None
+    # the validator reads the same declarations: a grouped user estimator needs n >= 2
+    from easyrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.rollout\.n: spec_test_user_grouped compares"):
+        raw = base_config(tiny_model_dir, digits_data, tmp_path / "ckpt")
+        raw["algorithm"] = {"adv_estimator": "spec_test_user_grouped", "user_modules": users}
+        raw["worker"]["rollout"]["n"] = 1
+        load_config(write_config(tmp_path / "grouped.yaml", raw), [])
+
+
+def test_kl_mode_is_derived_once() -> None:
+    from easyrl.config.algorithm import AlgorithmConfig, KLMode
+
+    assert AlgorithmConfig(disable_kl=True, use_kl_loss=True).kl_mode == KLMode.OFF
+    assert AlgorithmConfig(use_kl_loss=True).kl_mode == KLMode.IN_LOSS
+    assert AlgorithmConfig().kl_mode == KLMode.IN_REWARD
 
 
 def _reaches_config(obj: object) -> bool:
@@ -68,7 +117,7 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
 
 def test_specs_carry_no_config_and_do_the_batch_arithmetic(tmp_path, tiny_model_dir, digits_data) -> None:
     cfg = _config(tmp_path, tiny_model_dir, digits_data)
-    specs = build_role_specs(cfg, optimizer_steps=4, need_ref=True, need_critic=True, world_size=2)
+    specs = build_role_specs(cfg, optimizer_steps=4, world_size=2)
     assert specs.ref is not None and specs.critic is not None
     for spec in (specs.actor, specs.ref, specs.critic):
         assert not _reaches_config(spec)
@@ -86,7 +135,7 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     from easyrl.workers.ref import RefWorker
 
     cfg = _config(tmp_path, tiny_model_dir, digits_data)
-    specs = build_role_specs(cfg, optimizer_steps=4, need_ref=True, need_critic=True, world_size=1)
+    specs = build_role_specs(cfg, optimizer_steps=4, world_size=1)
     sampling = sampling_params(cfg).override({"seed": 5})
     sent = pickle.dumps(specs)  # what crosses to the worker processes
     del cfg, specs
