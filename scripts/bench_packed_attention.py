@@ -41,7 +41,7 @@ def main() -> None:
 
     from easyrl.protocol import Batch
     from easyrl.workers.common import token_log_probs
-    from easyrl.workers.packing import ForwardOptions
+    from easyrl.workers.specs import ForwardOptions
     from easyrl.workers.varlen import register_varlen_attention
 
     device = torch.device(args.device)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from easyrl.protocol import Batch
 from easyrl.workers.batching import balanced_partition, make_micro_batches
 from easyrl.workers.common import batched_log_probs
-from easyrl.workers.packing import ForwardOptions
+from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_packing import make_batch, tiny_lm
 
 

@@ -11,7 +11,8 @@ import torch
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
 from easyrl.workers.common import token_log_probs
-from easyrl.workers.packing import ForwardOptions, fused_linear_logprobs
+from easyrl.workers.packing import fused_linear_logprobs
+from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_batching import init_rank, run_ranks
 from tests.workers.test_packing import make_batch, tiny_lm
 

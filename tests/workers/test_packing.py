@@ -8,7 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from easyrl.protocol import Batch
 from easyrl.workers.common import response_values, token_log_probs
-from easyrl.workers.packing import ForwardOptions, prepare_inputs
+from easyrl.workers.packing import prepare_inputs
+from easyrl.workers.specs import ForwardOptions
 
 
 CPU = torch.device("cpu")
