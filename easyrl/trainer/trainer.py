@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
+from easyrl.batch import Batch
 from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from easyrl.config import EasyRLConfig, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.validate import estimator_needs
-from easyrl.protocol import Batch
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
-from easyrl.trainer.core import (
+from easyrl.trainer.role_specs import sampling_params
+from easyrl.trainer.step_math import (
     apply_kl_in_reward,
     compute_advantages,
     data_metrics,
@@ -27,9 +28,8 @@ from easyrl.trainer.core import (
     throughput_metrics,
     token_level_scores,
 )
-from easyrl.trainer.role_specs import sampling_params
-from easyrl.trainer.setup import build_data, build_workers, count_steps
 from easyrl.trainer.timer import timer
+from easyrl.trainer.worker_groups import build_data, build_workers, count_steps
 
 
 logger = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ import time
 import torch
 
 from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
+from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.protocol import Batch
 from easyrl.seeding import derive_seed
-from easyrl.workers.common import LossFn, batched_log_probs, token_log_probs, update_model
-from easyrl.workers.fsdp import DTYPES, setup_process
+from easyrl.workers.forward_backward import LossFn, batched_log_probs, token_log_probs, update_model
+from easyrl.workers.model_setup import DTYPES, setup_process
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 from easyrl.workers.specs import ActorSpec, RolloutSpec
 from easyrl.workers.trainable import TrainedRole

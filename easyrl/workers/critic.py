@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from easyrl.algorithms import compute_value_loss
+from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.protocol import Batch
-from easyrl.workers.common import batched_values, response_values, update_model
-from easyrl.workers.fsdp import setup_process
+from easyrl.workers.forward_backward import batched_values, response_values, update_model
+from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import CriticSpec
 from easyrl.workers.trainable import TrainedRole
 

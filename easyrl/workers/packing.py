@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.protocol import Batch
-from easyrl.workers.common import batched_log_probs
-from easyrl.workers.fsdp import setup_process
+from easyrl.workers.forward_backward import batched_log_probs
+from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import RefSpec
 from easyrl.workers.trainable import TrainableModel
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from easyrl.checkpoint import CheckpointMixin
-from easyrl.workers.fsdp import (
+from easyrl.workers.model_setup import (
     DTYPES,
     build_optimizer,
     build_scheduler,

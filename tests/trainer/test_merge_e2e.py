@@ -31,8 +31,8 @@ def test_merge_after_training_loads_in_transformers_and_vllm(tmp_path: Path, tin
         logits = model(ids).logits[0, -1].float()
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM not installed: merged folder checked in transformers only")
+    from easyrl.batch import Batch
     from easyrl.config import EasyRLConfig
-    from easyrl.protocol import Batch
     from easyrl.trainer.role_specs import rollout_spec
     from easyrl.workers.rollout.base import SamplingParams
     from easyrl.workers.rollout.vllm import VLLMRolloutEngine

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
-from easyrl.protocol import Batch
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
 from tests.conftest import base_config, write_config
 

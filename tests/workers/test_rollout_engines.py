@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.protocol import Batch
 from easyrl.trainer.role_specs import rollout_spec
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 

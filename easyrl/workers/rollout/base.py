@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 
 
 @dataclass(frozen=True)

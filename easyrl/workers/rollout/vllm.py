@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from easyrl.batch import Batch
 from easyrl.models import media_token_ids
-from easyrl.protocol import Batch
 from easyrl.seeding import derive_seed
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
 from easyrl.workers.specs import RolloutSpec

@@ -9,8 +9,8 @@ from typing import Any
 import psutil
 import torch
 
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.protocol import Batch
 from easyrl.trainer.role_specs import build_role_specs
 
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
+from easyrl.batch import Batch
 from easyrl.models import multimodal_forward_kwargs
-from easyrl.protocol import Batch
 from easyrl.workers.batching import make_micro_batches
-from easyrl.workers.fsdp import all_finite
+from easyrl.workers.model_setup import all_finite
 from easyrl.workers.packing import fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions, UpdateSpec
 from easyrl.workers.trainable import TrainableModel
