@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from easyrl.config import EasyRLConfig
+from easyrl.config.algorithm import KLMode
+from easyrl.config.validate import estimator_needs
 
 
 def plan_lines(cfg: EasyRLConfig) -> list[str]:
@@ -16,10 +18,11 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     per_worker = w.actor.global_batch_size * w.rollout.n // workers
     tp = w.rollout.ranks_per_engine
     engines = f"{workers // tp} (tensor parallel {tp})" if tp > 1 else str(workers)
-    if alg.disable_kl:
+    if alg.kl_mode == KLMode.OFF:
         kl = "off (no reference model)"
     else:
-        kl = f"{alg.kl_penalty} x {alg.kl_coef} {'in the loss' if alg.use_kl_loss else f'in the reward ({alg.kl_type})'}"
+        where = "in the loss" if alg.kl_mode == KLMode.IN_LOSS else f"in the reward ({alg.kl_type})"
+        kl = f"{alg.kl_penalty} x {alg.kl_coef} {where}"
     return [
         f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
         + (", online filtering" if alg.online_filtering else ""),
@@ -27,8 +30,8 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
-        + ("" if alg.disable_kl else ", ref")
-        + (", critic" if alg.adv_estimator == "gae" else ""),
+        + ("" if alg.kl_mode == KLMode.OFF else ", ref")
+        + (", critic" if estimator_needs(cfg).needs_critic else ""),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}",
@@ -48,7 +51,7 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
             "worker.rollout.name=vllm, but vLLM is not installed here (pip install -e '.[vllm]' on a GPU machine, "
             "bash scripts/install_vllm_cpu.sh on CPU), or use worker.rollout.name=hf"
         )
-    from easyrl.trainer.setup import use_gpu
+    from easyrl.trainer.worker_groups import use_gpu
 
     if not use_gpu(cfg):
         from transformers import AutoConfig
@@ -74,7 +77,7 @@ def run_check(cfg: EasyRLConfig) -> int:
     from easyrl.data.loading import DataError
     from easyrl.models import load_processor
     from easyrl.rewards import RewardManager
-    from easyrl.trainer.setup import use_gpu
+    from easyrl.trainer.worker_groups import use_gpu
 
     out = sys.stdout
     problem = rollout_problem(cfg)

@@ -50,12 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from easyrl.config import ConfigError, load_config
 
+    notes: list[str] = []
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, notes)
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
-    for note in getattr(cfg, "_notes", ()):
+    for note in notes:
         logging.getLogger("easyrl").info(note)
     if args.command == "check":
         from easyrl.check import run_check

@@ -39,9 +39,9 @@ def main() -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from easyrl.protocol import Batch
-    from easyrl.workers.common import token_log_probs
-    from easyrl.workers.packing import ForwardOptions
+    from easyrl.batch import Batch
+    from easyrl.workers.forward_backward import token_log_probs
+    from easyrl.workers.specs import ForwardOptions
     from easyrl.workers.varlen import register_varlen_attention
 
     device = torch.device(args.device)

@@ -61,6 +61,7 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
 
     from easyrl.config import EasyRLConfig
     from easyrl.testing.tiny import load_tokenizer
+    from easyrl.trainer.role_specs import rollout_spec
     from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     tok = load_tokenizer(model_dir)
@@ -69,14 +70,14 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     cfg.data.max_prompt_length, cfg.data.max_response_length = args.prompt_len + 16, args.max_tokens
     cfg.worker.rollout.logprob_sample_ratio = args.logprob_sample_ratio
     cfg.worker.rollout.dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    return VLLMRolloutEngine(cfg, [int(tok.eos_token_id)], int(tok.pad_token_id))
+    return VLLMRolloutEngine(rollout_spec(cfg), [int(tok.eos_token_id)], int(tok.pad_token_id))
 
 
 def prompt_batch(args: argparse.Namespace, vocab_low: int, vocab_high: int) -> Any:
     """`prompts` rows of random token ids, lengths uniform in [prompt_len / 2, prompt_len], left-padded."""
     import torch
 
-    from easyrl.protocol import Batch
+    from easyrl.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.prompts,), generator=g)

@@ -15,6 +15,7 @@ import torch
 
 from easyrl.algorithms.aggregation import masked_whiten
 from easyrl.algorithms.registry import register_advantage_estimator
+from easyrl.config.names import BUILTIN_ESTIMATOR_NEEDS
 
 
 __all__ = [
@@ -95,7 +96,7 @@ def _reverse_discounted_sum(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
     return out
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=BUILTIN_ESTIMATOR_NEEDS["grpo"])
 @torch.no_grad()
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -130,7 +131,7 @@ def compute_grpo_advantage(
     return adv_tok, adv_tok
 
 
-@register_advantage_estimator("dr_grpo")
+@register_advantage_estimator("dr_grpo", needs=BUILTIN_ESTIMATOR_NEEDS["dr_grpo"])
 @torch.no_grad()
 def compute_dr_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -158,7 +159,7 @@ def compute_dr_grpo_advantage(
     )
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=BUILTIN_ESTIMATOR_NEEDS["rloo"])
 @torch.no_grad()
 def compute_rloo_advantage(
     token_level_rewards: torch.Tensor,
@@ -186,7 +187,7 @@ def compute_rloo_advantage(
     return adv_tok, adv_tok
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_advantage_estimator("reinforce_plus_plus", needs=BUILTIN_ESTIMATOR_NEEDS["reinforce_plus_plus"])
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantage(
     token_level_rewards: torch.Tensor,
@@ -213,7 +214,9 @@ def compute_reinforce_plus_plus_advantage(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator(
+    "reinforce_plus_plus_baseline", needs=BUILTIN_ESTIMATOR_NEEDS["reinforce_plus_plus_baseline"]
+)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
@@ -241,7 +244,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return adv, adv
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=BUILTIN_ESTIMATOR_NEEDS["remax"])
 @torch.no_grad()
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,
@@ -271,7 +274,7 @@ def compute_remax_advantage(
     return adv, returns
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=BUILTIN_ESTIMATOR_NEEDS["gae"])
 @torch.no_grad()
 def compute_gae_advantage(
     token_level_rewards: torch.Tensor,
@@ -318,7 +321,7 @@ def compute_gae_advantage(
     return masked_whiten(adv, response_mask), returns
 
 
-@register_advantage_estimator("grpo_passk")
+@register_advantage_estimator("grpo_passk", needs=BUILTIN_ESTIMATOR_NEEDS["grpo_passk"])
 @torch.no_grad()
 def compute_grpo_passk_advantage(
     token_level_rewards: torch.Tensor,

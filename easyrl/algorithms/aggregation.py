@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from easyrl.config.names import LOSS_AGG_MODES
+
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_whiten"]
-
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+# The accepted values of ``algorithm.kl_penalty`` live with the torch-free names the validator reads; ``full`` is
+# recognised below but rejected (it needs full logits).
+from easyrl.config.names import KL_PENALTY_KINDS
+
 
 __all__ = ["KL_PENALTY_KINDS", "kl_penalty"]
-
-KL_PENALTY_KINDS: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-"""Accepted values of ``algorithm.kl_penalty`` (``full`` is recognised but rejected: it needs full logits)."""
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str = "low_var_kl") -> torch.Tensor:

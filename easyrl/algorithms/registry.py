@@ -11,13 +11,17 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from easyrl.config.names import GROUP_ESTIMATORS, EstimatorNeeds
+
 
 __all__ = [
     "GROUP_ESTIMATORS",
     "AdvantageFn",
+    "EstimatorNeeds",
     "PolicyLossFn",
     "Registry",
     "UnknownNameError",
+    "estimator_needs",
     "get_advantage_estimator",
     "get_policy_loss",
     "list_advantage_estimators",
@@ -33,9 +37,6 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 """``fn(*, old_log_prob, log_prob, advantages, response_mask (all (B, T)), ..., **kwargs) -> (loss, metrics)``."""
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-GROUP_ESTIMATORS: frozenset[str] = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"})
-"""Built-in estimators that compare samples of the same prompt, so they need ``rollout.n >= 2``."""
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -94,16 +95,33 @@ class Registry(Generic[F]):
 
 _ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 _POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
 
 
-def register_advantage_estimator(name: str, *, override: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage_estimator(
+    name: str, *, override: bool = False, needs: EstimatorNeeds | None = None
+) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering an advantage estimator under ``name`` (selected by ``algorithm.adv_estimator``).
 
     The function is called as ``fn(token_level_rewards=R, response_mask=M, index=idx, **extra)`` with R, M of
     shape (B, T) and idx a length-B sequence of group ids; it must return ``(advantages, returns)``, both (B, T),
-    and accept ``**kwargs`` for the extras it does not use.
+    and accept ``**kwargs`` for the extras it does not use. ``needs`` declares what it takes from the run (a critic
+    fills ``values``, a greedy baseline ``reward_baselines``; grouped estimators need ``rollout.n >= 2``).
     """
-    return _ADVANTAGE_ESTIMATORS.register(name, override=override)
+    register = _ADVANTAGE_ESTIMATORS.register(name, override=override)
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        registered = register(fn)
+        _ESTIMATOR_NEEDS[name] = needs or EstimatorNeeds()
+        return registered
+
+    return decorator
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What the estimator registered under ``name`` declared it needs; unknown names raise ``UnknownNameError``."""
+    _ADVANTAGE_ESTIMATORS.get(name)
+    return _ESTIMATOR_NEEDS[name]
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:

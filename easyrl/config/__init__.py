@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from easyrl.config.algorithm import AlgorithmConfig
 from easyrl.config.data import DataConfig
+from easyrl.config.errors import ConfigError
+from easyrl.config.loader import load_config, to_masked_dict
+from easyrl.config.schema import EasyRLConfig
 from easyrl.config.trainer import TrainerConfig
 from easyrl.config.worker import (
     ActorConfig,
@@ -19,21 +20,6 @@ from easyrl.config.worker import (
     RolloutConfig,
     WorkerConfig,
 )
-
-
-@dataclass
-class EasyRLConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    """Dataset, prompt formatting and batch sizes."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, KL, entropy and online filtering."""
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    """Actor, reference, critic, rollout and reward workers."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Run length, resources, logging, validation and checkpoints."""
-
-
-from easyrl.config.loader import ConfigError, load_config, to_masked_dict  # noqa: E402
 
 
 __all__ = [

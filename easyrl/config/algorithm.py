@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class KLMode(str, Enum):
+    """Where the KL to the reference policy goes, derived once from `disable_kl` and `use_kl_loss`."""
+
+    OFF = "off"
+    """No KL and no reference model."""
+    IN_REWARD = "in_reward"
+    """Subtracted from the token-level reward (fixed or adaptive coefficient)."""
+    IN_LOSS = "in_loss"
+    """Added to the actor loss."""
 
 
 @dataclass
@@ -20,6 +32,14 @@ class AlgorithmConfig:
     """No KL at all: no reference model is built."""
     use_kl_loss: bool = False
     """Put the KL to the reference policy in the actor loss (true) or subtract it from the reward (false)."""
+
+    @property
+    def kl_mode(self) -> KLMode:
+        """`disable_kl` and `use_kl_loss` read once: where the KL goes (nowhere, the reward or the loss)."""
+        if self.disable_kl:
+            return KLMode.OFF
+        return KLMode.IN_LOSS if self.use_kl_loss else KLMode.IN_REWARD
+
     kl_penalty: str = "kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3)."""
     kl_coef: float = 1e-3

@@ -18,9 +18,11 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from easyrl.config.errors import ConfigError
+
 
 if TYPE_CHECKING:
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
 MASK = "***"
 SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
@@ -55,21 +57,16 @@ EASYR1_IGNORED = {
 _EASYR1_LOSS_AVG = {"token": "token-mean", "seq": "seq-mean-token-mean"}
 
 
-class ConfigError(ValueError):
-    """A configuration problem: `key` names the culprit, the message says how to fix it."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}" if key else message)
-        self.key = key
-
-
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> EasyRLConfig:
-    """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute."""
-    from easyrl.config import EasyRLConfig
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
+) -> EasyRLConfig:
+    """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute. `notes`,
+    when given, receives what the caller should tell the user (EasyR1 keys renamed or ignored)."""
+    from easyrl.config.schema import EasyRLConfig
     from easyrl.config.validate import validate
 
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
-    notes: list[str] = []
+    notes = [] if notes is None else notes
     if overrides:
         _check_dotlist_form(overrides)
         # Hydra's `+key=value` (add a key) is accepted: free-form mappings take new keys without it anyway.
@@ -95,7 +92,6 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
     object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))
-    object.__setattr__(cfg, "_notes", tuple(notes))
     return cfg
 
 
@@ -304,7 +300,7 @@ def _is_secret(path: str, key: str, value: Any, secret_paths: frozenset[str], sc
 
 def to_masked_dict(cfg: EasyRLConfig) -> dict[str, Any]:
     """The config as plain data with secrets replaced by `***` (safe to print, log and save)."""
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
     secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
     return _mask(dataclasses.asdict(cfg), "", secret_paths, _schema_paths(EasyRLConfig))
@@ -326,7 +322,7 @@ def _mask(tree: Any, prefix: str, secret_paths: frozenset[str], schema: set[str]
 
 def secret_values(cfg: EasyRLConfig) -> list[str]:
     """Every secret string in the config (to scrub from logs and generations)."""
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
     secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
     schema = _schema_paths(EasyRLConfig)

@@ -4,18 +4,38 @@
 `algorithm.user_modules` are looked up in the registry itself.
 """
 
-BUILTIN_ADV_ESTIMATORS = (
-    "dr_grpo",
-    "gae",
-    "grpo",
-    "grpo_passk",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "rloo",
-)
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the rest of the run; declared where it is registered
+    (`register_advantage_estimator(name, needs=...)`), read by the config validator and the trainer."""
+
+    needs_critic: bool = False
+    """A value model: the run starts critic workers and fills `values` (and validates `worker.critic`)."""
+    needs_greedy_baseline: bool = False
+    """The score of a greedy response per prompt (`reward_baselines`), as ReMax subtracts."""
+    grouped: bool = False
+    """Compares the responses of one prompt: needs `worker.rollout.n >= 2`."""
+
+
+BUILTIN_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    "dr_grpo": EstimatorNeeds(grouped=True),
+    "gae": EstimatorNeeds(needs_critic=True),
+    "grpo": EstimatorNeeds(grouped=True),
+    "grpo_passk": EstimatorNeeds(grouped=True),
+    "reinforce_plus_plus": EstimatorNeeds(),
+    "reinforce_plus_plus_baseline": EstimatorNeeds(grouped=True),
+    "remax": EstimatorNeeds(needs_greedy_baseline=True),
+    "rloo": EstimatorNeeds(grouped=True),
+}
+"""The built-in estimators' needs: `easyrl.algorithms.advantages` registers each with its entry here."""
+BUILTIN_ADV_ESTIMATORS = tuple(sorted(BUILTIN_ESTIMATOR_NEEDS))
 BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo", "vanilla")
-GROUP_ESTIMATORS = frozenset({"dr_grpo", "grpo", "grpo_passk", "reinforce_plus_plus_baseline", "rloo"})
-"""Estimators that compare the responses of one prompt: they need `worker.rollout.n >= 2`."""
+GROUP_ESTIMATORS = frozenset(name for name, needs in BUILTIN_ESTIMATOR_NEEDS.items() if needs.grouped)
+"""Built-in estimators that compare the responses of one prompt (they need `worker.rollout.n >= 2`)."""
 KL_PENALTY_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -8,18 +8,19 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from easyrl.config.loader import ConfigError
+from easyrl.config.errors import ConfigError
 from easyrl.config.names import (
     BUILTIN_ADV_ESTIMATORS,
+    BUILTIN_ESTIMATOR_NEEDS,
     BUILTIN_POLICY_LOSSES,
-    GROUP_ESTIMATORS,
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
+    EstimatorNeeds,
 )
 
 
 if TYPE_CHECKING:
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
 LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
 _ENUMS: dict[str, tuple[str, ...]] = {
@@ -124,10 +125,21 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
 
 
+def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
+    """What `algorithm.adv_estimator` declared it needs (a built-in's without importing torch)."""
+    name = cfg.algorithm.adv_estimator
+    if name in BUILTIN_ESTIMATOR_NEEDS and not cfg.algorithm.user_modules:
+        return BUILTIN_ESTIMATOR_NEEDS[name]
+    from easyrl.algorithms import estimator_needs as registered_needs
+
+    return registered_needs(name)
+
+
 def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     n = cfg.worker.rollout.n
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    needs = estimator_needs(cfg)
+    if needs.grouped and n < 2:
         raise ConfigError(
             "worker.rollout.n",
             f"{cfg.algorithm.adv_estimator} compares the responses of one prompt, so it needs n >= 2 (got {n})",
@@ -139,7 +151,7 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             f"rollout_batch_size * rollout.n = {rollout * n} must divide evenly over {workers} workers",
         )
     for role in ("actor", "critic"):
-        if role == "critic" and cfg.algorithm.adv_estimator != "gae":
+        if role == "critic" and not needs.needs_critic:
             continue
         wcfg = getattr(cfg.worker, role)
         gbs = wcfg.global_batch_size
@@ -163,6 +175,17 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
     if cfg.worker.rollout.tensor_parallel_size > workers or workers % cfg.worker.rollout.tensor_parallel_size:
         raise ConfigError("worker.rollout.tensor_parallel_size", f"must divide the number of workers ({workers})")
+    engines = workers // cfg.worker.rollout.ranks_per_engine
+    prompt_counts = {"data.rollout_batch_size": rollout}
+    if cfg.algorithm.online_filtering and cfg.data.mini_rollout_batch_size:
+        prompt_counts["data.mini_rollout_batch_size"] = cfg.data.mini_rollout_batch_size
+    for key, prompts in prompt_counts.items():
+        if prompts % engines:
+            raise ConfigError(
+                key,
+                f"{prompts} prompts must divide evenly over the {engines} rollout engines "
+                "(each engine samples all rollout.n responses of its prompts)",
+            )
 
 
 def _check_files(cfg: EasyRLConfig) -> None:

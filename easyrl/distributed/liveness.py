@@ -30,13 +30,23 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from easyrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 
 
-if TYPE_CHECKING:
-    from easyrl.distributed.worker_group import WorkerGroup
+class WatchedGroup(Protocol):
+    """What liveness needs of a worker group (`WorkerGroup` is one): its role, the pings in flight, and where to
+    record their outcome. A protocol, so this module does not import the group that imports it."""
+
+    role: str
+
+    def _liveness_refs(self) -> dict[Any, int]: ...
+
+    def _ping_done(self, rank: int, ref: Any, error: BaseException | None) -> None: ...
+
+    def _first_failure(self) -> tuple[int, BaseException] | None: ...
+
 
 __all__ = ["PING_INTERVAL_S", "check_alive", "live_groups", "summarize_remote_error", "wait_for_results"]
 
@@ -49,23 +59,23 @@ DEATH_GRACE_S = 1.0
 """How long a method error waits for a worker death that would explain it."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_registry: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+_registry: weakref.WeakSet[WatchedGroup] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 
 
-def register_group(group: WorkerGroup) -> None:
+def register_group(group: WatchedGroup) -> None:
     """Make ``group``'s actors watched by every wait of this process."""
     with _registry_lock:
         _registry.add(group)
 
 
-def unregister_group(group: WorkerGroup) -> None:
+def unregister_group(group: WatchedGroup) -> None:
     """Stop watching ``group`` (on shutdown)."""
     with _registry_lock:
         _registry.discard(group)
 
 
-def live_groups() -> list[WorkerGroup]:
+def live_groups() -> list[WatchedGroup]:
     """The registered (live) groups."""
     with _registry_lock:
         return list(_registry)
@@ -110,16 +120,16 @@ def _get_ready(ref: Any) -> tuple[bool, Any]:
         return False, exc
 
 
-def _ping_refs(groups: Iterable[WorkerGroup]) -> dict[Any, tuple[WorkerGroup, int]]:
+def _ping_refs(groups: Iterable[WatchedGroup]) -> dict[Any, tuple[WatchedGroup, int]]:
     """The outstanding pings of ``groups`` (re-sending the ones due), by ref."""
-    refs: dict[Any, tuple[WorkerGroup, int]] = {}
+    refs: dict[Any, tuple[WatchedGroup, int]] = {}
     for group in groups:
         for ref, rank in group._liveness_refs().items():
             refs[ref] = (group, rank)
     return refs
 
 
-def _raise_recorded_deaths(groups: Sequence[WorkerGroup]) -> None:
+def _raise_recorded_deaths(groups: Sequence[WatchedGroup]) -> None:
     """Raise the failure of the first group with a worker known dead."""
     for group in groups:
         failure = group._first_failure()
@@ -135,7 +145,7 @@ def _ping_error(role: str, rank: int, error: BaseException) -> WorkerDiedError |
     return WorkerDiedError(role, rank, summarize_remote_error(error))
 
 
-def _handle_ping(group: WorkerGroup, rank: int, ref: Any) -> None:
+def _handle_ping(group: WatchedGroup, rank: int, ref: Any) -> None:
     """Account for a ready ping; raise if it failed."""
     ok, value = _get_ready(ref)
     group._ping_done(rank, ref, None if ok else value)

@@ -5,7 +5,8 @@ Every logger takes already-masked config dicts: secrets never reach a logger.
 
 from __future__ import annotations
 
-from easyrl.loggers.base import Logger, Tracker, build_tracker
+from easyrl.loggers.base import Logger, Tracker
+from easyrl.loggers.build import build_tracker
 from easyrl.loggers.console import ConsoleLogger
 from easyrl.loggers.file import FileLogger
 

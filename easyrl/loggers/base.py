@@ -43,21 +43,3 @@ class Tracker:
     def close(self) -> None:
         for lg in self.loggers:
             lg.close()
-
-
-def build_tracker(names: list[str], run_dir: str, project: str, experiment: str, total_steps: int) -> Tracker:
-    """The loggers named in `trainer.logger`."""
-    from easyrl.loggers.console import ConsoleLogger
-    from easyrl.loggers.file import FileLogger
-
-    loggers: list[Logger] = []
-    for name in names:
-        if name == "console":
-            loggers.append(ConsoleLogger(total_steps))
-        elif name == "file":
-            loggers.append(FileLogger(run_dir))
-        else:
-            from easyrl.loggers.trackers import build_external
-
-            loggers.append(build_external(name, run_dir, project, experiment))
-    return Tracker(loggers)

@@ -165,7 +165,7 @@ def multimodal_forward_kwargs(
 ) -> dict[str, Any]:
     """Extra ``model(...)`` arguments for a micro-batch of a VL batch; ``{}`` when it carries no media.
 
-    ``batch_slice`` is a :class:`easyrl.protocol.Batch` (or a dict) with ``input_ids``, ``attention_mask`` and the
+    ``batch_slice`` is a :class:`easyrl.batch.Batch` (or a dict) with ``input_ids``, ``attention_mask`` and the
     per-sample list ``multi_modal_inputs``. Returns ``pixel_values`` / ``image_grid_thw`` (and the video
     equivalents) for exactly these rows and, when ``model`` is given, ``position_ids`` (3, b, L) from
     :func:`mrope_position_ids`, which replace the batch's 1D positions, and ``mm_token_type_ids`` (Qwen3-VL

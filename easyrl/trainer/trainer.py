@@ -9,10 +9,14 @@ from typing import Any
 import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
+from easyrl.batch import Batch
 from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
 from easyrl.config import EasyRLConfig, to_masked_dict
-from easyrl.protocol import Batch
-from easyrl.trainer.core import (
+from easyrl.config.algorithm import KLMode
+from easyrl.config.validate import estimator_needs
+from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
+from easyrl.trainer.role_specs import sampling_params
+from easyrl.trainer.step_math import (
     apply_kl_in_reward,
     compute_advantages,
     data_metrics,
@@ -24,8 +28,8 @@ from easyrl.trainer.core import (
     throughput_metrics,
     token_level_scores,
 )
-from easyrl.trainer.setup import build_data, build_workers, count_steps
 from easyrl.trainer.timer import timer
+from easyrl.trainer.worker_groups import build_data, build_workers, count_steps
 
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,9 @@ class Trainer:
         self.cfg = cfg
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
+        self.sampling = sampling_params(cfg)
+        self.needs = estimator_needs(cfg)
+        self.rollout_seed = cfg.worker.rollout.seed
         alg = cfg.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.entropy_ctrl = (
@@ -161,8 +168,8 @@ class Trainer:
                 )
             prompts = self.next_prompts(per_try)
             with timer("gen", timings):
-                batch = self.generate(prompts, seed=self.global_step * 1000 + tries, metrics=metrics)
-                if alg.adv_estimator == "remax":
+                batch = self.generate(prompts, derive_seed(self.global_step, tries, "attempt"), metrics)
+                if self.needs.needs_greedy_baseline:
                     batch.set(reward_baselines=self.greedy_baselines(prompts, tries))
             with timer("reward", timings):
                 scores, reward_metrics = self.score(batch)
@@ -181,18 +188,19 @@ class Trainer:
         return batch, metrics
 
     def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
-        n = int((overrides or {}).get("n", self.cfg.worker.rollout.n))
-        prompts = prompts.repeat_interleave(n)
-        prompts.meta.update(
-            seed=self.cfg.worker.rollout.seed * 100_003 + seed, sampling_overrides=_sampling(overrides)
-        )
-        out = self.actor.generate_sequences(for_workers(prompts, "rollout_prompt"))  # media for vLLM
+        """`n` responses for each of `prompts` (`n` and the rest of the sampling from `worker.rollout`, changed by
+        `overrides`): the engines get the B prompts and return the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
+        params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
+        request = for_workers(prompts, "rollout_prompt")  # media for vLLM
+        request.meta["sampling"] = params
+        out = self.actor.generate_sequences(request)
         metrics |= out.meta.pop("timing", {})
-        return prompts.union(out)
+        return prompts.repeat_interleave(params.n).union(out)
 
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
-        greedy = self.generate(prompts, seed=tries, metrics={}, overrides={"temperature": 0.0, "n": 1})
+        seed = derive_seed(GREEDY_STREAM, tries, "attempt")
+        greedy = self.generate(prompts, seed, metrics={}, overrides={"temperature": 0.0, "n": 1})
         scores, _ = self.score(greedy, store=False)
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
@@ -218,7 +226,7 @@ class Trainer:
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
         metrics: dict[str, float] = {}
-        if not alg.disable_kl and not alg.use_kl_loss:
+        if alg.kl_mode == KLMode.IN_REWARD:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
             batch.set(token_level_rewards=batch["token_level_scores"])
@@ -272,7 +280,8 @@ class Trainer:
             prompts = self.workers.pad_for_dp(
                 _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
             )
-            batch = self.generate(prompts.batch, seed=10**6 + start, metrics={}, overrides=overrides)
+            seed = derive_seed(VALIDATION_STREAM, start, "attempt")
+            batch = self.generate(prompts.batch, seed, metrics={}, overrides=overrides)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
             scores, _ = self.score(batch)
             all_scores += scores
@@ -389,11 +398,6 @@ def for_workers(batch: Batch, *extra: str) -> Batch:
     fields. Rows, prompt texts and decoded responses stay in the driver instead of being serialized to every
     worker on every call."""
     return batch.select(*batch.tensors, "multi_modal_inputs", *extra)
-
-
-def _sampling(overrides: dict | None) -> dict[str, Any]:
-    """Sampling overrides for the engine (`n` is applied by repeating prompts, not by the engine)."""
-    return {k: v for k, v in (overrides or {}).items() if k != "n"}
 
 
 def _as_batch(collated: dict[str, Any]) -> Batch:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 
 
 def valid_token_counts(batch: Batch) -> list[int]:

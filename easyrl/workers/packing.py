@@ -30,40 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"
 """Name of the fused head method attached to (and registered with FSDP2 on) the root module."""
-
-
-@dataclass(frozen=True)
-class ForwardOptions:
-    """How the workers run their forward passes; the defaults are the plain padded path."""
-
-    padding_free: bool = False
-    """Pack the valid tokens of a micro-batch into one row."""
-    fused: bool = False
-    """Compute log-probs and entropy from hidden states chunk by chunk (no full logits)."""
-    chunk_size: int = 1024
-    """Tokens per chunk of the fused head."""
-    max_token_len: int | None = None
-    """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches."""
-
-    @property
-    def plain(self) -> bool:
-        """The original path: padded micro-batches, full logits."""
-        return not (self.padding_free or self.fused or self.max_token_len is not None)
-
-
-def forward_options(actor_cfg: Any) -> ForwardOptions:
-    """`ForwardOptions` from `worker.actor` (the reference and critic follow the actor's settings)."""
-    return ForwardOptions(
-        padding_free=actor_cfg.padding_free,
-        fused=actor_cfg.fused_logprobs,
-        chunk_size=actor_cfg.logprob_chunk_size,
-        max_token_len=actor_cfg.max_token_len_per_gpu if actor_cfg.dynamic_batching else None,
-    )
 
 
 def packed_attn_implementation() -> str:

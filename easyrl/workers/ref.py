@@ -2,43 +2,35 @@
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-from easyrl.config import EasyRLConfig
+from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.protocol import Batch
-from easyrl.workers.actor import _setup_process
-from easyrl.workers.common import batched_log_probs
-from easyrl.workers.fsdp import DTYPES, load_model, offload_to_cpu, resident, shard_model
-from easyrl.workers.packing import forward_options, packed_attn_implementation
+from easyrl.workers.forward_backward import batched_log_probs
+from easyrl.workers.model_setup import setup_process
+from easyrl.workers.specs import RefSpec
+from easyrl.workers.trainable import TrainableModel
 
 
 class RefWorker:
-    def __init__(self, cfg: EasyRLConfig) -> None:
-        self.cfg = cfg
-        self.device = _setup_process(cfg)
-        self.rank = int(os.environ.get("RANK", "0"))
+    def __init__(self, spec: RefSpec) -> None:
+        self.spec = spec
+        self.device = setup_process(spec.process)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self) -> None:
-        rcfg = self.cfg.worker.ref
-        dtype = DTYPES[rcfg.fsdp.torch_dtype] if rcfg.fsdp.torch_dtype else torch.float32
-        acfg = self.cfg.worker.actor  # the reference follows the actor's batching, packing and fused head
-        attn = packed_attn_implementation() if acfg.padding_free else None
-        model = load_model(acfg.model, "causal_lm", dtype, attn_implementation=attn)
-        self.fwd_opts = forward_options(acfg)
-        model.requires_grad_(False)
-        self.model = shard_model(model, rcfg.fsdp, self.device).eval()
-        offload_to_cpu(self.model, None, rcfg.offload.offload_params, False)
+        self.trainable = TrainableModel(self.spec.model, self.device)
+        self.trainable.offload()
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         """The reference policy's log-prob of each response token: `ref_log_probs` (B, R)."""
-        micro = self.cfg.worker.ref.micro_batch_size_per_device_for_experience
-        micro = micro or self.cfg.worker.actor.micro_batch_size_per_device_for_experience
-        temperature = self.cfg.worker.rollout.temperature
-        with resident(self.model, None, self.cfg.worker.ref.offload, self.device):
-            lp, _ = batched_log_probs(self.model, batch, self.device, temperature, micro, opts=self.fwd_opts)
+        spec = self.spec
+        with self.trainable.resident():
+            lp, _ = batched_log_probs(
+                self.trainable.module,
+                batch,
+                self.device,
+                spec.temperature,
+                spec.micro_batch_size_for_experience,
+                opts=spec.model.forward,
+            )
         return Batch({"ref_log_probs": lp})

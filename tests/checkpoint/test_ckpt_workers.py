@@ -17,7 +17,7 @@ from easyrl.checkpoint import CheckpointManager, CheckpointMixin, is_complete, w
 from easyrl.config import EasyRLConfig
 from easyrl.distributed import Dispatch, ResourcePool, WorkerError, WorkerGroup, init_distributed, init_ray, register
 from easyrl.merge import main as merge_main
-from easyrl.workers.fsdp import build_optimizer, build_scheduler, load_model, seed_everything, shard_model
+from easyrl.workers.model_setup import build_optimizer, build_scheduler, load_model, seed_everything, shard_model
 
 
 HERE = Path(__file__).resolve().parent

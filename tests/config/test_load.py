@@ -144,11 +144,12 @@ trainer:
 """
     path = tmp_path / "easyr1.yaml"
     path.write_text(easyr1)
-    cfg = load_config(path)
+    told: list[str] = []
+    cfg = load_config(path, notes=told)
     assert cfg.worker.reward.reward_function.endswith("digits.py:compute_score")
     assert cfg.trainer.total_epochs == 2
     assert cfg.worker.actor.loss_avg_mode == "token-mean"
-    notes = " ".join(cfg._notes)  # type: ignore[attr-defined]
+    notes = " ".join(told)
     assert "score_function" in notes and "total_episodes" in notes and "enable_rank0_init" in notes
 
 

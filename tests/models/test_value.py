@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from easyrl.batch import Batch
 from easyrl.models import load_processor, vision_tower
 from easyrl.models.value import VisionValueModel
-from easyrl.protocol import Batch
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
-from easyrl.workers.common import response_values
+from easyrl.workers.forward_backward import response_values
 from tests.models.test_vision import RESPONSE, _batch
 
 

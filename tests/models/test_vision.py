@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from easyrl.batch import Batch
 from easyrl.data.multimodal import encode_multimodal_prompt
 from easyrl.models import (
     freeze_vision_tower,
@@ -20,7 +21,6 @@ from easyrl.models import (
     stack_media,
     vision_tower,
 )
-from easyrl.protocol import Batch
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
 
 

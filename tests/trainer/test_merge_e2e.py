@@ -31,14 +31,15 @@ def test_merge_after_training_loads_in_transformers_and_vllm(tmp_path: Path, tin
         logits = model(ids).logits[0, -1].float()
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM not installed: merged folder checked in transformers only")
+    from easyrl.batch import Batch
     from easyrl.config import EasyRLConfig
-    from easyrl.protocol import Batch
+    from easyrl.trainer.role_specs import rollout_spec
     from easyrl.workers.rollout.base import SamplingParams
     from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = str(merged)
-    engine = VLLMRolloutEngine(cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     out = engine.generate(
         Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
         SamplingParams(temperature=0.0, max_tokens=1, seed=0),

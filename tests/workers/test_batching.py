@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 from easyrl.workers.batching import balanced_partition, make_micro_batches
-from easyrl.workers.common import batched_log_probs
-from easyrl.workers.packing import ForwardOptions
+from easyrl.workers.forward_backward import batched_log_probs
+from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_packing import make_batch, tiny_lm
 
 
@@ -82,7 +82,7 @@ def init_rank(rank: int, world: int) -> None:
 
 
 def _loss_fn(model: torch.nn.Module) -> Any:
-    from easyrl.workers.common import token_log_probs
+    from easyrl.workers.forward_backward import token_log_probs
 
     def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
         lp, _ = token_log_probs(model, mb, CPU, 1.0, False)
@@ -97,8 +97,8 @@ def _optimize_worker(rank: int, world: int, model_dir: str, out: str, uneven: bo
     import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig, OptimConfig
-    from easyrl.workers.common import optimize
-    from easyrl.workers.fsdp import build_scheduler, iter_full_weights, load_model, shard_model
+    from easyrl.workers.forward_backward import optimize
+    from easyrl.workers.model_setup import build_scheduler, iter_full_weights, load_model, shard_model
 
     init_rank(rank, world)
     # uneven: rank 0 holds 2 short samples, rank 1 eight long ones -> rank 0 runs dummy micro-batches
@@ -143,7 +143,7 @@ def test_dynamic_update_with_dummy_micro_batches(tmp_path, tiny_model_dir) -> No
 
 def test_adamw_bf16_states() -> None:
     from easyrl.config import OptimConfig
-    from easyrl.workers.fsdp import build_optimizer
+    from easyrl.workers.model_setup import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
-from easyrl.workers.common import token_log_probs
-from easyrl.workers.packing import ForwardOptions, fused_linear_logprobs
+from easyrl.workers.forward_backward import token_log_probs
+from easyrl.workers.packing import fused_linear_logprobs
+from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_batching import init_rank, run_ranks
 from tests.workers.test_packing import make_batch, tiny_lm
 
@@ -77,7 +78,7 @@ def _fsdp_worker(rank: int, world: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
-    from easyrl.workers.fsdp import load_model, shard_model
+    from easyrl.workers.model_setup import load_model, shard_model
 
     init_rank(rank, world)
     mb = make_batch(b=4, seed=20 + rank, vocab=90)

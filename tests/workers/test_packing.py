@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from easyrl.protocol import Batch
-from easyrl.workers.common import response_values, token_log_probs
-from easyrl.workers.packing import ForwardOptions, prepare_inputs
+from easyrl.batch import Batch
+from easyrl.workers.forward_backward import response_values, token_log_probs
+from easyrl.workers.packing import prepare_inputs
+from easyrl.workers.specs import ForwardOptions
 
 
 CPU = torch.device("cpu")

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.protocol import Batch
+from easyrl.trainer.role_specs import rollout_spec
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -50,7 +51,7 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
             cfg.worker.rollout.logprob_sample_ratio = 1.0  # every sequence's log-probs, to compare them all
             # a scheduler budget below the largest batch here, so prompts are spread over several engine steps
             cfg.worker.rollout.max_num_batched_tokens = 128
-            _ENGINES[name] = VLLMRolloutEngine(cfg, eos, pad)
+            _ENGINES[name] = VLLMRolloutEngine(rollout_spec(cfg), eos, pad)
     return _ENGINES[name]
 
 
@@ -120,8 +121,8 @@ def test_batch_over_the_scheduler_budget(name: str, tiny_model_dir: str, tokeniz
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
 def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str, tokenizer) -> None:
-    """The engine sends each run of identical rows as one request with `n` samples; sequence `i` is still sampled
-    with seed `base * 100_003 + i`: the same tokens as one raw vLLM request per row with that seed."""
+    """The engine sends each prompt as one request with `n` samples; sequence `i` is still sampled with seed
+    `base * 100_003 + i`: the same tokens as one raw vLLM request per row with that seed."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -142,17 +143,6 @@ def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str,
     # greedy: vLLM takes no n > 1 there, so repeated rows go one request each, and agree
     greedy = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, seed=5))
     assert all(torch.equal(greedy["responses"][i], greedy["responses"][i - i % 3]) for i in range(len(rows)))
-
-
-def test_identical_runs() -> None:
-    from easyrl.workers.rollout.vllm import identical_runs
-
-    image, same_pixels = {"multi_modal_data": {"image": [1]}}, {"multi_modal_data": {"image": [1]}}
-    rows = [[1, 2], [1, 2], [3], [1, 2], [4], [4], [4]]
-    media = [None, None, None, None, image, image, same_pixels]
-    # runs need the same ids and the very same media object (the trainer's repeats share it)
-    assert identical_runs(rows, media) == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 1)]
-    assert identical_runs([], []) == []
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -208,7 +198,7 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     cfg.worker.actor.model.model_path = model_dir
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
     cfg.worker.rollout.logprob_sample_ratio = 1.0
-    engine = VLLMRolloutEngine(cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = left_padded(tokenizer, PROMPTS)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -239,13 +229,14 @@ def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     with pytest.raises(ValueError, match=r"head size is 16 .*worker\.rollout\.name=hf") as err:
-        VLLMRolloutEngine(cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     assert model_dir in str(err.value)
 
 
 def test_logprob_sample_ratio_defaults() -> None:
     """vLLM log-probs for one request (a prompt with its samples) in 8 by default, for all with TIS, as set otherwise."""
-    from easyrl.workers.rollout.vllm import _logprob_sample, effective_logprob_ratio
+    from easyrl.trainer.role_specs import effective_logprob_ratio
+    from easyrl.workers.rollout.vllm import _logprob_sample
 
     cfg = EasyRLConfig()
     assert effective_logprob_ratio(cfg) == 0.125

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from easyrl.protocol import Batch
+from easyrl.batch import Batch
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
-    """Responses per prompt (the caller has usually repeated the prompts already and passes 1)."""
+    """Responses per prompt: B prompts give B*n rows, sample `j` of prompt `i` at row `i * n + j`."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
@@ -29,7 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    """Per-call seed: the same seed and weights give the same samples."""
+    """Per-call seed (see `easyrl.seeding`): the same seed and weights give the same samples."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token."""
 
@@ -47,9 +47,10 @@ class RolloutEngine(ABC):
     """Generates responses for left-padded prompts.
 
     `generate` takes a batch with `input_ids` (B, P) left-padded, `attention_mask` (B, P), `position_ids`
-    (B, P) and returns a batch with: `prompts` (B, P), `responses` (B, R) right-padded with the pad id,
-    `response_mask` (B, R) (1 up to and including EOS), `input_ids`/`attention_mask`/`position_ids` (B, P+R)
-    for the whole sequence, and `rollout_log_probs` (B, R) (zeros where not requested).
+    (B, P) and returns, for N = B * `params.n` rows (the samples of one prompt next to each other): `prompts`
+    (N, P), `responses` (N, R) right-padded with the pad id, `response_mask` (N, R) (1 up to and including EOS),
+    `input_ids`/`attention_mask`/`position_ids` (N, P+R) for the whole sequence, and `rollout_log_probs` (N, R)
+    (zeros where not requested).
     """
 
     discards_weights_on_sleep = False

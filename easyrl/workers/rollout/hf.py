@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from easyrl.batch import Batch
 from easyrl.models import generate_with_media, model_class_for
-from easyrl.protocol import Batch
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
 
 

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from easyrl.config import EasyRLConfig
+from easyrl.batch import Batch
 from easyrl.models import media_token_ids
-from easyrl.protocol import Batch
+from easyrl.seeding import derive_seed
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
+from easyrl.workers.specs import RolloutSpec
 
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 class VLLMRolloutEngine(RolloutEngine):
     def __init__(
         self,
-        cfg: EasyRLConfig,
+        spec: RolloutSpec,
         eos_token_ids: list[int],
         pad_token_id: int,
         media_per_prompt: dict[str, int] | None = None,
@@ -47,15 +48,15 @@ class VLLMRolloutEngine(RolloutEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(os.environ.get("LOCAL_RANK", "0")) % cores))
         from vllm import LLM
 
-        rcfg, mcfg = cfg.worker.rollout, cfg.worker.actor.model
+        rcfg, mcfg = spec.config, spec.model
         assert mcfg.model_path is not None
         self.cfg = rcfg
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
         self.discards_weights_on_sleep = self.sleep_enabled and rcfg.sleep_level == 2
-        self.logprob_ratio = effective_logprob_ratio(cfg)
-        max_len = rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        self.logprob_ratio = spec.logprob_ratio
+        max_len = spec.max_model_len
         engine_args: dict[str, Any] = {
             "model": mcfg.model_path,
             "skip_tokenizer_init": True,
@@ -112,24 +113,25 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample sequence `i` of the (repeated) batch with seed `base * 100_003 + i`. A run of identical rows (the
-        trainer repeats each prompt `n` times) goes to vLLM as one request with `n` set to its length: vLLM seeds
-        child `j` with the parent's seed plus `j`, so the samples are the very ones of one request per row, while
-        vLLM prepares the prompt (and processes its media) once instead of once per sample."""
+        """Sample `params.n` responses for each prompt: one vLLM request per prompt with `n` samples. Row `i` of the
+        B*n output (sample `j` of prompt `i // n`) is sampled with seed `derive_seed(params.seed, i, "row")`: vLLM
+        seeds child `j` of a request with the request's seed plus `j`, so the request of prompt `p` is seeded for
+        its first row `p * n`, and the samples are the very ones of one request per row."""
         from vllm import SamplingParams as VSamplingParams
 
+        n = params.n
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        if params.n > 1:
-            input_ids, mask = input_ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
         media = list(prompts["rollout_prompt"]) if "rollout_prompt" in prompts else [None] * len(input_ids)
-        if params.n > 1:
-            media = [m for m in media for _ in range(params.n)]
         rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
-        # vLLM refuses n > 1 with greedy sampling: one request per row then, as seeds do not matter.
-        runs = identical_runs(rows, media) if params.temperature > 0 else [(i, 1) for i in range(len(rows))]
-        requests = [vllm_request(rows[start], media[start], self.slot_token_ids) for start, _ in runs]
-        # Log-probs for a share of the prompts, each with all its samples (vLLM asks per request).
-        run_logprobs = _logprob_sample(len(runs), self.logprob_ratio if params.logprobs else 0.0)
+        # (first output row, samples) of each request; vLLM refuses n > 1 with greedy sampling: one request per
+        # output row then (seeds do not matter).
+        if params.temperature > 0:
+            units = [(p * n, n) for p in range(len(rows))]
+        else:
+            units = [(p * n + j, 1) for p in range(len(rows)) for j in range(n)]
+        requests = [vllm_request(rows[start // n], media[start // n], self.slot_token_ids) for start, _ in units]
+        # Log-probs for a share of the requests, each with all its samples (vLLM asks per request).
+        unit_logprobs = _logprob_sample(len(units), self.logprob_ratio if params.logprobs else 0.0)
         base_seed = params.seed if params.seed is not None else self.cfg.seed
         # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
         ban_media = dict.fromkeys(self.media_token_ids, -100.0) or None
@@ -143,30 +145,40 @@ class VLLMRolloutEngine(RolloutEngine):
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids),
                 logprobs=0 if wanted else None,
-                seed=base_seed * 100_003 + start,
+                seed=derive_seed(base_seed, start, "row"),
                 detokenize=False,
                 logit_bias=ban_media,
             )
-            for (start, count), wanted in zip(runs, run_logprobs)
+            for (start, count), wanted in zip(units, unit_logprobs)
         ]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        responses = torch.full((len(rows), params.max_tokens), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros(len(rows), params.max_tokens, dtype=torch.float32)
-        for (start, count), request, out in zip(runs, requests, outputs):
+        responses, log_probs = self._collect(outputs, units, requests, rows, params.max_tokens)
+        with_logprobs = [wanted for (_, count), wanted in zip(units, unit_logprobs) for _ in range(count)]
+        stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
+        prompt_ids, prompt_mask = input_ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        batch = assemble_sequences(prompt_ids, prompt_mask, responses, stop, self.pad_token_id, log_probs)
+        return batch.set(rollout_logprob_mask=torch.tensor(with_logprobs, dtype=torch.bool))
+
+    def _collect(
+        self, outputs: list[Any], units: list[tuple[int, int]], requests: list[Any], rows: list[list[int]], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses (B*n, width), pad-filled, and their log-probs (zeros where not requested)."""
+        total = sum(count for _, count in units)
+        responses = torch.full((total, width), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(total, width, dtype=torch.float32)
+        n = total // max(1, len(rows))
+        for (start, count), request, out in zip(units, requests, outputs):
             if "multi_modal_data" in request:
-                _check_media_expansion(out, request, rows[start], start)
+                _check_media_expansion(out, request, rows[start // n], start)
             completions = sorted(out.outputs, key=lambda c: c.index)
             assert len(completions) == count, f"vLLM returned {len(completions)} samples for a request of {count}"
             for i, completion in enumerate(completions, start):
-                tokens = list(completion.token_ids)[: params.max_tokens]
+                tokens = list(completion.token_ids)[:width]
                 responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
                 if completion.logprobs:
                     per_token: list[Any] = list(completion.logprobs)
                     log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
-        with_logprobs = [wanted for (_, count), wanted in zip(runs, run_logprobs) for _ in range(count)]
-        stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
-        batch = assemble_sequences(input_ids, mask, responses, stop, self.pad_token_id, log_probs)
-        return batch.set(rollout_logprob_mask=torch.tensor(with_logprobs, dtype=torch.bool))
+        return responses, log_probs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc(
@@ -188,17 +200,6 @@ class VLLMRolloutEngine(RolloutEngine):
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
                 self.llm.reset_prefix_cache()
-
-
-def identical_runs(rows: list[list[int]], media: list[Any]) -> list[tuple[int, int]]:
-    """(start, length) of each run of consecutive rows with the same token ids and the same media object."""
-    runs: list[tuple[int, int]] = []
-    for i, (ids, mm) in enumerate(zip(rows, media)):
-        if runs and ids == rows[i - 1] and mm is media[i - 1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
 
 
 def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_token_ids: dict[str, int | None]) -> Any:
@@ -303,19 +304,6 @@ def _visible_local_rank(on_gpu: bool) -> Iterator[None]:
             os.environ.pop("LOCAL_RANK", None)
         else:
             os.environ["LOCAL_RANK"] = saved
-
-
-DEFAULT_LOGPROB_RATIO = 0.125
-"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is
-off."""
-
-
-def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
-    """`worker.rollout.logprob_sample_ratio`, or when null: 1 with truncated importance sampling, else 1/8."""
-    ratio = cfg.worker.rollout.logprob_sample_ratio
-    if ratio is not None:
-        return ratio
-    return 1.0 if cfg.algorithm.tis_cap is not None else DEFAULT_LOGPROB_RATIO
 
 
 def _logprob_sample(n: int, ratio: float) -> list[bool]:

@@ -8,8 +8,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from easyrl.algorithms import KLController, agg_loss, get_advantage_estimator, kl_penalty, masked_mean
+from easyrl.batch import Batch
 from easyrl.config import AlgorithmConfig
-from easyrl.protocol import Batch
 
 
 def token_level_scores(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:

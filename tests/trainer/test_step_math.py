@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from easyrl.trainer.core import pool_reward_metrics
+from easyrl.trainer.step_math import pool_reward_metrics
 
 
 def test_pooled_reward_metrics_weigh_means_and_sum_counters() -> None:

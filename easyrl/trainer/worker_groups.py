@@ -9,8 +9,9 @@ from typing import Any
 import psutil
 import torch
 
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.protocol import Batch
+from easyrl.trainer.role_specs import build_role_specs
 
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,8 @@ class Workers:
         logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1), env_vars=env)
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
-        need_ref = not cfg.algorithm.disable_kl
-        need_critic = cfg.algorithm.adv_estimator == "gae"
-        roles = 1 + int(need_ref) + int(need_critic)
+        specs = build_role_specs(cfg, optimizer_steps, self.world_size)
+        roles = 1 + int(specs.ref is not None) + int(specs.critic is not None)
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles,
             "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,
@@ -94,23 +94,21 @@ class Workers:
         self.critic: Any = None
         try:
             tp = cfg.worker.rollout.ranks_per_engine
-            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", cfg, ranks_per_engine=tp, **share)
-            self.ref = WorkerGroup(RefWorker, self.pool, "ref", cfg, **share) if need_ref else None
-            self.critic = WorkerGroup(CriticWorker, self.pool, "critic", cfg, **share) if need_critic else None
-            self._init_models(cfg, optimizer_steps, media_per_prompt or {})
+            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, **share)
+            if specs.ref is not None:
+                self.ref = WorkerGroup(RefWorker, self.pool, "ref", specs.ref, **share)
+            if specs.critic is not None:
+                self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, **share)
+            self._init_models(media_per_prompt or {})
         except BaseException:
             self.shutdown()
             raise
 
-    def _init_models(self, cfg: EasyRLConfig, optimizer_steps: int, media_per_prompt: dict[str, int]) -> None:
+    def _init_models(self, media_per_prompt: dict[str, int]) -> None:
         assert self.actor is not None
         logger.info("loading models into the workers")
-        pending = [self.actor.call_async("init_model", optimizer_steps, media_per_prompt)]
-        if self.ref is not None:
-            pending.append(self.ref.call_async("init_model"))
-        if self.critic is not None:
-            critic_steps = optimizer_steps // cfg.worker.actor.global_batch_size * cfg.worker.critic.global_batch_size
-            pending.append(self.critic.call_async("init_model", max(critic_steps, 1)))
+        pending = [self.actor.call_async("init_model", media_per_prompt)]
+        pending += [group.call_async("init_model") for group in (self.ref, self.critic) if group is not None]
         for handle in pending:
             handle.result()
 

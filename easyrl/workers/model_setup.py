@@ -9,7 +9,6 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from easyrl.config import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
+from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.models import is_vision_language
+from easyrl.workers.specs import ProcessSpec
 from easyrl.workers.varlen import VARLEN_ATTENTION
 
 
@@ -175,19 +175,6 @@ def load_to_device(
     _move_training_state(model, optimizer, params, optim, device)
 
 
-@contextmanager
-def resident(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, offload: OffloadConfig, device: torch.device
-) -> Iterator[None]:
-    """Keep what `offload` moves to CPU on `device` only for the duration of the block (CUDA only): the
-    reference and critic models then hold no GPU memory while the rollout engine generates."""
-    load_to_device(model, optimizer, offload.offload_params, offload.offload_optimizer, device)
-    try:
-        yield
-    finally:
-        offload_to_cpu(model, optimizer, offload.offload_params, offload.offload_optimizer)
-
-
 def _move_training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, params: bool, optim: bool, device: torch.device
 ) -> None:
@@ -244,6 +231,19 @@ def all_finite(value: torch.Tensor | float) -> bool:
             flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() > 0)
+
+
+def setup_process(process: ProcessSpec) -> torch.device:
+    """Per-process setup shared by every role: threads, process group, seed, user modules; returns the device."""
+    from easyrl.config.loader import import_user_modules
+    from easyrl.distributed import init_distributed
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("EASYRL_NUM_THREADS", "1")))
+    init_distributed()
+    seed_everything(process.seed)
+    import_user_modules(list(process.user_modules))
+    return worker_device()
 
 
 def seed_everything(seed: int) -> None:

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
+from easyrl.batch import Batch
 from easyrl.models import multimodal_forward_kwargs
-from easyrl.protocol import Batch
 from easyrl.workers.batching import make_micro_batches
-from easyrl.workers.fsdp import all_finite
-from easyrl.workers.packing import ForwardOptions, fused_forward, prepare_inputs
+from easyrl.workers.model_setup import all_finite
+from easyrl.workers.packing import fused_forward, prepare_inputs
+from easyrl.workers.specs import ForwardOptions, UpdateSpec
+from easyrl.workers.trainable import TrainableModel
 
 
 def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
@@ -189,3 +191,24 @@ def optimize(
     out[f"{prefix}/nonfinite_loss"] = float(nonfinite_loss)
     out[f"{prefix}/nonfinite_grad_norm"] = float(nonfinite_grad)
     return out
+
+
+def update_model(
+    trainable: TrainableModel, batch: Batch, spec: UpdateSpec, loss_fn: LossFn, prefix: str
+) -> dict[str, float]:
+    """`optimize` a role's model over `batch` with the sizes of its `UpdateSpec` (already per rank)."""
+    assert trainable.optimizer is not None, "a frozen model has no optimizer to update"
+    return optimize(
+        trainable.module,
+        trainable.optimizer,
+        trainable.scheduler,
+        batch,
+        mini_batch_size=spec.mini_batch_size,
+        micro_batch_size=spec.micro_batch_size,
+        epochs=spec.epochs,
+        max_grad_norm=spec.max_grad_norm,
+        loss_fn=loss_fn,
+        prefix=prefix,
+        loss_agg_mode=spec.loss_avg_mode,
+        max_token_len=trainable.spec.forward.max_token_len,
+    )

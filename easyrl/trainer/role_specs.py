@@ -1,0 +1,180 @@
+"""The driver's half of the worker contract: one frozen spec per role, built once from the validated config.
+
+Everything a worker needs that depends on another section (the reference and the critic follow the actor's
+forward settings, the rollout engine loads the actor's model, the per-rank mini-batch depends on `rollout.n` and
+the world size) is resolved here, so that no worker reads a section other than its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from easyrl.config import EasyRLConfig
+from easyrl.config.algorithm import KLMode
+from easyrl.config.validate import estimator_needs
+from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
+from easyrl.workers.rollout.base import SamplingParams
+from easyrl.workers.specs import (
+    ActorSpec,
+    CriticSpec,
+    ForwardOptions,
+    ModelSpec,
+    PolicyLossSpec,
+    ProcessSpec,
+    RefSpec,
+    RolloutSpec,
+    UpdateSpec,
+)
+
+
+DEFAULT_LOGPROB_RATIO = 0.125
+"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is
+off."""
+
+
+@dataclass(frozen=True)
+class RoleSpecs:
+    actor: ActorSpec
+    ref: RefSpec | None
+    """None when KL is off (no reference model)."""
+    critic: CriticSpec | None
+    """None unless the advantage estimator needs a critic."""
+
+
+def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
+    """The spec of every role this run starts: a reference when KL is on, a critic when the advantage estimator
+    declared it needs one. `optimizer_steps`: the actor's optimizer steps over the run."""
+    need_ref = cfg.algorithm.kl_mode != KLMode.OFF
+    need_critic = estimator_needs(cfg).needs_critic
+    process = ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules))
+    ref = None
+    if need_ref:
+        ref_micro = cfg.worker.ref.micro_batch_size_per_device_for_experience
+        ref = RefSpec(
+            process=process,
+            model=ModelSpec(
+                model=cfg.worker.actor.model,
+                torch_dtype=cfg.worker.ref.fsdp.torch_dtype,
+                fsdp=cfg.worker.ref.fsdp,
+                offload=cfg.worker.ref.offload,
+                forward=forward_options(cfg.worker.actor),
+            ),
+            temperature=cfg.worker.rollout.temperature,
+            micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
+        )
+    critic = _critic_spec(cfg, process, optimizer_steps, world_size) if need_critic else None
+    return RoleSpecs(actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic)
+
+
+def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> ActorSpec:
+    acfg, alg = cfg.worker.actor, cfg.algorithm
+    return ActorSpec(
+        process=process,
+        model=ModelSpec(
+            model=acfg.model,
+            torch_dtype=acfg.fsdp.torch_dtype,
+            fsdp=acfg.fsdp,
+            optim=acfg.optim,
+            offload=acfg.offload,
+            forward=forward_options(acfg),
+            total_optimizer_steps=optimizer_steps,
+            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+        ),
+        update=_update_spec(acfg, cfg.worker.rollout.n, world_size),
+        loss=PolicyLossSpec(
+            loss_type=acfg.loss_type,
+            clip_ratio_low=acfg.clip_ratio_low,
+            clip_ratio_high=acfg.clip_ratio_high,
+            clip_ratio_dual=acfg.clip_ratio_dual,
+            kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
+            kl_penalty=alg.kl_penalty,
+            kl_coef=alg.kl_coef,
+        ),
+        rollout=rollout_spec(cfg),
+        temperature=cfg.worker.rollout.temperature,
+        micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
+    )
+
+
+def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> CriticSpec:
+    ccfg, acfg = cfg.worker.critic, cfg.worker.actor
+    # The critic makes global/critic-global times the actor's optimizer steps per step.
+    critic_steps = optimizer_steps // acfg.global_batch_size * ccfg.global_batch_size
+    actor_forward = forward_options(acfg)  # the critic follows the actor's packing (no fused head: one output)
+    return CriticSpec(
+        process=process,
+        model=ModelSpec(
+            model=ccfg.model,
+            kind="value",
+            torch_dtype=ccfg.fsdp.torch_dtype,
+            fsdp=ccfg.fsdp,
+            optim=ccfg.optim,
+            offload=ccfg.offload,
+            forward=ForwardOptions(padding_free=acfg.padding_free, max_token_len=actor_forward.max_token_len),
+            total_optimizer_steps=max(critic_steps, 1),
+            checkpoint_files=_checkpoint_files(ccfg.model, acfg.model),
+        ),
+        update=_update_spec(ccfg, cfg.worker.rollout.n, world_size),
+        cliprange_value=ccfg.cliprange_value,
+        micro_batch_size_for_experience=ccfg.micro_batch_size_per_device_for_experience,
+    )
+
+
+def _update_spec(wcfg: ActorConfig | CriticConfig, n: int, world_size: int) -> UpdateSpec:
+    """Per-rank sizes: `config.validate` checked that global_batch_size * n divides over the workers."""
+    return UpdateSpec(
+        mini_batch_size=wcfg.global_batch_size * n // world_size,
+        micro_batch_size=wcfg.micro_batch_size_per_device_for_update,
+        epochs=wcfg.ppo_epochs,
+        max_grad_norm=wcfg.max_grad_norm,
+        loss_avg_mode=wcfg.loss_avg_mode,
+    )
+
+
+def _checkpoint_files(own: ModelConfig, actor: ModelConfig) -> tuple[str | None, str | None]:
+    """(model folder, tokenizer folder) for a checkpoint's `huggingface/` files: the role's own, else the actor's."""
+    model_path = own.model_path or actor.model_path
+    return model_path, own.tokenizer_path or actor.tokenizer_path or model_path
+
+
+def forward_options(actor_cfg: ActorConfig) -> ForwardOptions:
+    """`ForwardOptions` from `worker.actor` (the reference and critic follow the actor's settings)."""
+    return ForwardOptions(
+        padding_free=actor_cfg.padding_free,
+        fused=actor_cfg.fused_logprobs,
+        chunk_size=actor_cfg.logprob_chunk_size,
+        max_token_len=actor_cfg.max_token_len_per_gpu if actor_cfg.dynamic_batching else None,
+    )
+
+
+def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
+    """The rollout engine's spec: the actor's model, the rollout section, and what the data bounds."""
+    rcfg = cfg.worker.rollout
+    return RolloutSpec(
+        config=rcfg,
+        model=cfg.worker.actor.model,
+        max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        logprob_ratio=effective_logprob_ratio(cfg),
+    )
+
+
+def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
+    """`worker.rollout.logprob_sample_ratio`, or when null: 1 with truncated importance sampling, else 1/8."""
+    ratio = cfg.worker.rollout.logprob_sample_ratio
+    if ratio is not None:
+        return ratio
+    return 1.0 if cfg.algorithm.tis_cap is not None else DEFAULT_LOGPROB_RATIO
+
+
+def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
+    """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call."""
+    rcfg = cfg.worker.rollout
+    return SamplingParams(
+        n=rcfg.n,
+        temperature=rcfg.temperature,
+        top_p=rcfg.top_p,
+        top_k=rcfg.top_k,
+        max_tokens=cfg.data.max_response_length,
+        ignore_eos=rcfg.ignore_eos,
+        stop_token_ids=tuple(rcfg.stop_token_ids),
+    )

@@ -1,0 +1,137 @@
+"""What each worker is given: one frozen spec per role, built on the driver from the validated config.
+
+A worker sees its own spec and nothing else: no other role's section, no batch arithmetic to redo (the per-rank
+sizes are computed once, on the driver, by `easyrl.trainer.role_specs`). Pure data: importing this module imports
+neither torch nor the whole config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from easyrl.config.worker import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig, RolloutConfig
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the workers run their forward passes; the defaults are the plain padded path."""
+
+    padding_free: bool = False
+    """Pack the valid tokens of a micro-batch into one row."""
+    fused: bool = False
+    """Compute log-probs and entropy from hidden states chunk by chunk (no full logits)."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the fused head."""
+    max_token_len: int | None = None
+    """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches."""
+
+    @property
+    def plain(self) -> bool:
+        """The original path: padded micro-batches, full logits."""
+        return not (self.padding_free or self.fused or self.max_token_len is not None)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """Per-process setup shared by every role."""
+
+    seed: int
+    """`trainer.seed`: Python, NumPy and torch generators of the worker."""
+    user_modules: tuple[str, ...] = ()
+    """`algorithm.user_modules`: imported in the worker so their registrations exist there too."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything `TrainableModel` needs to build one role's model."""
+
+    model: ModelConfig
+    """Where the weights are, config overrides, gradient checkpointing, vision tower."""
+    kind: str = "causal_lm"
+    """`causal_lm` (policy, reference) or `value` (critic: a one-output token head)."""
+    torch_dtype: str | None = None
+    """Load dtype (`bf16`/`fp16`/`fp32`); None: fp32."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    optim: OptimConfig | None = None
+    """None: a frozen model (no gradients, no optimizer)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    forward: ForwardOptions = field(default_factory=ForwardOptions)
+    total_optimizer_steps: int = 1
+    """Length of the LR schedule."""
+    checkpoint_files: tuple[str | None, str | None] = (None, None)
+    """(model folder, tokenizer folder) whose config / tokenizer files a checkpoint carries."""
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How a trained role turns a batch into optimizer steps (sizes per rank, already divided on the driver)."""
+
+    mini_batch_size: int
+    """Samples per optimizer step on this rank: global_batch_size * rollout.n / world size."""
+    micro_batch_size: int
+    """Samples per forward/backward pass (a fixed count; dynamic batching uses the token budget instead)."""
+    epochs: int
+    max_grad_norm: float
+    loss_avg_mode: str
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """The actor's loss: policy-gradient loss, clipping, and the KL term when it is a loss."""
+
+    loss_type: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_dual: float
+    kl_in_loss: bool
+    """Add `kl_coef * KL(policy || reference)` to the loss (`algorithm.use_kl_loss`, KL enabled)."""
+    kl_penalty: str
+    kl_coef: float
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The rollout engine of the actor's process."""
+
+    config: RolloutConfig
+    """`worker.rollout`: engine kind, dtype, memory, sleep mode, tensor parallelism."""
+    model: ModelConfig
+    """The policy's model (the engine loads the same checkpoint)."""
+    max_model_len: int
+    """Prompt + response tokens the engine must hold (`max_model_len`, else the data's lengths)."""
+    logprob_ratio: float
+    """Share of requests that get the engine's per-token log-probs (resolved from `logprob_sample_ratio`)."""
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    process: ProcessSpec
+    model: ModelSpec
+    update: UpdateSpec
+    loss: PolicyLossSpec
+    rollout: RolloutSpec
+    temperature: float
+    """Log-probs are of logits / temperature, as the engine sampled them."""
+    micro_batch_size_for_experience: int
+    """Samples per forward pass when computing log-probs."""
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    process: ProcessSpec
+    model: ModelSpec
+    temperature: float
+    micro_batch_size_for_experience: int
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    process: ProcessSpec
+    model: ModelSpec
+    update: UpdateSpec
+    cliprange_value: float
+    micro_batch_size_for_experience: int

@@ -1,0 +1,96 @@
+"""`TrainableModel`: one role's model as every role builds it, from its `ModelSpec` alone.
+
+The chain is the same for the policy, the reference and the critic: load dtype, attention implementation (varlen
+for padding-free), load the Hugging Face model, FSDP2-shard it, then (trained roles) the optimizer and LR schedule.
+Offload / reload move what the role's `offload` section names between the accelerator and the host, and
+`full_weights` streams the unsharded tensors to a rollout engine. Model-level features (adapters, sequence
+parallelism) belong here, so every role gets them the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from easyrl.checkpoint import CheckpointMixin
+from easyrl.workers.model_setup import (
+    DTYPES,
+    build_optimizer,
+    build_scheduler,
+    iter_full_weights,
+    load_model,
+    load_to_device,
+    offload_to_cpu,
+    shard_model,
+)
+from easyrl.workers.packing import packed_attn_implementation
+from easyrl.workers.specs import ModelSpec
+
+
+class TrainableModel:
+    """The sharded model of one role, with its optimizer and LR schedule when the role trains it."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        dtype = DTYPES[spec.torch_dtype] if spec.torch_dtype else torch.float32
+        attn = packed_attn_implementation() if spec.forward.padding_free else None
+        model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
+        if not spec.trainable:
+            model.requires_grad_(False)
+        checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing
+        self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        if spec.optim is not None:
+            self.optimizer = build_optimizer(self.module, spec.optim)
+            self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.total_optimizer_steps)
+        else:
+            self.module.eval()
+
+    def offload(self, with_optimizer: bool = True) -> None:
+        """Move what `offload` names (parameters, optimizer states) to the host (CUDA only)."""
+        off = self.spec.offload
+        optimizer = self.optimizer if with_optimizer else None
+        offload_to_cpu(self.module, optimizer, off.offload_params, off.offload_optimizer)
+
+    def reload(self, with_optimizer: bool = True) -> None:
+        """Undo `offload`."""
+        off = self.spec.offload
+        optimizer = self.optimizer if with_optimizer else None
+        load_to_device(self.module, optimizer, off.offload_params, off.offload_optimizer, self.device)
+
+    @contextmanager
+    def resident(self, with_optimizer: bool = True) -> Iterator[None]:
+        """On the accelerator for the block only: an offloaded role holds no GPU memory while the engine generates.
+        `with_optimizer=False` for forward passes (the optimizer states stay where they are)."""
+        self.reload(with_optimizer)
+        try:
+            yield
+        finally:
+            self.offload(with_optimizer)
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one parameter at a time; every rank must consume it (the gathers are collectives)."""
+        return iter_full_weights(self.module)
+
+
+class TrainedRole(CheckpointMixin):
+    """A role that trains its model (actor, critic): checkpoints its model, optimizer and LR schedule."""
+
+    trainable: TrainableModel
+
+    def build_trainable(self, spec: ModelSpec, device: torch.device) -> TrainableModel:
+        """Build the role's `TrainableModel` and expose what `CheckpointMixin` saves (model, optimizer, scheduler)."""
+        trainable = TrainableModel(spec, device)
+        assert trainable.optimizer is not None, "a trained role needs worker.<role>.optim"
+        self.trainable = trainable
+        self.model, self.optimizer, self.scheduler = trainable.module, trainable.optimizer, trainable.scheduler
+        return trainable
+
+    def checkpoint_sources(self) -> tuple[str | None, str | None]:
+        return self.trainable.spec.checkpoint_files

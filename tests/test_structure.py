@@ -1,0 +1,135 @@
+"""The package's shape, read from its source with `ast`: no import cycle, workers never see the whole config, roles
+are peers (no role imports another's private names), and no function grows past the size budget."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "easyrl"
+ROLE_MODULES = ("easyrl.workers.actor", "easyrl.workers.critic", "easyrl.workers.ref")
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (imports for annotations only: never executed)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def _imports(module: str) -> list[tuple[str, list[str]]]:
+    """(imported easyrl module, names taken from it) for every import the module executes, at any depth."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = _type_checking_nodes(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("easyrl")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("easyrl"):
+                continue
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in MODULES else (base, [alias.name]))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {target for target, _ in _imports(m) if target in MODULES and target != m} for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_inside_easyrl() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_workers_never_import_the_whole_config() -> None:
+    offenders = [
+        m
+        for m in MODULES
+        if m.startswith("easyrl.workers")
+        for target, names in _imports(m)
+        if "EasyRLConfig" in names or (target == "easyrl.config" and not names)
+    ]
+    assert not offenders, f"worker modules importing EasyRLConfig: {offenders}"
+
+
+@pytest.mark.parametrize("role", ROLE_MODULES)
+def test_roles_do_not_import_each_others_private_names(role: str) -> None:
+    for target, names in _imports(role):
+        if target in ROLE_MODULES and target != role:
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"{role} imports private {private} from {target}"
+
+
+def test_no_function_over_the_size_budget() -> None:
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

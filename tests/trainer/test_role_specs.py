@@ -1,0 +1,171 @@
+"""Workers are built from their spec alone: the driver resolves the config into one frozen spec per role, and a
+worker given only that spec (pickled, as Ray sends it) loads, generates, scores and trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from easyrl.batch import Batch
+from easyrl.config import EasyRLConfig, load_config
+from easyrl.trainer.role_specs import build_role_specs, sampling_params
+from tests.conftest import base_config, write_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(tmp_path: Path, model_dir: str, data: dict[str, str], **algorithm: object) -> EasyRLConfig:
+    raw = base_config(model_dir, data, tmp_path / "ckpt")
+    raw["algorithm"] = {"adv_estimator": "gae", "disable_kl": False, "use_kl_loss": True, **algorithm}
+    raw["trainer"]["n_gpus_per_node"] = 1
+    raw["worker"]["critic"] = {"global_batch_size": 2, "micro_batch_size_per_device_for_update": 2}
+    return load_config(write_config(tmp_path / "cfg.yaml", raw), [])
+
+
+USER_ESTIMATORS = """
+from easyrl.algorithms import EstimatorNeeds, get_advantage_estimator, register_advantage_estimator
+
+
+@register_advantage_estimator("spec_test_user_gae", needs=EstimatorNeeds(needs_critic=True))
+def user_gae(**kwargs):
+    return get_advantage_estimator("gae")(**kwargs)
+
+
+@register_advantage_estimator("spec_test_user_plain")
+def user_plain(**kwargs):
+    return get_advantage_estimator("reinforce_plus_plus")(**kwargs)
+
+
+@register_advantage_estimator("spec_test_user_grouped", needs=EstimatorNeeds(grouped=True))
+def user_grouped(**kwargs):
+    return get_advantage_estimator("grpo")(**kwargs)
+"""
+
+
+def test_a_user_estimator_declaring_needs_critic_gets_a_critic(tmp_path, tiny_model_dir, digits_data) -> None:
+    module = tmp_path / "user_estimators.py"
+    module.write_text(USER_ESTIMATORS)
+    users = [str(module)]
+    with_critic = _config(
+        tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_gae", user_modules=users
+    )
+    specs = build_role_specs(with_critic, optimizer_steps=4, world_size=1)
+    assert specs.critic is not None and specs.critic.model.kind == "value"
+    plain = _config(tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_plain", user_modules=users)
+    assert build_role_specs(plain, optimizer_steps=4, world_size=1).critic is None
+    # the validator reads the same declarations: a grouped user estimator needs n >= 2
+    from easyrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.rollout\.n: spec_test_user_grouped compares"):
+        raw = base_config(tiny_model_dir, digits_data, tmp_path / "ckpt")
+        raw["algorithm"] = {"adv_estimator": "spec_test_user_grouped", "user_modules": users}
+        raw["worker"]["rollout"]["n"] = 1
+        load_config(write_config(tmp_path / "grouped.yaml", raw), [])
+
+
+def test_kl_mode_is_derived_once() -> None:
+    from easyrl.config.algorithm import AlgorithmConfig, KLMode
+
+    assert AlgorithmConfig(disable_kl=True, use_kl_loss=True).kl_mode == KLMode.OFF
+    assert AlgorithmConfig(use_kl_loss=True).kl_mode == KLMode.IN_LOSS
+    assert AlgorithmConfig().kl_mode == KLMode.IN_REWARD
+
+
+def _reaches_config(obj: object) -> bool:
+    """Whether `obj` holds an `EasyRLConfig` anywhere in its dataclass fields."""
+    if isinstance(obj, EasyRLConfig):
+        return True
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_reaches_config(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return False
+
+
+def _prompts(tokenizer_dir: str, texts: list[str]) -> Batch:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+
+
+@pytest.fixture
+def single_process(monkeypatch: pytest.MonkeyPatch):
+    """This process as a world of one worker (the env Ray's worker group would set)."""
+    import torch.distributed as dist
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_specs_carry_no_config_and_do_the_batch_arithmetic(tmp_path, tiny_model_dir, digits_data) -> None:
+    cfg = _config(tmp_path, tiny_model_dir, digits_data)
+    specs = build_role_specs(cfg, optimizer_steps=4, world_size=2)
+    assert specs.ref is not None and specs.critic is not None
+    for spec in (specs.actor, specs.ref, specs.critic):
+        assert not _reaches_config(spec)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.process = spec.process  # type: ignore[misc]
+    # global_batch_size 2 * n 2 over 2 workers: 2 samples per optimizer step on each rank
+    assert specs.actor.update.mini_batch_size == 2 and specs.critic.update.mini_batch_size == 2
+    assert specs.actor.loss.kl_in_loss and specs.critic.model.kind == "value"
+    assert specs.ref.model.optim is None and specs.ref.model.model.model_path == tiny_model_dir
+
+
+def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_data, single_process) -> None:
+    from easyrl.workers.actor import ActorWorker
+    from easyrl.workers.critic import CriticWorker
+    from easyrl.workers.ref import RefWorker
+
+    cfg = _config(tmp_path, tiny_model_dir, digits_data)
+    specs = build_role_specs(cfg, optimizer_steps=4, world_size=1)
+    sampling = sampling_params(cfg).override({"seed": 5})
+    sent = pickle.dumps(specs)  # what crosses to the worker processes
+    del cfg, specs
+    specs = pickle.loads(sent)
+
+    actor = ActorWorker(specs.actor)
+    actor.init_model()
+    prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
+    prompts.meta["sampling"] = sampling
+    out = actor.generate_sequences(prompts)
+    assert out["responses"].shape == (2 * sampling.n, sampling.max_tokens)  # the engine returned B*n rows
+    assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(sampling.n, 0))
+    batch = out.union(actor.compute_log_probs(out))
+
+    ref = RefWorker(specs.ref)
+    ref.init_model()
+    batch = batch.union(ref.compute_ref_log_probs(batch))
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(batch["ref_log_probs"][mask], batch["old_log_probs"][mask], atol=1e-5)  # same weights
+
+    critic = CriticWorker(specs.critic)
+    critic.init_model()
+    batch = batch.union(critic.compute_values(batch))
+    assert batch["values"].shape == batch["responses"].shape
+
+    advantages = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).float() * mask
+    batch.set(advantages=advantages, returns=advantages)
+    before = {k: v.detach().clone() for k, v in actor.full_weights().items()}
+    metrics = actor.update_actor(batch)
+    assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics and metrics["actor/skipped_updates"] == 0
+    after = actor.full_weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
+    assert "critic/vf_loss" in critic.update_critic(batch)
