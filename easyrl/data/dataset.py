@@ -19,7 +19,13 @@ from easyrl.config.data import DataConfig
 from easyrl.data.loading import DataError, Row, load_rows
 from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
 from easyrl.data.multimodal import MediaTokenCounts, MultimodalError, encode_multimodal_prompt, media_token_counts
-from easyrl.data.prompts import PromptError, PromptRenderer, check_messages, load_chat_template
+from easyrl.data.prompts import (
+    PromptError,
+    PromptRenderer,
+    UnsafeTemplateError,
+    check_messages,
+    load_chat_template,
+)
 
 
 __all__ = ["BAD_ROW_REASONS", "RLDataset"]
@@ -173,6 +179,8 @@ class RLDataset:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
+        except UnsafeTemplateError as exc:  # the same for every row: stop, never count it as a bad row
+            raise DataError(str(exc)) from exc
         sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
         if self.processor is not None and (images or videos):
             try:
