@@ -33,7 +33,8 @@ class EasyRLConfig:
     """Run length, resources, logging, validation and checkpoints."""
 
 
-from easyrl.config.loader import ConfigError, load_config, to_masked_dict  # noqa: E402
+from easyrl.config.loader import ConfigError, load_config, load_config_and_secrets, to_masked_dict  # noqa: E402
+from easyrl.config.secrets import Secrets  # noqa: E402
 
 
 __all__ = [
@@ -50,8 +51,10 @@ __all__ = [
     "RefConfig",
     "RewardConfig",
     "RolloutConfig",
+    "Secrets",
     "TrainerConfig",
     "WorkerConfig",
     "load_config",
+    "load_config_and_secrets",
     "to_masked_dict",
 ]

@@ -1,8 +1,8 @@
 """Build an `EasyRLConfig` from dataclass defaults, a YAML file and `key=value` overrides.
 
 Every problem is reported as a `ConfigError` naming the key and how to fix it, before anything starts.
-Secrets: values of secret-looking keys and of `${oc.env:...}` interpolations are masked in every
-printed or logged form of the config (`to_masked_dict`).
+Secrets: `load_config_and_secrets` also returns the config's `Secrets` (values of secret-looking keys and of
+`${oc.env:...}` interpolations; see `easyrl.config.secrets`), which the run scrubs from everything it writes.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +17,12 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from easyrl.config.secrets import Secrets, find_secrets
+
 
 if TYPE_CHECKING:
     from easyrl.config import EasyRLConfig
 
-MASK = "***"
-SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
 # Keys an EasyR1 config may use that easyrl spells differently: old key -> our key (docs/config.md lists them).
 EASYR1_RENAMES = {
     "worker.reward.score_function": "worker.reward.reward_function",
@@ -65,6 +64,13 @@ class ConfigError(ValueError):
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> EasyRLConfig:
     """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute."""
+    return load_config_and_secrets(path, overrides)[0]
+
+
+def load_config_and_secrets(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> tuple[EasyRLConfig, Secrets]:
+    """`load_config`, and the config's secrets (what a run must scrub from every file and line it writes)."""
     from easyrl.config import EasyRLConfig
     from easyrl.config.validate import validate
 
@@ -82,7 +88,6 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         assert isinstance(merged_cli, DictConfig)
         user = merged_cli
     user = _apply_easyr1_compat(user, notes)
-    secret_paths = _interpolated_env_paths(user)
     _check_unknown_keys(user, EasyRLConfig, "")
     base = OmegaConf.structured(EasyRLConfig)
     try:
@@ -94,9 +99,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
     import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
-    object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))
+    raw = OmegaConf.to_container(user, resolve=False)
+    assert isinstance(raw, dict)
+    secrets = find_secrets(raw, dataclasses.asdict(cfg), _schema_paths(EasyRLConfig))
     object.__setattr__(cfg, "_notes", tuple(notes))
-    return cfg
+    return cfg, secrets
 
 
 def import_user_modules(paths: list[str]) -> None:
@@ -187,19 +194,6 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return root
-
-
-def _interpolated_env_paths(user: DictConfig) -> set[str]:
-    flat = _flatten(OmegaConf.to_container(user, resolve=False))
-    found = set()
-    for key, value in flat.items():
-        if isinstance(value, dict):
-            for sub_key, sub in _flatten(value).items():
-                if isinstance(sub, str) and "${oc.env:" in sub:
-                    found.add(f"{key}.{sub_key}")
-        elif isinstance(value, str) and "${oc.env:" in value:
-            found.add(key)
-    return found
 
 
 def _check_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
@@ -294,52 +288,6 @@ def _schema_paths(schema: type, prefix: str = "") -> set[str]:
     return out
 
 
-def _is_secret(path: str, key: str, value: Any, secret_paths: frozenset[str], schema: set[str]) -> bool:
-    if path in secret_paths:
-        return True
-    if path in schema or isinstance(value, (dict, list)) or value in (None, ""):
-        return False
-    return bool(SECRET_KEY.search(key))
-
-
-def to_masked_dict(cfg: EasyRLConfig) -> dict[str, Any]:
-    """The config as plain data with secrets replaced by `***` (safe to print, log and save)."""
-    from easyrl.config import EasyRLConfig
-
-    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
-    return _mask(dataclasses.asdict(cfg), "", secret_paths, _schema_paths(EasyRLConfig))
-
-
-def _mask(tree: Any, prefix: str, secret_paths: frozenset[str], schema: set[str]) -> Any:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            out[k] = (
-                MASK if _is_secret(path, str(k), v, secret_paths, schema) else _mask(v, path, secret_paths, schema)
-            )
-        return out
-    if isinstance(tree, (list, tuple)):
-        return [_mask(v, prefix, secret_paths, schema) for v in tree]
-    return tree
-
-
-def secret_values(cfg: EasyRLConfig) -> list[str]:
-    """Every secret string in the config (to scrub from logs and generations)."""
-    from easyrl.config import EasyRLConfig
-
-    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
-    schema = _schema_paths(EasyRLConfig)
-    found: list[str] = []
-
-    def walk(tree: Any, prefix: str) -> None:
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                path = f"{prefix}.{k}" if prefix else str(k)
-                if _is_secret(path, str(k), v, secret_paths, schema):
-                    found.append(str(v))
-                else:
-                    walk(v, path)
-
-    walk(dataclasses.asdict(cfg), "")
-    return found
+def to_masked_dict(cfg: EasyRLConfig, secrets: Secrets) -> dict[str, Any]:
+    """The config as plain data with its secrets replaced by `***` (safe to print, log and save)."""
+    return secrets.mask(dataclasses.asdict(cfg))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from easyrl.config.secrets import Secrets
+
 
 class Logger:
     """One destination for metrics. Subclasses override what they support."""
@@ -22,31 +24,38 @@ class Logger:
 
 
 class Tracker:
-    """Sends everything to each logger in turn."""
+    """Sends everything to each logger in turn, with the run's secret values scrubbed from every string first:
+    the one gate between the run and its files, so no logger can write a secret whatever key it hides under."""
 
-    def __init__(self, loggers: list[Logger]) -> None:
+    def __init__(self, loggers: list[Logger], secrets: Secrets) -> None:
         self.loggers = loggers
+        self.secrets = secrets
 
     def log_config(self, config: dict[str, Any]) -> None:
+        clean = self.secrets.scrub_tree(config)
         for lg in self.loggers:
-            lg.log_config(config)
+            lg.log_config(clean)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k: float(v) for k, v in sorted(metrics.items())}  # non-finite values are kept: they are evidence
+        # non-finite values are kept: they are evidence
+        clean = {self.secrets.scrub(k): float(v) for k, v in sorted(metrics.items())}
         for lg in self.loggers:
             lg.log_metrics(clean, step)
 
     def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
+        clean = [self.secrets.scrub_tree(row) for row in rows]
         for lg in self.loggers:
-            lg.log_generations(rows, step)
+            lg.log_generations(clean, step)
 
     def close(self) -> None:
         for lg in self.loggers:
             lg.close()
 
 
-def build_tracker(names: list[str], run_dir: str, project: str, experiment: str, total_steps: int) -> Tracker:
-    """The loggers named in `trainer.logger`."""
+def build_tracker(
+    names: list[str], run_dir: str, project: str, experiment: str, total_steps: int, secrets: Secrets
+) -> Tracker:
+    """The loggers named in `trainer.logger`, behind a gate that scrubs `secrets` from all they receive."""
     from easyrl.loggers.console import ConsoleLogger
     from easyrl.loggers.file import FileLogger
 
@@ -60,4 +69,4 @@ def build_tracker(names: list[str], run_dir: str, project: str, experiment: str,
             from easyrl.loggers.trackers import build_external
 
             loggers.append(build_external(name, run_dir, project, experiment))
-    return Tracker(loggers)
+    return Tracker(loggers, secrets)

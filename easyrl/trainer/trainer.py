@@ -10,7 +10,7 @@ import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
-from easyrl.config import EasyRLConfig, to_masked_dict
+from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.protocol import Batch
 from easyrl.trainer.core import (
     apply_kl_in_reward,
@@ -40,7 +40,7 @@ class StopRequested(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: EasyRLConfig) -> None:
+    def __init__(self, cfg: EasyRLConfig, secrets: Secrets) -> None:
         from easyrl.loggers import build_tracker
         from easyrl.rewards import RewardManager
 
@@ -75,9 +75,14 @@ class Trainer:
             if resume_from is not None:
                 self.resume(resume_from)
             self.tracker = build_tracker(
-                cfg.trainer.logger, run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name, self.total_steps
+                cfg.trainer.logger,
+                run_dir,
+                cfg.trainer.project_name,
+                cfg.trainer.experiment_name,
+                self.total_steps,
+                secrets,
             )
-            self.tracker.log_config(to_masked_dict(cfg))
+            self.tracker.log_config(to_masked_dict(cfg, secrets))
         except BaseException:
             self.close()  # release whatever started (processes, workers, the placement group)
             raise

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from easyrl.config import ConfigError, load_config, to_masked_dict
+from easyrl.config import ConfigError, load_config, load_config_and_secrets, to_masked_dict
 from tests.conftest import REPO, base_config, write_config
 
 
@@ -39,7 +39,7 @@ def test_reward_function_default_name_is_main(
 
 def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -> None:
     monkeypatch.setenv("EASYRL_TEST_SECRET", "s3cr3t-value-123")
-    cfg = load_config(
+    cfg, secrets = load_config_and_secrets(
         good_config,
         [
             "+worker.reward.reward_function_kwargs.api_key=sk-abcdef",
@@ -47,9 +47,9 @@ def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -
         ],
     )
     assert cfg.trainer.experiment_name == "s3cr3t-value-123"  # resolved for use
-    text = json.dumps(to_masked_dict(cfg))
+    text = json.dumps(to_masked_dict(cfg, secrets))
     assert "sk-abcdef" not in text and "s3cr3t-value-123" not in text
-    masked = to_masked_dict(cfg)
+    masked = to_masked_dict(cfg, secrets)
     assert masked["worker"]["reward"]["reward_function_kwargs"]["api_key"] == "***"
     assert masked["data"]["prompt_key"] == "prompt"  # our own *_key fields are not secrets
 
