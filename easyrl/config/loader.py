@@ -80,10 +80,7 @@ def load_config_and_secrets(
         _check_dotlist_form(overrides)
         # Hydra's `+key=value` (add a key) is accepted: free-form mappings take new keys without it anyway.
         overrides = [item[1:] if item.startswith("+") else item for item in overrides]
-        try:
-            cli = OmegaConf.from_dotlist(list(overrides))
-        except OmegaConfBaseException as exc:
-            raise ConfigError("command line", f"cannot parse overrides {overrides}: {exc.msg}") from None
+        cli = _parse_overrides(overrides)
         merged_cli = OmegaConf.merge(user, cli)
         assert isinstance(merged_cli, DictConfig)
         user = merged_cli
@@ -136,6 +133,8 @@ def _read_yaml(path: str | os.PathLike[str]) -> DictConfig:
         raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError("config", f"{p} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -149,6 +148,31 @@ def _check_dotlist_form(overrides: list[str]) -> None:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, "overrides are written key=value, e.g. worker.rollout.n=8")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the shell arrive as lone surrogates
+            raise ConfigError(
+                item.split("=", 1)[0].encode("utf-8", "backslashreplace").decode(),
+                "holds bytes that are not UTF-8 (a file name in another encoding?); rename it or give a UTF-8 value",
+            ) from None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """The overrides as a config; a value that does not parse is named by its key (the value is not repeated: it
+    may be a secret)."""
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(
+                item.split("=", 1)[0],
+                f"the value on the command line does not parse ({problem}); write lists as key=[a,b] and quote "
+                "values holding brackets, braces or commas",
+            ) from None
+    cli = OmegaConf.from_dotlist(list(overrides))
+    assert isinstance(cli, DictConfig)
+    return cli
 
 
 def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
