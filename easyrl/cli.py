@@ -48,24 +48,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"easyrl: {exc}", file=sys.stderr)
             return 2
         return 0
-    from easyrl.config import ConfigError, load_config
+    from easyrl.config import ConfigError, load_config_and_secrets
+    from easyrl.config.secrets import guard_console
 
     notes: list[str] = []
     try:
-        cfg = load_config(args.config, args.overrides, notes)
+        cfg, secrets = load_config_and_secrets(args.config, args.overrides, notes)
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
+    guard_console(secrets)
     for note in notes:
         logging.getLogger("easyrl").info(note)
     if args.command == "check":
         from easyrl.check import run_check
 
         return run_check(cfg)
-    return _train(cfg)
+    return _train(cfg, secrets)
 
 
-def _train(cfg) -> int:  # type: ignore[no-untyped-def]
+def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
     from easyrl.check import plan_lines
     from easyrl.config import ConfigError
     from easyrl.trainer.trainer import StopRequested, Trainer
@@ -75,7 +77,7 @@ def _train(cfg) -> int:  # type: ignore[no-untyped-def]
         log.info(line)
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, secrets)
         _install_stop_handlers(trainer)
         trainer.fit()
     except ConfigError as exc:

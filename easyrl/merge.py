@@ -6,6 +6,10 @@ intact). The full tensors are reassembled from however many `model_rank*_of*.saf
 converted to `--dtype` (default: the dtype in the saved `config.json`), and written as safetensors (split into
 several files with an index past `--max-shard-size-gb`) next to the saved config, generation config and
 tokenizer. The default output is `<role folder>/huggingface_merged`. Only JSON and safetensors are read.
+
+The output may not be the checkpoint, hold it, or sit anywhere else in the run folder (the folder holding the
+`global_step_*` folders): a merge must never replace or mix with what training wrote. Every merge output carries an
+`easyrl_merged.json` marker, and `--overwrite` replaces only a folder that has it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import MANIFEST, is_complete
+from easyrl.checkpoint.manager import MANIFEST, is_complete, read_manifest
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR
 
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+MERGE_MARKER = "easyrl_merged.json"
+DEFAULT_OUTPUT = "huggingface_merged"
 
 
 def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]:
@@ -43,13 +49,56 @@ def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]
     else:
         step_folder, role_folder = path, os.path.join(path, role)
     if not is_complete(step_folder):
-        raise CheckpointError(
-            f"{step_folder} is not a complete checkpoint (no valid {MANIFEST} manifest, or files missing or "
-            f"truncated): its save was interrupted; merge another global_step_* folder"
-        )
+        raise CheckpointError(f"{step_folder} is not a complete checkpoint: {_what_is_missing(step_folder)}")
     if not os.path.isdir(role_folder):
         raise CheckpointError(f"{step_folder} has no {os.path.basename(role_folder)!r} folder")
     return step_folder, role_folder
+
+
+def _what_is_missing(step_folder: str) -> str:
+    """Why `step_folder` fails the completeness check, in the words a user can act on."""
+    if not os.path.isfile(os.path.join(step_folder, MANIFEST)):
+        return (
+            f"it has no {MANIFEST} manifest, so it is not a checkpoint written by easyrl train (or its save was "
+            "interrupted before the end); pass a global_step_<N> folder of a run"
+        )
+    manifest = read_manifest(step_folder)
+    if manifest is None:
+        return f"its {MANIFEST} manifest is unreadable or malformed; merge another global_step_* folder"
+    for rel, entry in sorted(manifest["files"].items()):
+        path = os.path.join(step_folder, rel)
+        if not os.path.isfile(path):
+            return f"{rel}, listed in its {MANIFEST} manifest, is missing"
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if os.path.getsize(path) != size:
+            return f"{rel} has {os.path.getsize(path)} bytes where its {MANIFEST} manifest says {size}"
+    return f"a file listed in its {MANIFEST} manifest does not match it"
+
+
+def check_output(out: str, step_folder: str, role_folder: str, overwrite: bool) -> None:
+    """Refuse an output that would replace or mix with what training wrote (see the module docstring)."""
+    out, step, role = (os.path.realpath(p) for p in (out, step_folder, role_folder))
+    run = os.path.dirname(step)
+
+    def inside(path: str, folder: str) -> bool:
+        return path == folder or path.startswith(folder + os.sep)
+
+    if inside(step, out):
+        raise CheckpointError(f"--output {out} is the checkpoint {step} or a folder holding it; choose another")
+    if inside(out, run) and out != os.path.join(role, DEFAULT_OUTPUT):
+        raise CheckpointError(
+            f"--output {out} is inside the run folder {run}, where training writes; choose a folder outside it "
+            f"(or leave --output out for the default {os.path.join(role, DEFAULT_OUTPUT)})"
+        )
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise CheckpointError(f"{out} already exists (pass --overwrite to replace a previous merge output)")
+    if not os.path.isdir(out) or os.path.islink(out) or not os.path.isfile(os.path.join(out, MERGE_MARKER)):
+        raise CheckpointError(
+            f"{out} exists and is not an easyrl merge output (no {MERGE_MARKER} in it): --overwrite replaces only "
+            "a previous merge output; remove it yourself or choose another --output"
+        )
 
 
 def _target_dtype(config: dict, dtype: str | None) -> torch.dtype | None:
@@ -68,14 +117,13 @@ def merge_checkpoint(
     overwrite: bool = False,
 ) -> str:
     """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring)."""
-    _, role_folder = resolve_role_folder(checkpoint, role)
+    step_folder, role_folder = resolve_role_folder(checkpoint, role)
+    out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
+    check_output(out, step_folder, role_folder, overwrite)
     hf_src = os.path.join(role_folder, HF_DIR)
     config = fsio.read_json(os.path.join(hf_src, "config.json"))
     if not isinstance(config, dict):
         raise CheckpointError(f"{hf_src}/config.json does not hold a config")
-    out = os.path.abspath(output or os.path.join(role_folder, "huggingface_merged"))
-    if os.path.exists(out) and not overwrite:
-        raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
     reader = ShardedReader(role_folder)
     target = _target_dtype(config, dtype)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -108,6 +156,7 @@ def merge_checkpoint(
         for entry in sorted(os.listdir(hf_src)):
             if entry != "config.json" and os.path.isfile(os.path.join(hf_src, entry)):
                 fsio.copy_file(os.path.join(hf_src, entry), os.path.join(tmp, entry))
+        fsio.write_json(os.path.join(tmp, MERGE_MARKER), {"source": role_folder, "tensors": len(names)})
         fsio.fsync_dir(tmp)
         if os.path.exists(out):
             fsio.rmtree(out)
@@ -157,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--role", default="actor", help="role subfolder merged from a global_step_<N> folder")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="split the weights past this size")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output folder written by an earlier merge"
+    )
     return parser
 
 

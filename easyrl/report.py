@@ -127,7 +127,8 @@ def render_png(plot: Plot, series: Series) -> bytes:
     ax = fig.add_subplot()
     for key in plot.keys:
         xs, ys = series[key]
-        label = key.removeprefix("timing_s/") if plot.name == "timing" else key
+        # Metric names are data, never markup: `$` escaped so matplotlib shows `$\x$` instead of parsing it as math.
+        label = _plain(key.removeprefix("timing_s/") if plot.name == "timing" else key)
         if key == plot.total:
             ax.plot(xs, ys, "k--", linewidth=1.6, label=f"{label} (total)", zorder=3)
         elif key in plot.sparse:
@@ -144,6 +145,11 @@ def render_png(plot: Plot, series: Series) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+def _plain(text: str) -> str:
+    """`text` as matplotlib shows it literally (mathtext reads `$...$` as TeX, and bad TeX raises)."""
+    return text.replace("$", r"\$")
 
 
 def _fmt(value: Any) -> str:

@@ -207,13 +207,13 @@ def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[
     """Train with ``config`` (saved as ``run/cfg.yaml``; it logs to ``run/out``) and return the logged rows."""
     import yaml
 
-    from easyrl.config import load_config
+    from easyrl.config import load_config_and_secrets
     from easyrl.distributed import init_ray
     from easyrl.trainer.trainer import Trainer
 
     (run / "cfg.yaml").write_text(yaml.safe_dump(config))
     init_ray(num_cpus=num_cpus)
-    trainer = Trainer(load_config(str(run / "cfg.yaml")))
+    trainer = Trainer(*load_config_and_secrets(str(run / "cfg.yaml")))
     try:
         trainer.fit()
     finally:

@@ -112,3 +112,17 @@ def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, dig
     assert proc.returncode == 0 and "easyrl: warning: " in proc.stdout and "head size is 16" in proc.stdout
     proc = easyrl("check", write_config(tmp_path / "cfg.yaml", base_config(unsupported, digits_data, tmp_path)))
     assert proc.returncode == 0, "the HF engine serves any head size"
+
+
+def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir, digits_data) -> None:
+    """`easyrl check` renders the prompt template: a template reaching os.system stops it, naming the file."""
+    marker = tmp_path / "pwned"
+    template = tmp_path / "evil.jinja"
+    template.write_text(f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}{{{{ content }}}}")
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["data"]["format_prompt"] = str(template)
+    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not marker.exists(), "the template ran a shell command"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("easyrl: data error:") and str(template) in last and "sandbox" in last, last

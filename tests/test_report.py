@@ -161,3 +161,12 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     keep = os.environ.get("EASYRL_REPORT_SCREENSHOT")
     if keep:  # for a human look: EASYRL_REPORT_SCREENSHOT=/tmp/report.png pytest tests/test_report.py
         shutil.copy(shot, keep)
+
+
+def test_metric_keys_are_plain_text_not_latex(tmp_path: Path) -> None:
+    """A metric key holding bad TeX (`$\\undefinedmacro$`) is drawn literally instead of crashing the report."""
+    key = "reward/$\\undefinedmacro$"
+    rows = [{"step": s, "reward/overall": 0.1 * s, key: 0.2 * s} for s in range(1, 4)]
+    (tmp_path / "experiment_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report_reward.png").stat().st_size > 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 from easyrl.config.algorithm import AlgorithmConfig
 from easyrl.config.data import DataConfig
 from easyrl.config.errors import ConfigError
-from easyrl.config.loader import load_config, to_masked_dict
+from easyrl.config.loader import load_config, load_config_and_secrets, to_masked_dict
 from easyrl.config.schema import EasyRLConfig
+from easyrl.config.secrets import Secrets
 from easyrl.config.trainer import TrainerConfig
 from easyrl.config.worker import (
     ActorConfig,
@@ -36,8 +37,10 @@ __all__ = [
     "RefConfig",
     "RewardConfig",
     "RolloutConfig",
+    "Secrets",
     "TrainerConfig",
     "WorkerConfig",
     "load_config",
+    "load_config_and_secrets",
     "to_masked_dict",
 ]

@@ -1,8 +1,8 @@
 """Build an `EasyRLConfig` from dataclass defaults, a YAML file and `key=value` overrides.
 
 Every problem is reported as a `ConfigError` naming the key and how to fix it, before anything starts.
-Secrets: values of secret-looking keys and of `${oc.env:...}` interpolations are masked in every
-printed or logged form of the config (`to_masked_dict`).
+Secrets: `load_config_and_secrets` also returns the config's `Secrets` (values of secret-looking keys and of
+`${oc.env:...}` interpolations; see `easyrl.config.secrets`), which the run scrubs from everything it writes.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,13 +18,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from easyrl.config.errors import ConfigError
+from easyrl.config.secrets import Secrets, find_secrets
 
 
 if TYPE_CHECKING:
     from easyrl.config.schema import EasyRLConfig
 
-MASK = "***"
-SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
 # Keys an EasyR1 config may use that easyrl spells differently: old key -> our key (docs/config.md lists them).
 EASYR1_RENAMES = {
     "worker.reward.score_function": "worker.reward.reward_function",
@@ -62,6 +60,13 @@ def load_config(
 ) -> EasyRLConfig:
     """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute. `notes`,
     when given, receives what the caller should tell the user (EasyR1 keys renamed or ignored)."""
+    return load_config_and_secrets(path, overrides, notes)[0]
+
+
+def load_config_and_secrets(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
+) -> tuple[EasyRLConfig, Secrets]:
+    """`load_config`, and the config's secrets (what a run must scrub from every file and line it writes)."""
     from easyrl.config.schema import EasyRLConfig
     from easyrl.config.validate import validate
 
@@ -71,15 +76,11 @@ def load_config(
         _check_dotlist_form(overrides)
         # Hydra's `+key=value` (add a key) is accepted: free-form mappings take new keys without it anyway.
         overrides = [item[1:] if item.startswith("+") else item for item in overrides]
-        try:
-            cli = OmegaConf.from_dotlist(list(overrides))
-        except OmegaConfBaseException as exc:
-            raise ConfigError("command line", f"cannot parse overrides {overrides}: {exc.msg}") from None
+        cli = _parse_overrides(overrides)
         merged_cli = OmegaConf.merge(user, cli)
         assert isinstance(merged_cli, DictConfig)
         user = merged_cli
     user = _apply_easyr1_compat(user, notes)
-    secret_paths = _interpolated_env_paths(user)
     _check_unknown_keys(user, EasyRLConfig, "")
     base = OmegaConf.structured(EasyRLConfig)
     try:
@@ -91,8 +92,10 @@ def load_config(
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
     import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
-    object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))
-    return cfg
+    raw = OmegaConf.to_container(user, resolve=False)
+    assert isinstance(raw, dict)
+    secrets = find_secrets(raw, dataclasses.asdict(cfg), _schema_paths(EasyRLConfig))
+    return cfg, secrets
 
 
 def import_user_modules(paths: list[str]) -> None:
@@ -125,6 +128,8 @@ def _read_yaml(path: str | os.PathLike[str]) -> DictConfig:
         raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError("config", f"{p} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -138,6 +143,31 @@ def _check_dotlist_form(overrides: list[str]) -> None:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, "overrides are written key=value, e.g. worker.rollout.n=8")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the shell arrive as lone surrogates
+            raise ConfigError(
+                item.split("=", 1)[0].encode("utf-8", "backslashreplace").decode(),
+                "holds bytes that are not UTF-8 (a file name in another encoding?); rename it or give a UTF-8 value",
+            ) from None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """The overrides as a config; a value that does not parse is named by its key (the value is not repeated: it
+    may be a secret)."""
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(
+                item.split("=", 1)[0],
+                f"the value on the command line does not parse ({problem}); write lists as key=[a,b] and quote "
+                "values holding brackets, braces or commas",
+            ) from None
+    cli = OmegaConf.from_dotlist(list(overrides))
+    assert isinstance(cli, DictConfig)
+    return cli
 
 
 def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
@@ -183,19 +213,6 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return root
-
-
-def _interpolated_env_paths(user: DictConfig) -> set[str]:
-    flat = _flatten(OmegaConf.to_container(user, resolve=False))
-    found = set()
-    for key, value in flat.items():
-        if isinstance(value, dict):
-            for sub_key, sub in _flatten(value).items():
-                if isinstance(sub, str) and "${oc.env:" in sub:
-                    found.add(f"{key}.{sub_key}")
-        elif isinstance(value, str) and "${oc.env:" in value:
-            found.add(key)
-    return found
 
 
 def _check_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
@@ -290,52 +307,6 @@ def _schema_paths(schema: type, prefix: str = "") -> set[str]:
     return out
 
 
-def _is_secret(path: str, key: str, value: Any, secret_paths: frozenset[str], schema: set[str]) -> bool:
-    if path in secret_paths:
-        return True
-    if path in schema or isinstance(value, (dict, list)) or value in (None, ""):
-        return False
-    return bool(SECRET_KEY.search(key))
-
-
-def to_masked_dict(cfg: EasyRLConfig) -> dict[str, Any]:
-    """The config as plain data with secrets replaced by `***` (safe to print, log and save)."""
-    from easyrl.config.schema import EasyRLConfig
-
-    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
-    return _mask(dataclasses.asdict(cfg), "", secret_paths, _schema_paths(EasyRLConfig))
-
-
-def _mask(tree: Any, prefix: str, secret_paths: frozenset[str], schema: set[str]) -> Any:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            out[k] = (
-                MASK if _is_secret(path, str(k), v, secret_paths, schema) else _mask(v, path, secret_paths, schema)
-            )
-        return out
-    if isinstance(tree, (list, tuple)):
-        return [_mask(v, prefix, secret_paths, schema) for v in tree]
-    return tree
-
-
-def secret_values(cfg: EasyRLConfig) -> list[str]:
-    """Every secret string in the config (to scrub from logs and generations)."""
-    from easyrl.config.schema import EasyRLConfig
-
-    secret_paths: frozenset[str] = getattr(cfg, "_secret_paths", frozenset())
-    schema = _schema_paths(EasyRLConfig)
-    found: list[str] = []
-
-    def walk(tree: Any, prefix: str) -> None:
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                path = f"{prefix}.{k}" if prefix else str(k)
-                if _is_secret(path, str(k), v, secret_paths, schema):
-                    found.append(str(v))
-                else:
-                    walk(v, path)
-
-    walk(dataclasses.asdict(cfg), "")
-    return found
+def to_masked_dict(cfg: EasyRLConfig, secrets: Secrets) -> dict[str, Any]:
+    """The config as plain data with its secrets replaced by `***` (safe to print, log and save)."""
+    return secrets.mask(dataclasses.asdict(cfg))

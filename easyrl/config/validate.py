@@ -99,6 +99,10 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.rollout.temperature", "must be >= 0 (0 means greedy)")
     if not 0 < cfg.worker.rollout.top_p <= 1:
         raise ConfigError("worker.rollout.top_p", f"must be in (0, 1], got {cfg.worker.rollout.top_p}")
+    if cfg.worker.rollout.top_k < -1:  # both engines read -1 and 0 as "off"
+        raise ConfigError(
+            "worker.rollout.top_k", f"must be -1 or 0 (off) or a positive integer, got {cfg.worker.rollout.top_k}"
+        )
     if not 0 < cfg.worker.rollout.gpu_memory_utilization <= 1:
         raise ConfigError("worker.rollout.gpu_memory_utilization", "must be in (0, 1]")
     if cfg.worker.actor.optim.lr <= 0:
@@ -215,7 +219,26 @@ def _check_files(cfg: EasyRLConfig) -> None:
         folder = _get(cfg, key)
         if folder and not Path(str(folder)).is_dir():
             raise ConfigError(key, f"folder not found: {folder}")
+    _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
     _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _check_load_checkpoint(path: str | None) -> None:
+    """A resume target that is not there is found now, not after the workers have started."""
+    from easyrl.checkpoint.manager import MANIFEST
+
+    if not path:
+        return
+    if not Path(path).is_dir():
+        raise ConfigError(
+            "trainer.load_checkpoint_path",
+            f"{path} does not exist; give a global_step_<N> folder of an earlier run, or remove the key",
+        )
+    if not (Path(path) / MANIFEST).is_file():
+        raise ConfigError(
+            "trainer.load_checkpoint_path",
+            f"{path} is not a checkpoint: it has no {MANIFEST} manifest (give a global_step_<N> folder)",
+        )
 
 
 def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:

@@ -158,7 +158,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling."""
     top_k: int = -1
-    """Top-k sampling; -1: off."""
+    """Top-k sampling; -1 or 0: off."""
     seed: int = 1
     """Sampling seed."""
     ignore_eos: bool = False

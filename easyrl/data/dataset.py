@@ -16,10 +16,17 @@ from typing import Any
 import numpy as np
 
 from easyrl.config.data import DataConfig
+from easyrl.data.length_bound import overlong_checker
 from easyrl.data.loading import DataError, Row, load_rows
 from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
 from easyrl.data.multimodal import MediaTokenCounts, MultimodalError, encode_multimodal_prompt, media_token_counts
-from easyrl.data.prompts import PromptError, PromptRenderer, check_messages, load_chat_template
+from easyrl.data.prompts import (
+    PromptError,
+    PromptRenderer,
+    UnsafeTemplateError,
+    check_messages,
+    load_chat_template,
+)
 
 
 __all__ = ["BAD_ROW_REASONS", "RLDataset"]
@@ -108,6 +115,8 @@ class RLDataset:
         self.num_rows_read = 0
         """Rows read from the files, before validation."""
         self._image_cache: dict[str, str | None] = {}
+        # Rows that can never fit are dropped before they are tokenized (a 10 MB row took gigabytes and seconds).
+        self._cannot_fit = overlong_checker(self.tokenizer)
         self._samples = self._build(load_rows(spec))
 
     # ------------------------------------------------------------------ building
@@ -173,6 +182,12 @@ class RLDataset:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
+        except UnsafeTemplateError as exc:  # the same for every row: stop, never count it as a bad row
+            raise DataError(str(exc)) from exc
+        least = self._cannot_fit(raw_prompt, cfg.max_prompt_length) if self._cannot_fit is not None else None
+        if least is not None:
+            detail = f"prompt has at least {least} tokens ({len(raw_prompt)} characters, not tokenized)"
+            raise self._overlong(source, row_index, f"{detail} > data.max_prompt_length={cfg.max_prompt_length}")
         sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
         if self.processor is not None and (images or videos):
             try:
@@ -198,13 +213,18 @@ class RLDataset:
                     continue
                 media = " (media included)" if sample.media is not None else ""
                 detail = f"prompt has {length} tokens{media} > data.max_prompt_length={limit}"
-                if not self.cfg.filter_overlong_prompts:
-                    raise DataError(
-                        f"{sample.source}, row {sample.row_index}: overlong_prompt: {detail} "
-                        "(set data.filter_overlong_prompts=true to drop such rows)"
-                    )
-                self._reject(_BadRow("overlong_prompt", detail), sample.source, sample.row_index, drops, examples)
+                bad = self._overlong(sample.source, sample.row_index, detail)
+                self._reject(bad, sample.source, sample.row_index, drops, examples)
         return kept
+
+    def _overlong(self, source: str, row_index: int, detail: str) -> _BadRow:
+        """The bad row to drop, or (with `data.filter_overlong_prompts=false`) the error that stops loading."""
+        if not self.cfg.filter_overlong_prompts:
+            raise DataError(
+                f"{source}, row {row_index}: overlong_prompt: {detail} "
+                "(set data.filter_overlong_prompts=true to drop such rows)"
+            )
+        return _BadRow("overlong_prompt", detail)
 
     def _log_summary(self, examples: dict[str, str]) -> None:
         dropped = sum(self.drop_counts.values())

@@ -16,13 +16,25 @@ import os
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 
 
-__all__ = ["PromptError", "PromptRenderer", "check_messages", "load_chat_template", "load_prompt_template"]
+__all__ = [
+    "PromptError",
+    "PromptRenderer",
+    "UnsafeTemplateError",
+    "check_messages",
+    "load_chat_template",
+    "load_prompt_template",
+]
 
 
 class PromptError(ValueError):
     """A row cannot be rendered into a prompt (bad messages, a template referencing a missing column...)."""
+
+
+class UnsafeTemplateError(ValueError):
+    """The prompt template reached for Python internals the sandbox forbids: a property of the file, not a row."""
 
 
 def _read_text(path: str, what: str) -> str:
@@ -37,10 +49,14 @@ def load_prompt_template(path: str) -> jinja2.Template:
     """Compile the jinja prompt template at ``path``.
 
     Undefined names are errors (``StrictUndefined``): a typo in a column name must not silently render as an
-    empty string in every prompt.
+    empty string in every prompt. The template is user input, so it runs in jinja's immutable sandbox (as
+    transformers runs chat templates): no access to dunder attributes (``cycler.__init__.__globals__.os``) and
+    no mutating methods, so a template cannot reach the interpreter.
     """
     text = _read_text(path, "prompt template (data.format_prompt)")
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False
+    )
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
@@ -94,6 +110,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.template = load_prompt_template(format_prompt) if format_prompt else None
+        self.template_path = format_prompt
         self.chat_template = chat_template
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -111,6 +128,11 @@ class PromptRenderer:
         variables = {**row, "content": prompt}
         try:
             text = self.template.render(**variables)
+        except jinja2.exceptions.SecurityError as exc:
+            raise UnsafeTemplateError(
+                f"prompt template {self.template_path} (data.format_prompt) does something the sandbox forbids: "
+                f"{exc}; templates may only format the row's columns"
+            ) from exc
         except jinja2.UndefinedError as exc:
             raise PromptError(f"prompt template: {exc.message}") from exc
         except Exception as exc:  # a template error is a property of the row (e.g. a filter on a bad value)

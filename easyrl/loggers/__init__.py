@@ -1,6 +1,7 @@
 """Where metrics go: the console (a progress bar), a local jsonl file, and experiment trackers.
 
-Every logger takes already-masked config dicts: secrets never reach a logger.
+Every logger is reached through `Tracker`, which scrubs the run's secret values from every string it passes on
+(config, metric keys, generations): secrets never reach a logger.
 """
 
 from __future__ import annotations

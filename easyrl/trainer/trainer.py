@@ -11,7 +11,8 @@ import torch
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.batch import Batch
 from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
-from easyrl.config import EasyRLConfig, to_masked_dict
+from easyrl.checkpoint.lock import RunLock
+from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.validate import estimator_needs
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
@@ -44,7 +45,7 @@ class StopRequested(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: EasyRLConfig) -> None:
+    def __init__(self, cfg: EasyRLConfig, secrets: Secrets) -> None:
         from easyrl.loggers import build_tracker
         from easyrl.rewards import RewardManager
 
@@ -72,19 +73,27 @@ class Trainer:
         self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT handler; honoured between stages
         self.consecutive_skips = 0
         run_dir = cfg.trainer.save_checkpoint_path or "."
-        self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
-        # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
-        resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
-        self.reward = RewardManager(cfg.worker.reward)
+        # First, before anything touches the folder (the manager below removes leftovers of interrupted saves):
+        # a second run on the same folder stops here.
+        self.run_lock = RunLock(run_dir).acquire()
         try:
+            self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
+            # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
+            resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+            self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
             if resume_from is not None:
                 self.resume(resume_from)
             self.tracker = build_tracker(
-                cfg.trainer.logger, run_dir, cfg.trainer.project_name, cfg.trainer.experiment_name, self.total_steps
+                cfg.trainer.logger,
+                run_dir,
+                cfg.trainer.project_name,
+                cfg.trainer.experiment_name,
+                self.total_steps,
+                secrets,
             )
-            self.tracker.log_config(to_masked_dict(cfg))
+            self.tracker.log_config(to_masked_dict(cfg, secrets))
         except BaseException:
             self.close()  # release whatever started (processes, workers, the placement group)
             raise
@@ -391,6 +400,8 @@ class Trainer:
                 getattr(self, name).close()
         if hasattr(self, "workers"):
             self.workers.shutdown()
+        if hasattr(self, "run_lock"):
+            self.run_lock.release()
 
 
 def for_workers(batch: Batch, *extra: str) -> Batch:

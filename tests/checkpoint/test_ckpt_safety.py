@@ -103,7 +103,7 @@ TARGETS = [
 @pytest.mark.parametrize("kind", ["pickle", "torch_save"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_planted_payload_is_refused(checkpoint: dict[str, Any], tmp_path: Path, target: str, kind: str) -> None:
-    folder = str(tmp_path / "global_step_1")
+    folder = str(tmp_path / "run" / "global_step_1")  # merge outputs go outside the run folder
     shutil.copytree(checkpoint["folder"], folder)
     marker = tmp_path / "ran"
     (Path(folder) / target).write_bytes(payloads(str(marker))[kind])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from easyrl.config import ConfigError, load_config, to_masked_dict
+from easyrl.config import ConfigError, load_config, load_config_and_secrets, to_masked_dict
 from tests.conftest import REPO, base_config, write_config
 
 
@@ -38,7 +39,7 @@ def test_reward_function_default_name_is_main(
 
 def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -> None:
     monkeypatch.setenv("EASYRL_TEST_SECRET", "s3cr3t-value-123")
-    cfg = load_config(
+    cfg, secrets = load_config_and_secrets(
         good_config,
         [
             "+worker.reward.reward_function_kwargs.api_key=sk-abcdef",
@@ -46,9 +47,9 @@ def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch, good_config: str) -
         ],
     )
     assert cfg.trainer.experiment_name == "s3cr3t-value-123"  # resolved for use
-    text = json.dumps(to_masked_dict(cfg))
+    text = json.dumps(to_masked_dict(cfg, secrets))
     assert "sk-abcdef" not in text and "s3cr3t-value-123" not in text
-    masked = to_masked_dict(cfg)
+    masked = to_masked_dict(cfg, secrets)
     assert masked["worker"]["reward"]["reward_function_kwargs"]["api_key"] == "***"
     assert masked["data"]["prompt_key"] == "prompt"  # our own *_key fields are not secrets
 
@@ -238,6 +239,16 @@ BAD = [
     ("tp-size", {"worker.rollout.tensor_parallel_size": 3}, "worker.rollout.tensor_parallel_size", "divide"),
     ("image-dir", {"data.image_dir": "/nonexistent/images"}, "data.image_dir", "not found"),
     ("override-form", ["worker.rollout.n"], "worker.rollout.n", "key=value"),
+    ("top-k", {"worker.rollout.top_k": -7}, "worker.rollout.top_k", "-1 or 0 (off) or a positive integer"),
+    (
+        "resume-missing",
+        {"trainer.load_checkpoint_path": "/nonexistent/global_step_3"},
+        "trainer.load_checkpoint_path",
+        "does not exist",
+    ),
+    ("resume-not-checkpoint", {"trainer.load_checkpoint_path": str(REPO)}, "trainer.load_checkpoint_path", "COMPLETE"),
+    ("override-bad-list", ["trainer.logger=[console,file"], "trainer.logger", "does not parse"),
+    ("override-not-utf8", ["data.train_files=/data/\udcff\udcfe.jsonl"], "data.train_files", "not UTF-8"),
     (
         "env-missing",
         ["trainer.experiment_name=${oc.env:EASYRL_SURELY_UNSET_VAR}"],
@@ -274,6 +285,29 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
     broken.write_text("data: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(broken)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("trainer:\n  experiment_name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(latin1)
+
+
+def test_cli_one_line_for_non_utf8_and_malformed_overrides(tmp_path: Path, tiny_model_dir, digits_data) -> None:
+    """Undecodable bytes from the shell and a malformed list: one line naming the key, no traceback, and the
+    value (which may be a secret) not repeated."""
+    path = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    for override, key in (
+        (os.fsencode("data.train_files=/data/") + b"\xff\xfe.jsonl", "data.train_files"),
+        (b"+worker.reward.reward_function_kwargs.api_keys=[sk-secret-123", "worker.reward.reward_function_kwargs"),
+    ):
+        proc = subprocess.run(
+            [sys.executable.encode(), b"-m", b"easyrl.cli", b"check", path.encode(), override],
+            capture_output=True,
+            timeout=120,
+        )
+        err = proc.stderr.decode("utf-8", "replace")
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and key in lines[0], err
+        assert "Traceback" not in err and "sk-secret-123" not in err
 
 
 def test_cli_exits_2_fast_naming_the_key(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> None:

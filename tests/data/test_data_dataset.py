@@ -86,6 +86,18 @@ def test_template_referencing_missing_column_is_a_bad_row(tmp_path: Path, tokeni
     assert ds.drop_counts == {"template_error": 1}
 
 
+def test_template_cannot_reach_python_internals(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    """The classic jinja escape (cycler -> os.system) is refused by the sandbox: the command never runs and the
+    error names the template file, instead of the row being dropped as a bad row."""
+    marker = tmp_path / "pwned"
+    template = tmp_path / "evil.jinja"
+    template.write_text(f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}} {{{{ content }}}}")
+    spec = _jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "answer": "1"}])
+    with pytest.raises(DataError, match=r"evil\.jinja.*sandbox forbids"):
+        RLDataset(spec, _cfg(format_prompt=str(template), on_bad_row="drop"), tokenizer)
+    assert not marker.exists(), "the template ran a shell command"
+
+
 def test_override_chat_template_inline_and_file(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
     spec = _jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "answer": "x"}])
     inline = "{% for m in messages %}U: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from easyrl.config import Secrets
 from easyrl.loggers import build_tracker
 from easyrl.loggers.trackers import (
     TrackerNotInstalledError,
@@ -275,7 +276,7 @@ def test_flatten_config() -> None:
 
 def test_build_tracker_fans_out(clean_env: Path) -> None:
     pytest.importorskip("tensorboard")
-    tracker = build_tracker(["file", "tensorboard"], str(clean_env), "p", "e", total_steps=2)
+    tracker = build_tracker(["file", "tensorboard"], str(clean_env), "p", "e", total_steps=2, secrets=Secrets())
     tracker.log_config(CONFIG)
     tracker.log_metrics({"reward/overall": float("nan")}, 1)
     tracker.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from easyrl.config import load_config
+from easyrl.config import load_config_and_secrets
 from tests.conftest import base_config, write_config
 
 
@@ -54,8 +54,7 @@ def run(
             node = node.setdefault(p, {})
         node[leaf] = value
     conf["trainer"]["max_steps"] = steps
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", conf))
-    trainer = Trainer(cfg)
+    trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         before = trainer.actor.full_weights() if weights else None
         if weights_each_step is None:

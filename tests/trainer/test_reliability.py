@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from easyrl.checkpoint import is_complete
-from easyrl.config import load_config
+from easyrl.config import load_config_and_secrets
 from tests.conftest import base_config, write_config
 from tests.trainer.test_e2e import ray_session  # noqa: F401  (module-scoped Ray fixture)
 
@@ -38,10 +38,10 @@ def test_killed_worker_stops_the_driver_and_relaunch_resumes(tmp_path: Path, tin
     from easyrl.trainer.trainer import Trainer
 
     rng = random.Random(0)
-    cfg = load_config(_config(tmp_path, tiny_model_dir, digits_data))
+    cfg, secrets = load_config_and_secrets(_config(tmp_path, tiny_model_dir, digits_data))
     clean_exits, resumed_steps = 0, []
     for attempt in range(KILLS):
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, secrets)
         start_step = trainer.global_step
         if attempt:
             resumed_steps.append(start_step)

@@ -40,9 +40,10 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_
 
 
 def test_explicit_missing_checkpoint_is_an_error(tmp_path: Path, tiny_model_dir, digits_data) -> None:
-    from easyrl.checkpoint import CheckpointError
+    """Found by the config validation, before any worker starts."""
+    from easyrl.config import ConfigError
 
-    with pytest.raises(CheckpointError, match="global_step_99"):
+    with pytest.raises(ConfigError, match=r"trainer.load_checkpoint_path: .*global_step_99 does not exist"):
         run(
             tmp_path,
             tiny_model_dir,

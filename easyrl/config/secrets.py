@@ -1,0 +1,171 @@
+"""Which config values are secret, and scrubbing them from everything a run writes.
+
+A value is secret when it sits under a secret-looking key (at any depth of a free-form mapping, list items and
+nested mappings included: `api_keys: [...]`, `headers: {Authorization: ...}`) or when it came from the environment
+(`${oc.env:X}`, however it is spaced, alone or inside a longer string). Our own dataclass fields are never secret by
+their name (`data.prompt_key`, `worker.actor.model.tokenizer_path`), only by an environment value.
+
+Masking works twice: by path (the config dump shows `***` there) and by value. Every secret string is replaced by
+`***` wherever it appears later, so an interpolation copying it under an innocent key (`judge_copy: ${.judge}`),
+a log line, a metric key or a generation cannot carry it out. Strings shorter than `MIN_SCRUB_CHARS` are masked by
+path only: replacing every `8` or `abc` in the logs would destroy them, and a secret that short protects nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+
+MASK = "***"
+SECRET_KEY = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
+MIN_SCRUB_CHARS = 4
+# `${oc.env:NAME}` / `${ oc.env : NAME , default }`: the resolver name and the variable, whatever the spacing.
+_ENV_REF = re.compile(r"oc\.env\s*:\s*([^\s,}]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Secrets:
+    """The secrets of one loaded config: where they are and what they are."""
+
+    paths: frozenset[str] = frozenset()
+    """Dotted paths of secret values (list items as `a.b.0`), masked in the config dump."""
+    values: tuple[str, ...] = ()
+    """The secret strings, longest first (so a secret containing another is replaced whole)."""
+
+    def scrub(self, text: str) -> str:
+        """`text` with every secret value replaced by `***`."""
+        for value in self.values:
+            if value in text:
+                text = text.replace(value, MASK)
+        return text
+
+    def scrub_tree(self, tree: Any) -> Any:
+        """A copy of `tree` (dicts, lists, tuples, scalars) with every string, keys included, scrubbed."""
+        if isinstance(tree, str):
+            return self.scrub(tree)
+        if isinstance(tree, dict):
+            return {self.scrub_tree(k): self.scrub_tree(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return [self.scrub_tree(v) for v in tree]
+        return tree
+
+    def mask(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """`tree` (the config as plain data) with secret paths replaced by `***`, then every secret value."""
+
+        def walk(node: Any, path: str) -> Any:
+            if path in self.paths:
+                return MASK
+            if isinstance(node, dict):
+                return {k: walk(v, _join(path, k)) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return [walk(v, _join(path, i)) for i, v in enumerate(node)]
+            return node
+
+        masked = self.scrub_tree(walk(tree, ""))
+        assert isinstance(masked, dict)
+        return masked
+
+
+def find_secrets(raw: dict[Any, Any], resolved: dict[str, Any], schema: set[str]) -> Secrets:
+    """The secrets of a config.
+
+    Args:
+        raw: the user's config as written (interpolations unresolved), to see which values came from the environment.
+        resolved: the final config as plain data (`dataclasses.asdict`), for secret-named keys and the values.
+        schema: dotted paths of our own dataclass fields (never secret by name).
+    """
+    paths: set[str] = set()
+    values: set[str] = set()
+    for path, leaf in _leaves(raw, ""):
+        if isinstance(leaf, str):
+            names = _ENV_REF.findall(leaf)
+            if names:
+                paths.add(path)
+                values.update(os.environ.get(name, "") for name in names)
+    for path, leaf, named_secret in _leaves_with_names(resolved, "", False, schema):
+        if named_secret and leaf not in (None, ""):
+            paths.add(path)
+        if path in paths and isinstance(leaf, str):
+            values.add(leaf)
+    kept = sorted((v for v in values if len(v) >= MIN_SCRUB_CHARS), key=lambda v: (-len(v), v))
+    return Secrets(frozenset(paths), tuple(kept))
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, _join(path, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, _join(path, i))
+    else:
+        yield path, tree
+
+
+def _leaves_with_names(tree: Any, path: str, inherited: bool, schema: set[str]) -> Iterator[tuple[str, Any, bool]]:
+    """(path, leaf, whether a key on its path is secret-named): a secret key covers everything under it."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            child = _join(path, k)
+            named = inherited or (child not in schema and bool(SECRET_KEY.search(str(k))))
+            yield from _leaves_with_names(v, child, named, schema)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves_with_names(v, _join(path, i), inherited, schema)
+    else:
+        yield path, tree, inherited
+
+
+class ScrubFilter(logging.Filter):
+    """Replaces secret values in every record a handler emits: message, arguments and traceback."""
+
+    def __init__(self, secrets: Secrets) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.secrets.scrub(record.getMessage())
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.secrets.scrub(record.exc_text)
+        return True
+
+
+class ScrubbingStream:
+    """A text stream that writes to `stream` with every secret value replaced (each `write` call is scrubbed
+    whole: `print` and loggers write a line or a message per call)."""
+
+    def __init__(self, stream: Any, secrets: Secrets) -> None:
+        self._stream = stream
+        self._secrets = secrets
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._secrets.scrub(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding...: the real stream's
+        return getattr(self._stream, name)
+
+
+def guard_console(secrets: Secrets) -> None:
+    """Scrub `secrets` from this process's stdout and stderr (prints, progress bars, Ray's forwarded worker logs)
+    and from every handler of the root logger (the console and any log file)."""
+    if not isinstance(sys.stdout, ScrubbingStream):
+        sys.stdout = ScrubbingStream(sys.stdout, secrets)  # type: ignore[assignment]
+    if not isinstance(sys.stderr, ScrubbingStream):
+        sys.stderr = ScrubbingStream(sys.stderr, secrets)  # type: ignore[assignment]
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, ScrubFilter) for f in handler.filters):
+            handler.addFilter(ScrubFilter(secrets))
