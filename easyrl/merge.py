@@ -1,8 +1,8 @@
 """`easyrl merge CHECKPOINT [--output DIR] [--dtype bf16|fp16|fp32]`: sharded checkpoint -> Hugging Face folder.
 
 CHECKPOINT is a `global_step_<N>` folder (the `actor` role is merged; `--role critic` for the critic) or one of
-its role subfolders. The checkpoint must be complete (its `COMPLETE` manifest present and every listed file
-intact). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
+its role subfolders. The checkpoint must be complete and intact: every file listed in its `COMPLETE` manifest is
+present with its size and SHA-256 (`--no-verify` skips the hashing for very large checkpoints, and says so). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
 converted to `--dtype` (default: the dtype in the saved `config.json`), and written as safetensors (split into
 several files with an index past `--max-shard-size-gb`) next to the saved config, generation config and
 tokenizer. The default output is `<role folder>/huggingface_merged`. Only JSON and safetensors are read.
@@ -21,7 +21,7 @@ import torch
 
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import MANIFEST, is_complete
+from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR
 
@@ -33,8 +33,9 @@ _CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]:
-    """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders."""
+def resolve_role_folder(checkpoint: str, role: str = "actor", verify: bool = True) -> tuple[str, str]:
+    """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders,
+    verified against its manifest (`verify=False`: sizes and steps only)."""
     path = os.path.abspath(checkpoint)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} does not exist")
@@ -42,11 +43,11 @@ def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]
         step_folder, role_folder = os.path.dirname(path), path
     else:
         step_folder, role_folder = path, os.path.join(path, role)
-    if not is_complete(step_folder):
-        raise CheckpointError(
-            f"{step_folder} is not a complete checkpoint (no valid {MANIFEST} manifest, or files missing or "
-            f"truncated): its save was interrupted; merge another global_step_* folder"
+    if not verify:
+        logger.warning(
+            "--no-verify: the checksums of %s are not verified (file sizes and steps still are)", step_folder
         )
+    verify_checkpoint(step_folder, checksums=verify)
     if not os.path.isdir(role_folder):
         raise CheckpointError(f"{step_folder} has no {os.path.basename(role_folder)!r} folder")
     return step_folder, role_folder
@@ -66,9 +67,10 @@ def merge_checkpoint(
     role: str = "actor",
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    verify: bool = True,
 ) -> str:
     """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring)."""
-    _, role_folder = resolve_role_folder(checkpoint, role)
+    _, role_folder = resolve_role_folder(checkpoint, role, verify)
     hf_src = os.path.join(role_folder, HF_DIR)
     config = fsio.read_json(os.path.join(hf_src, "config.json"))
     if not isinstance(config, dict):
@@ -158,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", default="actor", help="role subfolder merged from a global_step_<N> folder")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="split the weights past this size")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 check of every checkpoint file (sizes are still checked); for very large checkpoints",
+    )
     return parser
 
 
@@ -168,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         out = merge_checkpoint(
-            args.checkpoint, args.output, args.dtype, args.role, int(args.max_shard_size_gb * 2**30), args.overwrite
+            args.checkpoint,
+            args.output,
+            args.dtype,
+            args.role,
+            int(args.max_shard_size_gb * 2**30),
+            args.overwrite,
+            verify=not args.no_verify,
         )
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)

@@ -67,7 +67,12 @@ class Trainer:
         run_dir = cfg.trainer.save_checkpoint_path or "."
         self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
         # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
-        resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+        resume_from = self.ckpt.resolve_load(
+            cfg.trainer.load_checkpoint_path,
+            cfg.trainer.find_last_checkpoint,
+            verify=cfg.trainer.verify_checkpoint,
+            fallback=cfg.trainer.fallback_to_older_checkpoint,
+        )
         self.reward = RewardManager(cfg.worker.reward)
         try:
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
