@@ -329,8 +329,11 @@ class Trainer:
 
     def request_stop(self, signal_name: str) -> None:
         """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
-        `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`."""
+        `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`. A reward stage in progress returns
+        at once (its batch is discarded with the unfinished step)."""
         self.stop_signal = signal_name
+        if hasattr(self, "reward"):
+            self.reward.interrupt()
 
     def stop_cleanly(self) -> None:
         logger.warning("%s: stopping after step %d", self.stop_signal, self.global_step)
