@@ -1,4 +1,10 @@
-"""Starting (or joining) Ray from the driver."""
+"""Starting (or joining) Ray from the driver.
+
+A private (single-node) instance listens on loopback only: Ray's GCS, raylet, object manager, workers and agents
+bind to 127.0.0.1, the dashboard is off, and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
+bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Joining a cluster (``address`` or ``RAY_ADDRESS``) changes none of that: the cluster's own
+``ray start`` settings apply.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,14 @@ import os
 from typing import Any
 
 
-__all__ = ["default_worker_env", "init_ray"]
+__all__ = ["LOOPBACK", "default_worker_env", "init_ray", "local_only_env"]
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_LOCAL_ONLY_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray reads this (at import) to decide whether a node may be reached from other hosts; "0" makes a new local
+instance take 127.0.0.1 as its node address, which its servers then bind to instead of every interface."""
 
 
 def default_worker_env(use_gpu: bool | None = None) -> dict[str, str]:
@@ -30,6 +41,23 @@ def default_worker_env(use_gpu: bool | None = None) -> dict[str, str]:
     if not use_gpu:
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     return env
+
+
+def local_only_env() -> dict[str, str]:
+    """Worker environment that keeps a single-node run's own sockets on loopback: gloo and NCCL bootstrap on
+    ``lo``, vLLM's host address 127.0.0.1 (the rendezvous store follows ``MASTER_ADDR``, see
+    :func:`easyrl.distributed.torch_dist.init_distributed`)."""
+    return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": LOOPBACK}
+
+
+def _bind_ray_to_loopback() -> None:
+    """Make the Ray instance about to start take 127.0.0.1 as its node address (its servers bind to it)."""
+    os.environ.setdefault(_LOCAL_ONLY_RAY_ENV, "0")  # read by Ray's child processes and by a later import
+    from ray._private import ray_constants
+
+    # Ray is usually imported already (the worker classes import it), so its import-time reading of the variable
+    # is set here as well.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY_RAY_ENV].lower() not in ("0", "false")
 
 
 def init_ray(
@@ -55,17 +83,21 @@ def init_ray(
 
     Returns:
         ``True`` if this call initialized Ray, ``False`` if it was already initialized.
+
+    A private instance (no ``address``, no ``RAY_ADDRESS``) listens on 127.0.0.1 only; see the module docstring.
     """
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or None
     env = default_worker_env(use_gpu=bool(num_gpus) if num_gpus is not None else None)
+    if address is None:
+        env.update(local_only_env())
     env.update(env_vars or {})
     runtime_env = dict(ray_kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
-    address = address or os.environ.get("RAY_ADDRESS") or None
     init_args: dict[str, Any] = {
         "address": address,
         "include_dashboard": False,
@@ -74,8 +106,8 @@ def init_ray(
         "runtime_env": runtime_env,
     }
     if address is None:
-        init_args["num_cpus"] = num_cpus
-        init_args["num_gpus"] = num_gpus
+        _bind_ray_to_loopback()
+        init_args.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
     init_args.update(ray_kwargs)
     ray.init(**init_args)
     logger.info("Ray initialized: %s", ray.cluster_resources())

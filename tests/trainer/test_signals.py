@@ -29,7 +29,11 @@ def main(x, marker):
 def _start(args: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "easyrl.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "easyrl.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
