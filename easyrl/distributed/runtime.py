@@ -2,15 +2,20 @@
 
 A private (single-node) instance listens on loopback only: Ray's GCS, raylet, object manager, workers and agents
 bind to 127.0.0.1, the dashboard is off, and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
-bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Joining a cluster (``address`` or ``RAY_ADDRESS``) changes none of that: the cluster's own
+bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Its session folder is removed when the
+driver exits. Joining a cluster (``address`` or ``RAY_ADDRESS``) changes none of that: the cluster's own
 ``ray start`` settings apply.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 from typing import Any
+
+from easyrl.signals import keep_handlers
 
 
 __all__ = ["LOOPBACK", "default_worker_env", "init_ray", "local_only_env"]
@@ -60,6 +65,27 @@ def _bind_ray_to_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY_RAY_ENV].lower() not in ("0", "false")
 
 
+def _remove_session_folder_at_exit() -> None:
+    """Shut Ray down at exit, then delete this instance's own session folder (never another run's)."""
+    import ray
+
+    node = ray._private.worker._global_node  # no public accessor for the session folder
+    session = node.get_session_dir_path() if node is not None else None
+    if not session:
+        return
+
+    def cleanup() -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        latest = os.path.join(os.path.dirname(session), "session_latest")
+        if os.path.islink(latest) and os.path.realpath(latest) == os.path.realpath(session):
+            os.unlink(latest)
+        shutil.rmtree(session, ignore_errors=True)
+        logger.debug("removed the Ray session folder %s", session)
+
+    atexit.register(cleanup)  # registered after Ray's own exit hook, so it runs first (atexit is LIFO)
+
+
 def init_ray(
     num_cpus: int | None = None,
     env_vars: dict[str, str] | None = None,
@@ -84,7 +110,8 @@ def init_ray(
     Returns:
         ``True`` if this call initialized Ray, ``False`` if it was already initialized.
 
-    A private instance (no ``address``, no ``RAY_ADDRESS``) listens on 127.0.0.1 only; see the module docstring.
+    A private instance (no ``address``, no ``RAY_ADDRESS``) listens on 127.0.0.1 only and removes its session
+    folder at exit; see the module docstring.
     """
     import ray
 
@@ -109,6 +136,9 @@ def init_ray(
         _bind_ray_to_loopback()
         init_args.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
     init_args.update(ray_kwargs)
-    ray.init(**init_args)
+    with keep_handlers():  # ray.init replaces the SIGTERM handler of the `easyrl` command
+        ray.init(**init_args)
+    if address is None:
+        _remove_session_folder_at_exit()
     logger.info("Ray initialized: %s", ray.cluster_resources())
     return True

@@ -272,6 +272,7 @@ class Trainer:
         size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
         all_scores: list[dict[str, float]] = []
         generations: list[dict[str, Any]] = []
+        reward_errors = 0.0  # samples whose reward call raised, timed out or returned an invalid value
         for start in range(0, len(self.val_data), size):
             items = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             prompts = self.workers.pad_for_dp(
@@ -279,7 +280,8 @@ class Trainer:
             )
             batch = self.generate(prompts.batch, seed=10**6 + start, metrics={}, overrides=overrides)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
-            scores, _ = self.score(batch)
+            scores, reward_metrics = self.score(batch)
+            reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
             all_scores += scores
             generations += [
                 {"prompt": p, "response": r, "ground_truth": g, "score": s["overall"]}
@@ -288,6 +290,7 @@ class Trainer:
         keys = sorted({k for s in all_scores for k in s})
         metrics = {f"val/reward/{k}": sum(s.get(k, 0.0) for s in all_scores) / len(all_scores) for k in keys}
         metrics["val/reward_score"] = metrics.get("val/reward/overall", float("nan"))
+        metrics["val/reward_errors"] = reward_errors
         if self.cfg.trainer.val_generations_to_log > 0:
             self.tracker.log_generations(generations[: self.cfg.trainer.val_generations_to_log], self.global_step)
         return metrics

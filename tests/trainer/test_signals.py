@@ -1,4 +1,5 @@
-"""Signals to a real `easyrl train` process: a hung in-process reward does not delay SIGTERM."""
+"""Signals to a real `easyrl train` process: the same exit codes from start-up on, and a hung in-process reward
+does not delay SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,3 +75,42 @@ def test_sigterm_during_a_hung_in_process_reward(tmp_path: Path, tiny_model_dir:
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by SIGTERM after step 0" in stderr
     assert elapsed < 30.0, f"took {elapsed:.1f} s to stop"
+
+
+@pytest.mark.parametrize(
+    ("trigger", "signum"),
+    [
+        ("algorithm:", signal.SIGTERM),  # the config is loaded; torch and the trainer are being imported
+        ("loading tokenizer", signal.SIGINT),
+        ("starting Ray", signal.SIGTERM),  # lands in ray.init, which installs its own SIGTERM handler
+        ("loading models into the workers", signal.SIGTERM),  # Ray and the worker processes are up
+    ],
+)
+def test_signal_during_start_up(tmp_path: Path, tiny_model_dir: str, digits_data, trigger: str, signum: int) -> None:
+    """Before the trainer's stop handlers exist a signal gave exit 15, -15, 1 or a traceback; now 143 / 130."""
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    proc = _start(["train", write_config(tmp_path / "cfg.yaml", conf)])
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if trigger in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(300), "".join(lines)[-3000:]
+        proc.send_signal(signum)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    stderr = "".join(lines)
+    assert code == 128 + signum, (code, stderr[-3000:])
+    assert f"stopped by {signal.Signals(signum).name}" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
