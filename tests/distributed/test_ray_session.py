@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,10 +24,13 @@ print(ray._private.worker._global_node.get_session_dir_path())
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    session = Path(proc.stdout.strip().splitlines()[-1])
-    assert session.parent == root and session.name.startswith("session_")
-    assert not session.exists(), f"{session} was left behind"
-    assert not (root / "session_latest").exists()
-    assert (other / "logs").is_dir()
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        session = Path(proc.stdout.strip().splitlines()[-1])
+        assert session.parent == root and session.name.startswith("session_")
+        assert not session.exists(), f"{session} was left behind"
+        assert not (root / "session_latest").exists()
+        assert (other / "logs").is_dir()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
