@@ -8,6 +8,7 @@ import signal
 import sys
 
 from easyrl import __version__
+from easyrl.signals import StartupInterrupted, exit_code, install_early_handlers, install_stop_handlers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_early_handlers()  # SIGTERM/SIGINT give 143/130 from here on, as they do during training
+    try:
+        return _main(argv)
+    except StartupInterrupted as exc:
+        print(f"easyrl: {exc}", file=sys.stderr)
+        return exit_code(exc.signum)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["merge"]:  # `easyrl merge` has its own parser
         from easyrl.merge import main as merge_main
@@ -78,14 +88,14 @@ def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
     trainer = None
     try:
         trainer = Trainer(cfg, secrets)
-        _install_stop_handlers(trainer)
+        install_stop_handlers(trainer.request_stop, lambda: trainer.stop_signal is not None)
         trainer.fit()
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
     except StopRequested as exc:
         print(f"easyrl: {exc}", file=sys.stderr)
-        return 128 + (signal.SIGINT if "SIGINT" in str(exc) else signal.SIGTERM)
+        return exit_code(signal.SIGINT if "SIGINT" in str(exc) else signal.SIGTERM)
     except Exception as exc:
         from easyrl.errors import is_user_facing
 
@@ -97,19 +107,6 @@ def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
         if trainer is not None:
             trainer.close()
     return 0
-
-
-def _install_stop_handlers(trainer) -> None:  # type: ignore[no-untyped-def]
-    """First SIGTERM/SIGINT: stop at the next stage boundary (saving if asked); a second one: stop now."""
-
-    def handle(signum: int, frame: object) -> None:
-        del frame
-        if trainer.stop_signal is not None:
-            raise KeyboardInterrupt
-        trainer.request_stop(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
 
 
 if __name__ == "__main__":

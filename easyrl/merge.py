@@ -1,8 +1,8 @@
 """`easyrl merge CHECKPOINT [--output DIR] [--dtype bf16|fp16|fp32]`: sharded checkpoint -> Hugging Face folder.
 
 CHECKPOINT is a `global_step_<N>` folder (the `actor` role is merged; `--role critic` for the critic) or one of
-its role subfolders. The checkpoint must be complete (its `COMPLETE` manifest present and every listed file
-intact). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
+its role subfolders. The checkpoint must be complete and intact: every file listed in its `COMPLETE` manifest is
+present with its size and SHA-256 (`--no-verify` skips the hashing for very large checkpoints, and says so). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
 converted to `--dtype` (default: the dtype in the saved `config.json`), and written as safetensors (split into
 several files with an index past `--max-shard-size-gb`) next to the saved config, generation config and
 tokenizer. The default output is `<role folder>/huggingface_merged`. Only JSON and safetensors are read.
@@ -25,7 +25,7 @@ import torch
 
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import MANIFEST, is_complete, read_manifest
+from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR
 
@@ -39,8 +39,9 @@ MERGE_MARKER = "easyrl_merged.json"
 DEFAULT_OUTPUT = "huggingface_merged"
 
 
-def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]:
-    """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders."""
+def resolve_role_folder(checkpoint: str, role: str = "actor", verify: bool = True) -> tuple[str, str]:
+    """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders,
+    verified against its manifest (`verify=False`: sizes and steps only)."""
     path = os.path.abspath(checkpoint)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} does not exist")
@@ -48,31 +49,14 @@ def resolve_role_folder(checkpoint: str, role: str = "actor") -> tuple[str, str]
         step_folder, role_folder = os.path.dirname(path), path
     else:
         step_folder, role_folder = path, os.path.join(path, role)
-    if not is_complete(step_folder):
-        raise CheckpointError(f"{step_folder} is not a complete checkpoint: {_what_is_missing(step_folder)}")
+    if not verify:
+        logger.warning(
+            "--no-verify: the checksums of %s are not verified (file sizes and steps still are)", step_folder
+        )
+    verify_checkpoint(step_folder, checksums=verify)
     if not os.path.isdir(role_folder):
         raise CheckpointError(f"{step_folder} has no {os.path.basename(role_folder)!r} folder")
     return step_folder, role_folder
-
-
-def _what_is_missing(step_folder: str) -> str:
-    """Why `step_folder` fails the completeness check, in the words a user can act on."""
-    if not os.path.isfile(os.path.join(step_folder, MANIFEST)):
-        return (
-            f"it has no {MANIFEST} manifest, so it is not a checkpoint written by easyrl train (or its save was "
-            "interrupted before the end); pass a global_step_<N> folder of a run"
-        )
-    manifest = read_manifest(step_folder)
-    if manifest is None:
-        return f"its {MANIFEST} manifest is unreadable or malformed; merge another global_step_* folder"
-    for rel, entry in sorted(manifest["files"].items()):
-        path = os.path.join(step_folder, rel)
-        if not os.path.isfile(path):
-            return f"{rel}, listed in its {MANIFEST} manifest, is missing"
-        size = entry.get("size") if isinstance(entry, dict) else None
-        if os.path.getsize(path) != size:
-            return f"{rel} has {os.path.getsize(path)} bytes where its {MANIFEST} manifest says {size}"
-    return f"a file listed in its {MANIFEST} manifest does not match it"
 
 
 def check_output(out: str, step_folder: str, role_folder: str, overwrite: bool) -> None:
@@ -115,9 +99,10 @@ def merge_checkpoint(
     role: str = "actor",
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    verify: bool = True,
 ) -> str:
     """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring)."""
-    step_folder, role_folder = resolve_role_folder(checkpoint, role)
+    step_folder, role_folder = resolve_role_folder(checkpoint, role, verify)
     out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
     check_output(out, step_folder, role_folder, overwrite)
     hf_src = os.path.join(role_folder, HF_DIR)
@@ -209,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing output folder written by an earlier merge"
     )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 check of every checkpoint file (sizes are still checked); for very large checkpoints",
+    )
     return parser
 
 
@@ -219,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         out = merge_checkpoint(
-            args.checkpoint, args.output, args.dtype, args.role, int(args.max_shard_size_gb * 2**30), args.overwrite
+            args.checkpoint,
+            args.output,
+            args.dtype,
+            args.role,
+            int(args.max_shard_size_gb * 2**30),
+            args.overwrite,
+            verify=not args.no_verify,
         )
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)

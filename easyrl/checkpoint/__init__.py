@@ -2,6 +2,7 @@
 
 * :class:`CheckpointMixin` (worker side): `save_checkpoint(folder, save_model_only)` / `load_checkpoint(folder)`.
 * :class:`CheckpointManager` (driver side): `begin` / `commit` / `latest` / `resolve_load`, pruning.
+* :func:`verify_checkpoint`: every file against the SHA-256 in the manifest, and the step against the folder.
 * :func:`write_trainer_state` / :func:`read_trainer_state`: the driver's own resumable state.
 * `easyrl merge` (:mod:`easyrl.merge`): a checkpoint to a Hugging Face folder.
 
@@ -14,6 +15,7 @@ from easyrl.checkpoint.manager import (
     is_complete,
     is_resumable,
     read_trainer_state,
+    verify_checkpoint,
     write_trainer_state,
 )
 from easyrl.checkpoint.rng import RngState
@@ -30,5 +32,6 @@ __all__ = [
     "is_complete",
     "is_resumable",
     "read_trainer_state",
+    "verify_checkpoint",
     "write_trainer_state",
 ]

@@ -7,10 +7,14 @@ A save goes::
     write_trainer_state(tmp, state)              # trainer_state.json + trainer_rng.safetensors
     manager.commit(tmp, step, val_score)         # manifest, rename, tracker, prune
 
-`commit` writes the `COMPLETE` manifest last (file names and sizes), fsyncs, renames the folder to
+`commit` writes the `COMPLETE` manifest last (file names, sizes and SHA-256 digests), fsyncs, renames the folder to
 `<root>/global_step_<N>`, fsyncs the root, atomically replaces `latest_checkpointed_iteration.txt`, and only
 then prunes old checkpoints. A crash at any point leaves every previously committed checkpoint intact; the
 next `CheckpointManager` on the same root removes the leftovers.
+
+Before a resume (and before `easyrl merge`) :func:`verify_checkpoint` re-hashes every file against the manifest
+and checks the step recorded in the manifest and in `trainer_state.json` against the folder name, so a shard
+overwritten in place (same size) or an edited trainer state is refused by name instead of loading silently.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from easyrl.checkpoint import fsio
@@ -45,12 +50,20 @@ _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(?:tmp|old|trash)_global_step_(\d+)_[0-9a-f]+$")
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file, read in 4 MiB blocks (hashlib releases the GIL, so threads hash files in parallel)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+        for block in iter(lambda: handle.read(4 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _hash_files(paths: list[str]) -> list[str]:
+    """SHA-256 of each path, several files at a time (a checkpoint is a few large shards)."""
+    workers = max(1, min(8, os.cpu_count() or 1, len(paths)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="easyrl-ckpt-hash") as pool:
+        return list(pool.map(file_sha256, paths))
 
 
 def _list_files(folder: str) -> list[str]:
@@ -93,7 +106,7 @@ def is_complete(folder: str, verify_checksums: bool = False) -> bool:
                 return False
         except OSError:
             return False
-        if verify_checksums and "sha256" in entry and _sha256(path) != entry["sha256"]:
+        if verify_checksums and "sha256" in entry and file_sha256(path) != entry["sha256"]:
             return False
     return True
 
@@ -102,6 +115,81 @@ def is_resumable(folder: str) -> bool:
     """Whether a complete checkpoint carries the trainer state needed to resume (not saved model-only)."""
     manifest = read_manifest(folder)
     return bool(manifest and manifest.get("resumable")) and is_complete(folder)
+
+
+def folder_step(folder: str) -> int | None:
+    """N of a `global_step_<N>` folder name, else None."""
+    match = _STEP_RE.match(os.path.basename(os.path.abspath(folder)))
+    return int(match.group(1)) if match else None
+
+
+def _check_steps(folder: str, manifest: dict[str, Any]) -> None:
+    """The step in the manifest and in `trainer_state.json` must be the folder's (an edited state would resume
+    at the wrong step and train nothing)."""
+    saved = manifest.get("step")
+    named = folder_step(folder)
+    if named is not None and saved != named:
+        raise CheckpointError(
+            f"{os.path.join(folder, MANIFEST)} records step {saved}, but the folder is global_step_{named}"
+        )
+    state_path = os.path.join(folder, TRAINER_STATE)
+    if not os.path.isfile(state_path):
+        return
+    doc = fsio.read_json(state_path)
+    state = doc.get("state") if isinstance(doc, dict) else None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if step != saved:
+        raise CheckpointError(
+            f"{state_path} has global_step {step}, but the checkpoint is step {saved} "
+            f"({os.path.basename(os.path.abspath(folder))}): the file was edited or comes from another checkpoint"
+        )
+
+
+def verify_checkpoint(folder: str, checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first file of `folder` that is missing, has another size, or (with
+    `checksums`) another SHA-256 than its manifest records, or a step that does not match the folder name.
+
+    `checksums=False` checks sizes and steps only (reads no data: for very large checkpoints).
+    """
+    manifest_path = os.path.join(folder, MANIFEST)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        if not os.path.exists(manifest_path):
+            raise CheckpointError(
+                f"{folder} has no {MANIFEST} manifest, so it is not a checkpoint written by easyrl train (or its "
+                "save was interrupted before the end); pass a global_step_<N> folder of a run"
+            )
+        raise CheckpointError(f"{manifest_path} is not a valid manifest: {folder} is not a complete easyrl checkpoint")
+    _check_steps(folder, manifest)
+    root = os.path.abspath(folder)
+    to_hash: list[tuple[str, str]] = []
+    unhashed = 0
+    for rel, entry in sorted(manifest["files"].items()):
+        path = os.path.abspath(os.path.join(folder, rel))
+        if not path.startswith(root + os.sep) or not isinstance(entry, dict):
+            raise CheckpointError(f"{manifest_path} lists {rel!r}, which is not a file of the checkpoint")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing (listed in {manifest_path})")
+        size = os.path.getsize(path)
+        if size != entry.get("size"):
+            raise CheckpointError(
+                f"checkpoint file {path} is {size} bytes, the manifest records {entry.get('size')}: "
+                "it is truncated or was changed after the save"
+            )
+        if checksums and isinstance(entry.get("sha256"), str):
+            to_hash.append((path, entry["sha256"]))
+        elif checksums:
+            unhashed += 1
+    for (path, expected), actual in zip(to_hash, _hash_files([p for p, _ in to_hash])):
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint file {path} does not match the SHA-256 recorded in {manifest_path}: "
+                "it was corrupted or changed after the save"
+            )
+    if unhashed:
+        logger.warning(
+            "%s: %d files have no checksum in the manifest (an older save); only sizes checked", folder, unhashed
+        )
 
 
 # --------------------------------------------------------------------------------------------- trainer state
@@ -137,18 +225,14 @@ class CheckpointManager:
         save_limit: keep the newest `save_limit` complete checkpoints plus the best by validation score;
             -1 keeps all.
         higher_is_better: whether a higher validation score is better.
-        checksums: also record (and let `is_complete(..., verify_checksums=True)` check) SHA-256 of every file.
     """
 
-    def __init__(
-        self, root: str, save_limit: int = -1, higher_is_better: bool = True, checksums: bool = False
-    ) -> None:
+    def __init__(self, root: str, save_limit: int = -1, higher_is_better: bool = True) -> None:
         if save_limit == 0 or save_limit < -1:
             raise ValueError(f"save_limit must be -1 (keep all) or a positive number, got {save_limit}")
         self.root = os.path.abspath(root)
         self.save_limit = save_limit
         self.higher_is_better = higher_is_better
-        self.checksums = checksums
         fsio.makedirs(self.root)
         self._recover()
 
@@ -216,12 +300,12 @@ class CheckpointManager:
             raise CheckpointError(f"{tmp} is not a temporary folder of {self.root} (use begin())")
         for dirpath, _, _ in sorted(os.walk(tmp), key=lambda w: -w[0].count(os.sep)):
             fsio.fsync_dir(dirpath)
-        files: dict[str, dict[str, Any]] = {}
-        for rel in _list_files(tmp):
-            entry: dict[str, Any] = {"size": os.path.getsize(os.path.join(tmp, rel))}
-            if self.checksums:
-                entry["sha256"] = _sha256(os.path.join(tmp, rel))
-            files[rel] = entry
+        rels = _list_files(tmp)
+        digests = _hash_files([os.path.join(tmp, rel) for rel in rels])
+        files = {
+            rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": digest}
+            for rel, digest in zip(rels, digests)
+        }
         manifest = {
             "format": MANIFEST_FORMAT,
             "step": step,
@@ -324,22 +408,69 @@ class CheckpointManager:
                 return self.step_folder(step)
         return None
 
-    def resolve_load(self, load_checkpoint_path: str | None, find_last: bool) -> str | None:
-        """The checkpoint to resume from: the explicit path (must exist, be complete and resumable), else the
-        latest resumable one when `find_last`, else None (a fresh start)."""
+    def resolve_load(
+        self, load_checkpoint_path: str | None, find_last: bool, verify: bool = True, fallback: bool = False
+    ) -> str | None:
+        """The checkpoint to resume from, verified with :func:`verify_checkpoint` (`verify=False`: sizes and steps
+        only, said in the log): the explicit path (must exist, be intact and resumable), else the newest resumable
+        `global_step_*` when `find_last`, else None (a fresh start).
+
+        A corrupt newest checkpoint stops the run naming it and the newest intact one; with `fallback` the run
+        goes on from that older one instead (logged as an error naming both).
+        """
+        if not verify:
+            logger.warning(
+                "trainer.verify_checkpoint=false: checkpoint checksums are not verified before resuming "
+                "(file sizes and steps still are)"
+            )
         if load_checkpoint_path:
             path = os.path.abspath(load_checkpoint_path)
             if not os.path.isdir(path):
                 raise CheckpointError(f"trainer.load_checkpoint_path {path} does not exist")
-            if not is_complete(path):
-                raise CheckpointError(
-                    f"trainer.load_checkpoint_path {path} is incomplete (no valid {MANIFEST} manifest, or files "
-                    f"missing or truncated): its save was interrupted. Pick another global_step_* folder"
-                )
+            try:
+                verify_checkpoint(path, checksums=verify)
+            except CheckpointError as exc:
+                raise CheckpointError(f"trainer.load_checkpoint_path {path} cannot be resumed: {exc}") from exc
             if not is_resumable(path):
                 raise CheckpointError(
                     f"trainer.load_checkpoint_path {path} has no trainer state (saved with save_model_only) and "
                     f"cannot be resumed; use `easyrl merge` on it and train from the merged model instead"
                 )
             return path
-        return self.latest(resumable_only=True) if find_last else None
+        return self._newest_intact(verify, fallback) if find_last else None
+
+    def _newest_intact(self, verify: bool, fallback: bool) -> str | None:
+        """The newest resumable checkpoint that passes verification (see `resolve_load` for a corrupt one)."""
+        steps = sorted((int(m.group(1)) for e in os.listdir(self.root) if (m := _STEP_RE.match(e))), reverse=True)
+        corrupt: list[tuple[str, CheckpointError]] = []
+        for step in steps:
+            folder = self.step_folder(step)
+            manifest = read_manifest(folder)
+            if manifest is not None and not manifest.get("resumable"):
+                continue  # saved with save_model_only: not a resume point, whatever its state
+            try:
+                verify_checkpoint(folder, checksums=verify)
+            except CheckpointError as exc:
+                corrupt.append((folder, exc))
+                continue
+            if corrupt:
+                newest, error = corrupt[0]
+                if not fallback:
+                    raise CheckpointError(
+                        f"the newest checkpoint {newest} is corrupt: {error}. The newest intact one is {folder}: "
+                        f"set trainer.fallback_to_older_checkpoint=true to resume from it (or "
+                        f"trainer.load_checkpoint_path={folder}), or move the corrupt folder away"
+                    )
+                for bad, bad_error in corrupt:
+                    logger.error("checkpoint %s is corrupt: %s", bad, bad_error)
+                logger.error(
+                    "resuming from the older checkpoint %s instead of the corrupt %s "
+                    "(trainer.fallback_to_older_checkpoint=true)",
+                    folder,
+                    newest,
+                )
+            return folder
+        if corrupt:
+            newest, error = corrupt[0]
+            raise CheckpointError(f"the newest checkpoint {newest} is corrupt and no older one is intact: {error}")
+        return None

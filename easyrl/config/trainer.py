@@ -47,6 +47,12 @@ class TrainerConfig:
     """Resume from this checkpoint folder (an error if it does not exist or is incomplete)."""
     find_last_checkpoint: bool = True
     """Resume from the newest complete checkpoint under `save_checkpoint_path` when there is one."""
+    verify_checkpoint: bool = True
+    """Check every file of the checkpoint resumed from against the SHA-256 in its manifest (about 1 s per GB);
+    false checks sizes and steps only, for very large checkpoints (said in the log)."""
+    fallback_to_older_checkpoint: bool = False
+    """When the newest checkpoint is corrupt, resume from the newest intact older one (logged with both names)
+    instead of stopping with an error."""
     save_on_interrupt: bool = False
     """On SIGTERM/SIGINT, save a checkpoint before exiting."""
     worker_timeout_s: float = 3600.0

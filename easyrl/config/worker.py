@@ -214,13 +214,16 @@ class RewardConfig:
     num_workers: int = 2
     """Processes that run the reward function (0: in the driver process, no isolation)."""
     timeout_s: float = 60.0
-    """Per-call timeout; a call past it gets `fallback_score`."""
+    """Deadline of a batch's reward calls, from the start of its reward stage (a second one for the one-sample
+    retries of a failed batch-function chunk); calls unfinished then get `fallback_score` and their workers are
+    replaced."""
     fallback_score: float = 0.0
     """Score given to a call that raised, hung or returned a non-finite value."""
     max_error_ratio: float = 0.5
     """Stop the run when more than this fraction of a batch's reward calls fail."""
     max_concurrency: int = 32
-    """Concurrent calls of an async reward function."""
+    """Calls one reward worker (or the driver, with `num_workers: 0`) runs at once, on threads or, for an async
+    function, on one event loop; a sync function must therefore be thread-safe."""
 
 
 @dataclass

@@ -1,15 +1,31 @@
-"""Starting (or joining) Ray from the driver."""
+"""Starting (or joining) Ray from the driver.
+
+A private (single-node) instance listens on loopback only: Ray's GCS, raylet, object manager, workers and agents
+bind to 127.0.0.1, the dashboard is off, and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
+bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Its session folder is removed when the
+driver exits. Joining a cluster (``address`` or ``RAY_ADDRESS``) changes none of that: the cluster's own
+``ray start`` settings apply.
+"""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 from typing import Any
 
+from easyrl.signals import keep_handlers
 
-__all__ = ["default_worker_env", "init_ray"]
+
+__all__ = ["LOOPBACK", "default_worker_env", "init_ray", "local_only_env"]
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_LOCAL_ONLY_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray reads this (at import) to decide whether a node may be reached from other hosts; "0" makes a new local
+instance take 127.0.0.1 as its node address, which its servers then bind to instead of every interface."""
 
 
 def default_worker_env(use_gpu: bool | None = None) -> dict[str, str]:
@@ -30,6 +46,44 @@ def default_worker_env(use_gpu: bool | None = None) -> dict[str, str]:
     if not use_gpu:
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     return env
+
+
+def local_only_env() -> dict[str, str]:
+    """Worker environment that keeps a single-node run's own sockets on loopback: gloo and NCCL bootstrap on
+    ``lo``, vLLM's host address 127.0.0.1 (the rendezvous store follows ``MASTER_ADDR``, see
+    :func:`easyrl.distributed.torch_dist.init_distributed`)."""
+    return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": LOOPBACK}
+
+
+def _bind_ray_to_loopback() -> None:
+    """Make the Ray instance about to start take 127.0.0.1 as its node address (its servers bind to it)."""
+    os.environ.setdefault(_LOCAL_ONLY_RAY_ENV, "0")  # read by Ray's child processes and by a later import
+    from ray._private import ray_constants
+
+    # Ray is usually imported already (the worker classes import it), so its import-time reading of the variable
+    # is set here as well.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY_RAY_ENV].lower() not in ("0", "false")
+
+
+def _remove_session_folder_at_exit() -> None:
+    """Shut Ray down at exit, then delete this instance's own session folder (never another run's)."""
+    import ray
+
+    node = ray._private.worker._global_node  # no public accessor for the session folder
+    session = node.get_session_dir_path() if node is not None else None
+    if not session:
+        return
+
+    def cleanup() -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        latest = os.path.join(os.path.dirname(session), "session_latest")
+        if os.path.islink(latest) and os.path.realpath(latest) == os.path.realpath(session):
+            os.unlink(latest)
+        shutil.rmtree(session, ignore_errors=True)
+        logger.debug("removed the Ray session folder %s", session)
+
+    atexit.register(cleanup)  # registered after Ray's own exit hook, so it runs first (atexit is LIFO)
 
 
 def init_ray(
@@ -55,17 +109,22 @@ def init_ray(
 
     Returns:
         ``True`` if this call initialized Ray, ``False`` if it was already initialized.
+
+    A private instance (no ``address``, no ``RAY_ADDRESS``) listens on 127.0.0.1 only and removes its session
+    folder at exit; see the module docstring.
     """
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or None
     env = default_worker_env(use_gpu=bool(num_gpus) if num_gpus is not None else None)
+    if address is None:
+        env.update(local_only_env())
     env.update(env_vars or {})
     runtime_env = dict(ray_kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
-    address = address or os.environ.get("RAY_ADDRESS") or None
     init_args: dict[str, Any] = {
         "address": address,
         "include_dashboard": False,
@@ -74,9 +133,12 @@ def init_ray(
         "runtime_env": runtime_env,
     }
     if address is None:
-        init_args["num_cpus"] = num_cpus
-        init_args["num_gpus"] = num_gpus
+        _bind_ray_to_loopback()
+        init_args.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
     init_args.update(ray_kwargs)
-    ray.init(**init_args)
+    with keep_handlers():  # ray.init replaces the SIGTERM handler of the `easyrl` command
+        ray.init(**init_args)
+    if address is None:
+        _remove_session_folder_at_exit()
     logger.info("Ray initialized: %s", ray.cluster_resources())
     return True

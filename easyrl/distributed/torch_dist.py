@@ -1,15 +1,19 @@
 """``torch.distributed`` set-up inside a worker process started by a :class:`~easyrl.distributed.WorkerGroup`.
 
 The group gives every worker ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-``EASYRL_ROLE``; :func:`init_distributed` reads them.
+``EASYRL_ROLE``; :func:`init_distributed` reads them. With a loopback ``MASTER_ADDR`` (a single-node run) rank 0's
+rendezvous store listens on loopback only: ``torch.distributed`` would otherwise bind it to every interface.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
+from typing import Any
 
 
 __all__ = ["DistInfo", "dist_info", "init_distributed"]
@@ -34,6 +38,35 @@ def dist_info() -> DistInfo:
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         role=os.environ.get("EASYRL_ROLE", ""),
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_store(info: DistInfo, port: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store of a single-node group; rank 0 hosts it on a socket bound to 127.0.0.1 (TCPStore
+    itself would listen on every interface)."""
+    from torch.distributed import TCPStore
+
+    if info.rank != 0:
+        return TCPStore("127.0.0.1", port, info.world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(max(128, info.world_size))
+    return TCPStore(
+        "127.0.0.1",
+        port,
+        info.world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store takes the socket over
     )
 
 
@@ -69,11 +102,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         os.environ["MASTER_ADDR"],
         os.environ["MASTER_PORT"],
     )
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _is_loopback(os.environ["MASTER_ADDR"]):
+        store = _loopback_store(info, int(os.environ["MASTER_PORT"]), timeout)
+        dist.init_process_group(
+            backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
+    else:  # several nodes: the user's network setup decides what is exposed
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
     return info

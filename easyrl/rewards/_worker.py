@@ -1,17 +1,23 @@
-"""Code that runs a reward function call, in a worker process (or in-process with ``num_workers=0``).
+"""Code that runs reward function calls, in a worker process (or in the driver with ``num_workers=0``).
 
 Kept free of heavy imports: every worker process imports this module before the reward file, and a replacement for
 a killed worker should be ready quickly.
 
+Every call runs off the main thread (:class:`CallRunner`): sync functions on daemon threads, one per task, async
+functions on one event-loop thread. A hung call therefore never blocks the calls queued after it, and the main
+thread stays free to read the pipe (in a worker) or to run a signal handler and honour a deadline (in the driver).
+The parent bounds how many tasks a runner has at once (``max_concurrency``) and abandons hung calls at the batch
+deadline: a worker process holding one is killed; in the driver the daemon thread is left behind.
+
 Protocol over the worker's pipe (all tuples):
 
-* parent -> worker: ``("task", task_id, mode, inputs)`` or ``("stop",)``;
+* parent -> worker: ``("task", task_id, mode, inputs)`` (several may be in flight) or ``("stop",)``;
 * worker -> parent: ``("ready", pid)`` once the reward file is imported, ``("load_error", message)`` if it cannot
-  be, and ``("result", task_id, payload)`` per task.
+  be, and ``("result", task_id, payload)`` per task, in completion order.
 
 ``mode`` is ``"batch"`` (one call with the whole list; payload ``(status, value)``) or ``"each"`` (one call per
-input; payload a list of ``(status, value)``). ``status`` is ``ok``, ``error`` or ``timeout``; for the last two the
-value is a message.
+input; payload a list of ``(status, value)``). ``status`` is ``ok`` or ``error``; for ``error`` the value is a
+message.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ import asyncio
 import inspect
 import os
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
-__all__ = ["Outcome", "describe_exception", "run_task", "worker_main"]
+__all__ = ["CallRunner", "Outcome", "describe_exception", "worker_main"]
 
 Outcome = tuple[str, Any]
-"""``("ok", value)``, ``("error", message)`` or ``("timeout", message)``."""
+"""``("ok", value)`` or ``("error", message)``."""
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -56,53 +63,56 @@ def _call_sync(fn: Callable[..., Any], arg: Any) -> Outcome:
         return "error", describe_exception(exc)
 
 
-async def _gather_each(
-    fn: Callable[..., Any], inputs: list[Any], max_concurrency: int, timeout_s: float | None
-) -> list[Outcome]:
-    semaphore = asyncio.Semaphore(max(1, max_concurrency))
-
-    async def one(item: Any) -> Outcome:
-        async with semaphore:
-            try:
-                # The per-call timeout starts once the call holds a semaphore slot, not while it queues.
-                value = await asyncio.wait_for(_await_maybe(fn(item)), timeout=timeout_s)
-                return "ok", value
-            except asyncio.TimeoutError:
-                return "timeout", f"no result after {timeout_s:g} s"
-            except Exception as exc:
-                return "error", describe_exception(exc)
-
-    return list(await asyncio.gather(*(one(item) for item in inputs)))
+async def _call_async(fn: Callable[..., Any], arg: Any) -> Outcome:
+    try:
+        return "ok", await _await_maybe(fn(arg))
+    except Exception as exc:
+        return "error", describe_exception(exc)
 
 
-def run_task(
-    fn: Callable[..., Any],
-    is_async: bool,
-    mode: str,
-    inputs: list[Any],
-    max_concurrency: int,
-    timeout_s: float | None,
-) -> Any:
-    """Run one task and return its payload (see the module docstring).
+def _payload_sync(fn: Callable[..., Any], mode: str, inputs: list[Any]) -> Any:
+    return _call_sync(fn, inputs) if mode == "batch" else [_call_sync(fn, item) for item in inputs]
 
-    Sync calls are not timed here (only the parent can stop a stuck sync call, by killing the process); async
-    calls of ``each`` tasks are, with ``timeout_s`` each, since the event loop can cancel them.
-    """
+
+async def _payload_async(fn: Callable[..., Any], mode: str, inputs: list[Any]) -> Any:
     if mode == "batch":
-        return _call_sync(fn, inputs)
-    if is_async:
-        return asyncio.run(_gather_each(fn, inputs, max_concurrency, timeout_s))
-    return [_call_sync(fn, item) for item in inputs]
+        return await _call_async(fn, inputs)
+    return list(await asyncio.gather(*(_call_async(fn, item) for item in inputs)))
 
 
-def worker_main(
-    conn: Any,
-    spec: str,
-    kwargs: dict[str, Any],
-    reward_type: str,
-    max_concurrency: int,
-    timeout_s: float,
-) -> None:
+class CallRunner:
+    """Runs tasks of one reward function off the calling thread; ``on_done(task_id, payload)`` gets each result
+    from the thread that finished it (in completion order)."""
+
+    def __init__(self, fn: Callable[..., Any], is_async: bool, on_done: Callable[[int, Any], None]) -> None:
+        self.fn, self.is_async, self.on_done = fn, is_async, on_done
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if is_async:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, daemon=True, name="easyrl-reward-loop").start()
+
+    def submit(self, task_id: int, mode: str, inputs: list[Any]) -> None:
+        if self._loop is not None:
+            future = asyncio.run_coroutine_threadsafe(_payload_async(self.fn, mode, inputs), self._loop)
+            future.add_done_callback(lambda done: self.on_done(task_id, _future_payload(done, mode, inputs)))
+            return
+
+        def run() -> None:
+            self.on_done(task_id, _payload_sync(self.fn, mode, inputs))
+
+        # Daemon: a call that never returns must not keep the process alive at exit.
+        threading.Thread(target=run, daemon=True, name=f"easyrl-reward-{task_id}").start()
+
+
+def _future_payload(future: Any, mode: str, inputs: list[Any]) -> Any:
+    try:
+        return future.result()
+    except BaseException as exc:  # cancelled, or a BaseException escaping the reward code
+        error = ("error", describe_exception(exc))
+        return error if mode == "batch" else [error] * len(inputs)
+
+
+def worker_main(conn: Any, spec: str, kwargs: dict[str, Any], reward_type: str) -> None:
     """Entry point of a reward worker process: import the reward file, then serve tasks until told to stop."""
     # Ctrl-C goes to the whole process group; the parent decides when workers stop (and kills hung ones).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -113,6 +123,20 @@ def worker_main(
     except Exception as exc:
         conn.send(("load_error", str(exc)))
         return
+    send_lock = threading.Lock()
+
+    def send_result(task_id: int, payload: Any) -> None:
+        with send_lock:
+            try:
+                conn.send(("result", task_id, payload))
+            except (BrokenPipeError, EOFError, OSError):
+                return  # the parent is gone or killed us
+            except Exception as exc:
+                # Typically an unpicklable return value; pickling fails before anything is written to the pipe.
+                error = ("error", f"result cannot be sent back: {describe_exception(exc)}")
+                conn.send(("result", task_id, error if isinstance(payload, tuple) else [error] * len(payload)))
+
+    runner = CallRunner(reward.fn, reward.is_async, send_result)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -122,10 +146,4 @@ def worker_main(
         if message[0] == "stop":
             return
         _, task_id, mode, inputs = message
-        payload = run_task(reward.fn, reward.is_async, mode, inputs, max_concurrency, timeout_s)
-        try:
-            conn.send(("result", task_id, payload))
-        except Exception as exc:
-            # Typically an unpicklable return value; pickling fails before anything is written to the pipe.
-            error = ("error", f"result cannot be sent back: {describe_exception(exc)}")
-            conn.send(("result", task_id, error if mode == "batch" else [error] * len(inputs)))
+        runner.submit(task_id, mode, inputs)

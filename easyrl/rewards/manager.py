@@ -1,20 +1,25 @@
 """Scoring responses with the user's reward function, isolated so that it cannot stall or crash training.
 
-Each call runs in a worker process with a deadline. A call that raises, hangs or returns something that is not a
-set of finite numbers costs only its own samples: they get ``fallback_score`` and are counted, and the first
-failure of each kind is logged with the function name and an example input. Only when more than
-``max_error_ratio`` of a batch fails does scoring stop with :class:`RewardError`, since a reward that is mostly
+Calls run in worker processes, each worker running up to ``max_concurrency`` calls at once on its own threads, so
+a hung call never blocks the calls after it. A batch has one deadline, ``timeout_s`` from its start: whatever is
+unfinished then (hung, or queued behind hung calls in every slot) times out, and the workers still running a call
+are killed and replaced all at once. The reward stage of a step therefore ends within about ``timeout_s`` whatever
+the number of hung calls. A call that raises, hangs or returns something that is not a set of finite numbers
+costs only its own samples: they get ``fallback_score`` and are counted, and the first failure of each kind is
+logged with the function name and an example input. As soon as more than ``max_error_ratio`` of a batch has
+failed, scoring stops with :class:`RewardError` without waiting for the other calls, since a reward that is mostly
 fallback would train on noise.
 
 How calls are formed:
 
-* ``sequential`` functions: one call per sample, spread over the workers; a hung call blocks one worker until its
-  deadline while the others continue. Async ones get one chunk per worker, run concurrently inside it (at most
-  ``max_concurrency`` at a time, ``timeout_s`` each).
+* ``sequential`` functions: one call per sample, spread over the workers.
 * ``batch`` functions: the batch is split into ``num_workers`` chunks, one call each. A chunk whose call fails or
-  times out is retried sample by sample (``[sample]`` per call), so one bad sample does not cost its whole chunk;
-  a hanging sample therefore costs up to two timeouts of wall time.
-* ``num_workers=0``: calls run in the driver process; there is no isolation and sync calls have no timeout.
+  times out is retried sample by sample (``[sample]`` per call, all at once, with a second deadline of
+  ``timeout_s``), so one bad sample does not cost its whole chunk; a hanging sample therefore costs up to two
+  timeouts of wall time.
+* ``num_workers=0``: calls run on threads of the driver process, with the same deadline; the main thread only
+  waits, so a stop signal is honoured at once (see :meth:`RewardManager.interrupt`). A hung call cannot be killed
+  there: its thread is abandoned (a daemon thread), which is why untrusted functions belong in worker processes.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import itertools
 import logging
 import math
 import numbers
-from collections import Counter
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from easyrl.config.worker import RewardConfig
-from easyrl.rewards._worker import run_task
+from easyrl.rewards._worker import CallRunner
 from easyrl.rewards.loader import RewardFunction, load_reward_function
 from easyrl.rewards.pool import PoolTask, RewardWorkerPool, TaskFailure
 
@@ -38,7 +46,7 @@ __all__ = ["RewardError", "RewardManager", "make_reward_input"]
 
 logger = logging.getLogger(__name__)
 
-_ASYNC_GRACE_S = 2.0  # slack on top of in-worker async timeouts before the process itself is killed
+_POLL_S = 0.1  # longest the driver waits between two checks of the deadline and of a stop request
 _FAILURE_KINDS = ("error", "timeout", "invalid")
 _COUNTER_NAMES = {"error": "reward/errors", "timeout": "reward/timeouts", "invalid": "reward/invalid"}
 
@@ -62,7 +70,6 @@ class _Result:
 class _Call:
     indices: list[int]
     mode: str  # "batch" | "each"
-    time_limit_s: float
     retry_each: bool  # on failure of the whole call, rerun its samples one per call
 
 
@@ -155,17 +162,18 @@ class RewardManager:
         """Failures per kind (``error``, ``timeout``, ``invalid``) over the whole run."""
         self._logged: set[str] = set()
         self._task_ids = itertools.count()
+        self._stop = threading.Event()
+        self._ended_early = False
         self._pool: RewardWorkerPool | None = None
+        self._runner: CallRunner | None = None
+        self._done: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self._abandoned = 0
         if reward_cfg.num_workers > 0:
             spec = f"{self.reward.path}:{self.reward.function_name}"
-            args = (
-                spec,
-                self.reward.kwargs,
-                self.reward.reward_type,
-                reward_cfg.max_concurrency,
-                reward_cfg.timeout_s,
-            )
-            self._pool = RewardWorkerPool(reward_cfg.num_workers, args)
+            args = (spec, self.reward.kwargs, self.reward.reward_type)
+            self._pool = RewardWorkerPool(reward_cfg.num_workers, args, max_in_flight=reward_cfg.max_concurrency)
+        else:
+            self._runner = CallRunner(self.reward.fn, self.reward.is_async, lambda *done: self._done.put(done))
         logger.info(
             "reward function %s (%s%s, %s)",
             self.reward.name,
@@ -177,7 +185,8 @@ class RewardManager:
     # ------------------------------------------------------------------ public API
 
     def score(self, inputs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Score ``inputs`` (see :func:`make_reward_input`).
+        """Score ``inputs`` (see :func:`make_reward_input`) within ``timeout_s`` (twice that when a batch function's
+        chunk has to be retried sample by sample).
 
         Returns:
             Per-sample scores (``overall`` plus the function's sub-scores; failed samples get ``fallback_score``
@@ -185,17 +194,25 @@ class RewardManager:
             the counters ``reward/errors``, ``reward/timeouts``, ``reward/invalid``.
 
         Raises:
-            RewardError: more than ``max_error_ratio`` of the samples failed.
+            RewardError: more than ``max_error_ratio`` of the samples failed (raised as soon as that is known).
         """
         samples = list(inputs)
         if not samples:
             return [], {}
+        if self._pool is not None:
+            self._pool.wait_ready()  # the deadline starts once every worker has imported the reward file
         results: list[_Result | None] = [None] * len(samples)
+        self._ended_early = False
         retries, retried_chunks = self._run_calls(self._plan(len(samples)), samples, results)
-        if retries:
+        if retries and not self._ended_early:
             self._run_calls(retries, samples, results)
         final = [result or _Result("error", message="no result") for result in results]
         return self._finish(samples, final, retried_chunks)
+
+    def interrupt(self) -> None:
+        """Ask a running (and any later) :meth:`score` to return at once; unfinished samples get the fallback and
+        `max_error_ratio` is not applied. Safe to call from a signal handler."""
+        self._stop.set()
 
     def close(self) -> None:
         """Stop the worker processes."""
@@ -212,40 +229,77 @@ class RewardManager:
     # ------------------------------------------------------------------ planning and running calls
 
     def _plan(self, count: int) -> list[_Call]:
-        cfg, indices = self.cfg, list(range(count))
-        workers = max(1, cfg.num_workers)
+        indices = list(range(count))
         if self.reward.reward_type == "batch":
-            return [_Call(chunk, "batch", cfg.timeout_s, retry_each=True) for chunk in _split(indices, workers)]
-        if self.reward.is_async:
-            calls = []
-            for chunk in _split(indices, workers):
-                # Inside the worker each call has timeout_s; the process deadline covers the queued rounds.
-                rounds = math.ceil(len(chunk) / max(1, cfg.max_concurrency))
-                calls.append(_Call(chunk, "each", rounds * cfg.timeout_s + _ASYNC_GRACE_S, retry_each=True))
-            return calls
-        return [_Call([i], "each", cfg.timeout_s, retry_each=False) for i in indices]
+            workers = max(1, self.cfg.num_workers)
+            return [_Call(chunk, "batch", retry_each=True) for chunk in _split(indices, workers)]
+        return [_Call([i], "each", retry_each=False) for i in indices]
 
-    def _execute(self, calls: list[_Call], samples: list[dict[str, Any]]) -> list[Any]:
-        """Payload (or :class:`TaskFailure`) of each call, in order."""
-        cfg = self.cfg
-        if self._pool is None:
-            return [
-                run_task(
-                    self.reward.fn,
-                    self.reward.is_async,
-                    call.mode,
-                    [samples[i] for i in call.indices],
-                    cfg.max_concurrency,
-                    cfg.timeout_s,
-                )
-                for call in calls
-            ]
-        tasks = [
-            PoolTask(next(self._task_ids), call.mode, [samples[i] for i in call.indices], call.time_limit_s)
-            for call in calls
-        ]
-        payloads = self._pool.run(tasks)
-        return [payloads.get(task.task_id, TaskFailure("crash", "no result")) for task in tasks]
+    def _execute(
+        self, calls: list[_Call], samples: list[dict[str, Any]], on_result: Callable[[int, Any], bool]
+    ) -> None:
+        """Run ``calls`` until done or the deadline; ``on_result(call index, payload or TaskFailure)`` is called
+        once per call, and ends the batch early by returning True."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        tasks = [PoolTask(next(self._task_ids), call.mode, [samples[i] for i in call.indices]) for call in calls]
+        index = {task.task_id: i for i, task in enumerate(tasks)}
+        handled: set[int] = set()
+
+        def handle(task_id: int, payload: Any) -> bool:
+            handled.add(task_id)
+            stop = on_result(index[task_id], payload)
+            self._ended_early |= stop
+            return stop
+
+        if self._pool is not None:
+            payloads = self._pool.run(tasks, deadline, handle, self._stop)
+        else:
+            payloads = self._run_in_process(tasks, deadline, handle)
+        self._ended_early |= self._stop.is_set()
+        for task in tasks:
+            if task.task_id not in handled:
+                on_result(index[task.task_id], payloads.get(task.task_id, TaskFailure("crash", "no result")))
+
+    def _run_in_process(
+        self, tasks: list[PoolTask], deadline: float, handle: Callable[[int, Any], bool]
+    ) -> dict[int, Any]:
+        """The pool's `run` for ``num_workers=0``: calls on the runner's threads, this thread waiting in short slices
+        so that a signal handler (and `interrupt`) takes effect at once."""
+        assert self._runner is not None
+        pending, payloads = deque(tasks), {}
+        running: set[int] = set()
+        aborted = False
+        while pending or running:
+            if time.monotonic() >= deadline or self._stop.is_set():
+                break
+            while pending and len(running) < max(1, self.cfg.max_concurrency):
+                task = pending.popleft()
+                running.add(task.task_id)
+                self._runner.submit(task.task_id, task.mode, task.inputs)
+            try:
+                task_id, payload = self._done.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            if task_id in running:  # else a call abandoned in an earlier batch finished at last
+                running.discard(task_id)
+                payloads[task_id] = payload
+                if handle(task_id, payload):
+                    aborted = True
+                    break
+        kind = "stopped" if self._stop.is_set() or aborted else "timeout"
+        for task_id in running:
+            payloads[task_id] = TaskFailure(kind, f"no result by the batch deadline ({self.cfg.timeout_s:g} s)")
+        for task in pending:
+            payloads[task.task_id] = TaskFailure(kind, "not started by the batch deadline")
+        if running and kind == "timeout":
+            self._abandoned += len(running)
+            logger.warning(
+                "%d reward calls still run on abandoned driver threads (%d so far); num_workers: 0 cannot kill a "
+                "hung call, use worker processes for a reward function that may hang",
+                len(running),
+                self._abandoned,
+            )
+        return payloads
 
     def _run_calls(
         self, calls: list[_Call], samples: list[dict[str, Any]], results: list[_Result | None]
@@ -254,11 +308,12 @@ class RewardManager:
         number of calls that failed as a whole."""
         retries: list[_Call] = []
         failed_calls = 0
-        for call, payload in zip(calls, self._execute(calls, samples)):
+
+        def on_result(index: int, payload: Any) -> bool:
+            nonlocal failed_calls
+            call = calls[index]
             failure = self._apply(call, payload, results)
-            if failure is None:
-                continue
-            if call.retry_each and len(call.indices) > 1:
+            if failure is not None and call.retry_each and len(call.indices) > 1:
                 failed_calls += 1
                 self._log_once(
                     "chunk",
@@ -268,17 +323,21 @@ class RewardManager:
                     failure.status,
                     failure.message,
                 )
-                limit = self.cfg.timeout_s + (_ASYNC_GRACE_S if call.mode == "each" else 0.0)
-                retries.extend(_Call([i], call.mode, limit, retry_each=False) for i in call.indices)
-            else:
+                retries.extend(_Call([i], call.mode, retry_each=False) for i in call.indices)
+            elif failure is not None:
                 for i in call.indices:
                     results[i] = failure
+            failed = sum(1 for r in results if r is not None and r.status in _FAILURE_KINDS)
+            return failed > self.cfg.max_error_ratio * len(results)
+
+        self._execute(calls, samples, on_result)
         return retries, failed_calls
 
     def _apply(self, call: _Call, payload: Any, results: list[_Result | None]) -> _Result | None:
         """Store the per-sample results of one call; return the failure of the call as a whole, if any."""
         if isinstance(payload, TaskFailure):
-            return _Result("timeout" if payload.kind == "timeout" else "error", message=payload.message)
+            status = {"crash": "error", "timeout": "timeout", "stopped": "unscored"}[payload.kind]
+            return _Result(status, message=payload.message)
         if call.mode == "each":
             for i, (status, value) in zip(call.indices, payload):
                 results[i] = self._check(value) if status == "ok" else _Result(status, message=str(value))
@@ -313,9 +372,14 @@ class RewardManager:
         counts: Counter[str] = Counter()
         first_failure: str | None = None
         scores: list[dict[str, float]] = []
+        unscored = 0  # left when the batch ended early (too many failures, or a stop request): not failures
         for sample, result in zip(samples, results):
             if result.scores is not None:
                 scores.append(result.scores)
+                continue
+            if result.status == "unscored":
+                unscored += 1
+                scores.append(dict.fromkeys(keys, fallback))
                 continue
             counts[result.status] += 1
             first_failure = first_failure or f"{result.status}: {result.message}"
@@ -337,9 +401,12 @@ class RewardManager:
             metrics[_COUNTER_NAMES[kind]] = float(counts[kind])
         metrics["reward/retried_chunks"] = float(retried_chunks)
         failed = sum(counts.values())
-        if failed > self.cfg.max_error_ratio * len(samples):
+        if self._stop.is_set():
+            self._log_once("interrupted", "scoring was cut short by a stop request (%d samples unscored)", unscored)
+        elif failed > self.cfg.max_error_ratio * len(samples):
+            early = f" before scoring stopped early ({unscored} left unscored)" if unscored else ""
             raise RewardError(
-                f"reward function {self.reward.name}: {failed} of {len(samples)} samples failed "
+                f"reward function {self.reward.name}: {failed} of {len(samples)} samples failed{early} "
                 f"({', '.join(f'{k}={v}' for k, v in counts.items())}), more than "
                 f"max_error_ratio={self.cfg.max_error_ratio}; first failure: {first_failure}"
             )

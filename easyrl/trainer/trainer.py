@@ -79,7 +79,12 @@ class Trainer:
         try:
             self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
             # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
-            resume_from = self.ckpt.resolve_load(cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+            resume_from = self.ckpt.resolve_load(
+                cfg.trainer.load_checkpoint_path,
+                cfg.trainer.find_last_checkpoint,
+                verify=cfg.trainer.verify_checkpoint,
+                fallback=cfg.trainer.fallback_to_older_checkpoint,
+            )
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
@@ -284,6 +289,7 @@ class Trainer:
         size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
         all_scores: list[dict[str, float]] = []
         generations: list[dict[str, Any]] = []
+        reward_errors = 0.0  # samples whose reward call raised, timed out or returned an invalid value
         for start in range(0, len(self.val_data), size):
             items = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             prompts = self.workers.pad_for_dp(
@@ -292,7 +298,8 @@ class Trainer:
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
             batch = self.generate(prompts.batch, seed, metrics={}, overrides=overrides)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
-            scores, _ = self.score(batch)
+            scores, reward_metrics = self.score(batch)
+            reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
             all_scores += scores
             generations += [
                 {"prompt": p, "response": r, "ground_truth": g, "score": s["overall"]}
@@ -301,6 +308,7 @@ class Trainer:
         keys = sorted({k for s in all_scores for k in s})
         metrics = {f"val/reward/{k}": sum(s.get(k, 0.0) for s in all_scores) / len(all_scores) for k in keys}
         metrics["val/reward_score"] = metrics.get("val/reward/overall", float("nan"))
+        metrics["val/reward_errors"] = reward_errors
         if self.cfg.trainer.val_generations_to_log > 0:
             self.tracker.log_generations(generations[: self.cfg.trainer.val_generations_to_log], self.global_step)
         return metrics
@@ -342,8 +350,11 @@ class Trainer:
 
     def request_stop(self, signal_name: str) -> None:
         """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
-        `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`."""
+        `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`. A reward stage in progress returns
+        at once (its batch is discarded with the unfinished step)."""
         self.stop_signal = signal_name
+        if hasattr(self, "reward"):
+            self.reward.interrupt()
 
     def stop_cleanly(self) -> None:
         logger.warning("%s: stopping after step %d", self.stop_signal, self.global_step)

@@ -124,14 +124,17 @@ def test_commit_layout_latest_and_resolve(base: dict[str, Any], tmp_path: Path, 
     with pytest.raises(CheckpointError, match="does not exist"):
         manager.resolve_load(str(root / "global_step_9"), find_last=True)
     (root / "global_step_2" / "actor" / "optim_rank0.json").write_text("{}")  # size changes: incomplete
-    with pytest.raises(CheckpointError, match="incomplete"):
+    with pytest.raises(CheckpointError, match=r"optim_rank0\.json is 2 bytes, the manifest records"):
         manager.resolve_load(str(root / "global_step_2"), find_last=True)
+    # a damaged newest checkpoint is refused by name rather than skipped (tests/checkpoint/test_ckpt_integrity.py)
+    with pytest.raises(CheckpointError, match="global_step_2 is corrupt"):
+        manager.resolve_load(None, True)
     # the tracker points at an incomplete checkpoint, then goes missing: fall back to the newest complete one
     assert manager.latest() == str(root / "global_step_1")
     (root / TRACKER).unlink()
     assert manager.latest() == str(root / "global_step_1")
     (root / "global_step_1" / MANIFEST).unlink()
-    assert manager.latest() is None and manager.resolve_load(None, True) is None
+    assert manager.latest() is None
 
 
 def test_model_only_checkpoint_is_not_resumable(base: dict[str, Any], tmp_path: Path) -> None:

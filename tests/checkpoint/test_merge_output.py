@@ -77,6 +77,6 @@ def test_merge_says_what_makes_a_folder_no_checkpoint(run: Path, tmp_path: Path)
     step = run / "global_step_1"
     (step / "actor" / "model_rank0_of1.safetensors").unlink()
     with pytest.raises(
-        CheckpointError, match=r"actor/model_rank0_of1\.safetensors, listed in its COMPLETE manifest, is missing"
+        CheckpointError, match=r"actor/model_rank0_of1\.safetensors is missing \(listed in .*COMPLETE\)"
     ):
         merge_checkpoint(str(step), str(tmp_path / "out"))

@@ -1,0 +1,83 @@
+"""SIGTERM / SIGINT handling of the `easyrl` command, the same from its first line to its last.
+
+* From the start of `easyrl.cli.main` until a trainer exists, a signal stops at once: the handler raises
+  :class:`StartupInterrupted`, the partly built trainer releases what it started, and the command exits with
+  ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) and one line on stderr, never a traceback.
+* Once the trainer runs, :func:`install_stop_handlers` takes over: the first signal stops at the next stage
+  boundary (saving if asked; exit code again 143 / 130), a second one stops at once.
+
+``ray.init`` installs its own SIGTERM handler (it exits with 15, or 1 after killing Ray's processes);
+:func:`keep_handlers` puts ours back around it, and turns an exit raised by Ray's handler during the call into
+:class:`StartupInterrupted`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+__all__ = ["StartupInterrupted", "exit_code", "install_early_handlers", "install_stop_handlers", "keep_handlers"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StartupInterrupted(BaseException):
+    """A stop signal arrived before training started. A BaseException so that no `except Exception` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")
+        self.signum = signum
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by `signum`: 128 + signum."""
+    return 128 + int(signum)
+
+
+def _raise_startup_interrupted(signum: int, frame: object) -> None:
+    del frame
+    raise StartupInterrupted(signum)
+
+
+def install_early_handlers() -> None:
+    """Make SIGTERM / SIGINT raise :class:`StartupInterrupted` (call first thing in the command)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _raise_startup_interrupted)
+
+
+def install_stop_handlers(request_stop: Callable[[str], None], already_stopping: Callable[[], bool]) -> None:
+    """First SIGTERM/SIGINT: `request_stop(name)` (stop at the next stage boundary); a second one: stop now."""
+
+    def handle(signum: int, frame: object) -> None:
+        del frame
+        if already_stopping():
+            raise KeyboardInterrupt
+        request_stop(signal.Signals(signum).name)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handle)
+
+
+@contextlib.contextmanager
+def keep_handlers() -> Iterator[None]:
+    """When this module's handlers are installed, restore them after the block (``ray.init`` replaces SIGTERM's);
+    an exit that Ray's handler raises inside the block becomes :class:`StartupInterrupted`."""
+    saved: dict[int, Any] = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    ours = getattr(saved[signal.SIGTERM], "__module__", None) == __name__
+    if not ours or threading.current_thread() is not threading.main_thread():
+        yield  # a library user's process: Ray's handling stays as Ray sets it
+        return
+    try:
+        yield
+    except SystemExit as exc:
+        # ray.init exits only from its SIGTERM handler (sys.exit(15), or sys.exit(1) after its clean-up).
+        raise StartupInterrupted(signal.SIGTERM) from exc
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)

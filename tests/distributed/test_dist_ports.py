@@ -1,0 +1,113 @@
+"""A single-node run listens on loopback only: Ray's processes and torch's rendezvous store."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+LIST_LISTENERS = """
+import json, psutil
+def listeners(procs):
+    out = []
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    out.append([proc.name(), conn.laddr.ip, conn.laddr.port])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+me = psutil.Process()
+"""
+
+
+def _run(code: str, timeout: float = 240) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+    for key in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", LIST_LISTENERS + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _exposed(listeners: list[list[Any]]) -> list[list[Any]]:
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip.split("%")[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        return bool((mapped or address).is_loopback)
+
+    return [entry for entry in listeners if not loopback(entry[1])]
+
+
+def test_local_ray_listens_on_loopback_only() -> None:
+    listeners = _run(
+        """
+        import ray, time
+        from easyrl.distributed import init_ray
+        init_ray(num_cpus=1)
+
+        @ray.remote
+        class Echo:
+            def ping(self):
+                return 1
+
+        actor = Echo.remote()
+        assert ray.get(actor.ping.remote()) == 1
+        time.sleep(1.0)  # the agents open their ports shortly after start
+        print(json.dumps(listeners([me, *me.children(recursive=True)])))
+        """
+    )
+    names = {name for name, _, _ in listeners}
+    assert {"gcs_server", "raylet"} <= names, listeners  # the servers were found, so the check means something
+    assert _exposed(listeners) == [], f"listening beyond loopback: {_exposed(listeners)}"
+
+
+def test_rendezvous_store_listens_on_loopback_only() -> None:
+    listeners = _run(
+        """
+        import os, torch, torch.distributed as dist
+        from easyrl.distributed.worker_group import pick_free_port
+        from easyrl.distributed.torch_dist import init_distributed
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pick_free_port()))
+        init_distributed("gloo", timeout_s=60)
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0]
+        found = listeners([me])
+        assert any(port == int(os.environ["MASTER_PORT"]) for _, _, port in found), found
+        print(json.dumps(found))
+        """
+    )
+    assert _exposed(listeners) == [], f"listening beyond loopback: {_exposed(listeners)}"
+
+
+def test_joining_a_cluster_keeps_the_users_network_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an address (a cluster started by `ray start`), nothing is forced onto loopback."""
+    import ray
+
+    from easyrl.distributed import init_ray
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(ray, "cluster_resources", dict)
+    init_ray(address="10.0.0.1:6379")
+    assert seen["address"] == "10.0.0.1:6379" and "_node_ip_address" not in seen
+    assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP"} & set(seen["runtime_env"]["env_vars"])

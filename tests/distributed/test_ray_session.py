@@ -1,0 +1,36 @@
+"""A private Ray instance removes its own session folder at exit, and only its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def test_own_session_folder_removed_at_exit() -> None:
+    root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths live under it
+    other = root / "session_2020-01-01_00-00-00_000000_1"  # another run's session: must survive
+    (other / "logs").mkdir(parents=True)
+    code = f"""
+import ray
+from easyrl.distributed import init_ray
+init_ray(num_cpus=1, _temp_dir={str(root)!r})
+print(ray._private.worker._global_node.get_session_dir_path())
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        session = Path(proc.stdout.strip().splitlines()[-1])
+        assert session.parent == root and session.name.startswith("session_")
+        assert not session.exists(), f"{session} was left behind"
+        assert not (root / "session_latest").exists()
+        assert (other / "logs").is_dir()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
