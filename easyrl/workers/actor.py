@@ -31,6 +31,7 @@ from easyrl.workers.fsdp import (
     shard_model,
     worker_device,
 )
+from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.packing import forward_options, packed_attn_implementation
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
@@ -70,13 +71,14 @@ def build_rollout_engine(
     return VLLMRolloutEngine(cfg, eos, pad, media_per_prompt or {})
 
 
-class ActorWorker(CheckpointMixin):
+class ActorWorker(CheckpointMixin, MemoryReporting):
     """Trains the policy (PPO-family losses) and generates rollouts with it."""
 
     def __init__(self, cfg: EasyRLConfig) -> None:
         self.cfg = cfg
         self.device = _setup_process(cfg)
         self.rank = int(os.environ.get("RANK", "0"))
+        self.ledger = MemoryLedger("actor", self.device, cfg)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self, total_optimizer_steps: int, media_per_prompt: dict[str, int] | None = None) -> None:
@@ -115,9 +117,10 @@ class ActorWorker(CheckpointMixin):
         start = time.perf_counter()
         out = self.engine.generate(prompts, params)
         timing["timing_s/generate_engine"] = time.perf_counter() - start
+        self.ledger.mark("after_generate")
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
-        self.engine.sleep()
+        self.ledger.sleep(self.engine)  # hands the allocator's cache back too
         self._engine_stale |= self.engine.discards_weights_on_sleep
         if self.device.type == "cuda":  # what sleeping gave back to the device (weights + KV cache)
             timing["perf/sleep_freed_gb"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
@@ -134,23 +137,24 @@ class ActorWorker(CheckpointMixin):
         if not self._engine_stale:
             start = time.perf_counter()
             offload_to_cpu(self.model, self.optimizer, off.offload_params, off.offload_optimizer)
-            self.engine.wake_up()
+            self.ledger.wake(self.engine)  # hands the allocator's cache back first
             return {"timing_s/wake": time.perf_counter() - start}
         start = time.perf_counter()
-        self.engine.wake_up(["weights"])
+        self.ledger.wake(self.engine, ["weights"])
         wake = time.perf_counter() - start
         start = time.perf_counter()
         self.engine.load_weights(iter_full_weights(self.model))
         update = time.perf_counter() - start
         start = time.perf_counter()
         offload_to_cpu(self.model, self.optimizer, off.offload_params, off.offload_optimizer)
-        self.engine.wake_up(["kv_cache"])
+        self.ledger.wake(self.engine, ["kv_cache"])
         wake += time.perf_counter() - start
         self._engine_stale = False
         return {"timing_s/wake": wake, "timing_s/update_weights": update}
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("old")
     def compute_log_probs(self, batch: Batch) -> Batch:
         """The policy's log-prob (B, R) and entropy (B, R) of each response token before the update."""
         self.model.eval()
@@ -167,6 +171,7 @@ class ActorWorker(CheckpointMixin):
         return Batch({"old_log_probs": lp, "entropys": ent})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
         acfg, alg = self.cfg.worker.actor, self.cfg.algorithm
@@ -232,21 +237,6 @@ class ActorWorker(CheckpointMixin):
         """The whole policy as CPU tensors on rank 0 (every rank joins the gathers); for tests and small models."""
         weights = {name: t.cpu().clone() for name, t in iter_full_weights(self.model)}
         return weights if self.rank == 0 else None
-
-    @register(dispatch=Dispatch.ALL)
-    def memory_stats(self) -> dict[str, float]:
-        """GPU memory of this worker's device (GiB): the PyTorch allocator's peak since the last call (then reset),
-        what it holds now, and what the whole device has in use now (the engine's pools and other roles included)."""
-        if not torch.cuda.is_available():
-            return {}
-        free, total = torch.cuda.mem_get_info()
-        stats = {
-            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "perf/memory_allocated_gb": torch.cuda.memory_allocated() / 2**30,
-            "perf/device_memory_used_gb": (total - free) / 2**30,
-        }
-        torch.cuda.reset_peak_memory_stats()
-        return stats
 
 
 def _world_size() -> int:

@@ -20,13 +20,15 @@ from easyrl.workers.fsdp import (
     resident,
     shard_model,
 )
+from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.packing import ForwardOptions, forward_options, packed_attn_implementation
 
 
-class CriticWorker(CheckpointMixin):
+class CriticWorker(CheckpointMixin, MemoryReporting):
     def __init__(self, cfg: EasyRLConfig) -> None:
         self.cfg = cfg
         self.device = _setup_process(cfg)
+        self.ledger = MemoryLedger("critic", self.device, cfg)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self, total_optimizer_steps: int) -> None:
@@ -48,6 +50,7 @@ class CriticWorker(CheckpointMixin):
         return response_values(self.model, mb, self.device, self.fwd_opts)
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("values", release=True)  # hand the pass's blocks back to the other processes on this GPU
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         micro = self.cfg.worker.critic.micro_batch_size_per_device_for_experience
@@ -56,6 +59,7 @@ class CriticWorker(CheckpointMixin):
         return Batch({"values": values})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("update", release=True)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         ccfg = self.cfg.worker.critic
         self.model.train()

@@ -12,14 +12,16 @@ from easyrl.protocol import Batch
 from easyrl.workers.actor import _setup_process
 from easyrl.workers.common import batched_log_probs
 from easyrl.workers.fsdp import DTYPES, load_model, offload_to_cpu, resident, shard_model
+from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.packing import forward_options, packed_attn_implementation
 
 
-class RefWorker:
+class RefWorker(MemoryReporting):
     def __init__(self, cfg: EasyRLConfig) -> None:
         self.cfg = cfg
         self.device = _setup_process(cfg)
         self.rank = int(os.environ.get("RANK", "0"))
+        self.ledger = MemoryLedger("ref", self.device, cfg)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self) -> None:
@@ -34,6 +36,7 @@ class RefWorker:
         offload_to_cpu(self.model, None, rcfg.offload.offload_params, False)
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("ref", release=True)  # the engine wakes next on this GPU: hand the forward's blocks back
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         """The reference policy's log-prob of each response token: `ref_log_probs` (B, R)."""
         micro = self.cfg.worker.ref.micro_batch_size_per_device_for_experience
