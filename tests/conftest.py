@@ -66,6 +66,11 @@ def base_config(model_dir: str, data: dict[str, str], save_dir: str | Path) -> d
                 "global_batch_size": 2,
                 "micro_batch_size_per_device_for_update": 2,
                 "micro_batch_size_per_device_for_experience": 4,
+                # The padded path the golden trajectory (tests/trainer/golden_grpo.json) was recorded with; the
+                # defaults (all three on) are covered by tests/workers/test_packing.py and test_logprob_fused.py.
+                "padding_free": False,
+                "dynamic_batching": False,
+                "fused_logprobs": False,
                 "optim": {"lr": 1e-3, "weight_decay": 0.0},  # parameters move only through gradients
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": False},
             },

@@ -82,6 +82,20 @@ def test_series_and_plots(tmp_path: Path) -> None:
     assert "reward/errors" not in reward.keys and "val/reward_score" in reward.keys
 
 
+def test_memory_ledger_gets_its_chart(tmp_path: Path) -> None:
+    """The `perf/mem/*` ledger keys are drawn in one chart, labelled by role and phase."""
+    rows = [
+        {"step": s, "perf/mem/actor/peak_update_gb": 30.0 + s, "perf/mem/ref/peak_ref_gb": 9.0, "perf/throughput": 1.0}
+        for s in (1, 2)
+    ]
+    (tmp_path / "experiment_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    series = metric_series(read_jsonl(str(tmp_path / "experiment_log.jsonl")))
+    memory = next(p for p in plan_plots(series) if p.name == "memory")
+    assert memory.keys == ["perf/mem/actor/peak_update_gb", "perf/mem/ref/peak_ref_gb"]
+    page = Path(build_report(str(tmp_path))).read_text()
+    assert 'id="plot-memory"' in page and (tmp_path / "report_memory.png").stat().st_size > 0
+
+
 def test_missing_metrics_are_omitted(tmp_path: Path) -> None:
     _write_run(tmp_path, full=False)
     out = build_report(str(tmp_path))

@@ -87,15 +87,15 @@ class ActorConfig:
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    padding_free: bool = False
+    padding_free: bool = True
     """Pack each micro-batch's valid tokens into one row; attention stays within each sequence (flash-attn's varlen
     kernel when installed, else torch's varlen flash kernel on GPU and per-sequence sdpa on CPU). The reference and
     critic follow it, as they follow `dynamic_batching`."""
-    dynamic_batching: bool = False
+    dynamic_batching: bool = True
     """Form micro-batches by a token budget instead of a fixed count (also for the reference and critic)."""
     max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch when `dynamic_batching` is on."""
-    fused_logprobs: bool = False
+    fused_logprobs: bool = True
     """Compute log-probs and entropy from hidden states chunk by chunk (no full tokens x vocab fp32 logits)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the fused log-prob head."""

@@ -18,6 +18,7 @@ from easyrl.workers.specs import (
     ActorSpec,
     CriticSpec,
     ForwardOptions,
+    MemoryLevers,
     ModelSpec,
     PolicyLossSpec,
     ProcessSpec,
@@ -93,6 +94,19 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         rollout=rollout_spec(cfg),
         temperature=cfg.worker.rollout.temperature,
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
+        memory_levers=memory_levers(cfg),
+    )
+
+
+def memory_levers(cfg: EasyRLConfig) -> MemoryLevers:
+    """The settings a failed engine wake names as the ways to make room, with this run's values."""
+    acfg = cfg.worker.actor
+    return MemoryLevers(
+        gpu_memory_utilization=cfg.worker.rollout.gpu_memory_utilization,
+        actor_offload_params=acfg.offload.offload_params,
+        actor_offload_optimizer=acfg.offload.offload_optimizer,
+        ref_offload_params=cfg.worker.ref.offload.offload_params,
+        actor_max_token_len_per_gpu=acfg.max_token_len_per_gpu,
     )
 
 

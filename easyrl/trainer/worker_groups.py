@@ -121,9 +121,14 @@ class Workers:
         return PaddedBatch(batch, real)
 
     def memory_metrics(self) -> dict[str, float]:
+        """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
+        the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.workers.memory`)."""
         out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
-        if torch.cuda.is_available():
-            per_worker = self.actor.call_async("memory_stats").result()
+        calls = [
+            group.call_async("memory_stats") for group in (self.actor, self.ref, self.critic) if group is not None
+        ]
+        for call in calls:
+            per_worker = call.result()
             for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
                 for key, value in stats.items():
                     out[key] = max(out.get(key, 0.0), value)

@@ -17,6 +17,7 @@ from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.seeding import derive_seed
 from easyrl.workers.forward_backward import LossFn, batched_log_probs, token_log_probs, update_model
+from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import DTYPES, setup_process
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 from easyrl.workers.specs import ActorSpec, RolloutSpec
@@ -48,13 +49,14 @@ def build_rollout_engine(
     return VLLMRolloutEngine(spec, eos, pad, media_per_prompt or {})
 
 
-class ActorWorker(TrainedRole):
+class ActorWorker(TrainedRole, MemoryReporting):
     """Trains the policy (PPO-family losses) and generates rollouts with it."""
 
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.device = setup_process(spec.process)
         self.rank = int(os.environ.get("RANK", "0"))
+        self.ledger = MemoryLedger("actor", self.device, spec.memory_levers)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
@@ -78,9 +80,10 @@ class ActorWorker(TrainedRole):
         start = time.perf_counter()
         out = self.engine.generate(prompts, params)
         timing["timing_s/generate_engine"] = time.perf_counter() - start
+        self.ledger.mark("after_generate")
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
-        self.engine.sleep()
+        self.ledger.sleep(self.engine)  # hands the allocator's cache back too
         self._engine_stale |= self.engine.discards_weights_on_sleep
         if self.device.type == "cuda":  # what sleeping gave back to the device (weights + KV cache)
             timing["perf/sleep_freed_gb"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
@@ -96,23 +99,24 @@ class ActorWorker(TrainedRole):
         if not self._engine_stale:
             start = time.perf_counter()
             self.trainable.offload()
-            self.engine.wake_up()
+            self.ledger.wake(self.engine)  # hands the allocator's cache back first
             return {"timing_s/wake": time.perf_counter() - start}
         start = time.perf_counter()
-        self.engine.wake_up(["weights"])
+        self.ledger.wake(self.engine, ["weights"])
         wake = time.perf_counter() - start
         start = time.perf_counter()
         self.engine.load_weights(self.trainable.full_weights())
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()
-        self.engine.wake_up(["kv_cache"])
+        self.ledger.wake(self.engine, ["kv_cache"])
         wake += time.perf_counter() - start
         self._engine_stale = False
         return {"timing_s/wake": wake, "timing_s/update_weights": update}
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("old")
     def compute_log_probs(self, batch: Batch) -> Batch:
         """The policy's log-prob (B, R) and entropy (B, R) of each response token before the update."""
         self.model.eval()
@@ -129,6 +133,7 @@ class ActorWorker(TrainedRole):
         return Batch({"old_log_probs": lp, "entropys": ent})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
         self.model.train()
@@ -182,18 +187,3 @@ class ActorWorker(TrainedRole):
         """The whole policy as CPU tensors on rank 0 (every rank joins the gathers); for tests and small models."""
         weights = {name: t.cpu().clone() for name, t in self.trainable.full_weights()}
         return weights if self.rank == 0 else None
-
-    @register(dispatch=Dispatch.ALL)
-    def memory_stats(self) -> dict[str, float]:
-        """GPU memory of this worker's device (GiB): the PyTorch allocator's peak since the last call (then reset),
-        what it holds now, and what the whole device has in use now (the engine's pools and other roles included)."""
-        if not torch.cuda.is_available():
-            return {}
-        free, total = torch.cuda.mem_get_info()
-        stats = {
-            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "perf/memory_allocated_gb": torch.cuda.memory_allocated() / 2**30,
-            "perf/device_memory_used_gb": (total - free) / 2**30,
-        }
-        torch.cuda.reset_peak_memory_stats()
-        return stats

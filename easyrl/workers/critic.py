@@ -8,15 +8,17 @@ from easyrl.algorithms import compute_value_loss
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.workers.forward_backward import batched_values, response_values, update_model
+from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import CriticSpec
 from easyrl.workers.trainable import TrainedRole
 
 
-class CriticWorker(TrainedRole):
+class CriticWorker(TrainedRole, MemoryReporting):
     def __init__(self, spec: CriticSpec) -> None:
         self.spec = spec
         self.device = setup_process(spec.process)
+        self.ledger = MemoryLedger("critic", self.device)
 
     @register(dispatch=Dispatch.ALL)
     def init_model(self) -> None:
@@ -28,6 +30,7 @@ class CriticWorker(TrainedRole):
         return response_values(self.model, mb, self.device, self.spec.model.forward)
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("values", release=True)  # hand the pass's blocks back to the other processes on this GPU
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
         with self.trainable.resident(with_optimizer=False):
@@ -36,6 +39,7 @@ class CriticWorker(TrainedRole):
         return Batch({"values": values})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("update", release=True)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         self.model.train()
 

@@ -108,6 +108,17 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True)
+class MemoryLevers:
+    """The settings that make room on a GPU, with their values in this run: a failed engine wake names them."""
+
+    gpu_memory_utilization: float = 0.5
+    actor_offload_params: bool = False
+    actor_offload_optimizer: bool = False
+    ref_offload_params: bool = False
+    actor_max_token_len_per_gpu: int | None = None
+
+
+@dataclass(frozen=True)
 class ActorSpec:
     process: ProcessSpec
     model: ModelSpec
@@ -118,6 +129,8 @@ class ActorSpec:
     """Log-probs are of logits / temperature, as the engine sampled them."""
     micro_batch_size_for_experience: int
     """Samples per forward pass when computing log-probs."""
+    memory_levers: MemoryLevers = field(default_factory=MemoryLevers)
+    """What the actor's engine names when it cannot wake for lack of GPU memory."""
 
 
 @dataclass(frozen=True)
