@@ -14,7 +14,7 @@ BUILTIN_ADV_ESTIMATORS = (
     "remax",
     "rloo",
 )
-BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo", "vanilla")
+BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "gspo_token", "ppo", "sapo", "vanilla")
 GROUP_ESTIMATORS = frozenset({"dr_grpo", "grpo", "grpo_passk", "reinforce_plus_plus_baseline", "rloo"})
 """Estimators that compare the responses of one prompt: they need `worker.rollout.n >= 2`."""
 KL_PENALTY_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -53,6 +53,7 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
     _check_enums(cfg)
+    _check_not_yet_available(cfg)
     _check_numbers(cfg)
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
@@ -73,6 +74,26 @@ def _check_enums(cfg: EasyRLConfig) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+
+
+def _check_not_yet_available(cfg: EasyRLConfig) -> None:
+    """EasyR1 keys whose feature easyrl does not have yet: their neutral value is accepted, any other stops."""
+    for role in ("actor", "critic"):
+        size = getattr(cfg.worker, role).ulysses_size
+        if size != 1:
+            raise ConfigError(
+                f"worker.{role}.ulysses_size",
+                f"{size}: sequence parallelism is not yet available in easyrl (issue 21); set it to 1",
+            )
+        rank = getattr(cfg.worker, role).model.lora.rank
+        if rank != 0:
+            raise ConfigError(
+                f"worker.{role}.model.lora.rank",
+                f"{rank}: LoRA is not yet available in easyrl (issue 20); set it to 0 (full fine-tuning)",
+            )
+    for key in ("worker.actor.tau_positive", "worker.actor.tau_negative"):
+        if float(_get(cfg, key)) <= 0:  # type: ignore[arg-type]
+            raise ConfigError(key, f"must be > 0 (a SAPO gate temperature), got {_get(cfg, key)}")
 
 
 def _check_numbers(cfg: EasyRLConfig) -> None:

@@ -189,6 +189,8 @@ class ActorWorker(CheckpointMixin):
                 clip_ratio_low=acfg.clip_ratio_low,
                 clip_ratio_high=acfg.clip_ratio_high,
                 clip_ratio_dual=acfg.clip_ratio_dual,
+                tau_positive=acfg.tau_positive,
+                tau_negative=acfg.tau_negative,
                 loss_agg_mode=acfg.loss_avg_mode,
                 rollout_is_weights=mb.tensors.get("rollout_is_weights"),
             )
