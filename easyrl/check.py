@@ -37,6 +37,35 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     ]
 
 
+def cpu_noop_settings(cfg: EasyRLConfig) -> list[str]:
+    """GPU-only settings this config turns on, as `key=value`; a CPU run accepts them and they do nothing there."""
+    from easyrl.config import RolloutConfig
+
+    found = []
+    for role in ("actor", "ref", "critic"):
+        wcfg = getattr(cfg.worker, role)
+        if wcfg.fsdp.enable_cpu_offload:
+            found.append(f"worker.{role}.fsdp.enable_cpu_offload=true")
+        for key in ("offload_params", "offload_optimizer"):
+            if getattr(wcfg.offload, key):
+                found.append(f"worker.{role}.offload.{key}=true")
+    if cfg.worker.rollout.enforce_eager:
+        found.append("worker.rollout.enforce_eager=true")
+    if cfg.worker.rollout.gpu_memory_utilization != RolloutConfig.gpu_memory_utilization:
+        found.append(f"worker.rollout.gpu_memory_utilization={cfg.worker.rollout.gpu_memory_utilization}")
+    return found
+
+
+def cpu_noop_warning(cfg: EasyRLConfig) -> str | None:
+    """The one warning a CPU run gives for its GPU-only settings (None on GPU runs or when there are none)."""
+    from easyrl.trainer.setup import use_gpu
+
+    found = cpu_noop_settings(cfg)
+    if not found or use_gpu(cfg):
+        return None
+    return f"running on CPU: GPU-only settings have no effect here (see docs/faq.md): {', '.join(found)}"
+
+
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
     """What would stop the rollout engine from starting on this machine, found without starting it."""
     if cfg.worker.rollout.name != "vllm":
@@ -84,6 +113,9 @@ def run_check(cfg: EasyRLConfig) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
+    noop = cpu_noop_warning(cfg)
+    if noop is not None:
+        print(f"easyrl: warning: {noop}", file=out)
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
     processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
