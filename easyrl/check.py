@@ -102,7 +102,7 @@ def run_check(cfg: EasyRLConfig) -> int:
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
     from easyrl.models import load_processor
-    from easyrl.rewards import RewardManager
+    from easyrl.rewards import RewardLoadError, RewardManager
     from easyrl.trainer.setup import use_gpu
 
     out = sys.stdout
@@ -156,7 +156,12 @@ def run_check(cfg: EasyRLConfig) -> int:
         "response_length": 1,
         "ground_truth": first["ground_truth"],
     }
-    with RewardManager(cfg.worker.reward) as manager:
+    try:
+        manager = RewardManager(cfg.worker.reward)
+    except RewardLoadError as exc:
+        print(f"easyrl: reward error: {exc}", file=sys.stderr)
+        return 2
+    with manager:
         scores, _ = manager.score([sample])
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)
     print("== plan", file=out)
