@@ -75,6 +75,7 @@ class ConfigError(ValueError):
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> EasyRLConfig:
     """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute."""
     from easyrl.config import EasyRLConfig
+    from easyrl.config.hub import resolve_hub_ids
     from easyrl.config.validate import validate
 
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
@@ -101,6 +102,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         raise ConfigError(_key_of(exc), _type_message(exc)) from None
     assert isinstance(cfg, EasyRLConfig)
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
+    resolve_hub_ids(cfg)  # the driver downloads; workers get local folders
     import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
     object.__setattr__(cfg, "_secret_paths", frozenset(secret_paths))

@@ -189,7 +189,7 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
 def _check_files(cfg: EasyRLConfig) -> None:
     model = cfg.worker.actor.model.model_path
     if not model:
-        raise ConfigError("worker.actor.model.model_path", "is required: a local Hugging Face model folder")
+        raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
     if not (Path(model) / "config.json").is_file():
         raise ConfigError("worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {model}")
     tok = cfg.worker.actor.model.tokenizer_path
@@ -197,7 +197,7 @@ def _check_files(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
     _check_context_length(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
-        raise ConfigError("data.train_files", "is required: a local jsonl/json/parquet/csv file or folder")
+        raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
         value = str(_get(cfg, key) or "")
         for part in filter(None, value.split(",")):

@@ -21,9 +21,10 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     model_path: str | None = None
-    """Local Hugging Face model folder (nothing is downloaded at run time)."""
+    """Hugging Face model folder, or hub ID (`org/name`) fetched once by the driver into the Hugging Face cache
+    (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_ENDPOINT` apply). A local folder of that name wins."""
     tokenizer_path: str | None = None
-    """Tokenizer (or processor) folder; default: `model_path`."""
+    """Tokenizer (or processor) folder or hub ID; default: `model_path`."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Overrides applied to the model's HF config before building it."""
     enable_gradient_checkpointing: bool = True
