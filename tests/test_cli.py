@@ -112,3 +112,13 @@ def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, dig
     assert proc.returncode == 0 and "easyrl: warning: " in proc.stdout and "head size is 16" in proc.stdout
     proc = easyrl("check", write_config(tmp_path / "cfg.yaml", base_config(unsupported, digits_data, tmp_path)))
     assert proc.returncode == 0, "the HF engine serves any head size"
+
+
+def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path) -> None:
+    """`easyrl merge --local_dir <ckpt>/actor` is EasyR1's spelling; naming two different folders, or none, stops."""
+    proc = easyrl("merge", "--local_dir", str(tmp_path / "global_step_1" / "actor"))
+    assert proc.returncode == 1 and "does not exist" in proc.stderr  # it got as far as reading the folder
+    proc = easyrl("merge", str(tmp_path / "a"), "--local_dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "name different folders" in proc.stderr
+    proc = easyrl("merge")
+    assert proc.returncode == 2 and "--local_dir" in proc.stderr
