@@ -326,7 +326,7 @@ def _small_run(run_dir: Path, model: str, data: Path, extra: list[str]) -> list[
         f"worker.actor.model.model_path={model}",
         f"data.train_files={data}@train",
         f"data.val_files={data}@test",
-        "data.max_prompt_length=64",
+        "data.max_prompt_length=192",
         "data.max_response_length=8",
         "data.rollout_batch_size=4",
         "data.val_batch_size=4",
@@ -385,7 +385,7 @@ def test_one_grpo_step_easyr1_vl_layout(
     config.write_text(yaml.safe_dump(EASYR1_LAYOUT))
     run_dir = tmp_path / "run"
     extra = [
-        "data.max_prompt_length=256",
+        "data.max_prompt_length=320",
         "data.min_pixels=1024",
         "data.max_pixels=4096",
         "worker.rollout.limit_images=1",
