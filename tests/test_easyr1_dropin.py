@@ -390,9 +390,15 @@ def test_one_grpo_step_easyr1_vl_layout(
         "data.max_pixels=4096",
         "worker.rollout.limit_images=1",
         "algorithm.disable_kl=True",
+        "worker.actor.loss_type=sapo",
+        "worker.actor.tau_negative=1.5",
         "trainer.save_freq=-1",
         "trainer.save_model_only=True",
     ]
     proc = easyrl("train", str(config), *_small_run(run_dir, stand_ins["qwen2_5_vl"], easyr1_data["geo"], extra))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _steps(run_dir), "no training step logged"
+    steps = _steps(run_dir)
+    assert steps, "no training step logged"
+    row = steps[0].get("data", steps[0])
+    assert row["actor/pg_clipfrac"] == 0.0  # SAPO clips nothing
+    assert row["prompt_length/mean"] > 40  # image tokens expanded into the prompt
