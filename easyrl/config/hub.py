@@ -8,9 +8,11 @@ read at call time (not at import, as huggingface_hub does): `HF_HOME` / `HF_HUB_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from easyrl.config.loader import ConfigError
@@ -39,14 +41,27 @@ def is_hub_id(value: str) -> bool:
     return bool(_HUB_ID.match(value)) and not os.path.exists(value) and not value.lower().endswith(_DATA_SUFFIXES)
 
 
+class NotCachedError(ConfigError):
+    """A hub ID is not in the cache and the hub cannot be used (offline, or unreachable)."""
+
+
+def _hf_home() -> str:
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
+    return os.path.expanduser(home)
+
+
 def hub_cache_dir() -> str:
     """The hub cache huggingface_hub would use under the current environment."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
-    )
-    return os.path.join(os.path.expanduser(home), "hub")
+    return os.path.join(_hf_home(), "hub")
+
+
+def datasets_cache_dir() -> str:
+    """The cache `datasets` would use under the current environment."""
+    return os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(_hf_home(), "datasets"))
 
 
 def _offline() -> bool:
@@ -76,9 +91,10 @@ def download(repo_id: str, repo_type: str, key: str) -> str:
         )
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        raise ConfigError(
-            key, f"{repo_id} is not in the Hugging Face cache ({cache}) and {why}; download it first: {cli}"
-        ) from None
+        where = f"the Hugging Face cache ({cache})"
+        if repo_type == "dataset":
+            where += f" nor in the datasets cache ({datasets_cache_dir()})"
+        raise NotCachedError(key, f"{repo_id} is not in {where} and {why}; download it first: {cli}") from None
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
         raise ConfigError(
             key,
@@ -116,9 +132,52 @@ def resolve_hub_ids(cfg: EasyRLConfig) -> None:
             if "@" in part and not os.path.exists(part):
                 path, split = part.rsplit("@", 1)
             if is_hub_id(path):
-                part = f"{local(path, 'dataset', key)}@{split or DEFAULT_SPLIT}"
+                try:
+                    part = f"{local(path, 'dataset', key)}@{split or DEFAULT_SPLIT}"
+                except NotCachedError as exc:
+                    # Loaded before with `datasets.load_dataset`: its own cache may hold the prepared split.
+                    saved = from_datasets_cache(path, split or DEFAULT_SPLIT)
+                    if saved is None:
+                        raise exc from None
+                    part = saved
             parts.append(part)
         setattr(cfg.data, key.split(".")[1], ",".join(parts))
+
+
+def from_datasets_cache(repo_id: str, split: str) -> str | None:
+    """A `save_to_disk` folder of `split` of `repo_id` as prepared in the `datasets` cache; None when absent.
+
+    `datasets` keeps a prepared dataset in its own arrow format, which the data loader does not read, so the split
+    is saved once more next to it (under `<datasets cache>/easyrl/`), keyed by its fingerprint.
+    """
+    import datasets
+
+    cache = datasets_cache_dir()
+    try:
+        with _datasets_offline(_offline()):
+            dataset = datasets.load_dataset(repo_id, split=split, cache_dir=cache)
+    except Exception as exc:  # not cached (offline) or any other failure: the caller reports the hub error
+        logger.debug("%s@%s not in the datasets cache %s: %s", repo_id, split, cache, exc)
+        return None
+    assert isinstance(dataset, datasets.Dataset)
+    folder = os.path.join(cache, "easyrl", repo_id.replace("/", "___"), f"{split}-{dataset._fingerprint}")
+    if not os.path.isfile(os.path.join(folder, "state.json")):
+        dataset.save_to_disk(folder)
+    logger.info("%s@%s: from the datasets cache, saved as %s", repo_id, split, folder)
+    return folder
+
+
+@contextlib.contextmanager
+def _datasets_offline(offline: bool) -> Iterator[None]:
+    """`datasets` reads HF_HUB_OFFLINE once, at import: apply the current value for the duration of the block."""
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = offline or saved
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _section(cfg: EasyRLConfig, dotted: str) -> object:

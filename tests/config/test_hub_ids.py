@@ -83,6 +83,28 @@ def test_dataset_id_without_split_takes_train(hf_home: Path, tmp_path: Path, tin
     assert cfg.data.train_files.endswith(f"datasets--tiny-org--digits/snapshots/{REV}@train")
 
 
+def test_dataset_id_from_the_datasets_cache(hf_home: Path, tmp_path: Path, tiny_model_dir: str) -> None:
+    """A dataset loaded before with `datasets.load_dataset` (so prepared in the datasets cache, not in the hub
+    cache) resolves offline too: datasets' cache layout <org>___<name>/<config>/<version>/<hash>/<name>-<split>.arrow."""
+    import datasets
+
+    source = tmp_path / "src.jsonl"
+    source.write_text("".join(json.dumps({"problem": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    builder = datasets.load_dataset_builder("json", data_files={"train": str(source)}, cache_dir=str(tmp_path / "b"))
+    builder.download_and_prepare()
+    prepared = next((tmp_path / "b").glob("json/*/0.0.0/*/dataset_info.json")).parent
+    target = hf_home / "datasets" / "tiny-org___cached-only" / "default" / "0.0.0" / REV
+    target.mkdir(parents=True)
+    info = json.loads((prepared / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "dataset_name": "cached-only"}))
+    shutil.copy(prepared / "json-train.arrow", target / "cached-only-train.arrow")
+    cfg = load_config(_conf(tmp_path, tiny_model_dir), ["data.train_files=tiny-org/cached-only@train"])
+    assert cfg.data.train_files.startswith(str(hf_home / "datasets" / "easyrl" / "tiny-org___cached-only" / "train-"))
+    from easyrl.data.loading import load_rows
+
+    assert [row[2]["problem"] for row in load_rows(cfg.data.train_files)] == [f"q{i}" for i in range(5)]
+
+
 def test_local_path_wins_over_the_hub(hf_home: Path, tmp_path: Path, tiny_model_dir: str) -> None:
     local = tmp_path / "tiny-org" / "tiny-qwen"
     shutil.copytree(tiny_model_dir, local)
@@ -104,6 +126,8 @@ def test_offline_missing_id_stops_with_one_line(
         load_config(_conf(tmp_path, tiny_model_dir), [override])
     message = str(info.value)
     assert message.startswith(f"{key}: tiny-org/not-cached is not in the Hugging Face cache ({hf_home / 'hub'})")
+    if key.startswith("data."):
+        assert f"nor in the datasets cache ({hf_home / 'datasets'})" in message
     assert "HF_HUB_OFFLINE is set" in message and f"{command}" in message and "tiny-org/not-cached" in message
     assert "\n" not in message
 
