@@ -49,7 +49,7 @@ def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
     arithmetic is `easyrl.workers.memory_plan`'s. Nothing without a GPU."""
     import torch
 
-    from easyrl.trainer.setup import use_gpu
+    from easyrl.trainer.worker_groups import use_gpu
 
     if not (use_gpu(cfg) and torch.cuda.is_available()):
         return [], []
@@ -64,6 +64,35 @@ def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
     )
     plan = plan_memory(shape, cfg, torch.cuda.mem_get_info()[1])
     return [f"GPU: {torch.cuda.get_device_name()}", *plan_lines(plan)], plan_problems(plan)
+
+
+def cpu_noop_settings(cfg: EasyRLConfig) -> list[str]:
+    """GPU-only settings this config turns on, as `key=value`; a CPU run accepts them and they do nothing there."""
+    from easyrl.config import RolloutConfig
+
+    found = []
+    for role in ("actor", "ref", "critic"):
+        wcfg = getattr(cfg.worker, role)
+        if wcfg.fsdp.enable_cpu_offload:
+            found.append(f"worker.{role}.fsdp.enable_cpu_offload=true")
+        for key in ("offload_params", "offload_optimizer"):
+            if getattr(wcfg.offload, key):
+                found.append(f"worker.{role}.offload.{key}=true")
+    if cfg.worker.rollout.enforce_eager:
+        found.append("worker.rollout.enforce_eager=true")
+    if cfg.worker.rollout.gpu_memory_utilization != RolloutConfig.gpu_memory_utilization:
+        found.append(f"worker.rollout.gpu_memory_utilization={cfg.worker.rollout.gpu_memory_utilization}")
+    return found
+
+
+def cpu_noop_warning(cfg: EasyRLConfig) -> str | None:
+    """The one warning a CPU run gives for its GPU-only settings (None on GPU runs or when there are none)."""
+    from easyrl.trainer.worker_groups import use_gpu
+
+    found = cpu_noop_settings(cfg)
+    if not found or use_gpu(cfg):
+        return None
+    return f"running on CPU: GPU-only settings have no effect here (see docs/faq.md): {', '.join(found)}"
 
 
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
@@ -102,7 +131,7 @@ def run_check(cfg: EasyRLConfig) -> int:
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
     from easyrl.models import load_processor
-    from easyrl.rewards import RewardManager
+    from easyrl.rewards import RewardLoadError, RewardManager
     from easyrl.trainer.worker_groups import use_gpu
 
     out = sys.stdout
@@ -113,6 +142,9 @@ def run_check(cfg: EasyRLConfig) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
+    noop = cpu_noop_warning(cfg)
+    if noop is not None:
+        print(f"easyrl: warning: {noop}", file=out)
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
     processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
@@ -153,7 +185,12 @@ def run_check(cfg: EasyRLConfig) -> int:
         "response_length": 1,
         "ground_truth": first["ground_truth"],
     }
-    with RewardManager(cfg.worker.reward) as manager:
+    try:
+        manager = RewardManager(cfg.worker.reward)
+    except RewardLoadError as exc:
+        print(f"easyrl: reward error: {exc}", file=sys.stderr)
+        return 2
+    with manager:
         scores, _ = manager.score([sample])
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)
     print("== plan", file=out)

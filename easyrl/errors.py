@@ -18,9 +18,9 @@ def is_user_facing(exc: BaseException) -> bool:
         StopRequested,
     )
     try:
-        from easyrl.rewards import RewardError
+        from easyrl.rewards import RewardError, RewardLoadError
 
-        user_facing += (RewardError,)
+        user_facing += (RewardError, RewardLoadError)
     except ImportError:
         pass
     return isinstance(exc, user_facing)

@@ -1,11 +1,15 @@
 """`easyrl merge CHECKPOINT [--output DIR] [--dtype bf16|fp16|fp32]`: sharded checkpoint -> Hugging Face folder.
 
 CHECKPOINT is a `global_step_<N>` folder (the `actor` role is merged; `--role critic` for the critic) or one of
-its role subfolders. The checkpoint must be complete and intact: every file listed in its `COMPLETE` manifest is
-present with its size and SHA-256 (`--no-verify` skips the hashing for very large checkpoints, and says so). The full tensors are reassembled from however many `model_rank*_of*.safetensors` files the run wrote,
-converted to `--dtype` (default: the dtype in the saved `config.json`), and written as safetensors (split into
-several files with an index past `--max-shard-size-gb`) next to the saved config, generation config and
-tokenizer. The default output is `<role folder>/huggingface_merged`. Only JSON and safetensors are read.
+its role subfolders; EasyR1's spelling `--local_dir <ckpt>/global_step_<N>/actor` names it too. The checkpoint must
+be complete and intact: every file listed in its `COMPLETE` manifest is present with its size and SHA-256
+(`--no-verify` skips the hashing for very large checkpoints, and says so). The full tensors are reassembled from
+however many `model_rank*_of*.safetensors` files the run wrote, converted to `--dtype` (default: the dtype in the
+saved `config.json`), and written as safetensors (split into several files with an index past
+`--max-shard-size-gb`) next to the saved config, generation config and tokenizer. The default output is
+`<role folder>/huggingface_merged` (EasyR1's merger writes into `<role folder>/huggingface`, which here keeps the
+config and tokenizer the merge starts from); the last line printed names the folder. Only JSON and safetensors are
+read.
 
 The output may not be the checkpoint, hold it, or sit anywhere else in the run folder (the folder holding the
 `global_step_*` folders): a merge must never replace or mix with what training wrote. Every merge output carries an
@@ -182,7 +186,14 @@ def _name_shards(folder: str, shards: list[list[str]], total: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="easyrl merge", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("checkpoint", help="a global_step_<N> folder, or its actor/critic subfolder")
+    parser.add_argument("checkpoint", nargs="?", help="a global_step_<N> folder, or its actor/critic subfolder")
+    parser.add_argument(
+        "--local_dir",
+        "--local-dir",
+        dest="local_dir",
+        default=None,
+        help="EasyR1's spelling of CHECKPOINT: the role folder, e.g. <ckpt>/global_step_<N>/actor",
+    )
     parser.add_argument(
         "--output", "-o", default=None, help="output folder (default: <role folder>/huggingface_merged)"
     )
@@ -204,12 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `easyrl merge`; returns the process exit code (0 ok, 1 a checkpoint error)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.checkpoint and args.local_dir and os.path.abspath(args.checkpoint) != os.path.abspath(args.local_dir):
+        parser.error(f"CHECKPOINT ({args.checkpoint}) and --local_dir ({args.local_dir}) name different folders")
+    checkpoint = args.checkpoint or args.local_dir
+    if not checkpoint:
+        parser.error("name the checkpoint: easyrl merge <ckpt>/global_step_<N> (or --local_dir <.../actor>)")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         out = merge_checkpoint(
-            args.checkpoint,
+            checkpoint,
             args.output,
             args.dtype,
             args.role,
@@ -220,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)
         return 1
-    logger.info("merged model written to %s (load it with AutoModelForCausalLM.from_pretrained)", out)
+    # stdout, so scripts can take it: EasyR1 users look for the weights in <role>/huggingface, which is not here.
+    print(f"merged model: {out} (load it with from_pretrained; <role folder>/huggingface holds no weights)")
     return 0
 
 

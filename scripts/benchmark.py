@@ -198,7 +198,7 @@ def trainer_prompt_ids(run: Path) -> list[list[int]]:
     """The token ids of every training prompt, built by the trainer's own data pipeline from the run's config (chat
     template, prompt format): the very prompts the trainer generated from."""
     from easyrl.config import load_config
-    from easyrl.trainer.setup import build_data
+    from easyrl.trainer.worker_groups import build_data
 
     _, train_data, _, _ = build_data(load_config(str(run / "cfg.yaml")))
     return [list(map(int, train_data[i]["prompt_ids"])) for i in range(len(train_data))]

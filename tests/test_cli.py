@@ -141,3 +141,13 @@ def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir,
     assert not marker.exists(), "the template ran a shell command"
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("easyrl: data error:") and str(template) in last and "sandbox" in last, last
+
+
+def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path) -> None:
+    """`easyrl merge --local_dir <ckpt>/actor` is EasyR1's spelling; naming two different folders, or none, stops."""
+    proc = easyrl("merge", "--local_dir", str(tmp_path / "global_step_1" / "actor"))
+    assert proc.returncode == 1 and "does not exist" in proc.stderr  # it got as far as reading the folder
+    proc = easyrl("merge", str(tmp_path / "a"), "--local_dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "name different folders" in proc.stderr
+    proc = easyrl("merge")
+    assert proc.returncode == 2 and "--local_dir" in proc.stderr

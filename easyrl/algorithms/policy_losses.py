@@ -1,4 +1,4 @@
-"""Built-in policy-gradient losses: PPO (with dual clip), GSPO and CISPO.
+"""Built-in policy-gradient losses: PPO (with dual clip), GSPO (sequence and token forms), CISPO and SAPO.
 
 All take ``(B, T)`` tensors by keyword and return ``(scalar loss, metrics)`` where the metrics are plain floats
 (already detached and moved to the host) so the trainer can log them directly.
@@ -14,7 +14,13 @@ from easyrl.algorithms.aggregation import agg_loss, masked_mean
 from easyrl.algorithms.registry import register_policy_loss
 
 
-__all__ = ["compute_cispo_loss", "compute_gspo_loss", "compute_ppo_loss"]
+__all__ = [
+    "compute_cispo_loss",
+    "compute_gspo_loss",
+    "compute_gspo_token_loss",
+    "compute_ppo_loss",
+    "compute_sapo_loss",
+]
 
 _LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to +-20 before exp: beyond that the ratio is meaningless and exp overflows fp32/bf16."""
@@ -106,6 +112,38 @@ def compute_ppo_loss(
     return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
+def _gspo_log_ratio(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor, token_level: bool
+) -> torch.Tensor:
+    """(B, T) log of GSPO's ratio: the length-normalised sequence log-ratio on every token.
+
+    Sequence form: the mean itself, so each token's loss has gradient through every token of its sequence.
+    Token form: ``sg(mean) + log_prob - sg(log_prob)``, the same value, with gradient only through its own token.
+    """
+    mask_f = response_mask.to(log_prob.dtype)
+    log_ratio_tok = log_prob - old_log_prob
+    n_valid = mask_f.sum(dim=-1).clamp(min=1.0)  # (B,); fully masked rows have no tokens to weigh anyway
+    # where(), not a product: a -inf log-prob on a padding token would turn 0 * inf into nan.
+    seq_log_ratio = torch.where(mask_f != 0, log_ratio_tok, torch.zeros_like(log_ratio_tok)).sum(dim=-1) / n_valid
+    if token_level:
+        return seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+    return seq_log_ratio.unsqueeze(-1).expand_as(log_prob)
+
+
+def _gspo(token_level: bool, **kw: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    old_log_prob, log_prob, advantages, response_mask = (
+        kw["old_log_prob"], kw["log_prob"], kw["advantages"], kw["response_mask"]
+    )  # fmt: skip
+    log_ratio = _gspo_log_ratio(old_log_prob, log_prob, response_mask, token_level)
+    ratio = torch.exp(log_ratio.clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT))
+    loss_mat, clipped, dual_clipped = _clipped_surrogate(
+        ratio, advantages, kw["clip_ratio_low"], kw["clip_ratio_high"], None
+    )
+    loss_mat = _apply_is_weights(loss_mat, kw["rollout_is_weights"])
+    loss = agg_loss(loss_mat, response_mask, kw["loss_agg_mode"], global_tokens=kw.get("global_tokens"))
+    return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
+
+
 @register_policy_loss("gspo")
 def compute_gspo_loss(
     old_log_prob: torch.Tensor,
@@ -119,35 +157,74 @@ def compute_gspo_loss(
     rollout_is_weights: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO: PPO clipping on a length-normalised sequence ratio.
+    """GSPO: PPO clipping on a length-normalised sequence ratio, shared by all tokens of the sequence.
 
-    ``r_i = exp(mean_{valid t} (log_prob - old_log_prob))`` and the per-token ratio
-    ``r_it = sg(r_i) * exp(log_prob_it - sg(log_prob_it))``: its value is ``r_i`` on every token while its
-    gradient w.r.t. ``log_prob_it`` is ``r_i``, so every token of a sequence is clipped together.
-    Then ``L = max(-A * r_it, -A * clip(r_it, 1 - low, 1 + high))`` -- the two-sided clip of the GSPO paper;
-    ``clip_ratio_dual`` is accepted for the common signature but not applied. Aggregated with ``loss_agg_mode``
-    (the paper uses ``seq-mean-token-mean``).
+    ``r_i = exp(mean_{valid t} (log_prob - old_log_prob))`` on every token of sequence i, with its gradient (each
+    token's loss reaches every token of the sequence, weighted ``1 / |y_i|``). Then
+    ``L = max(-A * r_i, -A * clip(r_i, 1 - low, 1 + high))`` -- the two-sided clip of the GSPO paper;
+    ``clip_ratio_dual`` is accepted for the common signature but not applied. With one advantage per sequence (every
+    group estimator) its gradient equals ``gspo_token``'s; they differ when advantages vary along a sequence.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (B, T).
         clip_ratio_low, clip_ratio_high: clip range (GSPO uses much smaller values than PPO, e.g. 3e-4 / 4e-4).
         clip_ratio_dual: ignored.
-        loss_agg_mode: see ``agg_loss``.
+        loss_agg_mode: see ``agg_loss`` (the paper uses ``seq-mean-token-mean``).
         rollout_is_weights: optional (B, T) truncated IS weights.
 
     Returns:
         ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
     """
-    mask_f = response_mask.to(log_prob.dtype)
-    log_ratio_tok = log_prob - old_log_prob
-    n_valid = mask_f.sum(dim=-1).clamp(min=1.0)  # (B,); fully masked rows have no tokens to weigh anyway
-    seq_log_ratio = torch.where(mask_f != 0, log_ratio_tok, torch.zeros_like(log_ratio_tok)).sum(dim=-1) / n_valid
-    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
-    ratio = torch.exp(log_ratio.clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT))
-    loss_mat, clipped, dual_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, None)
-    loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
-    return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
+    del clip_ratio_dual
+    return _gspo(
+        False,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=kwargs.get("global_tokens"),
+    )
+
+
+@register_policy_loss("gspo_token")
+def compute_gspo_token_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_dual: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO-token: GSPO's sequence ratio as each token's value, each token's own gradient.
+
+    ``r_it = sg(r_i) * exp(log_prob_it - sg(log_prob_it))``: its value is ``r_i`` on every token while its
+    gradient w.r.t. ``log_prob_it`` is ``r_i`` (and 0 w.r.t. the other tokens), so a sequence is clipped or kept as
+    one while token-level advantages steer each token. Clip and arguments as in ``compute_gspo_loss``.
+
+    Returns:
+        ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
+    """
+    del clip_ratio_dual
+    return _gspo(
+        True,
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=kwargs.get("global_tokens"),
+    )
 
 
 @register_policy_loss("cispo")
@@ -188,6 +265,54 @@ def compute_cispo_loss(
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
     return loss, _clip_metrics(clipped, None, old_log_prob, log_prob, response_mask)
+
+
+@register_policy_loss("sapo")
+def compute_sapo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_dual: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    tau_positive: float = 1.0,
+    tau_negative: float = 1.05,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO: a smooth sigmoid gate on the token ratio in place of PPO's hard clip.
+
+    ``f(r; tau) = (4 / tau) * sigmoid(tau * (r - 1))`` and ``L = -A * f(r; tau)`` with ``tau = tau_positive`` where
+    ``A >= 0`` and ``tau_negative`` where ``A < 0``. At ``r = 1`` the gate's slope is 1 (the plain policy gradient);
+    away from it the slope ``4 * s * (1 - s)`` (``s`` the sigmoid) decays smoothly instead of dropping to 0, faster
+    for a larger ``tau``. The clip keys are accepted for the common signature and not used.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (B, T).
+        loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: optional (B, T) truncated IS weights.
+        tau_positive, tau_negative: gate temperatures (``worker.actor.tau_positive`` / ``tau_negative``), > 0.
+
+    Returns:
+        ``(loss, metrics)`` with ``pg_clipfrac`` and ``pg_clipfrac_lower`` (always 0: nothing is clipped) and
+        ``ppo_kl``.
+    """
+    del clip_ratio_low, clip_ratio_high, clip_ratio_dual
+    if tau_positive <= 0 or tau_negative <= 0:
+        raise ValueError(
+            f"SAPO temperatures must be > 0, got tau_positive={tau_positive}, tau_negative={tau_negative}"
+        )
+    log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages >= 0, tau_positive, tau_negative).to(ratio.dtype)  # (B, T)
+    gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
+    loss_mat = _apply_is_weights(-advantages * gate, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    return loss, _clip_metrics(
+        torch.zeros_like(response_mask, dtype=torch.bool), None, old_log_prob, log_prob, response_mask
+    )
 
 
 @torch.no_grad()

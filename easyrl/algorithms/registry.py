@@ -138,7 +138,7 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
     """Decorator registering a policy loss under ``name`` (selected by ``worker.actor.loss_type``).
 
     The function is called with keyword arguments ``old_log_prob, log_prob, advantages, response_mask`` (all
-    (B, T)), ``clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_agg_mode``, optionally
+    (B, T)), ``clip_ratio_low, clip_ratio_high, clip_ratio_dual, tau_positive, tau_negative, loss_agg_mode``, optionally
     ``rollout_is_weights`` (B, T), and must return ``(scalar loss, dict of float metrics)``.
     """
     return _POLICY_LOSSES.register(name, override=override)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class DataConfig:
     train_files: str = ""
     """Training data: a jsonl/json/parquet/csv file, a folder of them, a `datasets` folder saved with
-    `save_to_disk`, optionally suffixed `@split` (e.g. `data/train.parquet`, `data/math@train`)."""
+    `save_to_disk`, optionally suffixed `@split` (e.g. `data/train.parquet`, `data/math@train`), or a hub dataset
+    ID `org/name@split` (split `train` when omitted) fetched once by the driver into the Hugging Face cache.
+    Comma-separated entries are concatenated."""
     val_files: str = ""
     """Validation data, same forms as `train_files`. Empty: no validation."""
     prompt_key: str = "prompt"

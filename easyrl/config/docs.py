@@ -75,7 +75,8 @@ def render_config_reference() -> str:
 
     lines += ["## Coming from EasyR1", "", "Renamed keys (applied automatically, with a note):", ""]
     lines += [f"- `{old}` -> `{new}`" for old, new in EASYR1_RENAMES.items() if old != new]
-    lines += ["- `worker.actor.loss_avg_mode: token|seq` -> `token-mean|seq-mean-token-mean`", ""]
+    lines += ["- `worker.{actor,critic}.loss_avg_mode: token|seq` -> `token-mean|seq-mean-token-mean`"]
+    lines += ["- `worker.actor.loss_type: default` -> `ppo`", ""]
     lines += ["Accepted and ignored (easyrl has the behaviour built in, or it does not apply):", ""]
     lines += [f"- `{key}`" for key in sorted(EASYR1_IGNORED)]
     return "\n".join(lines) + "\n"

@@ -30,29 +30,38 @@ EASYR1_RENAMES = {
     "worker.reward.score_function_kwargs": "worker.reward.reward_function_kwargs",
     "trainer.total_episodes": "trainer.total_epochs",
     "data.format_prompt_path": "data.format_prompt",
-    "worker.actor.loss_avg_mode": "worker.actor.loss_avg_mode",
+    "trainer.max_try_make_batch": "algorithm.max_try_make_batch",
+    # The image limit is a property of the prompts: data.limit_images bounds them for every engine.
+    "worker.rollout.limit_images": "data.limit_images",
 }
 # EasyR1 keys that describe behaviour easyrl has built in (or not yet): accepted, ignored, and reported.
 EASYR1_IGNORED = {
     "worker.hybrid_engine",
-    "worker.actor.strategy",
-    "worker.ref.strategy",
-    "worker.critic.strategy",
-    "worker.actor.fsdp.enable_rank0_init",
-    "worker.ref.fsdp.enable_rank0_init",
-    "worker.critic.fsdp.enable_rank0_init",
-    "worker.actor.fsdp.use_orig_params",
-    "worker.actor.fsdp.fsdp_size",
-    "worker.actor.fsdp.mp_buffer_dtype",
+    *(f"worker.{role}.strategy" for role in ("actor", "ref", "critic")),
+    *(
+        f"worker.{role}.fsdp.{key}"
+        for role in ("actor", "ref", "critic")
+        for key in ("enable_rank0_init", "use_orig_params", "fsdp_size", "mp_buffer_dtype")
+    ),
     "worker.actor.use_torch_compile",
+    "worker.critic.padding_free",  # the critic follows worker.actor.padding_free
+    "worker.critic.dynamic_batching",  # the critic follows worker.actor.dynamic_batching
     "worker.rollout.disable_log_stats",
     "worker.rollout.disable_tqdm",
     "worker.rollout.trust_remote_code",
     "worker.reward.reward_type_name",
-    "worker.rollout.limit_images",  # data.limit_images bounds images per prompt for every engine
+    "worker.reward.num_cpus",  # reward processes: worker.reward.num_workers
+    "data.filter_overlong_prompts_workers",
+    "trainer.ray_timeline",
 }
-# EasyR1 spelled loss aggregation differently.
-_EASYR1_LOSS_AVG = {"token": "token-mean", "seq": "seq-mean-token-mean"}
+# EasyR1 values easyrl spells differently: key -> {EasyR1 value: easyrl value}.
+_EASYR1_VALUES: dict[str, dict[Any, Any]] = {
+    "worker.actor.loss_avg_mode": {"token": "token-mean", "seq": "seq-mean-token-mean"},
+    "worker.critic.loss_avg_mode": {"token": "token-mean", "seq": "seq-mean-token-mean"},
+    "worker.actor.loss_type": {"default": "ppo"},
+}
+# EasyR1 keys whose null means "the default" (a number in easyrl): a null is dropped.
+_EASYR1_NULL_IS_DEFAULT = {f"worker.{role}.optim.min_lr_ratio" for role in ("actor", "critic")}
 
 
 def load_config(
@@ -67,6 +76,7 @@ def load_config_and_secrets(
     path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
 ) -> tuple[EasyRLConfig, Secrets]:
     """`load_config`, and the config's secrets (what a run must scrub from every file and line it writes)."""
+    from easyrl.config.hub import resolve_hub_ids
     from easyrl.config.schema import EasyRLConfig
     from easyrl.config.validate import validate
 
@@ -90,6 +100,7 @@ def load_config_and_secrets(
         raise ConfigError(_key_of(exc), _type_message(exc)) from None
     assert isinstance(cfg, EasyRLConfig)
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
+    resolve_hub_ids(cfg)  # the driver downloads; workers get local folders
     import_user_modules(cfg.algorithm.user_modules)
     validate(cfg)
     raw = OmegaConf.to_container(user, resolve=False)
@@ -177,11 +188,14 @@ def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
         if key in EASYR1_IGNORED:
             notes.append(f"{key} is an EasyR1 key with no effect in easyrl; ignored")
             continue
+        if key in _EASYR1_NULL_IS_DEFAULT and value is None:
+            continue
         new = EASYR1_RENAMES.get(key, key)
         if new != key:
             notes.append(f"{key} is EasyR1's name for {new}; using it")
-        if new == "worker.actor.loss_avg_mode" and value in _EASYR1_LOSS_AVG:
-            value = _EASYR1_LOSS_AVG[value]
+            if new in flat and flat[new] != value:
+                raise ConfigError(key, f"is EasyR1's name for {new}, which is also set, to another value: keep one")
+        value = _EASYR1_VALUES.get(new, {}).get(value, value) if isinstance(value, str) else value
         out[new] = value
     conf = OmegaConf.create(_unflatten(out))
     assert isinstance(conf, DictConfig)

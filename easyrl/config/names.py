@@ -34,7 +34,7 @@ BUILTIN_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
 }
 """The built-in estimators' needs: `easyrl.algorithms.advantages` registers each with its entry here."""
 BUILTIN_ADV_ESTIMATORS = tuple(sorted(BUILTIN_ESTIMATOR_NEEDS))
-BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo", "vanilla")
+BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "gspo_token", "ppo", "sapo", "vanilla")
 GROUP_ESTIMATORS = frozenset(name for name, needs in BUILTIN_ESTIMATOR_NEEDS.items() if needs.grouped)
 """Built-in estimators that compare the responses of one prompt (they need `worker.rollout.n >= 2`)."""
 KL_PENALTY_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -54,6 +54,7 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
     _check_enums(cfg)
+    _check_not_yet_available(cfg)
     _check_numbers(cfg)
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
@@ -74,6 +75,26 @@ def _check_enums(cfg: EasyRLConfig) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+
+
+def _check_not_yet_available(cfg: EasyRLConfig) -> None:
+    """EasyR1 keys whose feature easyrl does not have yet: their neutral value is accepted, any other stops."""
+    for role in ("actor", "critic"):
+        size = getattr(cfg.worker, role).ulysses_size
+        if size != 1:
+            raise ConfigError(
+                f"worker.{role}.ulysses_size",
+                f"{size}: sequence parallelism is not yet available in easyrl (issue 21); set it to 1",
+            )
+        rank = getattr(cfg.worker, role).model.lora.rank
+        if rank != 0:
+            raise ConfigError(
+                f"worker.{role}.model.lora.rank",
+                f"{rank}: LoRA is not yet available in easyrl (issue 20); set it to 0 (full fine-tuning)",
+            )
+    for key in ("worker.actor.tau_positive", "worker.actor.tau_negative"):
+        if float(_get(cfg, key)) <= 0:  # type: ignore[arg-type]
+            raise ConfigError(key, f"must be > 0 (a SAPO gate temperature), got {_get(cfg, key)}")
 
 
 def _check_numbers(cfg: EasyRLConfig) -> None:
@@ -195,7 +216,7 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
 def _check_files(cfg: EasyRLConfig) -> None:
     model = cfg.worker.actor.model.model_path
     if not model:
-        raise ConfigError("worker.actor.model.model_path", "is required: a local Hugging Face model folder")
+        raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
     if not (Path(model) / "config.json").is_file():
         raise ConfigError("worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {model}")
     tok = cfg.worker.actor.model.tokenizer_path
@@ -203,7 +224,7 @@ def _check_files(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
     _check_context_length(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
-        raise ConfigError("data.train_files", "is required: a local jsonl/json/parquet/csv file or folder")
+        raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
         value = str(_get(cfg, key) or "")
         for part in filter(None, value.split(",")):

@@ -7,11 +7,24 @@ from typing import Any
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0: train every weight. Only 0 for now: LoRA is not yet available (issue 20)."""
+    alpha: int = 64
+    """LoRA scaling factor (used once LoRA is available)."""
+    target_modules: str = "all-linear"
+    """Modules that get adapters: all-linear or a comma-separated list of module names."""
+    exclude_modules: str | None = None
+    """Regular expression of modules left without adapters, e.g. `.*visual.*`."""
+
+
+@dataclass
 class ModelConfig:
     model_path: str | None = None
-    """Local Hugging Face model folder (nothing is downloaded at run time)."""
+    """Hugging Face model folder, or hub ID (`org/name`) fetched once by the driver into the Hugging Face cache
+    (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_ENDPOINT` apply). A local folder of that name wins."""
     tokenizer_path: str | None = None
-    """Tokenizer (or processor) folder; default: `model_path`."""
+    """Tokenizer (or processor) folder or hub ID; default: `model_path`."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Overrides applied to the model's HF config before building it."""
     enable_gradient_checkpointing: bool = True
@@ -20,6 +33,8 @@ class ModelConfig:
     """Allow model code shipped in the model folder."""
     freeze_vision_tower: bool = False
     """Vision-language models: do not train the vision encoder."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning."""
 
 
 @dataclass
@@ -82,7 +97,7 @@ class ActorConfig:
     clip_ratio_dual: float = 3.0
     """Dual-clip PPO constant: losses of negative-advantage tokens are capped at -A * clip_ratio_dual."""
     loss_type: str = "ppo"
-    """Policy loss, by registered name: ppo (vanilla), gspo, cispo, or one you registered."""
+    """Policy loss, by registered name: ppo (vanilla), gspo, gspo_token, cispo, sapo, or one you registered."""
     loss_avg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     ppo_epochs: int = 1
@@ -101,6 +116,12 @@ class ActorConfig:
     """Tokens per chunk of the fused log-prob head."""
     max_consecutive_skips: int = 3
     """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
+    tau_positive: float = 1.0
+    """SAPO: gate temperature of tokens with a non-negative advantage."""
+    tau_negative: float = 1.05
+    """SAPO: gate temperature of tokens with a negative advantage."""
+    ulysses_size: int = 1
+    """Ulysses sequence-parallel size. Only 1 for now: sequence parallelism is not yet available (issue 21)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -137,6 +158,8 @@ class CriticConfig:
     """Value loss aggregation mode."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    ulysses_size: int = 1
+    """Ulysses sequence-parallel size. Only 1 for now: sequence parallelism is not yet available (issue 21)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The critic model (default: the actor's model with a value head)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))

@@ -31,6 +31,15 @@ DEFAULT_FUNCTION = "main"
 
 _module_counter = itertools.count()
 
+# Modules whose pip package has another name (the rest install under their own name).
+_PIP_NAMES = {
+    "PIL": "pillow",
+    "cv2": "opencv-python",
+    "sklearn": "scikit-learn",
+    "yaml": "pyyaml",
+    "math_verify": "math-verify",
+}
+
 
 class RewardLoadError(ValueError):
     """The reward function cannot be loaded; the message names the file and the function."""
@@ -88,6 +97,12 @@ def _import_file(path: str) -> ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except ModuleNotFoundError as exc:
+        sys.modules.pop(module_name, None)
+        missing = (exc.name or str(exc)).split(".")[0]
+        raise RewardLoadError(
+            f"reward file {path} imports {missing!r}, which is not installed: pip install {_PIP_NAMES.get(missing, missing)}"
+        ) from None
     except BaseException as exc:
         sys.modules.pop(module_name, None)
         if isinstance(exc, KeyboardInterrupt):

@@ -90,6 +90,8 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
+            tau_positive=acfg.tau_positive,
+            tau_negative=acfg.tau_negative,
         ),
         rollout=rollout_spec(cfg),
         temperature=cfg.worker.rollout.temperature,

@@ -161,6 +161,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
                 clip_ratio_low=loss_spec.clip_ratio_low,
                 clip_ratio_high=loss_spec.clip_ratio_high,
                 clip_ratio_dual=loss_spec.clip_ratio_dual,
+                tau_positive=loss_spec.tau_positive,
+                tau_negative=loss_spec.tau_negative,
                 loss_agg_mode=agg,
                 rollout_is_weights=mb.tensors.get("rollout_is_weights"),
             )

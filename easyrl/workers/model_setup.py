@@ -101,8 +101,11 @@ def shard_model(
         )
     else:
         mp = MixedPrecisionPolicy()
-    offload: OffloadPolicy = CPUOffloadPolicy() if fsdp_cfg.enable_cpu_offload else OffloadPolicy()
-    if not fsdp_cfg.enable_cpu_offload:
+    # CPU offload moves shards between host and accelerator; FSDP2 refuses it without one, and on a CPU run the
+    # shards live on the host anyway, so there it is a no-op (the driver warns once: easyrl.check.cpu_noop_settings).
+    cpu_offload = fsdp_cfg.enable_cpu_offload and device.type != "cpu"
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    if not cpu_offload:
         model.to(device)
     reshard = fsdp_cfg.enable_full_shard
     for layer in _decoder_layers(model):
@@ -181,7 +184,7 @@ def _move_training_state(
     if not (params or optim):
         return
     if not torch.cuda.is_available():
-        logger.info("offload of params/optimizer requested: no-op without CUDA")
+        logger.debug("offload of params/optimizer requested: no-op without CUDA (the driver warned once)")
         return
     if params:
         model.to(device)

@@ -91,6 +91,10 @@ class PolicyLossSpec:
     """Add `kl_coef * KL(policy || reference)` to the loss (`algorithm.use_kl_loss`, KL enabled)."""
     kl_penalty: str
     kl_coef: float
+    tau_positive: float = 1.0
+    """SAPO's gate temperature where the advantage is non-negative."""
+    tau_negative: float = 1.05
+    """SAPO's gate temperature where the advantage is negative."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""PPO / GSPO / CISPO losses and the value loss against hand-computed numbers and autograd."""
+"""PPO / GSPO / GSPO-token / CISPO / SAPO losses and the value loss against hand-computed numbers and autograd."""
 
 import math
 
@@ -94,9 +94,9 @@ def _gspo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return old, lp, adv, mask
 
 
-def test_gspo_token_mean_and_stop_gradient() -> None:
+def test_gspo_token_token_mean_and_stop_gradient() -> None:
     old, lp, adv, mask = _gspo_batch()
-    loss, metrics = get_policy_loss("gspo")(
+    loss, metrics = get_policy_loss("gspo_token")(
         old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
     )
     # Row 0 tokens: -A * 1.1618342 = -1.1618342, -3.4855026 (unclipped). Row 1 (A=-1): max(0.67032, 0.8) = 0.8,
@@ -116,9 +116,26 @@ def test_gspo_token_mean_and_stop_gradient() -> None:
     torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=0)
 
 
+def test_gspo_sequence_ratio_carries_gradient_to_every_token() -> None:
+    old, lp, adv, mask = _gspo_batch()
+    loss, metrics = get_policy_loss("gspo")(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+    )
+    # Same values as gspo_token (the ratio's value is r_i on every token): -2.2473368 / 5.
+    assert loss.item() == pytest.approx(-0.44946736, abs=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(3 / 5)
+    loss.backward()
+    # r0 = exp((lp_0 + lp_1) / 2), d r0 / d lp_t = r0 / 2; row-0 loss -(1 + 3) * r0 / 5, so both tokens get
+    # -4 * r0 / 2 / 5 = -0.4647337: the advantages of a sequence are pooled. Clipped row 1 and the pad get 0.
+    r0 = 1.1618342
+    assert lp.grad is not None
+    expected = torch.tensor([[-0.4 * r0, -0.4 * r0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=0)
+
+
 def test_gspo_seq_mean_token_mean_and_dual_ignored() -> None:
     old, lp, adv, mask = _gspo_batch()
-    fn = get_policy_loss("gspo")
+    fn = get_policy_loss("gspo_token")
     loss, _ = fn(
         old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-mean", **CLIP
     )
@@ -140,6 +157,57 @@ def test_gspo_seq_mean_token_mean_and_dual_ignored() -> None:
         clip_ratio_dual=1.1,
     )
     assert loss2.item() == pytest.approx(-0.7618342, abs=1e-6)
+
+
+def _sapo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Valid tokens (A, ratio): t1 (+1, 1), t2 (-1, 2), t3 (+2, 0.5), t5 (0, 1); t4 is padding (ratio 100).
+    old = torch.zeros(1, 5)
+    lp = torch.tensor([[0.0, math.log(2.0), math.log(0.5), math.log(100.0), 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]])
+    return old, lp, adv, mask
+
+
+def test_sapo_gates_by_advantage_sign() -> None:
+    old, lp, adv, mask = _sapo_batch()
+    loss, metrics = get_policy_loss("sapo")(
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        tau_positive=1.0,
+        tau_negative=2.0,
+        **CLIP,
+    )
+    # gate f(r; tau) = 4 / tau * sigmoid(tau * (r - 1)), L = -A * f:
+    #   t1: tau 1, f = 4 * 0.5 = 2                           -> L = -2
+    #   t2: tau 2 (A < 0), f = 2 * sigmoid(2) = 1.7615942     -> L = +1.7615942
+    #   t3: tau 1, f = 4 * sigmoid(-0.5) = 1.5101627          -> L = -3.0203254
+    #   t5: A = 0                                             -> L = 0
+    # token-mean over the 4 valid tokens: -3.2587312 / 4
+    assert loss.item() == pytest.approx(-0.8146828, abs=1e-6)
+    assert metrics["pg_clipfrac"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == 0.0
+    loss.backward()
+    # dL/dlp = -A * 4 s (1 - s) * r / 4 tokens, s = sigmoid(tau (r - 1)):
+    #   t1: -1 * 1 * 1 / 4 = -0.25; t2: 8 * 0.8807971 * 0.1192029 / 4 = 0.2099872;
+    #   t3: -2 * 4 * 0.3775407 * 0.6224593 * 0.5 / 4 = -0.2350037; padding t4 and A = 0 t5: 0.
+    assert lp.grad is not None
+    expected = torch.tensor([[-0.25, 0.2099872, -0.2350037, 0.0, 0.0]])
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=0)
+
+
+def test_sapo_negative_temperature_only_moves_negative_tokens() -> None:
+    old, lp, adv, mask = _sapo_batch()
+    fn = get_policy_loss("sapo")
+    args = {"old_log_prob": old, "log_prob": lp.detach(), "advantages": adv, "response_mask": mask}
+    loss_a, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", tau_positive=1.0, tau_negative=1.0)
+    loss_b, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", tau_positive=1.0, tau_negative=2.0)
+    # Only t2 (A = -1, r = 2) changes: 4 * sigmoid(1) = 2.9242344 with tau 1 vs 1.7615942 with tau 2.
+    assert loss_a.item() - loss_b.item() == pytest.approx(2.9242344 - 1.7615942, abs=1e-6)
+    with pytest.raises(ValueError, match="tau"):
+        fn(**args, tau_positive=0.0)
 
 
 def test_cispo_value_and_gradient_through_clipped_tokens() -> None:

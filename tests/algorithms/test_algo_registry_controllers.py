@@ -73,7 +73,7 @@ def test_builtin_names() -> None:
         "gae",
         "grpo_passk",
     } <= set(list_advantage_estimators())
-    assert {"ppo", "vanilla", "gspo", "cispo"} <= set(list_policy_losses())
+    assert {"ppo", "vanilla", "gspo", "gspo_token", "cispo", "sapo"} <= set(list_policy_losses())
 
 
 def test_entropy_from_logits() -> None:

@@ -58,9 +58,15 @@ def test_errors_name_file_and_function(tmp_path: Path) -> None:
     missing = tmp_path / "missing.py"
     with pytest.raises(RewardLoadError, match=f"reward file not found: {missing}"):
         load_reward_function(f"{missing}:main")
-    broken = _write(tmp_path / "broken.py", "import not_a_real_module_xyz\n")
-    with pytest.raises(RewardLoadError, match=r"broken\.py failed to import: ModuleNotFoundError.*not_a_real_module"):
+    broken = _write(tmp_path / "broken.py", "import os\nfrom not_a_real_module_xyz.grader import grade\n")
+    with pytest.raises(RewardLoadError) as info:
         load_reward_function(broken)
+    assert str(info.value) == (
+        f"reward file {broken} imports 'not_a_real_module_xyz', which is not installed: pip install not_a_real_module_xyz"
+    )
+    cv = _write(tmp_path / "cv.py", "import cv2.data\n")
+    with pytest.raises(RewardLoadError, match=r"imports 'cv2', which is not installed: pip install opencv-python$"):
+        load_reward_function(cv)
     syntax = _write(tmp_path / "syntax.py", "def main(:\n")
     with pytest.raises(RewardLoadError, match=r"syntax\.py failed to import: SyntaxError"):
         load_reward_function(syntax)
@@ -72,3 +78,20 @@ def test_errors_name_file_and_function(tmp_path: Path) -> None:
     bad_type = _write(tmp_path / "bad_type.py", "REWARD_TYPE = 'parallel'\ndef main(x):\n    pass\n")
     with pytest.raises(RewardLoadError, match="reward type 'parallel'"):
         load_reward_function(bad_type)
+
+
+def test_easyr1_style_math_reward_with_mathruler(tmp_path: Path) -> None:
+    """EasyR1's math reward files import mathruler: it is a dependency, so such a file loads and scores."""
+    path = _write(
+        tmp_path / "math.py",
+        "from mathruler.grader import extract_boxed_content, grade_answer\n"
+        "def compute_score(reward_inputs):\n"
+        "    return [{'overall': float(grade_answer(extract_boxed_content(x['response']), x['ground_truth']))}\n"
+        "            for x in reward_inputs]\n",
+    )
+    reward = load_reward_function(f"{path}:compute_score")
+    inputs = [
+        {"response": "so \\boxed{\\frac{1}{2}}", "ground_truth": "0.5"},
+        {"response": "\\boxed{3}", "ground_truth": "4"},
+    ]
+    assert reward.fn(inputs) == [{"overall": 1.0}, {"overall": 0.0}]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from easyrl.config import load_config
+from easyrl.config import load_config_and_secrets
 from easyrl.workers.memory import memory_keys
 from tests.conftest import base_config, write_config
 
@@ -36,7 +36,7 @@ def test_every_role_hands_back_before_the_engine_wakes(tmp_path: Path, tiny_mode
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["algorithm"] |= {"disable_kl": False, "use_kl_loss": True}  # a reference worker shares the "GPU"
     conf["trainer"]["max_steps"] = 2
-    trainer = Trainer(load_config(write_config(tmp_path / "cfg.yaml", conf)))
+    trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         trainer.fit()
         actor_events = trainer.actor.memory_events()
