@@ -278,8 +278,9 @@ def test_easyr1_layout_with_script_overrides_passes_check(
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(EASYR1_LAYOUT))
     overrides = [o.replace("GEO", str(easyr1_data["geo"])) for o in SCRIPT_OVERRIDES[script]]
-    cfg = load_config(path, overrides + _stand_in_overrides(script, stand_ins, easyr1_data))
-    notes = "\n".join(cfg._notes)  # type: ignore[attr-defined]
+    told: list[str] = []
+    cfg = load_config(path, overrides + _stand_in_overrides(script, stand_ins, easyr1_data), told)
+    notes = "\n".join(told)
     assert "trainer.max_try_make_batch is EasyR1's name for algorithm.max_try_make_batch" in notes
     assert "worker.rollout.limit_images is EasyR1's name for data.limit_images" in notes
     out = _check(cfg)

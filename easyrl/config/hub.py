@@ -15,11 +15,11 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from easyrl.config.loader import ConfigError
+from easyrl.config.errors import ConfigError
 
 
 if TYPE_CHECKING:
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
 
 logger = logging.getLogger(__name__)
 

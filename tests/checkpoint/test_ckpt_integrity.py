@@ -156,7 +156,7 @@ def test_missing_file_is_named(root: Path) -> None:
     with pytest.raises(CheckpointError, match=r"optim_rank0\.json is missing"):
         verify_checkpoint(str(root / "global_step_2"))
     (root / "global_step_2" / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match=r"COMPLETE is missing"):
+    with pytest.raises(CheckpointError, match=r"has no COMPLETE manifest"):
         verify_checkpoint(str(root / "global_step_2"))
 
 

@@ -140,7 +140,7 @@ def _save(group: WorkerGroup, root: Path, step: int, model_only: bool = False) -
 def test_round_trip_resume_and_merge(groups: dict[int, WorkerGroup], world: int, tmp_path: Path) -> None:
     group = groups[world]
     group.train_steps(2)
-    folder = _save(group, tmp_path, 2)
+    folder = _save(group, tmp_path / "run", 2)
     assert is_complete(folder)
     saved = group.fingerprint()
 
