@@ -128,7 +128,8 @@ class MemoryLedger:
     def __init__(self, role: str, device: torch.device, levers: MemoryLevers | None = None) -> None:
         self.role = role
         self.device = device
-        self.levers = levers or MemoryLevers()
+        self.levers = levers
+        """The settings a failed wake names; only the role that owns an engine (the actor) has them."""
         self.values: dict[str, float] = {}
         self.events: deque[str] = deque(maxlen=256)
         """The lifecycle of this process, oldest first: what ran in which order (releases, marks, sleeps, wakes)."""
@@ -227,6 +228,7 @@ class MemoryLedger:
                 raise
             info = self._device_info()
             held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else None
+            assert self.levers is not None, f"the {self.role} ledger has no engine to wake"
             message = wake_error_message(
                 tags,
                 info[0] if info else None,

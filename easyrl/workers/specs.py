@@ -91,9 +91,9 @@ class PolicyLossSpec:
     """Add `kl_coef * KL(policy || reference)` to the loss (`algorithm.use_kl_loss`, KL enabled)."""
     kl_penalty: str
     kl_coef: float
-    tau_positive: float = 1.0
+    tau_positive: float
     """SAPO's gate temperature where the advantage is non-negative."""
-    tau_negative: float = 1.05
+    tau_negative: float
     """SAPO's gate temperature where the advantage is negative."""
 
 
@@ -113,13 +113,14 @@ class RolloutSpec:
 
 @dataclass(frozen=True)
 class MemoryLevers:
-    """The settings that make room on a GPU, with their values in this run: a failed engine wake names them."""
+    """The settings that make room on a GPU, with their values in this run: a failed engine wake names them. No
+    defaults: the values are always the run's (`easyrl.trainer.role_specs.memory_levers`)."""
 
-    gpu_memory_utilization: float = 0.5
-    actor_offload_params: bool = False
-    actor_offload_optimizer: bool = False
-    ref_offload_params: bool = False
-    actor_max_token_len_per_gpu: int | None = None
+    gpu_memory_utilization: float
+    actor_offload_params: bool
+    actor_offload_optimizer: bool
+    ref_offload_params: bool
+    actor_max_token_len_per_gpu: int
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class ActorSpec:
     """Log-probs are of logits / temperature, as the engine sampled them."""
     micro_batch_size_for_experience: int
     """Samples per forward pass when computing log-probs."""
-    memory_levers: MemoryLevers = field(default_factory=MemoryLevers)
+    memory_levers: MemoryLevers
     """What the actor's engine names when it cannot wake for lack of GPU memory."""
 
 
