@@ -130,17 +130,24 @@ def _gspo_log_ratio(
     return seq_log_ratio.unsqueeze(-1).expand_as(log_prob)
 
 
-def _gspo(token_level: bool, **kw: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    old_log_prob, log_prob, advantages, response_mask = (
-        kw["old_log_prob"], kw["log_prob"], kw["advantages"], kw["response_mask"]
-    )  # fmt: skip
+def _gspo(
+    token_level: bool,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None,
+    global_tokens: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Both GSPO forms: the clipped surrogate on `_gspo_log_ratio`'s ratio (see the two public losses)."""
     log_ratio = _gspo_log_ratio(old_log_prob, log_prob, response_mask, token_level)
     ratio = torch.exp(log_ratio.clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT))
-    loss_mat, clipped, dual_clipped = _clipped_surrogate(
-        ratio, advantages, kw["clip_ratio_low"], kw["clip_ratio_high"], None
-    )
-    loss_mat = _apply_is_weights(loss_mat, kw["rollout_is_weights"])
-    loss = agg_loss(loss_mat, response_mask, kw["loss_agg_mode"], global_tokens=kw.get("global_tokens"))
+    loss_mat, clipped, dual_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, None)
+    loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=global_tokens)
     return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
@@ -177,17 +184,9 @@ def compute_gspo_loss(
     """
     del clip_ratio_dual
     return _gspo(
-        False,
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights,
-        global_tokens=kwargs.get("global_tokens"),
-    )
+        False, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
+        rollout_is_weights, kwargs.get("global_tokens"),
+    )  # fmt: skip
 
 
 @register_policy_loss("gspo_token")
@@ -214,17 +213,9 @@ def compute_gspo_token_loss(
     """
     del clip_ratio_dual
     return _gspo(
-        True,
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights,
-        global_tokens=kwargs.get("global_tokens"),
-    )
+        True, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
+        rollout_is_weights, kwargs.get("global_tokens"),
+    )  # fmt: skip
 
 
 @register_policy_loss("cispo")

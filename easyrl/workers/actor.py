@@ -82,11 +82,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
         timing["timing_s/generate_engine"] = time.perf_counter() - start
         self.ledger.mark("after_generate")
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
         self.ledger.sleep(self.engine)  # hands the allocator's cache back too
         self._engine_stale |= self.engine.discards_weights_on_sleep
-        if self.device.type == "cuda":  # what sleeping gave back to the device (weights + KV cache)
-            timing["perf/sleep_freed_gb"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+        if self.ledger.slept_bytes is not None:  # what sleeping gave back to the device (weights + KV cache; CUDA)
+            timing["perf/sleep_freed_gb"] = self.ledger.slept_bytes / 2**30
         self.trainable.reload()
         timing["timing_s/sleep"] = time.perf_counter() - start
         out.meta["timing"] = timing
