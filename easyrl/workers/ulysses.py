@@ -63,13 +63,12 @@ _state: dict[str, Any] = {}
 @contextmanager
 def ulysses_context(sp: SPGroup, position_ids: torch.Tensor) -> Iterator[None]:
     """Run a forward pass on local tokens: attention gets the group and the whole padded row's 1-D positions
-    (1, T) (from which the packed attention cuts the sequences)."""
+    (1, T) (from which the packed attention cuts the sequences).
+
+    They stay set after the block, until the next pass replaces them: with gradient checkpointing, the backward
+    of this pass runs the layers' forwards again, attention included."""
     _state.update(sp=sp, position_ids=position_ids)
-    try:
-        yield
-    finally:
-        _state.pop("sp", None)
-        _state.pop("position_ids", None)
+    yield
 
 
 def ulysses_attention_forward(

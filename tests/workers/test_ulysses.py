@@ -76,7 +76,9 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str)
         batches = [make_batch(b=3, p=9, r=7, vocab=90, seed=10 * sp + g) for g in range(groups)]
         ref = _reference(model_dir, batches, fused)
         attn = enable_sequence_parallel(sp, register_varlen_attention())
-        model = shard_model(load_model(ModelConfig(model_path=model_dir), attn_implementation=attn), FSDPConfig(), CPU)
+        model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn)
+        # checkpointing (one case): the backward runs the layers' forwards again, the all-to-alls included
+        model = shard_model(model, FSDPConfig(), CPU, gradient_checkpointing=sp == 2 and fused)
         opts = ForwardOptions(padding_free=True, fused=fused, chunk_size=5, ulysses_size=sp)
         group = rank // sp
         lp, ent, loss = _loss(model.train(), batches[group], opts)
@@ -105,7 +107,8 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str)
 
 def test_ulysses_equals_unsplit(tmp_path: Path) -> None:
     """One 4-rank run (the process start is the cost): Qwen2 split 2 ways (2 data-parallel groups), plain head,
-    with the critic's values; Qwen3 split 4 ways (KV heads repeated), fused head; and Qwen3 split 2 ways."""
+    with the critic's values; Qwen3 split 4 ways (KV heads repeated), fused head; and Qwen3 split 2 ways with
+    gradient checkpointing."""
     from easyrl.testing.tiny import build_tiny_checkpoint
 
     qwen2, qwen3 = (
