@@ -179,14 +179,10 @@ class WorkerGroup:
         self.role = role
         self.pool = pool
         self.world_size = pool.world_size
-        if ranks_per_engine < 1 or self.world_size % ranks_per_engine:
-            raise ValueError(
-                f"ranks_per_engine={ranks_per_engine} must divide the {role} world size {self.world_size}"
-            )
-        self.ranks_per_engine = ranks_per_engine
-        if ranks_per_dp < 1 or self.world_size % ranks_per_dp:
-            raise ValueError(f"ranks_per_dp={ranks_per_dp} must divide the {role} world size {self.world_size}")
-        self.ranks_per_dp = ranks_per_dp
+        for name, size in (("ranks_per_engine", ranks_per_engine), ("ranks_per_dp", ranks_per_dp)):
+            if size < 1 or self.world_size % size:
+                raise ValueError(f"{name}={size} must divide the {role} world size {self.world_size}")
+        self.ranks_per_engine, self.ranks_per_dp = ranks_per_engine, ranks_per_dp
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
