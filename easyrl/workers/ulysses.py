@@ -13,9 +13,9 @@ The group and collectives are in `easyrl.distributed.sequence_parallel`. Here:
   local tokens, the per-token results gathered back, so callers get the same (b, R) grids as without the split.
 
 Seam for vision-language models: compute ``inputs_embeds`` (vision embeddings scattered in) and the position ids
-for the whole packed row, split them with `easyrl.distributed.sequence_parallel.shard_sequence`, run the model on
-the local slices inside `ulysses_context` (given the whole row's 1-D text positions), then pick and gather the
-results with `local_selection` and `gather_selected`.
+(M-RoPE allowed) for the whole packed row, split them with `shard_embeddings`, run the model on the local slices
+inside `ulysses_context` (given the whole row's 1-D text positions it returned), then pick and gather the results
+with `local_selection` and `gather_selected` (as `sp_token_log_probs` does for text rows).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "gather_selected",
     "local_selection",
     "register_ulysses_attention",
+    "shard_embeddings",
     "sp_response_values",
     "sp_token_log_probs",
     "ulysses_context",
@@ -117,6 +118,27 @@ def enable_sequence_parallel(size: int, inner: str | None) -> str:
         raise ValueError(f"ulysses_size={size} needs padding-free packed rows (worker.actor.padding_free=true)")
     init_sequence_parallel(size)
     return register_ulysses_attention(inner)
+
+
+def shard_embeddings(
+    sp: SPGroup, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, text_positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seam for vision-language rows: a whole packed row's `inputs_embeds` (1, T, H) (vision embeddings already
+    scattered in) and position ids, 1-D (1, T) or multimodal RoPE (k, 1, T), -> this rank's embeddings
+    (1, T'/K, H) and position ids, and the whole padded row's 1-D positions (1, T') for `ulysses_context`.
+
+    `text_positions` (1, T): the per-sequence 1-D positions attention cuts the row with; needed with M-RoPE ids."""
+    if text_positions is None:
+        if position_ids.dim() != 2:
+            raise ValueError("shard_embeddings: multimodal RoPE position ids need text_positions (1, T)")
+        text_positions = position_ids
+    seq_dim = position_ids.dim() - 1
+    local, full = shard_sequence(
+        sp,
+        {"inputs_embeds": (inputs_embeds, 1), "position_ids": (position_ids, seq_dim), "text": (text_positions, 1)},
+        position_keys=("position_ids", "text"),
+    )
+    return local["inputs_embeds"], local["position_ids"], full["text"]
 
 
 def local_selection(select: torch.Tensor, local_len: int, sp: SPGroup) -> tuple[torch.Tensor, torch.Tensor]:
