@@ -62,3 +62,14 @@ def test_role_specs_divide_the_batch_over_data_parallel_groups(tmp_path: Path, c
     assert split.actor.model.forward.ulysses_size == 2
     assert split.ref is not None and split.ref.model.forward.ulysses_size == 2  # the reference follows the actor
     assert any("sequence parallel 2 (1 data-parallel groups)" in line for line in plan_lines(cfg))
+
+
+def test_vision_language_models_stop_with_one_line(tmp_path: Path, conf: dict[str, Any]) -> None:
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    vl = build_tiny_vl_checkpoint(tmp_path / "vl", arch="qwen2_5_vl")
+    overrides = [PACKED, "worker.actor.ulysses_size=2", f"worker.actor.model.model_path={vl}"]
+    with pytest.raises(
+        ConfigError, match=r"^worker\.actor\.ulysses_size: 2: sequence parallelism takes text models only"
+    ):
+        load_config(write_config(tmp_path / "c.yaml", conf), overrides)
