@@ -6,7 +6,7 @@ import sys
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import estimator_needs
+from easyrl.config.validate import data_parallel_size, estimator_needs
 
 
 def plan_lines(cfg: EasyRLConfig) -> list[str]:
@@ -15,7 +15,9 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     workers = t.nnodes * t.n_gpus_per_node
     samples = d.rollout_batch_size * w.rollout.n
     updates = d.rollout_batch_size // w.actor.global_batch_size
-    per_worker = w.actor.global_batch_size * w.rollout.n // workers
+    dp = data_parallel_size(cfg)
+    per_worker = w.actor.global_batch_size * w.rollout.n // dp
+    sp = f"; sequence parallel {w.actor.ulysses_size} ({dp} data-parallel groups)" if w.actor.ulysses_size > 1 else ""
     tp = w.rollout.ranks_per_engine
     engines = f"{workers // tp} (tensor parallel {tp})" if tp > 1 else str(workers)
     if alg.kl_mode == KLMode.OFF:
@@ -31,11 +33,12 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
         + ("" if alg.kl_mode == KLMode.OFF else ", ref")
-        + (", critic" if estimator_needs(cfg).needs_critic else ""),
+        + (", critic" if estimator_needs(cfg).needs_critic else "")
+        + sp,
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         + (
-            f"micro-batches of up to {w.actor.max_token_len_per_gpu} tokens"
+            f"micro-batches of up to {w.actor.max_token_len_per_gpu} tokens per worker"
             if w.actor.dynamic_batching
             else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
         ),

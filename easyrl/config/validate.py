@@ -56,6 +56,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_enums(cfg)
     _check_not_yet_available(cfg)
     _check_numbers(cfg)
+    _check_sequence_parallel(cfg)
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
 
@@ -80,12 +81,6 @@ def _check_enums(cfg: EasyRLConfig) -> None:
 def _check_not_yet_available(cfg: EasyRLConfig) -> None:
     """EasyR1 keys whose feature easyrl does not have yet: their neutral value is accepted, any other stops."""
     for role in ("actor", "critic"):
-        size = getattr(cfg.worker, role).ulysses_size
-        if size != 1:
-            raise ConfigError(
-                f"worker.{role}.ulysses_size",
-                f"{size}: sequence parallelism is not yet available in easyrl (issue 21); set it to 1",
-            )
         rank = getattr(cfg.worker, role).model.lora.rank
         if rank != 0:
             raise ConfigError(
@@ -160,6 +155,29 @@ def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
     return registered_needs(name)
 
 
+def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
+    """`ulysses_size` splits each packed row over that many workers: it must divide them, and rows must be packed.
+    (That it divides the attention heads is checked with the model's config, in `_check_files`.)"""
+    workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    for role in ("actor", "critic"):
+        key, size = f"worker.{role}.ulysses_size", getattr(cfg.worker, role).ulysses_size
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(key, f"must be a positive integer, got {size!r}")
+        if workers % size:
+            raise ConfigError(key, f"{size} must divide the number of workers ({workers})")
+        if size > 1 and not cfg.worker.actor.padding_free:
+            raise ConfigError(
+                key, f"{size} needs worker.actor.padding_free=true (sequence parallelism splits packed rows)"
+            )
+
+
+def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
+    """Workers holding different samples: all workers / `worker.<role>.ulysses_size` (the ranks of a
+    sequence-parallel group share their samples)."""
+    workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    return workers // int(getattr(cfg.worker, role).ulysses_size)
+
+
 def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     n = cfg.worker.rollout.n
@@ -179,24 +197,27 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
         if role == "critic" and not needs.needs_critic:
             continue
         wcfg = getattr(cfg.worker, role)
-        gbs = wcfg.global_batch_size
+        gbs, dp = wcfg.global_batch_size, data_parallel_size(cfg, role)
+        sp_note = (
+            f" (data-parallel groups: workers / ulysses_size {wcfg.ulysses_size})" if wcfg.ulysses_size > 1 else ""
+        )
         if gbs > rollout or rollout % gbs:
             raise ConfigError(
                 f"worker.{role}.global_batch_size",
                 f"{gbs} must divide data.rollout_batch_size ({rollout}): each step makes rollout/global optimizer steps",
             )
-        if (gbs * n) % workers:
+        if (gbs * n) % dp:
             raise ConfigError(
                 f"worker.{role}.global_batch_size",
-                f"global_batch_size * rollout.n = {gbs * n} must divide evenly over {workers} workers",
+                f"global_batch_size * rollout.n = {gbs * n} must divide evenly over {dp} workers{sp_note}",
             )
-        per_device = gbs * n // workers
+        per_device = gbs * n // dp
         micro = wcfg.micro_batch_size_per_device_for_update
         if per_device % micro:
             raise ConfigError(
                 f"worker.{role}.micro_batch_size_per_device_for_update",
                 f"{micro} must divide the per-worker mini-batch of {per_device} samples "
-                f"(global_batch_size * n / workers)",
+                f"(global_batch_size * n / {dp} workers{sp_note})",
             )
     if cfg.worker.rollout.tensor_parallel_size > workers or workers % cfg.worker.rollout.tensor_parallel_size:
         raise ConfigError("worker.rollout.tensor_parallel_size", f"must divide the number of workers ({workers})")
@@ -223,6 +244,7 @@ def _check_files(cfg: EasyRLConfig) -> None:
     if tok and not Path(tok).is_dir():
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
     _check_context_length(cfg, Path(model) / "config.json")
+    _check_attention_heads(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -260,6 +282,26 @@ def _check_load_checkpoint(path: str | None) -> None:
             "trainer.load_checkpoint_path",
             f"{path} is not a checkpoint: it has no {MANIFEST} manifest (give a global_step_<N> folder)",
         )
+
+
+def _check_attention_heads(cfg: EasyRLConfig) -> None:
+    """Ulysses attention gives each rank of a group `heads / ulysses_size` query heads."""
+    for role in ("actor", "critic"):
+        size = getattr(cfg.worker, role).ulysses_size
+        path = str(getattr(cfg.worker, role).model.model_path or cfg.worker.actor.model.model_path)
+        if size == 1 or not (Path(path) / "config.json").is_file():
+            continue
+        hf = json.loads((Path(path) / "config.json").read_text())
+        if "vision_config" in hf:  # their rows take the padded path, which sequence parallelism does not split
+            raise ConfigError(
+                f"worker.{role}.ulysses_size",
+                f"{size}: sequence parallelism takes text models only for now, not {path}",
+            )
+        heads = hf.get("text_config", hf).get("num_attention_heads") or hf.get("num_attention_heads")
+        if heads and heads % size:
+            raise ConfigError(
+                f"worker.{role}.ulysses_size", f"{size} must divide the model's attention heads ({heads}) in {path}"
+            )
 
 
 def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:

@@ -121,7 +121,9 @@ class ActorConfig:
     tau_negative: float = 1.05
     """SAPO: gate temperature of tokens with a negative advantage."""
     ulysses_size: int = 1
-    """Ulysses sequence-parallel size. Only 1 for now: sequence parallelism is not yet available (issue 21)."""
+    """Ulysses sequence parallelism: each packed row is split over this many workers (attention exchanges heads for
+    tokens with all-to-alls). Must divide the workers and the attention heads; needs `padding_free`. The data-parallel
+    size is workers / ulysses_size; `max_token_len_per_gpu` counts each worker's share. The reference follows it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -159,7 +161,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     ulysses_size: int = 1
-    """Ulysses sequence-parallel size. Only 1 for now: sequence parallelism is not yet available (issue 21)."""
+    """Ulysses sequence parallelism of the critic (see `worker.actor.ulysses_size`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The critic model (default: the actor's model with a value head)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))

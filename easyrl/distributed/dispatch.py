@@ -13,7 +13,9 @@ The modes (every mode calls *every* rank, because collectives need all ranks):
 * ``DP_SPLIT``: the first positional argument is a batch object, split with ``batch.chunk(world_size)``; rank
   ``i`` gets chunk ``i`` (the other arguments go unchanged to every rank). The ranks' results are collected with
   :func:`collect_dp_results`: batch objects are concatenated back in rank order with ``type(result).concat``,
-  dicts of metrics are merged (see :func:`merge_metrics`).
+  dicts of metrics are merged (see :func:`merge_metrics`). With sequence parallelism (the group's
+  ``ranks_per_dp`` > 1) the batch is split over the ``world_size // ranks_per_dp`` data-parallel groups of
+  consecutive ranks, every rank of a group gets the group's chunk, and only each group's first result is collected.
 * ``ENGINE_SPLIT``: like ``DP_SPLIT``, but over the group's rollout engines: when one tensor-parallel engine spans
   ``ranks_per_engine`` consecutive ranks (SPMD, every rank of an engine must be given the same requests), the batch
   is split into ``world_size // ranks_per_engine`` chunks, every rank of engine ``e`` gets chunk ``e``, and only

@@ -26,7 +26,6 @@ from easyrl.distributed.dispatch import (
     DispatchSpec,
     collect_dp_results,
     registered_methods,
-    split_dp_args,
     split_engine_args,
 )
 from easyrl.distributed.resource_pool import ResourcePool
@@ -122,7 +121,7 @@ class GroupCall:
         if self.spec.dispatch is Dispatch.RANK0:
             return results[0]
         if self.spec.dispatch is Dispatch.DP_SPLIT:
-            return collect_dp_results(results)
+            return collect_dp_results(results[:: self.group.ranks_per_dp])
         if self.spec.dispatch is Dispatch.ENGINE_SPLIT:
             return collect_dp_results(results[:: self.group.ranks_per_engine])
         return results
@@ -148,6 +147,9 @@ class WorkerGroup:
         init_timeout_s: how long the actors may take to start (their ``__init__`` included).
         ranks_per_engine: consecutive ranks that share one tensor-parallel rollout engine (``ENGINE_SPLIT`` calls
             give them the same chunk and keep the first one's result).
+        ranks_per_dp: consecutive ranks that hold the same samples (a sequence-parallel group, ``ulysses_size``):
+            ``DP_SPLIT`` calls split the batch over ``world_size // ranks_per_dp`` groups, give every rank of a
+            group the group's chunk and keep the group's first result.
 
     Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
     ``EASYRL_ROLE``; the port is picked for this group, so several groups sharing a pool each have their own
@@ -166,6 +168,7 @@ class WorkerGroup:
         call_timeout_s: float | None = None,
         init_timeout_s: float | None = 600.0,
         ranks_per_engine: int = 1,
+        ranks_per_dp: int = 1,
         **init_kwargs: Any,
     ) -> None:
         import ray
@@ -176,11 +179,10 @@ class WorkerGroup:
         self.role = role
         self.pool = pool
         self.world_size = pool.world_size
-        if ranks_per_engine < 1 or self.world_size % ranks_per_engine:
-            raise ValueError(
-                f"ranks_per_engine={ranks_per_engine} must divide the {role} world size {self.world_size}"
-            )
-        self.ranks_per_engine = ranks_per_engine
+        for name, size in (("ranks_per_engine", ranks_per_engine), ("ranks_per_dp", ranks_per_dp)):
+            if size < 1 or self.world_size % size:
+                raise ValueError(f"{name}={size} must divide the {role} world size {self.world_size}")
+        self.ranks_per_engine, self.ranks_per_dp = ranks_per_engine, ranks_per_dp
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
@@ -254,7 +256,7 @@ class WorkerGroup:
         if spec is None:
             raise AttributeError(self._undeclared(method))
         if spec.dispatch is Dispatch.DP_SPLIT:
-            per_rank = split_dp_args(self.world_size, args, kwargs)
+            per_rank = split_engine_args(self.world_size, self.ranks_per_dp, args, kwargs)
         elif spec.dispatch is Dispatch.ENGINE_SPLIT:
             per_rank = split_engine_args(self.world_size, self.ranks_per_engine, args, kwargs)
         else:

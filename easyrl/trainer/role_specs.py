@@ -116,7 +116,7 @@ def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, 
     ccfg, acfg = cfg.worker.critic, cfg.worker.actor
     # The critic makes global/critic-global times the actor's optimizer steps per step.
     critic_steps = optimizer_steps // acfg.global_batch_size * ccfg.global_batch_size
-    actor_forward = forward_options(acfg)  # the critic follows the actor's packing (no fused head: one output)
+    # The critic follows the actor's packing and token budget (no fused head: one output), with its own split.
     return CriticSpec(
         process=process,
         model=ModelSpec(
@@ -126,7 +126,11 @@ def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, 
             fsdp=ccfg.fsdp,
             optim=ccfg.optim,
             offload=ccfg.offload,
-            forward=ForwardOptions(padding_free=acfg.padding_free, max_token_len=actor_forward.max_token_len),
+            forward=ForwardOptions(
+                padding_free=acfg.padding_free,
+                max_token_len=acfg.max_token_len_per_gpu * ccfg.ulysses_size if acfg.dynamic_batching else None,
+                ulysses_size=ccfg.ulysses_size,
+            ),
             total_optimizer_steps=max(critic_steps, 1),
             checkpoint_files=_checkpoint_files(ccfg.model, acfg.model),
         ),
@@ -137,9 +141,10 @@ def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, 
 
 
 def _update_spec(wcfg: ActorConfig | CriticConfig, n: int, world_size: int) -> UpdateSpec:
-    """Per-rank sizes: `config.validate` checked that global_batch_size * n divides over the workers."""
+    """Per-rank sizes: `config.validate` checked that global_batch_size * n divides over the data-parallel groups
+    (the ranks of a sequence-parallel group hold the same samples)."""
     return UpdateSpec(
-        mini_batch_size=wcfg.global_batch_size * n // world_size,
+        mini_batch_size=wcfg.global_batch_size * n // (world_size // wcfg.ulysses_size),
         micro_batch_size=wcfg.micro_batch_size_per_device_for_update,
         epochs=wcfg.ppo_epochs,
         max_grad_norm=wcfg.max_grad_norm,
@@ -154,12 +159,15 @@ def _checkpoint_files(own: ModelConfig, actor: ModelConfig) -> tuple[str | None,
 
 
 def forward_options(actor_cfg: ActorConfig) -> ForwardOptions:
-    """`ForwardOptions` from `worker.actor` (the reference and critic follow the actor's settings)."""
+    """`ForwardOptions` from `worker.actor` (the reference follows all of them, the critic all but its split). The
+    token budget is per rank: a sequence-parallel group's micro-batch holds `ulysses_size` times as many tokens."""
+    budget = actor_cfg.max_token_len_per_gpu * actor_cfg.ulysses_size
     return ForwardOptions(
         padding_free=actor_cfg.padding_free,
         fused=actor_cfg.fused_logprobs,
         chunk_size=actor_cfg.logprob_chunk_size,
-        max_token_len=actor_cfg.max_token_len_per_gpu if actor_cfg.dynamic_batching else None,
+        max_token_len=budget if actor_cfg.dynamic_batching else None,
+        ulysses_size=actor_cfg.ulysses_size,
     )
 
 

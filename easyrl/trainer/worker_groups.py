@@ -94,11 +94,15 @@ class Workers:
         self.critic: Any = None
         try:
             tp = cfg.worker.rollout.ranks_per_engine
-            self.actor = WorkerGroup(ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, **share)
+            sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
+            self.actor = WorkerGroup(
+                ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
+            )
             if specs.ref is not None:
-                self.ref = WorkerGroup(RefWorker, self.pool, "ref", specs.ref, **share)
+                self.ref = WorkerGroup(RefWorker, self.pool, "ref", specs.ref, ranks_per_dp=sp, **share)
             if specs.critic is not None:
-                self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, **share)
+                csp = cfg.worker.critic.ulysses_size
+                self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
             self._init_models(media_per_prompt or {})
         except BaseException:
             self.shutdown()

@@ -150,7 +150,10 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     tokens = (
         actor.max_token_len_per_gpu
         if actor.dynamic_batching
-        else actor.micro_batch_size_per_device_for_update * (d.max_prompt_length + d.max_response_length)
+        # a sequence-parallel group splits each micro-batch's tokens over its ulysses_size ranks
+        else actor.micro_batch_size_per_device_for_update
+        * (d.max_prompt_length + d.max_response_length)
+        // actor.ulysses_size
     )
     params = shape.parameter_count()
     head_tokens = min(tokens, actor.logprob_chunk_size) if actor.fused_logprobs else tokens

@@ -1,0 +1,75 @@
+"""`ulysses_size`: bad settings stop with one line naming the key; good ones give the data-parallel batch arithmetic
+(per-rank mini-batches over workers / ulysses_size, token budgets of the whole group) to the role specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from easyrl.config import ConfigError, load_config
+from tests.conftest import base_config, write_config
+
+
+@pytest.fixture
+def conf(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> dict[str, Any]:
+    return base_config(tiny_model_dir, digits_data, tmp_path / "run")  # 2 workers, a model with 2 attention heads
+
+
+PACKED = "worker.actor.padding_free=true"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["worker.actor.ulysses_size=2"], "worker.actor.ulysses_size: 2 needs worker.actor.padding_free=true"),
+        (
+            [PACKED, "worker.actor.ulysses_size=3"],
+            r"worker.actor.ulysses_size: 3 must divide the number of workers \(2\)",
+        ),
+        (["worker.critic.ulysses_size=0"], "worker.critic.ulysses_size: must be a positive integer, got 0"),
+        (
+            [PACKED, "trainer.n_gpus_per_node=4", "worker.actor.ulysses_size=4"],
+            r"worker.actor.ulysses_size: 4 must divide the model's attention heads \(2\)",
+        ),
+        (
+            [PACKED, "worker.actor.ulysses_size=2", "worker.actor.micro_batch_size_per_device_for_update=3"],
+            r"worker.actor.micro_batch_size_per_device_for_update: 3 must divide the per-worker mini-batch of 4 samples "
+            r"\(global_batch_size \* n / 1 workers \(data-parallel groups: workers / ulysses_size 2\)\)",
+        ),
+    ],
+)
+def test_bad_sequence_parallel_settings_stop_with_one_line(
+    tmp_path: Path, conf: dict[str, Any], overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}") as info:
+        load_config(write_config(tmp_path / "c.yaml", conf), overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_role_specs_divide_the_batch_over_data_parallel_groups(tmp_path: Path, conf: dict[str, Any]) -> None:
+    from easyrl.check import plan_lines
+    from easyrl.trainer.role_specs import build_role_specs
+
+    path = write_config(tmp_path / "c.yaml", conf)
+    overrides = [PACKED, "worker.actor.dynamic_batching=true", "worker.actor.max_token_len_per_gpu=100"]
+    plain = build_role_specs(load_config(path, [*overrides, "algorithm.disable_kl=false"]), 2, 2)
+    cfg = load_config(path, [*overrides, "worker.actor.ulysses_size=2", "algorithm.disable_kl=false"])
+    split = build_role_specs(cfg, 2, 2)
+    assert (plain.actor.update.mini_batch_size, split.actor.update.mini_batch_size) == (2, 4)
+    assert (plain.actor.model.forward.max_token_len, split.actor.model.forward.max_token_len) == (100, 200)
+    assert split.actor.model.forward.ulysses_size == 2
+    assert split.ref is not None and split.ref.model.forward.ulysses_size == 2  # the reference follows the actor
+    assert any("sequence parallel 2 (1 data-parallel groups)" in line for line in plan_lines(cfg))
+
+
+def test_vision_language_models_stop_with_one_line(tmp_path: Path, conf: dict[str, Any]) -> None:
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    vl = build_tiny_vl_checkpoint(tmp_path / "vl", arch="qwen2_5_vl")
+    overrides = [PACKED, "worker.actor.ulysses_size=2", f"worker.actor.model.model_path={vl}"]
+    with pytest.raises(
+        ConfigError, match=r"^worker\.actor\.ulysses_size: 2: sequence parallelism takes text models only"
+    ):
+        load_config(write_config(tmp_path / "c.yaml", conf), overrides)

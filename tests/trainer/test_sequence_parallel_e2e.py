@@ -1,0 +1,46 @@
+"""One GRPO step on 2 Ray workers with `ulysses_size` 2 equals the same step without the split: the same rollouts,
+rewards, gradient norm and updated weights. (The reference runs the same forward with the actor's options
+(tests/config/test_sequence_parallel.py) and was checked this way too; left out here, its two extra workers per run
+double the test's time.)
+
+Why the two runs can agree exactly: both have 2 rollout engines (the same samples); without the split each worker
+updates on half the batch and FSDP averages the two gradients, with it both workers hold the whole batch. With one
+optimizer step per training step and `seq-mean-token-mean` (each sample weighs 1/batch either way), both are the
+gradient of the same loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (the module's Ray session fixture)
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_grpo_step_with_ulysses_equals_without(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
+    edits = {
+        "worker.actor.padding_free": True,
+        "worker.actor.fused_logprobs": True,
+        "worker.actor.dynamic_batching": True,
+        "worker.actor.max_token_len_per_gpu": 96,
+        "worker.actor.global_batch_size": 4,  # one optimizer step over the whole batch
+        "worker.actor.loss_avg_mode": "seq-mean-token-mean",
+    }
+    rows: dict[int, dict] = {}
+    weights: dict[int, dict] = {}
+    for sp in (1, 2):
+        logged, before, after = run(
+            tmp_path / f"sp{sp}", tiny_model_dir, digits_data, {**edits, "worker.actor.ulysses_size": sp}, 1, True
+        )
+        assert before is not None and after is not None
+        rows[sp], weights[sp] = logged[0], after
+    for key in ("reward/overall", "response_length/mean", "actor/grad_norm", "actor/entropy_rollout"):
+        assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-4, abs=1e-6), key
+    assert not all(torch.equal(weights[1][n], before[n]) for n in before)  # the step did move the weights
+    for name, tensor in weights[1].items():
+        torch.testing.assert_close(weights[2][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
