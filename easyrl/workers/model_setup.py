@@ -51,8 +51,10 @@ def load_model(
         setattr(hf_config, key, value)
     common: dict[str, Any] = {"config": hf_config, "dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
     if attn_implementation == VARLEN_ATTENTION and is_vision_language(hf_config):
-        attn_implementation = None  # VL micro-batches take the padded path (a mask): varlen serves packed rows only
-    if attn_implementation is not None:
+        # Only the language model reads packed rows; the vision tower attends within each image's patches with no
+        # causal mask and no position ids, which sdpa serves (varlen refuses calls without position ids).
+        common["attn_implementation"] = {"text_config": VARLEN_ATTENTION, "vision_config": "sdpa"}
+    elif attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if kind == "value":
         from easyrl.models.value import VisionValueModel
