@@ -22,6 +22,7 @@ from easyrl.workers.model_setup import load_model
 from easyrl.workers.packing import packed_attn_implementation, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.varlen import VARLEN_ATTENTION
+from easyrl.workers.vl_sequence import split_after_embeddings
 
 
 CPU = torch.device("cpu")
@@ -156,3 +157,27 @@ def test_packed_values_equal_padded(vl: tuple[str, Batch]) -> None:
     assert ref.abs().sum() > 0
     got = response_values(packed, mb, CPU, ForwardOptions(padding_free=True))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_split_after_embeddings_gives_a_slice_of_the_whole_row(vl: tuple[str, Batch]) -> None:
+    """The sequence-parallel seam on one process: a slice of the packed row from the second sample's start to the
+    middle of its video (an image after the cut, the first sample's image before the slice) gives the whole row's
+    logits there, as attention within that sample must: the vision tower ran on the whole row, and the positions
+    (and Qwen3-VL's deepstack rows) followed their tokens."""
+    path, mb = vl
+    model = _load(path, packed=True).eval()
+    inputs = prepare_inputs(mb, padding_free=True, model=model)
+    start = int((inputs.position_ids[0, 0] == 0).nonzero()[1])
+    video_slots = (inputs.input_ids[0] == model.config.video_token_id).nonzero().squeeze(1)
+    stop = int(video_slots[len(video_slots) // 2])
+    kwargs = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "use_cache": False, **inputs.media}
+    whole = model(**kwargs).logits
+
+    def one_slice(seq: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        return {k: t.narrow(dim, start, stop - start) for k, (t, dim) in seq.items()}
+
+    with split_after_embeddings(model, one_slice):
+        part = model(**kwargs).logits
+    assert part.shape[1] == stop - start
+    torch.testing.assert_close(part[0], whole[0, start:stop], atol=1e-5, rtol=0)
+    assert model(**kwargs).logits.shape == whole.shape  # the hook is gone after the block
