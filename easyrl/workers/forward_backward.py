@@ -16,6 +16,7 @@ from easyrl.workers.model_setup import all_finite
 from easyrl.workers.packing import fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions, UpdateSpec
 from easyrl.workers.trainable import TrainableModel
+from easyrl.workers.ulysses import sp_response_values, sp_token_log_probs
 
 
 def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
@@ -48,6 +49,8 @@ def token_log_probs(
     gives the same values at valid response tokens, for text and vision-language rows alike. The non-plain paths
     give 0 at padding.
     """
+    if opts is not None and opts.ulysses_size > 1:
+        return sp_token_log_probs(model, mb, device, temperature, with_entropy, opts)
     if opts is None or opts.plain:
         logits = response_logits(model, mb, device).float()
         if temperature > 0 and temperature != 1.0:
@@ -81,6 +84,8 @@ def response_values(
     model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
 ) -> torch.Tensor:
     """A value model's estimate of the state before each response token: (b, R), zeros at padding."""
+    if opts is not None and opts.ulysses_size > 1:
+        return sp_response_values(model, mb, device, opts)
     if opts is None or opts.plain:
         values = response_logits(model, mb, device)[..., 0].float()
         return values * mb["response_mask"].to(device)

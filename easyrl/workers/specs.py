@@ -23,12 +23,15 @@ class ForwardOptions:
     chunk_size: int = 1024
     """Tokens per chunk of the fused head."""
     max_token_len: int | None = None
-    """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches."""
+    """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches. With sequence parallelism
+    it is the group's (the per-rank budget times `ulysses_size`): each rank holds 1/`ulysses_size` of the tokens."""
+    ulysses_size: int = 1
+    """Ranks that split each packed row between them (Ulysses sequence parallelism); 1: no split."""
 
     @property
     def plain(self) -> bool:
         """The original path: padded micro-batches, full logits."""
-        return not (self.padding_free or self.fused or self.max_token_len is not None)
+        return not (self.padding_free or self.fused or self.max_token_len is not None or self.ulysses_size > 1)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class UpdateSpec:
     """How a trained role turns a batch into optimizer steps (sizes per rank, already divided on the driver)."""
 
     mini_batch_size: int
-    """Samples per optimizer step on this rank: global_batch_size * rollout.n / world size."""
+    """Samples per optimizer step on this rank: global_batch_size * rollout.n / data-parallel size (world size /
+    ulysses_size: the ranks of a sequence-parallel group hold the same samples)."""
     micro_batch_size: int
     """Samples per forward/backward pass (a fixed count; dynamic batching uses the token budget instead)."""
     epochs: int

@@ -29,6 +29,7 @@ from easyrl.workers.model_setup import (
 )
 from easyrl.workers.packing import packed_attn_implementation
 from easyrl.workers.specs import ModelSpec
+from easyrl.workers.ulysses import enable_sequence_parallel
 
 
 class TrainableModel:
@@ -39,6 +40,8 @@ class TrainableModel:
         self.device = device
         dtype = DTYPES[spec.torch_dtype] if spec.torch_dtype else torch.float32
         attn = packed_attn_implementation() if spec.forward.padding_free else None
+        if spec.forward.ulysses_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls
+            attn = enable_sequence_parallel(spec.forward.ulysses_size, attn)
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if not spec.trainable:
             model.requires_grad_(False)
