@@ -135,6 +135,8 @@ def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.
     """A VL model's extra inputs for `mb` (patches, grids, ``mm_token_type_ids`` (b, L)) and its 3D positions
     (3, b, L); ``({}, None)`` for a text model. Text-only rows of a VL model get three copies of the 1D positions."""
     if model is None or not is_vision_language(model):
+        if "multi_modal_inputs" in mb and any(mb["multi_modal_inputs"]):
+            raise ValueError("the micro-batch carries images or videos: lay it out with its vision-language model")
         return {}, None
     media: dict[str, torch.Tensor] = multimodal_forward_kwargs(mb, model)
     mrope = media.pop("position_ids", None)

@@ -112,6 +112,8 @@ def test_packed_layout_carries_media_and_per_sample_mrope(vl: tuple[str, Batch])
         own.append(mrope_position_ids(model, ids, torch.ones_like(ids), *grids)[:, 0])
     assert torch.equal(inputs.position_ids[1:, 0], torch.cat(own, dim=1))
     assert not torch.equal(inputs.position_ids[1], inputs.position_ids[0])  # vision tokens do move the 3D rows
+    with pytest.raises(ValueError, match="vision-language model"):  # no silent layout without the pixels
+        prepare_inputs(mb, padding_free=True)
 
 
 def _loss_grads(model: Any, mb: Batch, opts: ForwardOptions | None) -> tuple[torch.Tensor, ...]:
