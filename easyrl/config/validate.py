@@ -292,11 +292,6 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
         if size == 1 or not (Path(path) / "config.json").is_file():
             continue
         hf = json.loads((Path(path) / "config.json").read_text())
-        if "vision_config" in hf:  # their rows take the padded path, which sequence parallelism does not split
-            raise ConfigError(
-                f"worker.{role}.ulysses_size",
-                f"{size}: sequence parallelism takes text models only for now, not {path}",
-            )
         heads = hf.get("text_config", hf).get("num_attention_heads") or hf.get("num_attention_heads")
         if heads and heads % size:
             raise ConfigError(

@@ -9,7 +9,8 @@ the rows, so a micro-batch selects its patches simply by concatenating its own s
 
 Position ids are not stored in the batch for VL models: the 3D (M-RoPE) positions are recomputed per micro-batch
 from ``input_ids``, the attention mask and the grids (:func:`mrope_position_ids`), using the model's own
-``get_rope_index``; response tokens are text, so their positions continue the prompt's.
+``get_rope_index``; response tokens are text, so their positions continue the prompt's. The padding-free layout
+(:func:`easyrl.workers.packing.prepare_inputs`) packs them per sample, behind a row of 1D text positions.
 """
 
 from __future__ import annotations

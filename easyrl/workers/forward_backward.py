@@ -46,18 +46,19 @@ def token_log_probs(
     """Log-prob of each response token under `model` at `temperature`: (b, R), and its entropy (b, R).
 
     `opts` picks the layout (padded, trimmed or packed) and the head (full logits or fused chunks); every path
-    gives the same values at valid response tokens. The non-plain paths give 0 at padding.
+    gives the same values at valid response tokens, for text and vision-language rows alike. The non-plain paths
+    give 0 at padding.
     """
     if opts is not None and opts.ulysses_size > 1:
         return sp_token_log_probs(model, mb, device, temperature, with_entropy, opts)
-    if opts is None or opts.plain or "multi_modal_inputs" in mb:  # packed/fused paths carry no pixels
+    if opts is None or opts.plain:
         logits = response_logits(model, mb, device).float()
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
         log_probs = logprobs_from_logits(logits, mb["responses"].to(device))
         entropy = entropy_from_logits(logits) if with_entropy else None
         return log_probs, entropy
-    inputs = prepare_inputs(mb, opts.padding_free).to(device)
+    inputs = prepare_inputs(mb, opts.padding_free, model).to(device)
     if opts.fused:
         lp, ent = fused_forward(model, inputs, temperature, opts.chunk_size)
         return inputs.scatter(lp), (inputs.scatter(ent) if with_entropy else None)
@@ -69,6 +70,7 @@ def token_log_probs(
         position_ids=inputs.position_ids,
         use_cache=False,
         **keep,
+        **inputs.media,
     )
     logits = out.logits.reshape(-1, out.logits.shape[-1])
     logits = (logits if opts.padding_free else logits.index_select(0, inputs.select)).float()
@@ -87,12 +89,13 @@ def response_values(
     if opts is None or opts.plain:
         values = response_logits(model, mb, device)[..., 0].float()
         return values * mb["response_mask"].to(device)
-    inputs = prepare_inputs(mb, opts.padding_free).to(device)
+    inputs = prepare_inputs(mb, opts.padding_free, model).to(device)
     out = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,
+        **inputs.media,
     )
     values = inputs.scatter(out.logits.reshape(-1).index_select(0, inputs.select).float())
     return values * mb["response_mask"].to(device)

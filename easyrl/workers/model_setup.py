@@ -19,7 +19,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.models import is_vision_language
 from easyrl.workers.specs import ProcessSpec
-from easyrl.workers.varlen import VARLEN_ATTENTION
 
 
 logger = logging.getLogger(__name__)
@@ -50,9 +49,12 @@ def load_model(
     for key, value in model_cfg.override_config.items():
         setattr(hf_config, key, value)
     common: dict[str, Any] = {"config": hf_config, "dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
-    if attn_implementation == VARLEN_ATTENTION and is_vision_language(hf_config):
-        attn_implementation = None  # VL micro-batches take the padded path (a mask): varlen serves packed rows only
-    if attn_implementation is not None:
+    if attn_implementation is not None and attn_implementation.startswith("easyrl_") and is_vision_language(hf_config):
+        # easyrl's attentions (packed varlen, and sequence parallelism around it) serve the language model's packed
+        # rows only; the vision tower attends within each image's patches with no causal mask and no position ids,
+        # which sdpa serves (varlen refuses calls without position ids).
+        common["attn_implementation"] = {"text_config": attn_implementation, "vision_config": "sdpa"}
+    elif attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if kind == "value":
         from easyrl.models.value import VisionValueModel

@@ -5,6 +5,10 @@ Two layouts feed the same computation: *trimmed padded* rows (columns that are p
 at 0 for each sample). In both, only the hidden states that predict a valid response token are selected (`select`)
 and the per-token results are scattered back into a (b, R) grid (`dest`), zeros at padding.
 
+Vision-language rows take both layouts too: the rows' patches and grids ride along (`ModelInputs.media`, stacked in
+row order) and the positions are M-RoPE, computed per sample on its own valid tokens; a packed row's are (4, 1, T),
+the 1D text positions first, from which the attention finds the sequence starts (docs/vision_language.md).
+
 Packed attention: with `attention_mask=None` and packed `position_ids`, the attention must stay inside each
 sequence. Models are loaded for it (`packed_attn_implementation`) with `flash_attention_2` when the flash-attn
 package is installed (its integration derives `cu_seqlens` from the position ids), else with easyrl's own
@@ -24,13 +28,14 @@ from __future__ import annotations
 
 import importlib.util
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from easyrl.batch import Batch
+from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"
@@ -64,6 +69,9 @@ class ModelInputs:
     """(N,) flat indices into the (b * R) response grid."""
     grid: tuple[int, int]
     """(b, R)."""
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Vision-language models: the rows' patches and grids (in row order) and ``mm_token_type_ids`` laid out like
+    ``input_ids``; passed to the model as keyword arguments. Empty for text models."""
 
     def to(self, device: torch.device) -> ModelInputs:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
@@ -75,6 +83,7 @@ class ModelInputs:
             self.labels.to(device),
             self.dest.to(device),
             self.grid,
+            {k: v.to(device) for k, v in self.media.items()},
         )
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
@@ -83,11 +92,18 @@ class ModelInputs:
         return values.new_zeros(b * r).index_copy(0, self.dest, values).view(b, r)
 
 
-def prepare_inputs(mb: Batch, padding_free: bool) -> ModelInputs:
-    """Lay out `mb` (left-padded prompts, right-padded responses) packed or as trimmed padded rows."""
+def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None) -> ModelInputs:
+    """Lay out `mb` (left-padded prompts, right-padded responses) packed or as trimmed padded rows.
+
+    With a vision-language `model` the layout carries the rows' media and 3D (M-RoPE) positions, computed per row
+    on its own valid tokens: trimmed rows get (3, b, W); a packed row gets (4, 1, T), the 1D text positions first
+    (restarting at 0 at each sample: what the attention reads the sequence boundaries from, transformers' Qwen-VL
+    convention for packed rows), then the temporal/height/width rows.
+    """
     input_ids, mask, pos = mb["input_ids"], mb["attention_mask"].bool(), mb["position_ids"]
     if pos.dim() != 2:
-        raise NotImplementedError("padding-free/fused paths support 2-D position_ids only (no multimodal RoPE)")
+        raise ValueError(f"the batch's position_ids must be (b, L) 1D positions, got shape {tuple(pos.shape)}")
+    media, mrope = _vision_inputs(mb, model)
     b, length = input_ids.shape
     r = mb["responses"].shape[1]
     p = length - r
@@ -98,14 +114,36 @@ def prepare_inputs(mb: Batch, padding_free: bool) -> ModelInputs:
     if padding_free:
         packed_pos = mask.flatten().long().cumsum(0) - 1
         select = packed_pos[rows * length + source]
-        return ModelInputs(input_ids[mask][None], pos[mask][None], None, select, labels, dest, (b, r))
+        position_ids = pos[mask][None]
+        if mrope is not None:
+            position_ids = torch.cat([position_ids, mrope[:, mask]])[:, None]  # (4, 1, T)
+            media["mm_token_type_ids"] = media["mm_token_type_ids"][mask][None]
+        return ModelInputs(input_ids[mask][None], position_ids, None, select, labels, dest, (b, r), media)
     used = mask.any(dim=0).nonzero()
     left, right = int(used.min()), int(used.max()) + 1
     width = right - left
     select = rows * width + (source - left)
+    position_ids = pos[:, left:right] if mrope is None else mrope[:, :, left:right]
+    if mrope is not None:
+        media["mm_token_type_ids"] = media["mm_token_type_ids"][:, left:right]
     return ModelInputs(
-        input_ids[:, left:right], pos[:, left:right], mask[:, left:right].long(), select, labels, dest, (b, r)
+        input_ids[:, left:right], position_ids, mask[:, left:right].long(), select, labels, dest, (b, r), media
     )
+
+
+def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A VL model's extra inputs for `mb` (patches, grids, ``mm_token_type_ids`` (b, L)) and its 3D positions
+    (3, b, L); ``({}, None)`` for a text model. Text-only rows of a VL model get three copies of the 1D positions."""
+    if model is None or not is_vision_language(model):
+        if "multi_modal_inputs" in mb and any(mb["multi_modal_inputs"]):
+            raise ValueError("the micro-batch carries images or videos: lay it out with its vision-language model")
+        return {}, None
+    media: dict[str, torch.Tensor] = multimodal_forward_kwargs(mb, model)
+    mrope = media.pop("position_ids", None)
+    if mrope is None:
+        mrope = mb["position_ids"].unsqueeze(0).expand(3, -1, -1)
+        media["mm_token_type_ids"] = torch.zeros_like(mb["input_ids"], dtype=torch.int)
+    return media, mrope
 
 
 def _chunk_stats(
@@ -195,6 +233,7 @@ def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chun
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,
+        **inputs.media,
     )
     hidden = out.last_hidden_state
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)

@@ -12,10 +12,10 @@ The group and collectives are in `easyrl.distributed.sequence_parallel`. Here:
 * `sp_token_log_probs` / `sp_response_values`: the packed micro-batch split over the group, the model run on the
   local tokens, the per-token results gathered back, so callers get the same (b, R) grids as without the split.
 
-Seam for vision-language models: compute ``inputs_embeds`` (vision embeddings scattered in) and the position ids
-(M-RoPE allowed) for the whole packed row, split them with `shard_embeddings`, run the model on the local slices
-inside `ulysses_context` (given the whole row's 1-D text positions it returned), then pick and gather the results
-with `local_selection` and `gather_selected` (as `sp_token_log_probs` does for text rows).
+Vision-language rows are not split before the model: the model gets the whole packed row (ids, media, 4-row
+positions), embeds it and runs its vision tower on every rank of the group, and its language model receives this
+rank's slice of the embeddings and positions (`easyrl.workers.vl_sequence.split_after_embeddings`, cut by
+`shard_sequence` exactly as text rows are), so the results are picked and gathered the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from easyrl.distributed.sequence_parallel import (
 )
 from easyrl.workers.packing import ModelInputs, fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
+from easyrl.workers.vl_sequence import split_after_embeddings
 
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
     "gather_selected",
     "local_selection",
     "register_ulysses_attention",
-    "shard_embeddings",
     "sp_response_values",
     "sp_token_log_probs",
     "ulysses_context",
@@ -120,27 +120,6 @@ def enable_sequence_parallel(size: int, inner: str | None) -> str:
     return register_ulysses_attention(inner)
 
 
-def shard_embeddings(
-    sp: SPGroup, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, text_positions: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The seam for vision-language rows: a whole packed row's `inputs_embeds` (1, T, H) (vision embeddings already
-    scattered in) and position ids, 1-D (1, T) or multimodal RoPE (k, 1, T), -> this rank's embeddings
-    (1, T'/K, H) and position ids, and the whole padded row's 1-D positions (1, T') for `ulysses_context`.
-
-    `text_positions` (1, T): the per-sequence 1-D positions attention cuts the row with; needed with M-RoPE ids."""
-    if text_positions is None:
-        if position_ids.dim() != 2:
-            raise ValueError("shard_embeddings: multimodal RoPE position ids need text_positions (1, T)")
-        text_positions = position_ids
-    seq_dim = position_ids.dim() - 1
-    local, full = shard_sequence(
-        sp,
-        {"inputs_embeds": (inputs_embeds, 1), "position_ids": (position_ids, seq_dim), "text": (text_positions, 1)},
-        position_keys=("position_ids", "text"),
-    )
-    return local["inputs_embeds"], local["position_ids"], full["text"]
-
-
 def local_selection(select: torch.Tensor, local_len: int, sp: SPGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Of the row positions `select` (N,), those held by this rank: (their index among the local tokens, their index
     in `select`)."""
@@ -158,34 +137,61 @@ def gather_selected(
     return gather_sequence(row, 0, sp).index_select(0, select)
 
 
-def _split(mb: Batch, device: torch.device, opts: ForwardOptions) -> tuple[ModelInputs, SPGroup, dict[str, Any]]:
-    """The packed micro-batch, the group, and this rank's share: local ids and positions, the whole row's
-    positions, and which selected positions are local."""
-    if "multi_modal_inputs" in mb:
-        raise NotImplementedError("sequence parallelism does not take vision-language rows yet (ulysses_size > 1)")
+def _split(
+    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions
+) -> tuple[ModelInputs, SPGroup, dict[str, Any]]:
+    """The packed micro-batch, the group, and this rank's share: the ids and positions to call the model with
+    (local ones; a VL model's whole row), the whole row's 1-D positions, and which selected positions are local."""
     sp = sp_group(opts.ulysses_size)
-    inputs = prepare_inputs(mb, padding_free=True).to(device)
-    local, full = shard_sequence(sp, {"input_ids": (inputs.input_ids, 1), "position_ids": (inputs.position_ids, 1)})
-    local_len = local["input_ids"].shape[1]
+    inputs = prepare_inputs(mb, padding_free=True, model=model).to(device)
+    share: dict[str, Any]
+    if inputs.media:  # VL: the language model takes its slice after the embeddings (`_sp_forward`)
+        full = shard_sequence(sp, {"position_ids": (inputs.position_ids, 2)})[1]["position_ids"]
+        local_len = full.shape[2] // sp.size
+        share = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "full_position_ids": full[0]}
+    else:
+        local, full_row = shard_sequence(
+            sp, {"input_ids": (inputs.input_ids, 1), "position_ids": (inputs.position_ids, 1)}
+        )
+        local_len = local["input_ids"].shape[1]
+        share = {**local, "full_position_ids": full_row["position_ids"]}
     pos, idx = local_selection(inputs.select, local_len, sp)
-    share = {**local, "full_position_ids": full["position_ids"], "local_len": local_len, "pos": pos, "idx": idx}
+    share |= {"local_len": local_len, "pos": pos, "idx": idx}
     return inputs, sp, share
+
+
+@contextmanager
+def _sp_forward(model: nn.Module, sp: SPGroup, inputs: ModelInputs, share: dict[str, Any]) -> Iterator[None]:
+    """Forward passes on this rank's slice: attention over the group, and for VL rows the split after the
+    embeddings."""
+    with ulysses_context(sp, share["full_position_ids"]):
+        if not inputs.media:
+            yield
+            return
+        with split_after_embeddings(model, lambda seq: shard_sequence(sp, seq)[0]):
+            yield
 
 
 def sp_token_log_probs(
     model: nn.Module, mb: Batch, device: torch.device, temperature: float, with_entropy: bool, opts: ForwardOptions
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_log_probs` with the packed row split over the sequence-parallel group: (b, R) each, on every rank."""
-    inputs, sp, share = _split(mb, device, opts)
+    inputs, sp, share = _split(model, mb, device, opts)
     pos, labels = share["pos"], inputs.labels.index_select(0, share["idx"])
     ent: torch.Tensor | None
-    with ulysses_context(sp, share["full_position_ids"]):
+    with _sp_forward(model, sp, inputs, share):
         if opts.fused:
-            local = ModelInputs(share["input_ids"], share["position_ids"], None, pos, labels, pos, inputs.grid)
+            local = ModelInputs(
+                share["input_ids"], share["position_ids"], None, pos, labels, pos, inputs.grid, inputs.media
+            )
             lp, ent = fused_forward(model, local, temperature, opts.chunk_size)
         else:
             out = model(
-                input_ids=share["input_ids"], position_ids=share["position_ids"], use_cache=False, logits_to_keep=pos
+                input_ids=share["input_ids"],
+                position_ids=share["position_ids"],
+                use_cache=False,
+                logits_to_keep=pos,
+                **inputs.media,
             )
             logits = out.logits[0].float()
             if temperature > 0 and temperature != 1.0:
@@ -200,9 +206,9 @@ def sp_token_log_probs(
 
 def sp_response_values(model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions) -> torch.Tensor:
     """`response_values` with the packed row split over the sequence-parallel group: (b, R), zeros at padding."""
-    inputs, sp, share = _split(mb, device, opts)
-    with ulysses_context(sp, share["full_position_ids"]):
-        out = model(input_ids=share["input_ids"], position_ids=share["position_ids"], use_cache=False)
+    inputs, sp, share = _split(model, mb, device, opts)
+    with _sp_forward(model, sp, inputs, share):
+        out = model(input_ids=share["input_ids"], position_ids=share["position_ids"], use_cache=False, **inputs.media)
     values = out.logits[0, :, 0].float().index_select(0, share["pos"])
     values = inputs.scatter(gather_selected(values, share["pos"], share["local_len"], inputs.select, sp))
     return values * mb["response_mask"].to(device)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,17 @@ def test_role_specs_divide_the_batch_over_data_parallel_groups(tmp_path: Path, c
     assert any("sequence parallel 2 (1 data-parallel groups)" in line for line in plan_lines(cfg))
 
 
-def test_vision_language_models_stop_with_one_line(tmp_path: Path, conf: dict[str, Any]) -> None:
+def test_vision_language_models_count_their_language_model_heads(tmp_path: Path, conf: dict[str, Any]) -> None:
+    """A VL model's attention heads are its text model's (the vision tower is not split)."""
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
     vl = build_tiny_vl_checkpoint(tmp_path / "vl", arch="qwen2_5_vl")
-    overrides = [PACKED, "worker.actor.ulysses_size=2", f"worker.actor.model.model_path={vl}"]
-    with pytest.raises(
-        ConfigError, match=r"^worker\.actor\.ulysses_size: 2: sequence parallelism takes text models only"
-    ):
-        load_config(write_config(tmp_path / "c.yaml", conf), overrides)
+    heads = json.loads((Path(vl) / "config.json").read_text())["text_config"]["num_attention_heads"]
+    path = write_config(tmp_path / "c.yaml", conf)
+    base = [PACKED, f"worker.actor.model.model_path={vl}"]
+    assert load_config(path, [*base, "worker.actor.ulysses_size=2"]).worker.actor.ulysses_size == 2
+    workers = 2 * heads  # rollout prompts and the update batch must still divide over that many
+    too_many = [*base, f"trainer.n_gpus_per_node={workers}", f"worker.actor.ulysses_size={workers}"]
+    too_many += [f"data.rollout_batch_size={workers}", f"worker.actor.global_batch_size={workers}"]
+    with pytest.raises(ConfigError, match=rf"must divide the model's attention heads \({heads}\)"):
+        load_config(path, too_many)

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from easyrl.batch import Batch
@@ -134,18 +133,3 @@ def test_shard_sequence_pads_with_a_sequence_of_its_own() -> None:
         assert local["mrope"].shape == (3, 1, 3)
     assert full["input_ids"].tolist() == [[10, 11, 12, 13, 14, 0]]
     assert full["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
-
-
-def test_shard_embeddings_splits_embeds_and_mrope_ids_alike() -> None:
-    from easyrl.distributed.sequence_parallel import SPGroup
-    from easyrl.workers.ulysses import shard_embeddings
-
-    embeds = torch.arange(15.0).view(1, 5, 3)
-    text = torch.tensor([[0, 1, 2, 0, 1]])
-    mrope = torch.stack([text, text + 10, text + 20])  # (3, 1, T)
-    emb, pos, whole = shard_embeddings(SPGroup(None, 2, 1), embeds, mrope, text)
-    assert emb.tolist() == [[[9.0, 10.0, 11.0], [12.0, 13.0, 14.0], [0.0, 0.0, 0.0]]]
-    assert pos[:, 0].tolist() == [[0, 1, 0], [10, 11, 0], [20, 21, 0]]
-    assert whole.tolist() == [[0, 1, 2, 0, 1, 0]]
-    with pytest.raises(ValueError, match="need text_positions"):
-        shard_embeddings(SPGroup(None, 2, 0), embeds, mrope)
