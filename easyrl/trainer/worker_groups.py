@@ -100,6 +100,8 @@ class Workers:
             if specs.critic is not None:
                 self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, **share)
             self._init_models(media_per_prompt or {})
+            # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
+            self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
         except BaseException:
             self.shutdown()
             raise

@@ -132,6 +132,23 @@ class ActorWorker(TrainedRole, MemoryReporting):
         return Batch({"old_log_probs": lp, "entropys": ent})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("ref")
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """LoRA: the reference log-prob (B, R) of each response token, from the base model under the adapters."""
+        assert self.spec.serves_reference, "only a LoRA actor with KL on serves the reference log-probs"
+        self.model.eval()
+        with self.trainable.as_reference():
+            lp, _ = batched_log_probs(
+                self.model,
+                batch,
+                self.device,
+                self.spec.temperature,
+                self.spec.micro_batch_size_for_experience,
+                opts=self.spec.model.forward,
+            )
+        return Batch({"ref_log_probs": lp})
+
+    @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
