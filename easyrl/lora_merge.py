@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -78,25 +77,12 @@ def merged_source(
 
 def write_adapter_folder(reader: ShardedReader, info: dict[str, Any], hf_src: str, out: str, source: str) -> str:
     """Write the PEFT adapter folder of a LoRA checkpoint at `out` (atomically, with the merge marker)."""
+    from easyrl.workers.lora import peft_adapter
+
     modules = list(info["modules"])
-    tensors: dict[str, torch.Tensor] = {}
-    for module in modules:
-        a, b = _pair(reader, module)
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": int(info["rank"]),
-        "lora_alpha": info["alpha"],
-        "lora_dropout": float(info.get("dropout", 0.0)),
-        # the exact module paths (a full-match regex): a suffix list would also catch same-named vision layers
-        "target_modules": "^(?:" + "|".join(re.escape(m) for m in modules) + ")$",
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "base_model_name_or_path": info["base_model"],
-    }
+    pairs = {module: _pair(reader, module) for module in modules}
+    rank, alpha, dropout = info["rank"], info["alpha"], float(info.get("dropout", 0.0))
+    tensors, config = peft_adapter(pairs, rank, alpha, dropout, str(info["base_model"]))
     tmp = f"{out}.tmp_{secrets.token_hex(4)}"
     fsio.makedirs(tmp)
     try:

@@ -128,6 +128,8 @@ def _check_lora(cfg: EasyRLConfig) -> None:
             f"adapter loads the adapters with vLLM's LoRA support; worker.rollout.name is "
             f"{cfg.worker.rollout.name!r}: use merged",
         )
+    if lora.rollout_sync == "adapter" and lora.rank > 512:
+        raise ConfigError(f"{key}.rank", f"{lora.rank}: vLLM serves LoRA ranks up to 512; use rollout_sync=merged")
     if lora.exclude_modules is not None:
         try:
             re.compile(lora.exclude_modules)

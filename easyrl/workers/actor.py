@@ -104,7 +104,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
         self.ledger.wake(self.engine, ["weights"])
         wake = time.perf_counter() - start
         start = time.perf_counter()
-        self.engine.load_weights(self.trainable.full_weights())
+        if self.trainable.lora and self.spec.model.model.lora.rollout_sync == "adapter":
+            self.engine.load_adapter(*self.trainable.lora_adapter())
+        else:
+            self.engine.load_weights(self.trainable.full_weights())
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()

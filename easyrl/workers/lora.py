@@ -170,3 +170,40 @@ def adapter_description(model: nn.Module, model_cfg: ModelConfig) -> dict[str, A
         "modules": sorted(lora_layers(model)),
         "base_model": os.path.abspath(model_cfg.model_path),
     }
+
+
+def peft_adapter(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float, dropout: float, base_model: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, adapter_config) of a PEFT adapter folder from `module -> (A, B)`: the layout
+    `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read (`base_model.model.<module>.lora_A.weight`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for module, (a, b) in pairs.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": alpha,
+        "lora_dropout": float(dropout),
+        # the exact module paths (a full-match regex): a suffix list would also catch same-named vision layers
+        "target_modules": "^(?:" + "|".join(re.escape(m) for m in pairs) + ")$",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
+    return tensors, config
+
+
+def gathered_adapter(model: nn.Module, model_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The policy's adapters as a PEFT adapter (full tensors, see `peft_adapter`); every rank must call it (the
+    gathers are collectives)."""
+    pairs = {
+        name: (_full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight))
+        for name, layer in lora_layers(model).items()
+    }
+    lora = model_cfg.lora
+    assert model_cfg.model_path is not None
+    return peft_adapter(pairs, lora.rank, lora.alpha, lora.dropout, os.path.abspath(model_cfg.model_path))

@@ -89,6 +89,13 @@ class TrainableModel:
             return merged_weights(self.module)
         return iter_full_weights(self.module)
 
+    def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The adapters as a PEFT adapter (tensors, adapter_config), for an engine that serves LoRA itself; every
+        rank must call it (the gathers are collectives)."""
+        from easyrl.workers.lora import gathered_adapter
+
+        return gathered_adapter(self.module, self.spec.model)
+
     @contextmanager
     def as_reference(self) -> Iterator[None]:
         """The frozen base policy for the block: the adapters are off (LoRA only: the base is the reference)."""

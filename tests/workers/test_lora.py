@@ -13,6 +13,7 @@ from easyrl.workers.lora import adapters_disabled, apply_lora, hf_name, lora_lay
 from easyrl.workers.model_setup import build_optimizer, load_model
 from tests.workers.test_rollout_engines import (  # noqa: F401  (module fixture)
     ENGINES,
+    HAS_VLLM,
     MAX_TOKENS,
     PROMPTS,
     left_padded,
@@ -99,6 +100,31 @@ def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, 
     finally:  # the other tests of the module's engines expect the base weights
         base = load_model(ModelConfig(model_path=tiny_model_dir))
         engine.load_weights((n, t.detach()) for n, t in base.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_serves_the_adapters_themselves(tiny_model_dir: str, tokenizer) -> None:  # noqa: F811
+    """rollout_sync=adapter: vLLM keeps its base weights and serves the PEFT adapter of each update."""
+    from easyrl.trainer.role_specs import rollout_spec
+    from easyrl.workers.lora import gathered_adapter
+    from easyrl.workers.rollout.base import SamplingParams
+    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
+
+    cfg = EasyRLConfig()
+    mcfg = cfg.worker.actor.model
+    mcfg.model_path = tiny_model_dir
+    mcfg.lora = LoraConfig(rank=4, alpha=8, rollout_sync="adapter")
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
+    cfg.worker.rollout.logprob_sample_ratio = 1.0
+    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    prompts, params = left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3)
+    for seed in (1, 2):  # two updates: the second adapter replaces the first
+        model = lora_model(tiny_model_dir, seed=seed)
+        engine.load_adapter(*gathered_adapter(model, mcfg))
+        out = engine.generate(prompts, params)
+        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
+        assert diff < 1e-3, f"update {seed}: vLLM's LoRA log-probs differ from the policy's by {diff:.2e}"
 
 
 def test_vl_adapters_skip_the_vision_tower_and_merge(tmp_path) -> None:
