@@ -157,6 +157,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
         self.model.train()
         metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
+        metrics |= self.trainable.state_sizes()
         self._engine_stale = True
         return metrics
 

@@ -89,6 +89,18 @@ class TrainableModel:
             return merged_weights(self.module)
         return iter_full_weights(self.module)
 
+    def state_sizes(self) -> dict[str, float]:
+        """Trainable parameters (whole model) and this rank's optimizer-state bytes: what LoRA shrinks."""
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        state_bytes = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        local: Any = value.to_local() if hasattr(value, "to_local") else value
+                        state_bytes += local.numel() * local.element_size()
+        return {"perf/trainable_params": float(trainable), "perf/optimizer_state_gb": state_bytes / 2**30}
+
     def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The adapters as a PEFT adapter (tensors, adapter_config), for an engine that serves LoRA itself; every
         rank must call it (the gathers are collectives)."""
