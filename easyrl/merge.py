@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -129,15 +130,7 @@ def merge_checkpoint(
         assert lora is not None
         return lora_merge.write_adapter_folder(reader, lora, hf_src, out, role_folder)
     target = _target_dtype(config, dtype)
-    tied = bool(config.get("tie_word_embeddings", False))
-    if lora is not None:
-        names, tensor_of = lora_merge.merged_source(reader, lora, tied)
-    else:
-        names = reader.names() + ([] if tied else [a for a in reader.aliases if a not in reader.infos])
-
-        def tensor_of(name: str) -> torch.Tensor:
-            return reader.full_tensor(reader.aliases.get(name, name) if name not in reader.infos else name)
-
+    names, tensor_of = _tensor_source(reader, lora, bool(config.get("tie_word_embeddings", False)))
     tmp = f"{out}.tmp_{secrets.token_hex(4)}"
     fsio.makedirs(tmp)
     try:
@@ -183,6 +176,20 @@ def merge_checkpoint(
         out,
     )
     return out
+
+
+def _tensor_source(
+    reader: ShardedReader, lora: dict | None, tied: bool
+) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """(names, name -> full tensor) to write: the checkpoint's tensors, or a LoRA checkpoint's base + adapters."""
+    if lora is not None:
+        return lora_merge.merged_source(reader, lora, tied)
+    names = reader.names() + ([] if tied else [a for a in reader.aliases if a not in reader.infos])
+
+    def tensor_of(name: str) -> torch.Tensor:
+        return reader.full_tensor(reader.aliases.get(name, name) if name not in reader.infos else name)
+
+    return names, tensor_of
 
 
 def _flush(folder: str, index: int, tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -1,5 +1,6 @@
 """LoRA on tiny real models (Qwen2, Qwen3, Qwen2.5-VL), in this process: adapters alone train, the adapters-off
-model is the base, the merged stream reaches both engines, and bad LoRA settings stop with one line."""
+model is the base, the merged stream is base + scale * B @ A under the HF names, and bad LoRA settings stop with
+one line. The engines' side (both sync modes) is in test_rollout_engines.py, beside the engines it shares."""
 
 from __future__ import annotations
 
@@ -11,16 +12,6 @@ from easyrl.config import ConfigError, EasyRLConfig
 from easyrl.config.worker import LoraConfig, ModelConfig, OptimConfig
 from easyrl.workers.lora import adapters_disabled, apply_lora, hf_name, lora_layers, merged_weights
 from easyrl.workers.model_setup import build_optimizer, load_model
-from tests.workers.test_rollout_engines import (  # noqa: F401  (module fixture)
-    ENGINES,
-    HAS_VLLM,
-    MAX_TOKENS,
-    PROMPTS,
-    left_padded,
-    make_engine,
-    reference_log_probs,
-    tokenizer,
-)
 
 
 def lora_model(model_dir: str, rank: int = 4, seed: int = 0, **kwargs: object) -> nn.Module:
@@ -82,49 +73,6 @@ def test_merged_stream_is_base_plus_scaled_ba(tiny_model_dir: str) -> None:
         else:
             assert torch.equal(tensor, base[name]), name
     assert hf_name("model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
-
-
-@pytest.mark.parametrize("name", ENGINES)
-def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, tokenizer) -> None:  # noqa: F811
-    """The merged stream (rollout_sync=merged) into each engine: its log-probs are the LoRA policy's, within the
-    full-weight path's bound."""
-    from easyrl.workers.rollout.base import SamplingParams
-
-    engine = make_engine(name, tiny_model_dir, tokenizer)
-    model = lora_model(tiny_model_dir, seed=1)
-    try:
-        engine.load_weights(merged_weights(model))
-        out = engine.generate(left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3))
-        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
-        assert diff < 1e-3, f"{name} log-probs differ from the LoRA policy's by {diff:.2e}"
-    finally:  # the other tests of the module's engines expect the base weights
-        base = load_model(ModelConfig(model_path=tiny_model_dir))
-        engine.load_weights((n, t.detach()) for n, t in base.named_parameters(remove_duplicate=False))
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
-def test_vllm_serves_the_adapters_themselves(tiny_model_dir: str, tokenizer) -> None:  # noqa: F811
-    """rollout_sync=adapter: vLLM keeps its base weights and serves the PEFT adapter of each update."""
-    from easyrl.trainer.role_specs import rollout_spec
-    from easyrl.workers.lora import gathered_adapter
-    from easyrl.workers.rollout.base import SamplingParams
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
-
-    cfg = EasyRLConfig()
-    mcfg = cfg.worker.actor.model
-    mcfg.model_path = tiny_model_dir
-    mcfg.lora = LoraConfig(rank=4, alpha=8, rollout_sync="adapter")
-    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
-    cfg.worker.rollout.logprob_sample_ratio = 1.0
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    prompts, params = left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3)
-    for seed in (1, 2):  # two updates: the second adapter replaces the first
-        model = lora_model(tiny_model_dir, seed=seed)
-        engine.load_adapter(*gathered_adapter(model, mcfg))
-        out = engine.generate(prompts, params)
-        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
-        assert diff < 1e-3, f"update {seed}: vLLM's LoRA log-probs differ from the policy's by {diff:.2e}"
 
 
 def test_vl_adapters_skip_the_vision_tower_and_merge(tmp_path) -> None:

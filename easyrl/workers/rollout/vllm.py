@@ -28,6 +28,7 @@ import torch
 from transformers import AutoConfig
 
 from easyrl.batch import Batch
+from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.seeding import derive_seed
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
@@ -106,15 +107,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 "image": max(1, media.get("image", 0)),
                 "video": media.get("video", 0),
             }
-        lora = mcfg.lora
-        self.serves_lora = lora.rank > 0 and lora.rollout_sync == "adapter"
-        self._lora_request: Any = None
-        self._lora_version = 0
-        if self.serves_lora:  # the base stays as loaded; each update's adapters arrive through `load_adapter`
-            max_rank = min(r for r in VLLM_LORA_RANKS if r >= lora.rank)  # vLLM takes these sizes only
-            engine_args |= {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
-            self._lora_dir = tempfile.mkdtemp(prefix="easyrl_lora_")
-            weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
+        engine_args |= self._lora_args(mcfg.lora)
         if rcfg.tensor_parallel_size > 1 and not on_gpu:
             _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
@@ -127,6 +120,19 @@ class VLLMRolloutEngine(RolloutEngine):
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
+
+    def _lora_args(self, lora: LoraConfig) -> dict[str, Any]:
+        """vLLM's LoRA settings when it serves the adapters itself (`rollout_sync: adapter`), else none: the base
+        stays as loaded and each update's adapters arrive through `load_adapter`."""
+        self.serves_lora = lora.rank > 0 and lora.rollout_sync == "adapter"
+        self._lora_request: Any = None
+        self._lora_version = 0
+        if not self.serves_lora:
+            return {}
+        self._lora_dir = tempfile.mkdtemp(prefix="easyrl_lora_")
+        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
+        max_rank = min(r for r in VLLM_LORA_RANKS if r >= lora.rank)  # vLLM takes these sizes only
+        return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
