@@ -149,3 +149,28 @@ def test_merge_writes_the_merged_model_and_a_peft_adapter(trained: dict[str, Any
         torch.testing.assert_close(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
         with peft_model.disable_adapter():
             assert not torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits)
+
+
+def test_vl_lora_trains_the_language_model_only(tmp_path: Path) -> None:
+    """Qwen2.5-VL with LoRA and KL on: the vision tower gets no adapters and stays as loaded, the language model's
+    adapted weights move, and the engine keeps up with the merged policy."""
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+    from tests.trainer.test_e2e import run
+    from tests.trainer.test_vl_e2e import _image_data, vl_edits
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch="qwen2_5_vl")
+    data = _image_data(tmp_path / "data")
+    edits = vl_edits(data) | {
+        "worker.actor.model.lora": LORA,
+        "worker.actor.optim.lr": 3e-2,
+        "algorithm.disable_kl": False,
+        "algorithm.use_kl_loss": True,
+        "worker.rollout.logprob_sample_ratio": 1.0,
+    }
+    rows, before, after = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2, weights=True)
+    assert before is not None and after is not None
+    vision = [n for n in before if ".visual." in f".{n}" or n.startswith(("visual.", "model.visual."))]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision), "the vision tower changed"
+    moved = [n for n in before if not torch.equal(before[n], after[n])]
+    assert moved and all(n.endswith("proj.weight") for n in moved), moved[:5]
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-3, rows[1]["rollout/logprob_diff_max"]
