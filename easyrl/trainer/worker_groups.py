@@ -147,6 +147,10 @@ class Workers:
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:
     """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
     prompt may carry."""
+    if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
+        from easyrl.workers.lora import check_targets
+
+        check_targets(cfg.worker.actor.model)
     media: dict[str, int] = {}
     for data in datasets:
         if data is not None:

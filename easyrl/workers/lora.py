@@ -103,6 +103,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
     return trainable
 
 
+def check_targets(model_cfg: ModelConfig) -> None:
+    """On the driver, before any worker starts: `apply_lora` on the model built on the meta device (no weights are
+    read), so `target_modules` matching nothing stops the run with one line instead of a worker traceback."""
+    from transformers import AutoConfig
+
+    from easyrl.models import model_class_for
+
+    assert model_cfg.model_path is not None
+    hf_config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
+    for key, value in model_cfg.override_config.items():
+        setattr(hf_config, key, value)
+    with torch.device("meta"):
+        model = model_class_for(hf_config).from_config(hf_config, trust_remote_code=model_cfg.trust_remote_code)
+    apply_lora(model, model_cfg.lora)
+
+
 def lora_layers(model: nn.Module) -> dict[str, Any]:
     """module name -> peft LoRA layer, for every adapted linear of `model`."""
     from peft.tuners.lora import LoraLayer

@@ -92,11 +92,16 @@ def test_vl_adapters_skip_the_vision_tower_and_merge(tmp_path) -> None:
 
 
 def test_target_modules_matching_nothing_names_the_linear_layers(tiny_model_dir: str) -> None:
-    model = load_model(ModelConfig(model_path=tiny_model_dir))
-    with pytest.raises(
-        ConfigError, match=r"^worker.actor.model.lora.target_modules: 'qkv'.*are: down_proj, gate_proj"
-    ):
-        apply_lora(model, LoraConfig(rank=4, target_modules="qkv"))
+    """Checked on the driver (the model on the meta device) before any worker starts, and again where it loads."""
+    from easyrl.workers.lora import check_targets
+
+    bad = ModelConfig(model_path=tiny_model_dir, lora=LoraConfig(rank=4, target_modules="qkv"))
+    message = r"^worker.actor.model.lora.target_modules: 'qkv'.*are: down_proj, gate_proj, k_proj, lm_head, o_proj"
+    with pytest.raises(ConfigError, match=message):
+        check_targets(bad)
+    with pytest.raises(ConfigError, match=message):
+        apply_lora(load_model(bad), bad.lora)
+    check_targets(ModelConfig(model_path=tiny_model_dir, lora=LoraConfig(rank=4, target_modules="q_proj, v_proj")))
 
 
 @pytest.mark.parametrize(
