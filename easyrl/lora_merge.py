@@ -59,7 +59,10 @@ def merged_source(
 
     base_dir = str(info["base_model"])
     if not os.path.isdir(base_dir):
-        raise CheckpointError(f"the base model folder {base_dir} named in {reader.folder}/{LORA_FILE} does not exist")
+        raise CheckpointError(
+            f"the base model folder {base_dir} (from {reader.folder}/{LORA_FILE}, or --base-model) does not exist: "
+            "pass the base model's folder with --base-model"
+        )
     model = load_model(ModelConfig(model_path=base_dir, enable_gradient_checkpointing=False))
     tensors, aliases = model_tensors(model)
     scale = float(info["alpha"]) / float(info["rank"])

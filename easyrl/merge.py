@@ -110,11 +110,12 @@ def merge_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     adapter_only: bool = False,
+    base_model: str | None = None,
 ) -> str:
     """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring).
 
     A LoRA checkpoint (adapters only, see `easyrl.lora_merge`) is merged into its base model; `adapter_only`
-    writes its PEFT adapter folder instead."""
+    writes its PEFT adapter folder instead; `base_model` replaces the base model folder its `lora.json` names."""
     step_folder, role_folder = resolve_role_folder(checkpoint, role, verify)
     out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
     check_output(out, step_folder, role_folder, overwrite)
@@ -124,6 +125,10 @@ def merge_checkpoint(
         raise CheckpointError(f"{hf_src}/config.json does not hold a config")
     reader = ShardedReader(role_folder)
     lora = lora_merge.adapter_info(role_folder)
+    if base_model is not None:
+        if lora is None:
+            raise CheckpointError(f"--base-model: {role_folder} holds every weight, not LoRA adapters (no lora.json)")
+        lora["base_model"] = os.path.abspath(base_model)
     if adapter_only and lora is None:
         raise CheckpointError(f"--adapter-only: {role_folder} holds every weight, not LoRA adapters (no lora.json)")
     if adapter_only:
@@ -239,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of the merged model",
     )
     parser.add_argument(
+        "--base-model",
+        default=None,
+        help="LoRA checkpoints: the base model folder (default: the one recorded in the checkpoint's lora.json)",
+    )
+    parser.add_argument(
         "--no-verify",
         action="store_true",
         help="skip the SHA-256 check of every checkpoint file (sizes are still checked); for very large checkpoints",
@@ -267,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overwrite,
             verify=not args.no_verify,
             adapter_only=args.adapter_only,
+            base_model=args.base_model,
         )
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)

@@ -126,15 +126,22 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
-def test_merge_writes_the_merged_model_and_a_peft_adapter(trained: dict[str, Any], tmp_path: Path) -> None:
+def test_merge_writes_the_merged_model_and_a_peft_adapter(
+    trained: dict[str, Any], tmp_path: Path, tiny_model_dir: str
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from easyrl.checkpoint.errors import CheckpointError
+    from easyrl.merge import main as merge_main
     from easyrl.merge import merge_checkpoint
 
     step2 = str(trained["tmp"] / "run" / "global_step_2")
-    merged_dir = merge_checkpoint(step2, str(tmp_path / "merged"))
+    merged_dir = str(tmp_path / "merged")
+    assert merge_main([step2, "--output", merged_dir, "--base-model", tiny_model_dir]) == 0
     adapter_dir = merge_checkpoint(step2, str(tmp_path / "adapter"), adapter_only=True)
+    with pytest.raises(CheckpointError, match=r"base model folder .*gone .*does not exist: pass .*--base-model"):
+        merge_checkpoint(step2, str(tmp_path / "m2"), base_model=str(tmp_path / "gone"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     streamed = trained["merged"]  # what the engine got: base + B @ A * scale, gathered on the workers
     for name, tensor in merged.state_dict().items():
