@@ -133,3 +133,14 @@ def test_bad_lora_settings_stop_with_one_line(edits: dict, message: str) -> None
     with pytest.raises(ConfigError, match=message) as info:
         _check_lora(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_plan_names_the_adapters_and_the_free_reference() -> None:
+    from easyrl.check import plan_lines
+
+    cfg = EasyRLConfig()
+    cfg.worker.actor.model.model_path = "m"
+    cfg.worker.actor.model.lora.rank = 8
+    lines = plan_lines(cfg)
+    assert lines[1] == "model: m (LoRA rank 8, alpha 64)"
+    assert lines[3].endswith("roles: actor+rollout, ref (the actor with its adapters off)")
