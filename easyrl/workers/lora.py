@@ -86,6 +86,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
             f"{cfg.target_modules!r} (exclude_modules={exclude!r}) matches no linear layer of the model; its "
             f"linear layers are: {', '.join(linear_layer_names(model))}",
         ) from None
+    not_linear = sorted(n for n, m in lora_layers(model).items() if not isinstance(m.get_base_layer(), nn.Linear))
+    if not_linear:  # embeddings / convolutions keep their adapters elsewhere: neither merged nor checkpointed here
+        raise ConfigError(
+            f"{key}.target_modules",
+            f"{cfg.target_modules!r} adapts layers that are not linear ({', '.join(not_linear[:3])}); name linear "
+            f"layers only: {', '.join(linear_layer_names(model))}",
+        )
     trainable = 0
     for name, param in model.named_parameters():
         is_adapter = _LORA_PART.search(name) is not None

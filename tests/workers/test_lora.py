@@ -102,6 +102,9 @@ def test_target_modules_matching_nothing_names_the_linear_layers(tiny_model_dir:
     with pytest.raises(ConfigError, match=message):
         apply_lora(load_model(bad), bad.lora)
     check_targets(ModelConfig(model_path=tiny_model_dir, lora=LoraConfig(rank=4, target_modules="q_proj, v_proj")))
+    embedding = ModelConfig(model_path=tiny_model_dir, lora=LoraConfig(rank=4, target_modules="embed_tokens"))
+    with pytest.raises(ConfigError, match=r"target_modules: 'embed_tokens' adapts layers that are not linear"):
+        check_targets(embedding)
 
 
 @pytest.mark.parametrize(
