@@ -25,14 +25,17 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     else:
         where = "in the loss" if alg.kl_mode == KLMode.IN_LOSS else f"in the reward ({alg.kl_type})"
         kl = f"{alg.kl_penalty} x {alg.kl_coef} {where}"
+    lora = w.actor.model.lora
+    adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha})" if lora.rank else ""
+    ref = "" if alg.kl_mode == KLMode.OFF else ", ref (the actor with its adapters off)" if lora.rank else ", ref"
     return [
         f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
         + (", online filtering" if alg.online_filtering else ""),
-        f"model: {w.actor.model.model_path}",
+        f"model: {w.actor.model.model_path}{adapters}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
-        + ("" if alg.kl_mode == KLMode.OFF else ", ref")
+        + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
         + sp,
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "

@@ -14,6 +14,9 @@ read.
 The output may not be the checkpoint, hold it, or sit anywhere else in the run folder (the folder holding the
 `global_step_*` folders): a merge must never replace or mix with what training wrote. Every merge output carries an
 `easyrl_merged.json` marker, and `--overwrite` replaces only a folder that has it.
+
+A LoRA checkpoint holds the adapters alone (and `lora.json`): the merge reads its base model from the folder
+`lora.json` names and writes base + scale * B @ A, or with `--adapter-only` a PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 
 import torch
 
+from easyrl import lora_merge
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
 from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
@@ -104,8 +109,13 @@ def merge_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     verify: bool = True,
+    adapter_only: bool = False,
+    base_model: str | None = None,
 ) -> str:
-    """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring)."""
+    """Write the merged Hugging Face folder of `checkpoint` and return its path (see the module docstring).
+
+    A LoRA checkpoint (adapters only, see `easyrl.lora_merge`) is merged into its base model; `adapter_only`
+    writes its PEFT adapter folder instead; `base_model` replaces the base model folder its `lora.json` names."""
     step_folder, role_folder = resolve_role_folder(checkpoint, role, verify)
     out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
     check_output(out, step_folder, role_folder, overwrite)
@@ -114,10 +124,18 @@ def merge_checkpoint(
     if not isinstance(config, dict):
         raise CheckpointError(f"{hf_src}/config.json does not hold a config")
     reader = ShardedReader(role_folder)
+    lora = lora_merge.adapter_info(role_folder)
+    if base_model is not None:
+        if lora is None:
+            raise CheckpointError(f"--base-model: {role_folder} holds every weight, not LoRA adapters (no lora.json)")
+        lora["base_model"] = os.path.abspath(base_model)
+    if adapter_only and lora is None:
+        raise CheckpointError(f"--adapter-only: {role_folder} holds every weight, not LoRA adapters (no lora.json)")
+    if adapter_only:
+        assert lora is not None
+        return lora_merge.write_adapter_folder(reader, lora, hf_src, out, role_folder)
     target = _target_dtype(config, dtype)
-    tied = bool(config.get("tie_word_embeddings", False))
-    names = reader.names() + ([] if tied else [a for a in reader.aliases if a not in reader.infos])
-
+    names, tensor_of = _tensor_source(reader, lora, bool(config.get("tie_word_embeddings", False)))
     tmp = f"{out}.tmp_{secrets.token_hex(4)}"
     fsio.makedirs(tmp)
     try:
@@ -125,7 +143,7 @@ def merge_checkpoint(
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = total = 0
         for name in names:
-            tensor = reader.full_tensor(reader.aliases.get(name, name) if name not in reader.infos else name)
+            tensor = tensor_of(name)
             if target is not None and tensor.is_floating_point():
                 tensor = tensor.to(target)
             size = tensor.numel() * tensor.element_size()
@@ -163,6 +181,20 @@ def merge_checkpoint(
         out,
     )
     return out
+
+
+def _tensor_source(
+    reader: ShardedReader, lora: dict | None, tied: bool
+) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """(names, name -> full tensor) to write: the checkpoint's tensors, or a LoRA checkpoint's base + adapters."""
+    if lora is not None:
+        return lora_merge.merged_source(reader, lora, tied)
+    names = reader.names() + ([] if tied else [a for a in reader.aliases if a not in reader.infos])
+
+    def tensor_of(name: str) -> torch.Tensor:
+        return reader.full_tensor(reader.aliases.get(name, name) if name not in reader.infos else name)
+
+    return names, tensor_of
 
 
 def _flush(folder: str, index: int, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -206,6 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace an existing output folder written by an earlier merge"
     )
     parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA checkpoints: write the PEFT adapter folder (adapter_config.json + adapter_model.safetensors) "
+        "instead of the merged model",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="LoRA checkpoints: the base model folder (default: the one recorded in the checkpoint's lora.json)",
+    )
+    parser.add_argument(
         "--no-verify",
         action="store_true",
         help="skip the SHA-256 check of every checkpoint file (sizes are still checked); for very large checkpoints",
@@ -233,12 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             int(args.max_shard_size_gb * 2**30),
             args.overwrite,
             verify=not args.no_verify,
+            adapter_only=args.adapter_only,
+            base_model=args.base_model,
         )
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)
         return 1
     # stdout, so scripts can take it: EasyR1 users look for the weights in <role>/huggingface, which is not here.
-    print(f"merged model: {out} (load it with from_pretrained; <role folder>/huggingface holds no weights)")
+    if args.adapter_only:
+        print(f"LoRA adapter: {out} (load it with peft.PeftModel.from_pretrained or vLLM's LoRARequest)")
+    else:
+        print(f"merged model: {out} (load it with from_pretrained; <role folder>/huggingface holds no weights)")
     return 0
 
 

@@ -157,9 +157,10 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "max_token_len_per_gpu": args.max_token_len,
                 **{key: value for key, value in (("dynamic_batching", args.dynamic_batching),
                    ("padding_free", args.padding_free), ("fused_logprobs", args.fused_logprobs)) if value is not None},
-                "optim": {"lr": 1e-6, "strategy": args.optim},
+                "optim": {"lr": 1e-5 if args.lora_rank else 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
-                "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu},
+                "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
+                          "lora": {"rank": args.lora_rank, "alpha": 2 * max(args.lora_rank, 1)}},
             },
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
                         "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -324,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--logprob-sample-ratio", type=float, default=0.125,
                     help="share of sequences whose vLLM log-probs are returned (consistency metric)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     ap.add_argument("--workdir", default="/tmp/easyrl_benchmark")
     ap.add_argument("--ulysses", type=int, default=0,
                     help="long-sequence mode: peak memory per rank of one update pass with ulysses_size K vs 1 on K "
@@ -347,7 +349,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     summary: dict[str, Any] = {}
     keys = sorted(
         {k for r in measured for k in r if k.startswith(("timing_s/", "rollout/logprob_diff"))}
-        | {"perf/throughput", "perf/sleep_freed_gb"}
+        | {"perf/throughput", "perf/sleep_freed_gb", "perf/optimizer_state_gb", "perf/trainable_params"}
     )
     for key in keys:
         vals = [r[key] for r in measured if key in r]

@@ -107,8 +107,13 @@ def _same_geometry(saved: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- model
-def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(name -> parameter or persistent buffer, deduplicated; alias name -> canonical name of tied parameters)."""
+def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> parameter or persistent buffer, deduplicated; alias name -> canonical name of tied parameters).
+
+    `trainable_only`: the parameters that require gradients and nothing else (a LoRA policy's adapters: its
+    frozen base is reloaded from the model folder)."""
+    if trainable_only:
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}, {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -137,9 +142,10 @@ def model_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def save_model(folder: str, model: nn.Module, rank: int, world: int) -> None:
-    """Write this rank's local shards of `model` (and rank 0's `meta.json`) into `folder`."""
-    tensors, aliases = model_tensors(model)
+def save_model(folder: str, model: nn.Module, rank: int, world: int, trainable_only: bool = False) -> None:
+    """Write this rank's local shards of `model` (and rank 0's `meta.json`) into `folder`; `trainable_only`: the
+    trainable parameters alone (see `model_tensors`), which `meta.json` records."""
+    tensors, aliases = model_tensors(model, trainable_only)
     infos = {name: shard_info(t) for name, t in tensors.items()}
     header = {"rank": rank, "world_size": world, "tensors": infos, "aliases": aliases}
     locals_ = {name: local_tensor(t) for name, t in tensors.items()}
@@ -152,6 +158,7 @@ def save_model(folder: str, model: nn.Module, rank: int, world: int) -> None:
             "model_class": model_class_name(model),
             "aliases": aliases,
             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+            "trainable_only": trainable_only,
         }
         fsio.write_json(os.path.join(folder, "meta.json"), meta)
 
@@ -182,13 +189,14 @@ def _check_world(folder: str, world: int) -> None:
         )
 
 
-def load_model(folder: str, model: nn.Module, rank: int, world: int) -> None:
-    """Copy this rank's saved shards into `model`'s parameters and buffers in place (same world size only)."""
+def load_model(folder: str, model: nn.Module, rank: int, world: int, trainable_only: bool = False) -> None:
+    """Copy this rank's saved shards into `model`'s parameters and buffers in place (same world size only);
+    `trainable_only`: the checkpoint holds the trainable parameters alone (a LoRA policy's adapters)."""
     _check_world(folder, world)
     path = model_file(folder, rank, world)
     saved, meta = fsio.read_tensors(path)
     header = fsio.json_metadata(meta, HEADER_KEY, path)
-    tensors, _ = model_tensors(model)
+    tensors, _ = model_tensors(model, trainable_only)
     saved_infos = header.get("tensors", {}) if isinstance(header, dict) else {}
     missing = sorted(set(tensors) - set(saved))
     extra = sorted(set(saved) - set(tensors))

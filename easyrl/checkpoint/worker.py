@@ -41,6 +41,8 @@ TOKENIZER_FILES = (
     "video_preprocessor_config.json",
 )
 """Files copied from the tokenizer (or processor) folder into `huggingface/`, when present."""
+LORA_FILE = "lora.json"
+"""In a LoRA policy's role folder: rank, alpha, adapted modules and the base model folder (`easyrl merge` reads it)."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -85,10 +87,12 @@ def save_worker_state(
     scheduler: Any | None,
     rank: int,
     world: int,
+    trainable_only: bool = False,
 ) -> None:
-    """Write this rank's files: model shards; with an optimizer, also optimizer, scheduler (rank 0) and RNG."""
+    """Write this rank's files: model shards (`trainable_only`: the adapters of a LoRA policy); with an optimizer,
+    also optimizer, scheduler (rank 0) and RNG."""
     fsio.makedirs(folder)
-    sharded.save_model(folder, model, rank, world)
+    sharded.save_model(folder, model, rank, world, trainable_only)
     if optimizer is not None:
         sharded.save_optimizer(folder, model, optimizer, rank, world)
         if scheduler is not None and rank == 0:
@@ -103,6 +107,7 @@ def load_worker_state(
     scheduler: Any | None,
     rank: int,
     world: int,
+    trainable_only: bool = False,
 ) -> None:
     """Inverse of :func:`save_worker_state` for the same world size. Only safetensors and JSON are read.
 
@@ -111,7 +116,7 @@ def load_worker_state(
     """
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    sharded.load_model(folder, model, rank, world)
+    sharded.load_model(folder, model, rank, world, trainable_only)
     has_optim = os.path.exists(sharded.optim_file(folder, rank, world))
     if optimizer is None or not has_optim:
         if optimizer is not None:
@@ -156,6 +161,11 @@ class CheckpointMixin:
         tokenizer_path = getattr(mcfg, "tokenizer_path", None) or actor_cfg.tokenizer_path or model_path
         return model_path, tokenizer_path
 
+    def adapter_checkpoint(self) -> dict[str, Any] | None:
+        """A LoRA policy's adapter description (written as `lora.json`): its checkpoints hold only the trainable
+        adapters; None (default): every weight is saved."""
+        return None
+
     def after_load_checkpoint(self) -> None:
         """Hook run on every rank after a successful `load_checkpoint` (default: nothing)."""
 
@@ -168,9 +178,12 @@ class CheckpointMixin:
         rank, world = rank_and_world()
         optimizer = None if save_model_only else self.optimizer
         scheduler = None if save_model_only else getattr(self, "scheduler", None)
-        save_worker_state(folder, self.model, optimizer, scheduler, rank, world)
+        lora = self.adapter_checkpoint()
+        save_worker_state(folder, self.model, optimizer, scheduler, rank, world, trainable_only=lora is not None)
         if rank == 0:
             write_hf_files(os.path.join(folder, HF_DIR), self.model, *self.checkpoint_sources())
+            if lora is not None:
+                fsio.write_json(os.path.join(folder, LORA_FILE), lora)
         fsio.fsync_dir(folder)
         logger.info("rank %d saved its checkpoint shards to %s", rank, folder)
 
@@ -178,7 +191,14 @@ class CheckpointMixin:
     def load_checkpoint(self, folder: str) -> None:
         """Restore model, optimizer, scheduler and RNG from `folder` (saved by the same number of ranks)."""
         rank, world = rank_and_world()
-        load_worker_state(folder, self.model, self.optimizer, getattr(self, "scheduler", None), rank, world)
+        adapters_only = self.adapter_checkpoint() is not None
+        if adapters_only != os.path.isfile(os.path.join(folder, LORA_FILE)):
+            raise CheckpointError(
+                f"{folder} was saved {'without' if adapters_only else 'with'} LoRA adapters, and this run "
+                f"{'trains them' if adapters_only else 'has none'}: resume with the same worker.actor.model.lora"
+            )
+        scheduler = getattr(self, "scheduler", None)
+        load_worker_state(folder, self.model, self.optimizer, scheduler, rank, world, adapters_only)
         if hasattr(self, "_engine_stale"):  # a co-located rollout engine still holds the old weights
             self._engine_stale = True
         self.after_load_checkpoint()

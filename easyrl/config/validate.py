@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,8 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
     _check_enums(cfg)
-    _check_not_yet_available(cfg)
+    _check_sapo_temperatures(cfg)
+    _check_lora(cfg)
     _check_numbers(cfg)
     _check_sequence_parallel(cfg)
     _check_batch_arithmetic(cfg)
@@ -78,18 +80,54 @@ def _check_enums(cfg: EasyRLConfig) -> None:
         _one_of("trainer.logger", name, LOGGERS)
 
 
-def _check_not_yet_available(cfg: EasyRLConfig) -> None:
-    """EasyR1 keys whose feature easyrl does not have yet: their neutral value is accepted, any other stops."""
-    for role in ("actor", "critic"):
-        rank = getattr(cfg.worker, role).model.lora.rank
-        if rank != 0:
-            raise ConfigError(
-                f"worker.{role}.model.lora.rank",
-                f"{rank}: LoRA is not yet available in easyrl (issue 20); set it to 0 (full fine-tuning)",
-            )
+def _check_sapo_temperatures(cfg: EasyRLConfig) -> None:
     for key in ("worker.actor.tau_positive", "worker.actor.tau_negative"):
         if float(_get(cfg, key)) <= 0:  # type: ignore[arg-type]
             raise ConfigError(key, f"must be > 0 (a SAPO gate temperature), got {_get(cfg, key)}")
+
+
+def _check_lora(cfg: EasyRLConfig) -> None:
+    """LoRA: a non-negative integer rank, on the actor only; the model-dependent check (target_modules matching
+    no linear layer) runs where the model is loaded (`easyrl.workers.lora.apply_lora`)."""
+    lora = cfg.worker.actor.model.lora
+    key = "worker.actor.model.lora"
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ConfigError(f"{key}.rank", f"must be a positive integer (0: LoRA off), got {lora.rank!r}")
+    critic_rank = cfg.worker.critic.model.lora.rank
+    if critic_rank != 0:
+        raise ConfigError(
+            "worker.critic.model.lora.rank",
+            f"{critic_rank}: LoRA is supported on the actor only (worker.actor.model.lora; its reference comes "
+            "free); the critic trains every weight: set it to 0",
+        )
+    if lora.rank == 0:
+        return
+    if estimator_needs(cfg).needs_critic:
+        raise ConfigError(
+            f"{key}.rank",
+            f"{lora.rank}: LoRA is supported with critic-free estimators (grpo, rloo, reinforce_plus_plus, ...), "
+            f"not with {cfg.algorithm.adv_estimator!r}, which trains a critic; set it to 0 or pick such an estimator",
+        )
+    if not lora.alpha > 0:
+        raise ConfigError(f"{key}.alpha", f"must be > 0, got {lora.alpha!r}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"{key}.dropout", f"must be in [0, 1), got {lora.dropout!r}")
+    if not lora.target_modules.strip().strip(","):
+        raise ConfigError(f"{key}.target_modules", "is empty: use all-linear or a comma list such as q_proj,v_proj")
+    _one_of(f"{key}.rollout_sync", lora.rollout_sync, ["merged", "adapter"])
+    if lora.rollout_sync == "adapter" and cfg.worker.rollout.name != "vllm":
+        raise ConfigError(
+            f"{key}.rollout_sync",
+            f"adapter loads the adapters with vLLM's LoRA support; worker.rollout.name is "
+            f"{cfg.worker.rollout.name!r}: use merged",
+        )
+    if lora.rollout_sync == "adapter" and lora.rank > 512:
+        raise ConfigError(f"{key}.rank", f"{lora.rank}: vLLM serves LoRA ranks up to 512; use rollout_sync=merged")
+    if lora.exclude_modules is not None:
+        try:
+            re.compile(lora.exclude_modules)
+        except re.error as exc:
+            raise ConfigError(f"{key}.exclude_modules", f"is not a regular expression: {exc}") from None
 
 
 def _check_numbers(cfg: EasyRLConfig) -> None:

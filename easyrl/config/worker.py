@@ -9,13 +9,21 @@ from typing import Any
 @dataclass
 class LoraConfig:
     rank: int = 0
-    """LoRA rank; 0: train every weight. Only 0 for now: LoRA is not yet available (issue 20)."""
+    """LoRA rank; 0: train every weight. A positive rank trains low-rank adapters only (actor only; see
+    docs/lora.md)."""
     alpha: int = 64
-    """LoRA scaling factor (used once LoRA is available)."""
+    """LoRA scaling numerator: the adapters' update is scaled by `alpha / rank`."""
     target_modules: str = "all-linear"
-    """Modules that get adapters: all-linear or a comma-separated list of module names."""
+    """Modules that get adapters: all-linear (every linear layer but the output head) or a comma-separated list
+    of linear-layer names (e.g. `q_proj,v_proj`)."""
     exclude_modules: str | None = None
-    """Regular expression of modules left without adapters, e.g. `.*visual.*`."""
+    """Regular expression of module names left without adapters; null: the vision tower of a vision-language
+    model (nothing for a text model)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    rollout_sync: str = "merged"
+    """How the engine gets the policy after an update: merged (stream base + scale * B @ A per layer, no merged
+    copy kept; any engine) or adapter (vLLM only: load the adapters with vLLM's LoRA support)."""
 
 
 @dataclass

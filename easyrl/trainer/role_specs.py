@@ -37,7 +37,7 @@ off."""
 class RoleSpecs:
     actor: ActorSpec
     ref: RefSpec | None
-    """None when KL is off (no reference model)."""
+    """None when KL is off (no reference model), or with LoRA (the actor's base, adapters off, is the reference)."""
     critic: CriticSpec | None
     """None unless the advantage estimator needs a critic."""
 
@@ -45,7 +45,7 @@ class RoleSpecs:
 def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
     """The spec of every role this run starts: a reference when KL is on, a critic when the advantage estimator
     declared it needs one. `optimizer_steps`: the actor's optimizer steps over the run."""
-    need_ref = cfg.algorithm.kl_mode != KLMode.OFF
+    need_ref = cfg.algorithm.kl_mode != KLMode.OFF and not lora_on(cfg)
     need_critic = estimator_needs(cfg).needs_critic
     process = ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules))
     ref = None
@@ -65,6 +65,11 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
         )
     critic = _critic_spec(cfg, process, optimizer_steps, world_size) if need_critic else None
     return RoleSpecs(actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic)
+
+
+def lora_on(cfg: EasyRLConfig) -> bool:
+    """The actor trains LoRA adapters: its frozen base under them is the reference model."""
+    return cfg.worker.actor.model.lora.rank > 0
 
 
 def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> ActorSpec:
@@ -97,6 +102,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         temperature=cfg.worker.rollout.temperature,
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
         memory_levers=memory_levers(cfg),
+        serves_reference=lora_on(cfg) and cfg.algorithm.kl_mode != KLMode.OFF,
     )
 
 

@@ -87,7 +87,7 @@ class Trainer:
             )
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
-            self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
+            self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
             if resume_from is not None:
                 self.resume(resume_from)
             self.tracker = build_tracker(

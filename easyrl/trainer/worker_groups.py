@@ -104,6 +104,8 @@ class Workers:
                 csp = cfg.worker.critic.ulysses_size
                 self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
             self._init_models(media_per_prompt or {})
+            # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
+            self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
         except BaseException:
             self.shutdown()
             raise
@@ -149,6 +151,10 @@ class Workers:
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:
     """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
     prompt may carry."""
+    if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
+        from easyrl.workers.lora import check_targets
+
+        check_targets(cfg.worker.actor.model)
     media: dict[str, int] = {}
     for data in datasets:
         if data is not None:

@@ -104,7 +104,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
         self.ledger.wake(self.engine, ["weights"])
         wake = time.perf_counter() - start
         start = time.perf_counter()
-        self.engine.load_weights(self.trainable.full_weights())
+        if self.trainable.lora and self.spec.model.model.lora.rollout_sync == "adapter":
+            self.engine.load_adapter(*self.trainable.lora_adapter())
+        else:
+            self.engine.load_weights(self.trainable.full_weights())
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()
@@ -132,11 +135,29 @@ class ActorWorker(TrainedRole, MemoryReporting):
         return Batch({"old_log_probs": lp, "entropys": ent})
 
     @register(dispatch=Dispatch.DP_SPLIT)
+    @peak_memory("ref")
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """LoRA: the reference log-prob (B, R) of each response token, from the base model under the adapters."""
+        assert self.spec.serves_reference, "only a LoRA actor with KL on serves the reference log-probs"
+        self.model.eval()
+        with self.trainable.as_reference():
+            lp, _ = batched_log_probs(
+                self.model,
+                batch,
+                self.device,
+                self.spec.temperature,
+                self.spec.micro_batch_size_for_experience,
+                opts=self.spec.model.forward,
+            )
+        return Batch({"ref_log_probs": lp})
+
+    @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
         self.model.train()
         metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
+        metrics |= self.trainable.state_sizes()
         self._engine_stale = True
         return metrics
 

@@ -140,6 +140,8 @@ class ActorSpec:
     """Samples per forward pass when computing log-probs."""
     memory_levers: MemoryLevers
     """What the actor's engine names when it cannot wake for lack of GPU memory."""
+    serves_reference: bool = False
+    """LoRA with KL on: the actor computes the reference log-probs (its base, adapters off); no ref worker."""
 
 
 @dataclass(frozen=True)

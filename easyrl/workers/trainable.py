@@ -45,6 +45,12 @@ class TrainableModel:
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if not spec.trainable:
             model.requires_grad_(False)
+        self.lora = spec.trainable and spec.kind == "causal_lm" and spec.model.lora.rank > 0
+        """Low-rank adapters are trained (only they require gradients; see `easyrl.workers.lora`)."""
+        if self.lora:
+            from easyrl.workers.lora import apply_lora
+
+            apply_lora(model, spec.model.lora)
         checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing
         self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -78,8 +84,41 @@ class TrainableModel:
             self.offload(with_optimizer)
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) one parameter at a time; every rank must consume it (the gathers are collectives)."""
+        """(HF name, full tensor) one parameter at a time; every rank must consume it (the gathers are collectives).
+        With LoRA: the merged policy (base + scale * B @ A per adapted layer), under the base model's names."""
+        if self.lora:
+            from easyrl.workers.lora import merged_weights
+
+            return merged_weights(self.module)
         return iter_full_weights(self.module)
+
+    def state_sizes(self) -> dict[str, float]:
+        """Trainable parameters (whole model) and this rank's optimizer-state bytes: what LoRA shrinks."""
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        state_bytes = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        local: Any = value.to_local() if hasattr(value, "to_local") else value
+                        state_bytes += local.numel() * local.element_size()
+        return {"perf/trainable_params": float(trainable), "perf/optimizer_state_gb": state_bytes / 2**30}
+
+    def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The adapters as a PEFT adapter (tensors, adapter_config), for an engine that serves LoRA itself; every
+        rank must call it (the gathers are collectives)."""
+        from easyrl.workers.lora import gathered_adapter
+
+        return gathered_adapter(self.module, self.spec.model)
+
+    @contextmanager
+    def as_reference(self) -> Iterator[None]:
+        """The frozen base policy for the block: the adapters are off (LoRA only: the base is the reference)."""
+        assert self.lora, "only a LoRA policy carries its reference (the base under the adapters)"
+        from easyrl.workers.lora import adapters_disabled
+
+        with adapters_disabled(self.module):
+            yield
 
 
 class TrainedRole(CheckpointMixin):
@@ -97,3 +136,10 @@ class TrainedRole(CheckpointMixin):
 
     def checkpoint_sources(self) -> tuple[str | None, str | None]:
         return self.trainable.spec.checkpoint_files
+
+    def adapter_checkpoint(self) -> dict[str, Any] | None:
+        if not self.trainable.lora:
+            return None
+        from easyrl.workers.lora import adapter_description
+
+        return adapter_description(self.trainable.module, self.trainable.spec.model)

