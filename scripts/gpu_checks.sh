@@ -9,14 +9,15 @@
 #   bash scripts/gpu_checks.sh large         # Qwen2.5-3B with adamw_bf16; Qwen2.5-VL-3B with images
 #
 # Extra stages, outside the acceptance: ab (each lever off in turn on 0.5B), vl_video, overhead (easyrl's rollout vs
-# raw vLLM on one engine), and cpu_smoke (this script's machinery on a CPU machine).
+# raw vLLM on one engine), lora (issue #20: LoRA step time and memory, the two rollout sync modes), sp (issue #21:
+# Ulysses peak memory per rank; needs 2 or more GPUs) and cpu_smoke (this script's machinery on a CPU machine).
 #
 # Every run is bounded by its own timeout so a stage stays inside its call; a run that crashes or times out says
 # so in the stage's summary table (printed last), and its log is kept. Logs and JSON summaries land in $OUT
 # (default ./gpu_out) for docs/benchmarks.md.
 set -uo pipefail
 
-STAGE=${1:?usage: gpu_checks.sh tests_small|mid|large|ab|vl_video|overhead|cpu_smoke}
+STAGE=${1:?usage: gpu_checks.sh tests_small|mid|large|ab|vl_video|overhead|lora|sp|cpu_smoke}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
@@ -85,6 +86,22 @@ case "$STAGE" in
     ;;
   vl_video)
     vl vl_3b_video 560 video --warmup 1 --steps 2
+    ;;
+  lora)  # LoRA rank 8 on 0.5B and 1.5B (compare with tests_small / mid), then merged vs adapter sync on the 0.5B shape
+    bench lora_0.5b 200 --model 0.5b --lora-rank 8 --warmup 1 --steps 2 --no-raw-vllm
+    bench lora_1.5b 230 --model 1.5b --lora-rank 8 --warmup 1 --steps 2 --no-raw-vllm
+    for mode in merged adapter; do  # one engine per process
+      run "lora_sync_$mode" 75 /nonexistent "$PY" scripts/bench_lora_sync.py --modes "$mode" --hidden 896 --layers 24 \
+        --heads 14 --kv-heads 2 --intermediate 4864 --rank 16 --updates 3 --prompts 64 --max-tokens 256
+    done
+    ;;
+  sp)  # Ulysses on K GPUs (nccl; torch's varlen flash kernel under the all-to-alls): peak memory per rank vs K = 1
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$gpus" -lt 2 ]; then
+      echo "stage sp needs 2 or more GPUs, this machine has $gpus" >&2
+      exit 2
+    fi
+    run sp_0.5b_16k 560 /nonexistent "$PY" scripts/bench_ulysses.py --model 0.5b --response 16384 --ulysses 2
     ;;
   cpu_smoke)  # the script's own machinery on a CPU machine, before device time is spent on it
     bench smoke_tiny 600 --tiny --steps 1 --warmup 0
