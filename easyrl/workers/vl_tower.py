@@ -57,11 +57,20 @@ def _dummy_tower_term(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return (0.0 * torch.stack(outputs).sum()).to(like.dtype)
 
 
+def _backbone(model: nn.Module) -> nn.Module:
+    """The module holding the vision tower and the language model (``Qwen*VLModel``): every forward path enters it,
+    also the fused head's, which calls it from a method of its own rather than through the top-level ``forward``."""
+    for owner in (model, getattr(model, "model", None)):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "visual", None), nn.Module):
+            return owner
+    raise ValueError(f"{type(model).__name__} has no vision tower (visual): not a Qwen-VL style model")
+
+
 def keep_vision_tower_in_step(model: nn.Module) -> None:
     """Install (once, at sharding time) the hooks that run `model`'s vision tower on every forward (module doc)."""
-    visual, lm = vision_tower(model), language_model(model)
-    if visual is None:
-        raise ValueError(f"{type(model).__name__} has no vision tower (visual): not a Qwen-VL style model")
+    backbone = _backbone(model)
+    visual, lm = vision_tower(backbone), language_model(backbone)
+    assert visual is not None
     calls = [0]  # tower calls in the current forward
 
     def reset(module: nn.Module, args: Any) -> None:
@@ -72,13 +81,14 @@ def keep_vision_tower_in_step(model: nn.Module) -> None:
 
     def ensure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
         embeds = kwargs.get("inputs_embeds")
-        if embeds is None or calls[0] >= TOWER_CALLS:
-            return args, kwargs
-        for _ in range(TOWER_CALLS - calls[0]):  # each dummy call is counted by `count` too
+        missing = TOWER_CALLS - calls[0] if isinstance(embeds, torch.Tensor) else 0
+        for _ in range(missing):
+            assert isinstance(embeds, torch.Tensor)
             embeds = embeds + _dummy_tower_term(visual, embeds)
-        return args, dict(kwargs, inputs_embeds=embeds)
+        calls[0] = 0  # consumed (the dummy calls counted too): the next forward counts afresh
+        return args, (dict(kwargs, inputs_embeds=embeds) if missing > 0 else kwargs)
 
-    model.register_forward_pre_hook(reset)
+    backbone.register_forward_pre_hook(reset)
     visual.register_forward_hook(count)
     # prepend: the term joins the whole row before a sequence-parallel split (vl_sequence) slices it
     lm.register_forward_pre_hook(ensure, with_kwargs=True, prepend=True)

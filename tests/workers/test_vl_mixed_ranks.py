@@ -49,9 +49,17 @@ def _worker(rank: int, world: int, model_dir: str, video: str, out: str) -> None
     # The unsharded model, no hooks, each rank's micro-batch alone; a text-only row leaves vision gradients None.
     alone = [_lp_grads(load_model(ModelConfig(model_path=model_dir)).train(), mb, None) for mb in mbs]
     failures: list[str] = []
-    for path, opts in (("padded", None), ("packed", ForwardOptions(padding_free=True))):
-        attn = packed_attn_implementation() if opts is not None else None
-        model = shard_model(load_model(ModelConfig(model_path=model_dir), attn_implementation=attn), FSDPConfig(), CPU)
+    padded, packed = (
+        shard_model(load_model(ModelConfig(model_path=model_dir), attn_implementation=attn), FSDPConfig(), CPU)
+        for attn in (None, packed_attn_implementation())
+    )
+    # The fused head runs on the packed model's second forward: the tower calls are counted per forward, whichever
+    # entry point (the fused head calls the backbone from a method of its own).
+    for path, model, opts in (
+        ("padded", padded, None),
+        ("packed", packed, ForwardOptions(padding_free=True)),
+        ("fused", packed, ForwardOptions(padding_free=True, fused=True, chunk_size=5)),
+    ):
         lp, grads = _lp_grads(model.train(), mbs[rank], opts)
         mask = mbs[rank]["response_mask"].bool()
         checks = {"lp": (lp[mask], alone[rank][0][mask])}
