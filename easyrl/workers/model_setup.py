@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.models import is_vision_language
 from easyrl.workers.specs import ProcessSpec
+from easyrl.workers.vl_tower import keep_vision_tower_in_step
 
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ def shard_model(
 ) -> nn.Module:
     """FSDP2-shard `model` over the default process group: one unit per decoder layer, then the root.
 
-    Mixed precision follows `fsdp_cfg` on GPUs; on CPU everything stays fp32 (CPU bf16 matmuls are slow and
+    A vision-language model runs its vision tower on every forward, media or not (`easyrl.workers.vl_tower`), so
+    ranks whose micro-batches differ in media join the same collectives. Mixed precision follows `fsdp_cfg` on GPUs; on CPU everything stays fp32 (CPU bf16 matmuls are slow and
     gloo reductions gain nothing from it).
     """
     if gradient_checkpointing:
@@ -113,6 +115,8 @@ def shard_model(
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    if is_vision_language(model.config):  # ranks with and without media in a micro-batch: the same collectives
+        keep_vision_tower_in_step(model)
     return model
 
 

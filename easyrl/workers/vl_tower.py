@@ -1,0 +1,94 @@
+"""Every forward of a vision-language model runs its vision tower, also on a micro-batch without images or videos.
+
+The tower is FSDP2-sharded like the rest of the model: its blocks are units of their own and its other parameters
+(patch embedding, merger, Qwen3-VL's deepstack mergers) belong to the root unit. A Qwen-VL forward calls the tower
+once for its images and once for its videos, each call gathering every block's parameters (and scattering their
+gradients in the backward). So when data-parallel ranks' micro-batches differ in media (text-only rows mixed with
+image rows, a text-only dummy micro-batch, images on one rank and images plus a video on another), their all-gathers
+and reduce-scatters stop pairing up (gloo aborts with "Received data size doesn't match expected size") and root-unit
+vision parameters get a gradient on one rank and none on the other.
+
+:func:`keep_vision_tower_in_step` closes that: when the language model is entered, the tower has run
+:data:`TOWER_CALLS` times in every forward: each missing call runs on a minimal dummy grid (one merged token of zero
+patches) and ``0.0 * (sum of its outputs)``, deepstack outputs included, is added to ``inputs_embeds``. The values are
+unchanged; every vision parameter gets a gradient (zero where no media) on every rank; the collectives pair up. The
+dummy runs inside the model's own forward, where FSDP's root pre-forward has already gathered the root unit's
+parameters. Its cost is that of a 4-patch image per missing call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from easyrl.models import vision_tower
+from easyrl.workers.vl_sequence import language_model
+
+
+__all__ = ["TOWER_CALLS", "keep_vision_tower_in_step"]
+
+TOWER_CALLS = 2
+"""Vision tower calls of one Qwen-VL forward with both media kinds: the images, then the videos."""
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor in a vision tower's output (a tensor, a model output, nested tuples/lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):  # transformers' ModelOutput is an OrderedDict of its non-None fields
+        out = list(out.values())
+    if isinstance(out, list | tuple):
+        return [t for item in out for t in _tensors(item)]
+    return []
+
+
+def _dummy_tower_term(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """0-d zero wired to every output of `visual` run on one merged token's worth of zero patches."""
+    tower: Any = visual
+    merge = int(tower.config.spatial_merge_size)
+    # the patch embedding's Conv3d weight is (hidden, channels, temporal patch, patch, patch): one flattened patch
+    patch_dim = math.prod(tower.patch_embed.proj.weight.shape[1:])
+    grid = torch.tensor([[1, merge, merge]], device=like.device)
+    pixels = torch.zeros(merge * merge, patch_dim, device=like.device, dtype=like.dtype)
+    outputs = [t.float().sum() for t in _tensors(visual(pixels, grid_thw=grid)) if t.is_floating_point()]
+    return (0.0 * torch.stack(outputs).sum()).to(like.dtype)
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The module holding the vision tower and the language model (``Qwen*VLModel``): every forward path enters it,
+    also the fused head's, which calls it from a method of its own rather than through the top-level ``forward``."""
+    for owner in (model, getattr(model, "model", None)):
+        if isinstance(owner, nn.Module) and isinstance(getattr(owner, "visual", None), nn.Module):
+            return owner
+    raise ValueError(f"{type(model).__name__} has no vision tower (visual): not a Qwen-VL style model")
+
+
+def keep_vision_tower_in_step(model: nn.Module) -> None:
+    """Install (once, at sharding time) the hooks that run `model`'s vision tower on every forward (module doc)."""
+    backbone = _backbone(model)
+    visual, lm = vision_tower(backbone), language_model(backbone)
+    assert visual is not None
+    calls = [0]  # tower calls in the current forward
+
+    def reset(module: nn.Module, args: Any) -> None:
+        calls[0] = 0
+
+    def count(module: nn.Module, args: Any, out: Any) -> None:
+        calls[0] += 1
+
+    def ensure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+        embeds = kwargs.get("inputs_embeds")
+        missing = TOWER_CALLS - calls[0] if isinstance(embeds, torch.Tensor) else 0
+        for _ in range(missing):
+            assert isinstance(embeds, torch.Tensor)
+            embeds = embeds + _dummy_tower_term(visual, embeds)
+        calls[0] = 0  # consumed (the dummy calls counted too): the next forward counts afresh
+        return args, (dict(kwargs, inputs_embeds=embeds) if missing > 0 else kwargs)
+
+    backbone.register_forward_pre_hook(reset)
+    visual.register_forward_hook(count)
+    # prepend: the term joins the whole row before a sequence-parallel split (vl_sequence) slices it
+    lm.register_forward_pre_hook(ensure, with_kwargs=True, prepend=True)
