@@ -93,8 +93,8 @@ def shard_model(
     """FSDP2-shard `model` over the default process group: one unit per decoder layer, then the root.
 
     A vision-language model runs its vision tower on every forward, media or not (`easyrl.workers.vl_tower`), so
-    ranks whose micro-batches differ in media join the same collectives. Mixed precision follows `fsdp_cfg` on GPUs; on CPU everything stays fp32 (CPU bf16 matmuls are slow and
-    gloo reductions gain nothing from it).
+    ranks whose micro-batches differ in media join the same collectives. Mixed precision follows `fsdp_cfg` on GPUs;
+    on CPU everything stays fp32 (CPU bf16 matmuls are slow and gloo reductions gain nothing from it).
     """
     if gradient_checkpointing:
         enable: Any = model.gradient_checkpointing_enable
