@@ -106,27 +106,30 @@ def test_plan_counts_tensor_parallel_engines() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
     """On CPU, `easyrl check` with the vLLM engine refuses a head size vllm-cpu lacks (exit 2, naming the model and
-    the way out) and passes one it has, without starting an engine."""
+    the way out) and passes one it has, without starting an engine. In-process (`run_check`, what `easyrl check`
+    runs after loading the config): five subprocesses would each import vLLM again."""
+    from easyrl.check import run_check
+    from easyrl.config import load_config
     from easyrl.testing.tiny import build_tiny_checkpoint
 
-    unsupported = build_tiny_checkpoint(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # head size 64 / 4 = 16
-    for model, code in ((unsupported, 2), (tiny_model_dir, 0)):
+    def check(model: str, *overrides: str) -> tuple[int, str, str]:
         conf = base_config(model, digits_data, tmp_path / "run")
-        proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf), "worker.rollout.name=vllm")
-        assert proc.returncode == code, proc.stderr[-3000:]
-        if code:
-            assert "head size is 16" in proc.stderr and unsupported in proc.stderr, proc.stderr[-3000:]
-            assert "worker.rollout.name=hf" in proc.stderr
+        code = run_check(load_config(write_config(tmp_path / "cfg.yaml", conf), list(overrides)))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    unsupported = build_tiny_checkpoint(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # head size 64 / 4 = 16
+    code, _, err = check(unsupported, "worker.rollout.name=vllm")
+    assert code == 2 and "head size is 16" in err and unsupported in err, err[-3000:]
+    assert "worker.rollout.name=hf" in err
+    code, _, err = check(tiny_model_dir, "worker.rollout.name=vllm")
+    assert code == 0, err[-3000:]
     # trainer.device=auto on a machine without a GPU may be a login node for a GPU run: a warning, not a stop
-    conf = base_config(unsupported, digits_data, tmp_path / "run")
-    proc = easyrl(
-        "check", write_config(tmp_path / "cfg.yaml", conf), "worker.rollout.name=vllm", "trainer.device=auto"
-    )
-    assert proc.returncode == 0 and "easyrl: warning: " in proc.stdout and "head size is 16" in proc.stdout
-    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", base_config(unsupported, digits_data, tmp_path)))
-    assert proc.returncode == 0, "the HF engine serves any head size"
+    code, out, _ = check(unsupported, "worker.rollout.name=vllm", "trainer.device=auto")
+    assert code == 0 and "easyrl: warning: " in out and "head size is 16" in out
+    assert check(unsupported)[0] == 0, "the HF engine serves any head size"
 
 
 def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir, digits_data) -> None:
