@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -86,22 +85,12 @@ def write_adapter_folder(reader: ShardedReader, info: dict[str, Any], hf_src: st
     pairs = {module: _pair(reader, module) for module in modules}
     rank, alpha, dropout = info["rank"], info["alpha"], float(info.get("dropout", 0.0))
     tensors, config = peft_adapter(pairs, rank, alpha, dropout, str(info["base_model"]))
-    tmp = f"{out}.tmp_{secrets.token_hex(4)}"
-    fsio.makedirs(tmp)
-    try:
+    with fsio.folder_replaced_atomically(out) as tmp:
         fsio.save_tensors(os.path.join(tmp, "adapter_model.safetensors"), tensors, {"format": "pt"})
         fsio.write_json(os.path.join(tmp, "adapter_config.json"), config)
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf_src, name)):
                 fsio.copy_file(os.path.join(hf_src, name), os.path.join(tmp, name))
         fsio.write_json(os.path.join(tmp, MERGE_MARKER), {"source": source, "tensors": len(tensors), "adapter": True})
-        fsio.fsync_dir(tmp)
-        if os.path.exists(out):
-            fsio.rmtree(out)
-        fsio.rename(tmp, out)
-        fsio.fsync_dir(os.path.dirname(out))
-    except BaseException:
-        fsio.rmtree(tmp)
-        raise
     logger.info("wrote the LoRA adapter of %d modules from %s into %s", len(modules), source, out)
     return out

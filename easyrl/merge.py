@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import secrets
 import sys
 from collections.abc import Callable
 
@@ -136,9 +135,7 @@ def merge_checkpoint(
         return lora_merge.write_adapter_folder(reader, lora, hf_src, out, role_folder)
     target = _target_dtype(config, dtype)
     names, tensor_of = _tensor_source(reader, lora, bool(config.get("tie_word_embeddings", False)))
-    tmp = f"{out}.tmp_{secrets.token_hex(4)}"
-    fsio.makedirs(tmp)
-    try:
+    with fsio.folder_replaced_atomically(out) as tmp:
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = total = 0
@@ -164,14 +161,6 @@ def merge_checkpoint(
             if entry != "config.json" and os.path.isfile(os.path.join(hf_src, entry)):
                 fsio.copy_file(os.path.join(hf_src, entry), os.path.join(tmp, entry))
         fsio.write_json(os.path.join(tmp, MERGE_MARKER), {"source": role_folder, "tensors": len(names)})
-        fsio.fsync_dir(tmp)
-        if os.path.exists(out):
-            fsio.rmtree(out)
-        fsio.rename(tmp, out)
-        fsio.fsync_dir(os.path.dirname(out))
-    except BaseException:
-        fsio.rmtree(tmp)
-        raise
     logger.info(
         "merged %d tensors (%d shard files, %.1f MiB) from %s into %s",
         len(names),

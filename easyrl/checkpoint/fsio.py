@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,6 +64,24 @@ def rmtree(path: str) -> None:
     """Remove a folder tree, ignoring a folder that is already gone."""
     if os.path.isdir(path):
         shutil.rmtree(path)
+
+
+@contextmanager
+def folder_replaced_atomically(out: str) -> Iterator[str]:
+    """A temporary sibling of `out` to fill; when the block ends normally it is flushed and renamed over `out` (an
+    older `out` removed first), when it raises it is removed and `out` stays as it was."""
+    tmp = f"{out}.tmp_{secrets.token_hex(4)}"
+    makedirs(tmp)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if os.path.exists(out):
+            rmtree(out)
+        rename(tmp, out)
+        fsync_dir(os.path.dirname(out))
+    except BaseException:
+        rmtree(tmp)
+        raise
 
 
 def write_bytes(path: str, data: bytes) -> None:
