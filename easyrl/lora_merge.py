@@ -19,13 +19,11 @@ import torch
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
 from easyrl.checkpoint.sharded import ShardedReader, model_tensors
-from easyrl.checkpoint.worker import LORA_FILE, TOKENIZER_FILES
+from easyrl.checkpoint.worker import LORA_FILE, MERGE_MARKER, TOKENIZER_FILES
+from easyrl.workers.lora import ADAPTER
 
 
 logger = logging.getLogger(__name__)
-
-ADAPTER = "default"
-MERGE_MARKER = "easyrl_merged.json"
 
 
 def adapter_info(role_folder: str) -> dict[str, Any] | None:

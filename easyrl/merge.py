@@ -35,7 +35,7 @@ from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
 from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
-from easyrl.checkpoint.worker import HF_DIR
+from easyrl.checkpoint.worker import HF_DIR, MERGE_MARKER
 
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-MERGE_MARKER = "easyrl_merged.json"
 DEFAULT_OUTPUT = "huggingface_merged"
 
 

@@ -43,6 +43,8 @@ TOKENIZER_FILES = (
 """Files copied from the tokenizer (or processor) folder into `huggingface/`, when present."""
 LORA_FILE = "lora.json"
 """In a LoRA policy's role folder: rank, alpha, adapted modules and the base model folder (`easyrl merge` reads it)."""
+MERGE_MARKER = "easyrl_merged.json"
+"""Written last into an `easyrl merge` output folder: `--overwrite` replaces only folders that carry it."""
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -121,6 +121,12 @@ def _check_lora(cfg: EasyRLConfig) -> None:
             f"adapter loads the adapters with vLLM's LoRA support; worker.rollout.name is "
             f"{cfg.worker.rollout.name!r}: use merged",
         )
+    if lora.rollout_sync == "adapter" and cfg.worker.rollout.sleep_level == 2:
+        raise ConfigError(
+            f"{key}.rollout_sync",
+            "adapter sends only the adapters and leaves the base weights in the engine, which "
+            "worker.rollout.sleep_level=2 discards at every sleep: use sleep_level 1 or rollout_sync=merged",
+        )
     if lora.rollout_sync == "adapter" and lora.rank > 512:
         raise ConfigError(f"{key}.rank", f"{lora.rank}: vLLM serves LoRA ranks up to 512; use rollout_sync=merged")
     if lora.exclude_modules is not None:

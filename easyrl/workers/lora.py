@@ -24,6 +24,7 @@ from torch import nn
 
 from easyrl.config.errors import ConfigError
 from easyrl.config.worker import LoraConfig, ModelConfig
+from easyrl.workers.model_setup import full_tensor
 
 
 logger = logging.getLogger(__name__)
@@ -150,11 +151,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)  # also makes the adapters trainable again, as they were
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full: Any = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach()
-
-
 def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the merged policy, one parameter at a time: W + scale * B @ A for every adapted
     linear (`.base_layer` dropped from its name), every other parameter as it is; the adapters themselves are not
@@ -166,14 +162,14 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = layers.get(owner) if leaf else None
         if layer is None:
-            yield name, _full(param)
+            yield name, full_tensor(param)
             continue
-        weight = _full(param)
+        weight = full_tensor(param)
         if leaf == "weight":
-            a = _full(layer.lora_A[ADAPTER].weight)
-            b = _full(layer.lora_B[ADAPTER].weight)
+            a = full_tensor(layer.lora_A[ADAPTER].weight)
+            b = full_tensor(layer.lora_B[ADAPTER].weight)
             weight = weight + (b @ a).to(weight.dtype) * layer.scaling[ADAPTER]
-        yield f"{owner}.{leaf}", weight
+        yield hf_name(name), weight
 
 
 def hf_name(name: str) -> str:
@@ -224,7 +220,7 @@ def gathered_adapter(model: nn.Module, model_cfg: ModelConfig) -> tuple[dict[str
     """The policy's adapters as a PEFT adapter (full tensors, see `peft_adapter`); every rank must call it (the
     gathers are collectives)."""
     pairs = {
-        name: (_full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight))
+        name: (full_tensor(layer.lora_A[ADAPTER].weight), full_tensor(layer.lora_B[ADAPTER].weight))
         for name, layer in lora_layers(model).items()
     }
     lora = model_cfg.lora

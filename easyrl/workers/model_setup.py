@@ -228,8 +228,13 @@ def iter_full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     frequencies) are not weights and are skipped.
     """
     for name, param in model.named_parameters(remove_duplicate=False):
-        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        yield name, tensor.detach()
+        yield name, full_tensor(param)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole, detached tensor of an FSDP2 shard (a DTensor: all-gathered, a collective), or `tensor` itself."""
+    full: Any = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach()
 
 
 def all_finite(value: torch.Tensor | float) -> bool:

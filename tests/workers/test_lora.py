@@ -120,6 +120,15 @@ def test_target_modules_matching_nothing_names_the_linear_layers(tiny_model_dir:
             {"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.rollout_sync": "adapter"},
             r"^worker.actor.model.lora.rollout_sync: adapter loads the adapters with vLLM",
         ),
+        (
+            {
+                "worker.actor.model.lora.rank": 8,
+                "worker.actor.model.lora.rollout_sync": "adapter",
+                "worker.rollout.name": "vllm",
+                "worker.rollout.sleep_level": 2,
+            },
+            r"^worker.actor.model.lora.rollout_sync: adapter sends only the adapters .*sleep_level=2 discards",
+        ),
     ],
 )
 def test_bad_lora_settings_stop_with_one_line(edits: dict, message: str) -> None:
