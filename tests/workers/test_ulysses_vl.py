@@ -14,20 +14,10 @@ from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_batching import init_rank, run_ranks
 from tests.workers.test_packing_vl import _batch, _write_video
+from tests.workers.test_ulysses import CPU, _loss
 
 
-CPU = torch.device("cpu")
 SP = 2
-
-
-def _loss(model: torch.nn.Module, mb: Batch, opts: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from easyrl.workers.forward_backward import token_log_probs
-
-    lp, ent = token_log_probs(model, mb, CPU, 0.9, with_entropy=True, opts=opts)
-    assert ent is not None
-    mask = mb["response_mask"].float()
-    loss = -(lp * mb["advantages"] * mask).sum() / mask.sum() - 0.1 * (ent * mask).sum() / mask.sum()
-    return lp, ent, loss
 
 
 def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: str) -> torch.Tensor:
