@@ -45,7 +45,7 @@ __all__ = [
     "register",
     "registered_methods",
     "split_dp_args",
-    "split_engine_args",
+    "split_grouped_args",
 ]
 
 DISPATCH_ATTR = "_easyrl_dispatch"
@@ -137,14 +137,16 @@ def split_dp_args(
     return [((chunk, *rest), dict(kwargs)) for chunk in chunks]
 
 
-def split_engine_args(
-    world_size: int, ranks_per_engine: int, args: Sequence[Any], kwargs: dict[str, Any]
+def split_grouped_args(
+    world_size: int, ranks_per_group: int, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Per-rank ``(args, kwargs)`` for an ``ENGINE_SPLIT`` call: one chunk per engine, repeated for its ranks."""
-    if ranks_per_engine < 1 or world_size % ranks_per_engine:
-        raise ValueError(f"ranks_per_engine={ranks_per_engine} must divide the world size {world_size}")
-    per_engine = split_dp_args(world_size // ranks_per_engine, args, kwargs)
-    return [per_engine[rank // ranks_per_engine] for rank in range(world_size)]
+    """Per-rank ``(args, kwargs)`` with one chunk per group of ``ranks_per_group`` consecutive ranks, repeated for
+    its ranks: the rollout engines of an ``ENGINE_SPLIT`` call, the data-parallel groups of a ``DP_SPLIT`` call
+    under sequence parallelism (1: rank ``i`` gets chunk ``i``)."""
+    if ranks_per_group < 1 or world_size % ranks_per_group:
+        raise ValueError(f"ranks_per_group={ranks_per_group} must divide the world size {world_size}")
+    per_group = split_dp_args(world_size // ranks_per_group, args, kwargs)
+    return [per_group[rank // ranks_per_group] for rank in range(world_size)]
 
 
 def _as_float(value: Any) -> float | None:

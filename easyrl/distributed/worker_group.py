@@ -26,7 +26,7 @@ from easyrl.distributed.dispatch import (
     DispatchSpec,
     collect_dp_results,
     registered_methods,
-    split_engine_args,
+    split_grouped_args,
 )
 from easyrl.distributed.resource_pool import ResourcePool
 
@@ -256,9 +256,9 @@ class WorkerGroup:
         if spec is None:
             raise AttributeError(self._undeclared(method))
         if spec.dispatch is Dispatch.DP_SPLIT:
-            per_rank = split_engine_args(self.world_size, self.ranks_per_dp, args, kwargs)
+            per_rank = split_grouped_args(self.world_size, self.ranks_per_dp, args, kwargs)
         elif spec.dispatch is Dispatch.ENGINE_SPLIT:
-            per_rank = split_engine_args(self.world_size, self.ranks_per_engine, args, kwargs)
+            per_rank = split_grouped_args(self.world_size, self.ranks_per_engine, args, kwargs)
         else:
             per_rank = [(tuple(args), dict(kwargs))] * self.world_size
         import ray

@@ -14,7 +14,7 @@ from easyrl.distributed.dispatch import (
     get_dispatch,
     registered_methods,
     split_dp_args,
-    split_engine_args,
+    split_grouped_args,
 )
 
 
@@ -78,13 +78,13 @@ def test_split_dp_args_rejects_bad_batches() -> None:
         split_dp_args(2, (), {})
 
 
-def test_split_engine_args_gives_every_rank_of_an_engine_its_chunk() -> None:
-    per_rank = split_engine_args(4, 2, (Batch([1, 2, 3, 4]),), {})
+def test_split_grouped_args_gives_every_rank_of_an_engine_its_chunk() -> None:
+    per_rank = split_grouped_args(4, 2, (Batch([1, 2, 3, 4]),), {})
     assert [args[0].values for args, _ in per_rank] == [[1, 2], [1, 2], [3, 4], [3, 4]]
-    assert [args[0].values for args, _ in split_engine_args(2, 1, (Batch([1, 2]),), {})] == [[1], [2]]
-    assert [args[0].values for args, _ in split_engine_args(2, 2, (Batch([1, 2, 3]),), {})] == [[1, 2, 3]] * 2
-    with pytest.raises(ValueError, match="ranks_per_engine=3 must divide the world size 4"):
-        split_engine_args(4, 3, (Batch([1, 2, 3, 4]),), {})
+    assert [args[0].values for args, _ in split_grouped_args(2, 1, (Batch([1, 2]),), {})] == [[1], [2]]
+    assert [args[0].values for args, _ in split_grouped_args(2, 2, (Batch([1, 2, 3]),), {})] == [[1, 2, 3]] * 2
+    with pytest.raises(ValueError, match="ranks_per_group=3 must divide the world size 4"):
+        split_grouped_args(4, 3, (Batch([1, 2, 3, 4]),), {})
 
 
 def test_collect_concatenates_batches_in_rank_order() -> None:
