@@ -28,6 +28,7 @@ from easyrl.distributed.dispatch import (
     registered_methods,
     split_grouped_args,
 )
+from easyrl.distributed.errors import WorkerError
 from easyrl.distributed.resource_pool import ResourcePool
 
 
@@ -99,7 +100,8 @@ class GroupCall:
 
         Raises:
             WorkerDiedError: a worker of this group, or of another live group, died meanwhile.
-            WorkerError: the method raised on some rank.
+            WorkerError: the method raised on some rank. The first rank to raise is reported, without waiting
+                for the others; if some of them are still running the call then, the group is shut down.
             WorkerTimeoutError: the call's ``timeout_s`` passed.
         """
         if not self._done:
@@ -108,6 +110,10 @@ class GroupCall:
                     self._refs, self.group.role, self.method, timeout_s=self._timeout_s, deadline=self._deadline
                 )
                 self._value = self._gather(results)
+            except WorkerError as exc:
+                self._error = self._stop_ranks_left_behind(exc)
+                self._done = True
+                raise self._error from exc.__cause__
             except Exception as exc:  # a KeyboardInterrupt leaves the call waitable again
                 self._error = exc
                 self._done = True
@@ -116,6 +122,35 @@ class GroupCall:
         if self._error is not None:
             raise self._error
         return self._value
+
+    def _stop_ranks_left_behind(self, error: WorkerError) -> WorkerError:
+        """Shut the group down when ranks are still running the call that failed on ``error.rank``.
+
+        Those ranks are usually blocked in a collective (an FSDP all-gather, a gradient reduce-scatter) that the
+        failed rank will never join: they would sit there until the process group's timeout (30 min by default),
+        holding their devices, and every later call to them would queue behind it. Nothing is lost by stopping
+        them: their state already differs from the failed rank's (some ranks stepped, one did not). When every
+        rank has finished (the error did not strand anyone), the group stays usable.
+        """
+        import ray
+
+        _, running = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        if not running:
+            return error
+        left = sorted(rank for rank, ref in enumerate(self._refs) if ref in running)
+        logger.error(
+            "rank %d of the %s workers raised in %s while rank(s) %s were still in it: stopping the group",
+            error.rank,
+            self.group.role,
+            self.method,
+            left,
+        )
+        self.group.shutdown()
+        note = (
+            f"(rank(s) {left} were still running {self.method!r}, probably waiting for rank {error.rank} in a "
+            f"collective: the {self.group.role} workers were stopped)"
+        )
+        return WorkerError(error.role, error.rank, f"{error.summary}\n{note}")
 
     def _gather(self, results: list[Any]) -> Any:
         if self.spec.dispatch is Dispatch.RANK0:

@@ -116,6 +116,18 @@ class ToyWorker:
         return float(tensor.item())
 
     @register(dispatch=Dispatch.ALL)
+    def raise_then_reduce(self, raise_rank: int) -> float:
+        """``raise_rank`` raises before the collective, which the other ranks then wait in for good."""
+        import torch
+        import torch.distributed as dist
+
+        if self.info.rank == raise_rank:
+            raise FloatingPointError(f"non-finite shard on rank {raise_rank}")
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    @register(dispatch=Dispatch.ALL)
     def exit_then_reduce(self, exit_rank: int) -> float:
         import torch
         import torch.distributed as dist
@@ -253,6 +265,29 @@ def test_killed_rank_while_peer_waits_in_collective(pool: ResourcePool) -> None:
         assert elapsed < 60
         assert info.value.role == "victim" and info.value.rank == 1
         with pytest.raises(WorkerDiedError):  # the group stays broken
+            group.identity()
+    finally:
+        group.shutdown()
+
+
+def test_raising_rank_stops_the_peer_waiting_in_collective(pool: ResourcePool) -> None:
+    """Rank 1 raises while rank 0 waits for it in an all-reduce (gloo's timeout here: 120 s): the driver reports
+    rank 1's error at once and stops rank 0 rather than leaving it in the collective."""
+    group = WorkerGroup(ToyWorker, pool, "learner", num_cpus_per_worker=0.25)
+    try:
+        rank0 = group._actors[0]
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="the learner worker of rank 1 raised") as info:
+            group.raise_then_reduce(1)
+        elapsed = time.monotonic() - start
+        logger.info("error surfaced in %.2f s", elapsed)
+        assert elapsed < 60, f"took {elapsed:.1f} s"
+        assert info.value.rank == 1 and info.value.role == "learner"
+        assert "FloatingPointError: non-finite shard on rank 1" in str(info.value)
+        assert "rank(s) [0] were still running 'raise_then_reduce'" in str(info.value)
+        with pytest.raises(ray.exceptions.RayActorError):  # rank 0 no longer waits in the collective
+            ray.get(rank0.__ray_ready__.remote(), timeout=30)
+        with pytest.raises(RuntimeError, match="the learner worker group is shut down"):
             group.identity()
     finally:
         group.shutdown()
