@@ -71,7 +71,13 @@ class ResourcePool:
                 f"actors (available now: {_summary(ray.available_resources(), self.bundle)})"
             )
         self._bundle_nodes = self._read_bundle_nodes()
-        logger.info("resource pool ready: %d bundles %s (%s)", self.world_size, self.bundle, strategy)
+        logger.info(
+            "resource pool ready: %d bundles %s (%s) on %d node(s)",
+            self.world_size,
+            self.bundle,
+            strategy,
+            len(set(self._bundle_nodes)),
+        )
 
     def _check_cluster(self) -> None:
         """Fail fast, with a hint, when the cluster cannot hold the pool at all."""
