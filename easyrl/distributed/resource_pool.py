@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Any
 
 from easyrl.distributed.errors import ResourceUnavailableError
 
 
-__all__ = ["ResourcePool"]
+__all__ = ["ResourcePool", "rendezvous_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +126,19 @@ class ResourcePool:
 
     def node_ip(self, bundle_index: int) -> str:
         """The IP address of the node hosting bundle ``bundle_index``."""
+        return self.node_ips()[bundle_index]
+
+    def node_ips(self) -> list[str]:
+        """The IP address of the node hosting each bundle, by bundle index (as the nodes registered with Ray)."""
         import ray
 
-        node_id = self._bundle_nodes[bundle_index]
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id:
-                return str(node["NodeManagerAddress"])
-        return str(ray.util.get_node_ip_address())
+        addresses = {str(node.get("NodeID")): str(node["NodeManagerAddress"]) for node in ray.nodes()}
+        here = str(ray.util.get_node_ip_address())
+        return [addresses.get(node_id, here) for node_id in self._bundle_nodes]
+
+    def rendezvous_host(self) -> str:
+        """Where rank 0 hosts the ``torch.distributed`` rendezvous store: see :func:`rendezvous_host`."""
+        return rendezvous_host(self.node_ips())
 
     def remove(self) -> None:
         """Release the placement group (the groups using it should be shut down first)."""
@@ -144,6 +151,35 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         return f"ResourcePool(nnodes={self.nnodes}, n_per_node={self.n_per_node}, bundle={self.bundle})"
+
+
+def rendezvous_host(node_ips: list[str]) -> str:
+    """The address every rank reaches rank 0's rendezvous store at: rank 0's node address as Ray knows it.
+
+    On one node that is 127.0.0.1 for easyrl's private Ray instance (the store then listens on loopback only, see
+    :func:`~easyrl.distributed.torch_dist.init_distributed`); across nodes it is the address the other nodes
+    joined Ray with, which they can reach. A loopback address on a pool that spans hosts would make every other
+    rank wait for the rendezvous until its timeout, so it is refused here.
+
+    Raises:
+        ResourceUnavailableError: rank 0's node registered with a loopback address and other ranks are on
+            other hosts.
+    """
+    host = node_ips[0]
+    others = sorted(set(node_ips) - {host})
+    if _is_loopback(host) and others:
+        raise ResourceUnavailableError(
+            f"rank 0's Ray node has the address {host}, which the ranks on {', '.join(others)} cannot reach: "
+            "start that node's Ray with --node-ip-address=<an address the other nodes reach>"
+        )
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _summary(resources: dict[str, float], bundle: dict[str, float]) -> dict[str, float]:

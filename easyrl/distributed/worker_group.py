@@ -227,7 +227,7 @@ class WorkerGroup:
         self._ping_sent: list[float] = [0.0] * self.world_size
         self._failures: dict[int, BaseException] = {}
 
-        self.master_addr = pool.node_ip(0)
+        self.master_addr = pool.rendezvous_host()
         self.master_port = _free_port_on(pool.bundle_node_ids[0])
         local_ranks = pool.local_ranks()
         remote_cls: Any = ray.remote(worker_cls)

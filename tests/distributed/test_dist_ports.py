@@ -111,3 +111,15 @@ def test_joining_a_cluster_keeps_the_users_network_settings(monkeypatch: pytest.
     init_ray(address="10.0.0.1:6379")
     assert seen["address"] == "10.0.0.1:6379" and "_node_ip_address" not in seen
     assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP"} & set(seen["runtime_env"]["env_vars"])
+
+
+def test_rendezvous_host_is_rank_0s_node_address() -> None:
+    """One node (easyrl's private instance): loopback. Several nodes: rank 0's node as the others reach it; a
+    loopback rank 0 with ranks on other hosts is refused (they would wait for the store until the timeout)."""
+    from easyrl.distributed import ResourceUnavailableError
+    from easyrl.distributed.resource_pool import rendezvous_host
+
+    assert rendezvous_host(["127.0.0.1", "127.0.0.1"]) == "127.0.0.1"
+    assert rendezvous_host(["10.0.0.2", "10.0.0.1", "10.0.0.1"]) == "10.0.0.2"
+    with pytest.raises(ResourceUnavailableError, match=r"127\.0\.0\.1, which the ranks on 10\.0\.0\.1 cannot reach"):
+        rendezvous_host(["127.0.0.1", "10.0.0.1"])
