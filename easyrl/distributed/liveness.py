@@ -20,6 +20,8 @@ second on one node). A death that happens while the driver is not waiting is rep
 :func:`check_alive`). A group with a dead worker stays broken: every later wait raises until it is shut down.
 When a method raises on some rank, the error is reported as :class:`WorkerError` unless a death shows up within
 ``death_grace_s`` (a rank blocked in a collective usually fails *because* a peer died; the death is the cause).
+The first error is raised without waiting for the other ranks, which may be blocked in a collective the failed
+rank will never join: :meth:`GroupCall.result <easyrl.distributed.worker_group.GroupCall.result>` then stops them.
 """
 
 from __future__ import annotations
