@@ -134,6 +134,8 @@ class GroupCall:
         """
         import ray
 
+        if error.role != self.group.role:  # another group's failure, seen while waiting on this one
+            return error
         _, running = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
         if not running:
             return error
