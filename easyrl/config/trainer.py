@@ -54,7 +54,7 @@ class TrainerConfig:
     """When the newest checkpoint is corrupt, resume from the newest intact older one (logged with both names)
     instead of stopping with an error."""
     save_on_interrupt: bool = False
-    """On SIGTERM/SIGINT, save a checkpoint before exiting."""
+    """On SIGTERM/SIGINT/SIGHUP, save a checkpoint before exiting."""
     worker_timeout_s: float = 3600.0
     """Longest a single worker call may take before the run stops naming the role."""
     ray_num_cpus: int | None = None

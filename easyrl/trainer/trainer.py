@@ -41,7 +41,7 @@ class TrainingError(RuntimeError):
 
 
 class StopRequested(RuntimeError):
-    """A SIGTERM/SIGINT asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
+    """A SIGTERM/SIGINT/SIGHUP asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
 
 
 class Trainer:
@@ -70,7 +70,7 @@ class Trainer:
         )
         self.global_step = 0
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
-        self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT handler; honoured between stages
+        self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT/SIGHUP handler; honoured between stages
         self.consecutive_skips = 0
         run_dir = cfg.trainer.save_checkpoint_path or "."
         # First, before anything touches the folder (the manager below removes leftovers of interrupted saves):
