@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -41,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _say(line: str) -> None:
     """One line on stderr; after a hang-up the terminal may be gone, and a failed write must not replace the exit."""
-    try:
+    with contextlib.suppress(OSError):
         print(line, file=sys.stderr)
-    except OSError:
-        pass
 
 
 def _main(argv: list[str] | None) -> int:

@@ -119,7 +119,7 @@ def find_secrets(raw: dict[Any, Any], resolved: dict[str, Any], schema: set[str]
                 values.add(str(leaf))  # found as text in logs; a copy of the number itself is masked by scrub_tree
         if isinstance(leaf, str):
             for match in _URL_USERINFO.finditer(leaf):  # a URL's password may also be written on its own
-                user, colon, password = match.group(2).partition(":")
+                _user, colon, password = match.group(2).partition(":")
                 if colon and password:  # a bare user name (`ssh://git@host`) is masked in URLs only
                     values.add(password)
     kept = sorted((v for v in values if len(v) >= MIN_SCRUB_CHARS), key=lambda v: (-len(v), v))
