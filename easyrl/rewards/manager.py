@@ -113,7 +113,9 @@ def _as_score(key: str, raw: numbers.Real) -> float:
         # struct's float32 packing rounds as torch does and raises exactly when the rounded value would be inf.
         struct.pack("<f", number)
     except OverflowError:
-        raise _Invalid(f"{key!r} is {number!r}, beyond the float32 range of the scores (largest 3.4028235e+38)") from None
+        raise _Invalid(
+            f"{key!r} is {number!r}, beyond the float32 range of the scores (largest 3.4028235e+38)"
+        ) from None
     return number
 
 

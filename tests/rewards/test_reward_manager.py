@@ -237,7 +237,13 @@ def test_make_reward_input() -> None:
 def test_values_beyond_float32_are_invalid_not_a_crash(files: dict[str, str]) -> None:
     """Every value the float32 scores cannot hold is invalid and counted, in any key, bare or in a dict (issue 36:
     1e39 passed the float64 check and crashed the step when written into the scores tensor)."""
-    cfg = _cfg(files["sequential"], reward_function_kwargs={"api_key": SECRET}, num_workers=0, fallback_score=-1.0, max_error_ratio=1.0)
+    cfg = _cfg(
+        files["sequential"],
+        reward_function_kwargs={"api_key": SECRET},
+        num_workers=0,
+        fallback_score=-1.0,
+        max_error_ratio=1.0,
+    )
     kinds = {0: "f32-overflow", 1: "f32-overflow", 2: "huge-int", 3: "bare-huge-int"}
     inputs = _inputs(6, kinds)
     inputs[0]["sign"], inputs[1]["sign"] = 1, -1
