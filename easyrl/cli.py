@@ -61,7 +61,7 @@ def _main(argv: list[str] | None) -> int:
 
         try:
             print(build_report(args.run_dir, args.output))
-        except (FileNotFoundError, ImportError) as exc:
+        except (FileNotFoundError, FileExistsError, ImportError) as exc:
             print(f"easyrl: {exc}", file=sys.stderr)
             return 2
         return 0
