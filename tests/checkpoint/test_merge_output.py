@@ -100,3 +100,7 @@ def test_role_is_a_plain_name(run: Path, tmp_path: Path, caplog: pytest.LogCaptu
         lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert len(lines) == 1 and f"--role {role!r} is not a role name" in lines[0], lines
         assert not (tmp_path / "out").exists()
+    os.symlink(corrupt / "actor", run / "global_step_1" / "linked")  # a plain name that leads out of the checkpoint
+    caplog.clear()
+    assert merge_main([step, "--role", "linked", "-o", str(tmp_path / "out")]) == 1
+    assert "linked is a link out of" in caplog.text and not (tmp_path / "out").exists()
