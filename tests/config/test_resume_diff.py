@@ -73,3 +73,13 @@ def test_lora_dropout_is_not_a_model_change_and_keys_added_or_removed_count() ->
         "worker.actor.model.lora.dropout": (0.0, 0.1, "training"),
         "worker.reward.reward_function_kwargs.judge": ("(absent)", "gpt", "training"),
     }
+
+
+def test_run_management_keys_are_real_config_keys() -> None:
+    """The list of harmless keys cannot go stale silently when a key is renamed."""
+    from pathlib import Path
+
+    from easyrl.config.resume_diff import _RUN_MANAGEMENT
+
+    keys = set((Path(__file__).with_name("config_keys.txt")).read_text().split())
+    assert keys >= _RUN_MANAGEMENT, sorted(_RUN_MANAGEMENT - keys)
