@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -31,12 +32,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    install_early_handlers()  # SIGTERM/SIGINT give 143/130 from here on, as they do during training
+    install_early_handlers()  # SIGTERM/SIGINT/SIGHUP give 143/130/129 from here on, as they do during training
     try:
         return _main(argv)
     except StartupInterrupted as exc:
-        print(f"easyrl: {exc}", file=sys.stderr)
+        _say(f"easyrl: {exc}")
         return exit_code(exc.signum)
+
+
+def _say(line: str) -> None:
+    """One line on stderr; after a hang-up the terminal may be gone, and a failed write must not replace the exit."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -54,7 +61,7 @@ def _main(argv: list[str] | None) -> int:
 
         try:
             print(build_report(args.run_dir, args.output))
-        except (FileNotFoundError, ImportError) as exc:
+        except (FileNotFoundError, FileExistsError, ImportError) as exc:
             print(f"easyrl: {exc}", file=sys.stderr)
             return 2
         return 0
@@ -96,8 +103,9 @@ def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
     except StopRequested as exc:
-        print(f"easyrl: {exc}", file=sys.stderr)
-        return exit_code(signal.SIGINT if "SIGINT" in str(exc) else signal.SIGTERM)
+        _say(f"easyrl: {exc}")
+        stopped_by = trainer.stop_signal if trainer is not None else None
+        return exit_code(signal.Signals[stopped_by or "SIGTERM"])
     except Exception as exc:
         from easyrl.errors import is_user_facing
 

@@ -49,6 +49,13 @@ DEFAULT_OUTPUT = "huggingface_merged"
 def resolve_role_folder(checkpoint: str, role: str = "actor", verify: bool = True) -> tuple[str, str]:
     """(the global_step folder, the role folder) for a `global_step_<N>` folder or one of its role subfolders,
     verified against its manifest (`verify=False`: sizes and steps only)."""
+    # Only the step folder is verified below, so the role must name a folder inside it: a path here (`../x`,
+    # `/elsewhere`) would read files no manifest vouches for.
+    if role in ("", ".", "..") or "/" in role or (os.altsep and os.altsep in role) or "\0" in role:
+        raise CheckpointError(
+            f"--role {role!r} is not a role name: give the plain name of a subfolder of the checkpoint "
+            "(actor, or critic), no path"
+        )
     path = os.path.abspath(checkpoint)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} does not exist")
@@ -63,6 +70,8 @@ def resolve_role_folder(checkpoint: str, role: str = "actor", verify: bool = Tru
     verify_checkpoint(step_folder, checksums=verify)
     if not os.path.isdir(role_folder):
         raise CheckpointError(f"{step_folder} has no {os.path.basename(role_folder)!r} folder")
+    if os.path.dirname(os.path.realpath(role_folder)) != os.path.realpath(step_folder):
+        raise CheckpointError(f"{role_folder} is a link out of {step_folder}: its files were not verified")
     return step_folder, role_folder
 
 

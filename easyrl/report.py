@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from string import Template
@@ -219,8 +220,9 @@ def build_report(run_dir: str, output: str | None = None) -> str:
     generations = read_jsonl(gen_path)
     output = output or os.path.join(run_dir, "report.html")
     out_dir = os.path.dirname(os.path.abspath(output))
-    os.makedirs(out_dir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(output))[0]
+    check_output(output, [os.path.join(out_dir, f"{stem}_{plot.name}.png") for plot in plan_plots(series)])
+    os.makedirs(out_dir, exist_ok=True)
 
     figures = []
     for plot in plan_plots(series):
@@ -252,10 +254,60 @@ def build_report(run_dir: str, output: str | None = None) -> str:
     return output
 
 
+# Identifies a page this command wrote, the one kind of existing file `--output` may replace. Pages written before
+# the tag are recognised by their title.
+_GENERATOR_TAG = b'<meta name="generator" content="easyrl report">'
+_OLD_TITLE = b"<title>easyrl report: "
+# Inside a checkpoint (sealed, being written, or set aside by a save): its manifest, or a folder named as checkpoints are.
+_CHECKPOINT_MANIFEST = "COMPLETE"
+_CHECKPOINT_FOLDER = re.compile(r"^\.?(?:tmp_|old_|trash_)?global_step_\d+")
+
+
+def _is_report(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return _GENERATOR_TAG in head or _OLD_TITLE in head
+
+
+def check_output(output: str, pngs: list[str]) -> None:
+    """Refuse an `--output` that would replace anything but an earlier report, or that lies inside a checkpoint.
+
+    Raises:
+        FileExistsError: naming the file or checkpoint and the fix (nothing has been written yet).
+    """
+    target = os.path.realpath(output)  # through symlinks: a link to a run's file is that file
+    folder = os.path.dirname(target)
+    while True:
+        if _CHECKPOINT_FOLDER.match(os.path.basename(folder)) or os.path.isfile(
+            os.path.join(folder, _CHECKPOINT_MANIFEST)
+        ):
+            raise FileExistsError(
+                f"--output {output} lies inside the checkpoint {folder}: a report is never written into a checkpoint "
+                "(its files are sealed by the manifest); choose a path outside it"
+            )
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    if os.path.lexists(output) and not (os.path.isfile(target) and _is_report(target)):
+        raise FileExistsError(
+            f"--output {output} exists and is not an earlier easyrl report: refusing to overwrite it; "
+            "choose another path (or remove the file yourself)"
+        )
+    # The plots go next to the page as `<stem>_<plot>.png`: replaced only along with the earlier report they belong to.
+    if not os.path.lexists(output):
+        clobbered = [png for png in pngs if os.path.lexists(png)]
+        if clobbered:
+            raise FileExistsError(
+                f"--output {output} would overwrite {clobbered[0]}, which belongs to no earlier report; choose another path"
+            )
+
+
 _PAGE = Template("""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<meta name="generator" content="easyrl report">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>$title</title>
 <style>

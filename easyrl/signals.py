@@ -1,4 +1,7 @@
-"""SIGTERM / SIGINT handling of the `easyrl` command, the same from its first line to its last.
+"""SIGTERM / SIGINT / SIGHUP handling of the `easyrl` command, the same from its first line to its last.
+
+A hang-up (SIGHUP: the SSH session or terminal closed) is a stop request like SIGTERM, exit code 129, unless the
+command was started with it ignored (``nohup``), which stays so.
 
 * From the start of `easyrl.cli.main` until a trainer exists, a signal stops at once: the handler raises
   :class:`StartupInterrupted`, the partly built trainer releases what it started, and the command exits with
@@ -8,7 +11,9 @@
 
 ``ray.init`` installs its own SIGTERM handler (it exits with 15, or 1 after killing Ray's processes);
 :func:`keep_handlers` puts ours back around it, and turns an exit raised by Ray's handler during the call into
-:class:`StartupInterrupted`.
+:class:`StartupInterrupted`. Ray's processes started in that block ignore SIGHUP: a closing terminal signals its
+whole process group, and they must outlive the driver's stop (its checkpoint is saved through them) and then end
+with it (the driver shuts Ray down on its way out).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any
 
 __all__ = ["StartupInterrupted", "exit_code", "install_early_handlers", "install_stop_handlers", "keep_handlers"]
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_handled: tuple[int, ...] = STOP_SIGNALS  # the stop signals this process handles (SIGHUP left out under nohup)
 
 
 class StartupInterrupted(BaseException):
@@ -44,14 +50,18 @@ def _raise_startup_interrupted(signum: int, frame: object) -> None:
 
 
 def install_early_handlers() -> None:
-    """Make SIGTERM / SIGINT raise :class:`StartupInterrupted` (call first thing in the command)."""
+    """Make SIGTERM / SIGINT / SIGHUP raise :class:`StartupInterrupted` (call first thing in the command)."""
+    global _handled
     if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
+        # Started under nohup (SIGHUP ignored): the user asked to outlive the terminal, so hang-ups stay ignored.
+        hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        _handled = tuple(s for s in STOP_SIGNALS if not (s == signal.SIGHUP and hup_ignored))
+        for signum in _handled:
             signal.signal(signum, _raise_startup_interrupted)
 
 
 def install_stop_handlers(request_stop: Callable[[str], None], already_stopping: Callable[[], bool]) -> None:
-    """First SIGTERM/SIGINT: `request_stop(name)` (stop at the next stage boundary); a second one: stop now."""
+    """First SIGTERM/SIGINT/SIGHUP: `request_stop(name)` (stop at the next stage boundary); a second: stop now."""
 
     def handle(signum: int, frame: object) -> None:
         del frame
@@ -59,7 +69,7 @@ def install_stop_handlers(request_stop: Callable[[str], None], already_stopping:
             raise KeyboardInterrupt
         request_stop(signal.Signals(signum).name)
 
-    for signum in STOP_SIGNALS:
+    for signum in _handled:
         signal.signal(signum, handle)
 
 
@@ -67,11 +77,14 @@ def install_stop_handlers(request_stop: Callable[[str], None], already_stopping:
 def keep_handlers() -> Iterator[None]:
     """When this module's handlers are installed, restore them after the block (``ray.init`` replaces SIGTERM's);
     an exit that Ray's handler raises inside the block becomes :class:`StartupInterrupted`."""
-    saved: dict[int, Any] = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    saved: dict[int, Any] = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}  # SIGHUP's as well
     ours = getattr(saved[signal.SIGTERM], "__module__", None) == __name__
     if not ours or threading.current_thread() is not threading.main_thread():
         yield  # a library user's process: Ray's handling stays as Ray sets it
         return
+    # Ignored dispositions survive fork and exec: the services ray.init starts (and the workers they start) inherit
+    # this one, so a hang-up of the terminal's process group leaves them running for the driver's orderly stop.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         yield
     except SystemExit as exc:

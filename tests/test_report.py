@@ -184,3 +184,37 @@ def test_metric_keys_are_plain_text_not_latex(tmp_path: Path) -> None:
     (tmp_path / "experiment_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report_reward.png").stat().st_size > 0
+
+
+def test_output_replaces_only_an_earlier_report_and_never_enters_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: `--output` overwrote any file, the run's own log or a checkpoint's manifest included."""
+    run = tmp_path / "run"
+    _write_run(run)
+    checkpoint = run / "global_step_1"
+    checkpoint.mkdir()
+    (checkpoint / "COMPLETE").write_text("{}")
+    (tmp_path / "notes.html").write_text("mine")
+    (tmp_path / "plots_reward.png").write_text("mine too")
+    log_before = (run / "experiment_log.jsonl").read_bytes()
+    refused = {
+        run / "experiment_log.jsonl": "is not an earlier easyrl report",
+        checkpoint / "COMPLETE": "inside the checkpoint",
+        checkpoint / "new.html": "inside the checkpoint",  # a new file in a checkpoint is refused too
+        tmp_path / "notes.html": "is not an earlier easyrl report",
+        tmp_path / "plots.html": "would overwrite",  # its plots would replace a user's plots_reward.png
+    }
+    for output, message in refused.items():
+        assert main(["report", str(run), "--output", str(output)]) == 2, output
+        err = capsys.readouterr().err
+        assert message in err and str(output) in err and err.count("\n") == 1, err
+    assert (run / "experiment_log.jsonl").read_bytes() == log_before
+    assert (checkpoint / "COMPLETE").read_text() == "{}" and not (checkpoint / "new.html").exists()
+    assert (tmp_path / "notes.html").read_text() == "mine" and (
+        tmp_path / "plots_reward.png"
+    ).read_text() == "mine too"
+    assert not list(tmp_path.glob("notes_*.png")) and not list(checkpoint.glob("*.png"))
+    page = tmp_path / "page.html"
+    assert main(["report", str(run), "--output", str(page)]) == 0
+    assert main(["report", str(run), "--output", str(page)]) == 0  # an earlier report (and its plots) is replaced

@@ -45,6 +45,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 SCORES = "checkpoint_scores.json"
 TRAINER_STATE = "trainer_state.json"
 TRAINER_RNG = "trainer_rng.safetensors"
+RUN_CONFIG = "experiment_config.json"  # the masked config the checkpoint was saved under (compared on resume)
 MANIFEST_FORMAT = "easyrl-checkpoint-v1"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(?:tmp|old|trash)_global_step_(\d+)_[0-9a-f]+$")
@@ -202,6 +203,17 @@ def write_trainer_state(folder: str, state: dict[str, Any], rng: RngState | None
     rng = rng or RngState.capture()
     fsio.save_tensors(os.path.join(folder, TRAINER_RNG), rng.tensors, {"format": "easyrl-rng-v1"})
     fsio.write_json(os.path.join(folder, TRAINER_STATE), {"format": MANIFEST_FORMAT, "state": state, "rng": rng.info})
+
+
+def read_run_config(folder: str) -> dict[str, Any] | None:
+    """The config saved with the checkpoint `folder` (JSON only), or None for a checkpoint saved before it was kept."""
+    path = os.path.join(folder, RUN_CONFIG)
+    if not os.path.exists(path):
+        return None
+    doc = fsio.read_json(path)
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a config written by easyrl")
+    return doc
 
 
 def read_trainer_state(folder: str) -> tuple[dict[str, Any], RngState]:

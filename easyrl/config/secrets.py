@@ -2,12 +2,15 @@
 
 A value is secret when it sits under a secret-looking key (at any depth of a free-form mapping, list items and
 nested mappings included: `api_keys: [...]`, `headers: {Authorization: ...}`) or when it came from the environment
-(`${oc.env:X}`, however it is spaced, alone or inside a longer string). Our own dataclass fields are never secret by
-their name (`data.prompt_key`, `worker.actor.model.tokenizer_path`), only by an environment value.
+(`${oc.env:X}`, however it is spaced, alone or inside a longer string) or from `${oc.decode:...}` (whatever it
+decodes to: a string, a number or a whole mapping). Our own dataclass fields are never secret by their name
+(`data.prompt_key`, `worker.actor.model.tokenizer_path`), only by such a value. Credentials inside a URL
+(`https://user:pass@host`) are masked wherever a URL is written, whatever key it sits under: `https://***@host`.
 
 Masking works twice: by path (the config dump shows `***` there) and by value. Every secret string is replaced by
 `***` wherever it appears later, so an interpolation copying it under an innocent key (`judge_copy: ${.judge}`),
-a log line, a metric key or a generation cannot carry it out. Strings shorter than `MIN_SCRUB_CHARS` are masked by
+a log line, a metric key or a generation cannot carry it out; a secret number is searched for as its text, and
+a number whose text holds a secret is masked whole. Strings shorter than `MIN_SCRUB_CHARS` are masked by
 path only: replacing every `8` or `abc` in the logs would destroy them, and a secret that short protects nothing.
 """
 
@@ -23,10 +26,20 @@ from typing import Any
 
 
 MASK = "***"
-SECRET_KEY = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
+# Substrings of key names that hold credentials in the configs of HTTP clients, databases and SDKs. Masking an
+# innocent value under such a name costs nothing; missing one writes a credential in clear.
+SECRET_KEY = re.compile(
+    r"key|token|secret|passw|passphrase|pwd|credential|auth|bearer|cookie|dsn|session|signature|private|"
+    r"salt|webhook|conn_?str|connection_?string",
+    re.IGNORECASE,
+)
 MIN_SCRUB_CHARS = 4
 # `${oc.env:NAME}` / `${ oc.env : NAME , default }`: the resolver name and the variable, whatever the spacing.
 _ENV_REF = re.compile(r"oc\.env\s*:\s*([^\s,}]+)")
+# `${oc.decode:...}`: its result (possibly a mapping or a number) comes from text the dump must not repeat.
+_DECODE_REF = re.compile(r"oc\.decode\s*:")
+# The userinfo of a URL (`scheme://user:pass@host`, or a bare token as the user): everything before the `@`.
+_URL_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s@]+)@")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +52,21 @@ class Secrets:
     """The secret strings, longest first (so a secret containing another is replaced whole)."""
 
     def scrub(self, text: str) -> str:
-        """`text` with every secret value replaced by `***`."""
+        """`text` with every secret value, and the credentials of every URL, replaced by `***`."""
         for value in self.values:
             if value in text:
                 text = text.replace(value, MASK)
+        if "://" in text:  # a URL's userinfo, known or not (a short password, a token as the user name)
+            text = _URL_USERINFO.sub(rf"\1{MASK}@", text)
         return text
 
     def scrub_tree(self, tree: Any) -> Any:
-        """A copy of `tree` (dicts, lists, tuples, scalars) with every string, keys included, scrubbed."""
+        """A copy of `tree` (dicts, lists, tuples, scalars) with every string, keys included, scrubbed, and every
+        number whose text holds a secret masked (a secret number copied by interpolation under another key)."""
         if isinstance(tree, str):
             return self.scrub(tree)
+        if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+            return MASK if self.scrub(str(tree)) != str(tree) else tree
         if isinstance(tree, dict):
             return {self.scrub_tree(k): self.scrub_tree(v) for k, v in tree.items()}
         if isinstance(tree, (list, tuple)):
@@ -88,13 +106,29 @@ def find_secrets(raw: dict[Any, Any], resolved: dict[str, Any], schema: set[str]
             if names:
                 paths.add(path)
                 values.update(os.environ.get(name, "") for name in names)
+            if _DECODE_REF.search(leaf):
+                paths.add(path)  # what it decodes to may be a subtree: covered below, leaf by leaf
+    covering = set(paths)
     for path, leaf, named_secret in _leaves_with_names(resolved, "", False, schema):
         if named_secret and leaf not in (None, ""):
             paths.add(path)
-        if path in paths and isinstance(leaf, str):
-            values.add(leaf)
+        if path in paths or _under(path, covering):
+            if isinstance(leaf, str):
+                values.add(leaf)
+            elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+                values.add(str(leaf))  # found as text in logs; a copy of the number itself is masked by scrub_tree
+        if isinstance(leaf, str):
+            for match in _URL_USERINFO.finditer(leaf):  # a URL's password may also be written on its own
+                _user, colon, password = match.group(2).partition(":")
+                if colon and password:  # a bare user name (`ssh://git@host`) is masked in URLs only
+                    values.add(password)
     kept = sorted((v for v in values if len(v) >= MIN_SCRUB_CHARS), key=lambda v: (-len(v), v))
     return Secrets(frozenset(paths), tuple(kept))
+
+
+def _under(path: str, prefixes: set[str]) -> bool:
+    """Whether `path` lies below one of `prefixes` (a decoded mapping's leaves below the interpolation's path)."""
+    return any(path.startswith(prefix + ".") for prefix in prefixes)
 
 
 def _join(prefix: str, key: object) -> str:

@@ -53,8 +53,12 @@ class TrainerConfig:
     fallback_to_older_checkpoint: bool = False
     """When the newest checkpoint is corrupt, resume from the newest intact older one (logged with both names)
     instead of stopping with an error."""
+    allow_model_change_on_resume: bool = False
+    """Resume even when the model (`model_path`, `tokenizer_path`, `override_config`, the LoRA shape) differs from
+    the config saved with the checkpoint; without it such a resume is refused naming the changed keys. Other
+    changes are allowed and named in the log."""
     save_on_interrupt: bool = False
-    """On SIGTERM/SIGINT, save a checkpoint before exiting."""
+    """On SIGTERM/SIGINT/SIGHUP, save a checkpoint before exiting."""
     worker_timeout_s: float = 3600.0
     """Longest a single worker call may take before the run stops naming the role."""
     ray_num_cpus: int | None = None

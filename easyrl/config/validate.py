@@ -185,6 +185,9 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         )
     if cfg.worker.reward.timeout_s <= 0:
         raise ConfigError("worker.reward.timeout_s", "must be > 0 seconds")
+    # Written into the float32 scores like any reward: beyond float32 it would overflow there (NaN fails too).
+    if not abs(cfg.worker.reward.fallback_score) <= 3.4028234663852886e38:
+        raise ConfigError("worker.reward.fallback_score", "must be a finite float32 value (|x| <= 3.4e38)")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
 

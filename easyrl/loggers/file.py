@@ -1,8 +1,12 @@
 """A local file logger: one JSON object per step in `experiment_log.jsonl` (with `step`), generations in
-`generations.jsonl`, and the masked config in `experiment_config.json`, all under the run folder."""
+`generations.jsonl`, and the masked config in `experiment_config.json`, all under the run folder.
+
+The config record is never overwritten: a resume under another config adds `experiment_config.resume<N>.json`
+(N = 1, 2, ...), so the folder keeps every configuration the run was trained under, in order."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -18,9 +22,19 @@ class FileLogger(Logger):
         self._generations = open(os.path.join(run_dir, "generations.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
 
     def log_config(self, config: dict[str, Any]) -> None:
-        path = os.path.join(self.run_dir, "experiment_config.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, default=str)
+        text = json.dumps(config, indent=2, default=str)
+        records = [os.path.join(self.run_dir, "experiment_config.json")]
+        for n in itertools.count(1):
+            if not os.path.exists(records[-1]):
+                break
+            records.append(os.path.join(self.run_dir, f"experiment_config.resume{n}.json"))
+        path = records[-1]  # the first free name
+        if len(records) > 1:
+            with open(records[-2], encoding="utf-8") as f:
+                if f.read() == text:
+                    return  # resumed under the same config as last time: nothing new to record
+        with open(path, "x", encoding="utf-8") as f:  # "x": an existing record is never replaced
+            f.write(text)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._metrics.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")

@@ -114,8 +114,10 @@ def _future_payload(future: Any, mode: str, inputs: list[Any]) -> Any:
 
 def worker_main(conn: Any, spec: str, kwargs: dict[str, Any], reward_type: str) -> None:
     """Entry point of a reward worker process: import the reward file, then serve tasks until told to stop."""
-    # Ctrl-C goes to the whole process group; the parent decides when workers stop (and kills hung ones).
+    # Ctrl-C and a terminal's hang-up go to the whole process group; the parent decides when workers stop (and
+    # kills hung ones), so the stop it makes (a checkpoint) is not cut short by its reward workers dying.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from easyrl.rewards.loader import load_reward_function
 
     try:

@@ -29,6 +29,7 @@ import logging
 import math
 import numbers
 import queue
+import struct
 import threading
 import time
 from collections import Counter, deque
@@ -83,34 +84,56 @@ def make_reward_input(
     return sample
 
 
-def _as_number(value: Any) -> float | None:
+def _as_real(value: Any) -> numbers.Real | None:
+    """The number a reward returned (a Python, numpy or torch scalar), unconverted; None when it is no number."""
     if isinstance(value, numbers.Real):
-        return float(value)
+        return value
     item = getattr(value, "item", None)  # numpy / torch scalars
     if callable(item) and getattr(value, "ndim", 1) == 0:
         inner = item()
         if isinstance(inner, numbers.Real):
-            return float(inner)
+            return inner
     return None
+
+
+def _as_score(key: str, raw: numbers.Real) -> float:
+    """``raw`` as a float that the float32 scores tensor can hold exactly as written; :class:`_Invalid` otherwise.
+
+    Finiteness in float64 is not enough: ``1e39`` is finite there but overflows float32 (the dtype of the token-level
+    scores and advantages), and an int beyond ~1.8e308 cannot even become a float. Every such value is invalid
+    here, the one place reward values are checked, so it is counted and given the fallback score like a NaN.
+    """
+    try:
+        number = float(raw)
+    except (OverflowError, ValueError) as exc:  # a huge int or Fraction, or an odd Real subclass
+        raise _Invalid(f"{key!r} cannot be represented as a float ({type(exc).__name__})") from None
+    if not math.isfinite(number):
+        raise _Invalid(f"{key!r} is {number}")
+    try:
+        # struct's float32 packing rounds as torch does and raises exactly when the rounded value would be inf.
+        struct.pack("<f", number)
+    except OverflowError:
+        raise _Invalid(
+            f"{key!r} is {number!r}, beyond the float32 range of the scores (largest 3.4028235e+38)"
+        ) from None
+    return number
 
 
 def _normalize(value: Any) -> dict[str, float]:
     """Check one output and return it as ``{key: float}``; a bare number means ``{"overall": number}``."""
-    number = _as_number(value)
-    if number is not None:
-        value = {"overall": number}
+    bare = _as_real(value)
+    if bare is not None:
+        value = {"overall": bare}
     if not isinstance(value, Mapping):
         raise _Invalid(f"returned a {type(value).__name__}, expected a dict of numbers")
     if "overall" not in value:
         raise _Invalid(f"the result has no 'overall' key (keys: {sorted(map(str, value))})")
     scores: dict[str, float] = {}
     for key, raw in value.items():
-        number = _as_number(raw)
+        number = _as_real(raw)
         if number is None:
             raise _Invalid(f"{key!r} is a {type(raw).__name__}, expected a number")
-        if not math.isfinite(number):
-            raise _Invalid(f"{key!r} is {number}")
-        scores[str(key)] = number
+        scores[str(key)] = _as_score(str(key), number)
     return scores
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -10,10 +11,18 @@ import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.batch import Batch
-from easyrl.checkpoint import CheckpointManager, read_trainer_state, write_trainer_state
+from easyrl.checkpoint import (
+    RUN_CONFIG,
+    CheckpointManager,
+    fsio,
+    read_run_config,
+    read_trainer_state,
+    write_trainer_state,
+)
 from easyrl.checkpoint.lock import RunLock
 from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
+from easyrl.config.resume_diff import resume_config_report
 from easyrl.config.validate import estimator_needs
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.role_specs import sampling_params
@@ -41,7 +50,7 @@ class TrainingError(RuntimeError):
 
 
 class StopRequested(RuntimeError):
-    """A SIGTERM/SIGINT asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
+    """A SIGTERM/SIGINT/SIGHUP asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
 
 
 class Trainer:
@@ -70,7 +79,7 @@ class Trainer:
         )
         self.global_step = 0
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
-        self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT handler; honoured between stages
+        self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT/SIGHUP handler; honoured between stages
         self.consecutive_skips = 0
         run_dir = cfg.trainer.save_checkpoint_path or "."
         # First, before anything touches the folder (the manager below removes leftovers of interrupted saves):
@@ -85,6 +94,10 @@ class Trainer:
                 verify=cfg.trainer.verify_checkpoint,
                 fallback=cfg.trainer.fallback_to_older_checkpoint,
             )
+            # The masked config as JSON data (tuples as lists): saved with each checkpoint, compared on resume.
+            self.config_record = json.loads(json.dumps(to_masked_dict(cfg, secrets), default=str))
+            if resume_from is not None:
+                self.check_resume_config(resume_from)  # before any process starts: a refused resume is quick
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
@@ -98,7 +111,7 @@ class Trainer:
                 self.total_steps,
                 secrets,
             )
-            self.tracker.log_config(to_masked_dict(cfg, secrets))
+            self.tracker.log_config(self.config_record)
         except BaseException:
             self.close()  # release whatever started (processes, workers, the placement group)
             raise
@@ -343,6 +356,7 @@ class Trainer:
                 call.result()
             if not model_only:
                 write_trainer_state(tmp, self.trainer_state())
+            fsio.write_json(os.path.join(tmp, RUN_CONFIG), self.config_record)
             self.ckpt.commit(tmp, self.global_step, val_score)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -386,6 +400,20 @@ class Trainer:
         state, rng = read_trainer_state(folder)
         self.restore_driver_state(state)
         rng.restore()
+
+    def check_resume_config(self, folder: str) -> None:
+        """Compare the config with the one `folder` was saved under: name what changed, refuse a changed model
+        unless `trainer.allow_model_change_on_resume` (see `easyrl.config.resume_diff`)."""
+        saved = read_run_config(folder)
+        if saved is None:
+            logger.info("%s was saved without its config (an older easyrl): changes cannot be named", folder)
+            return
+        allow = self.cfg.trainer.allow_model_change_on_resume
+        info, warnings = resume_config_report(saved, self.config_record, folder, allow)
+        for line in info:
+            logger.info(line)
+        for line in warnings:
+            logger.warning(line)
 
     def trained_groups(self) -> list[tuple[str, Any]]:
         groups = [("actor", self.actor)]

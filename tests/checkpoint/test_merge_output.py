@@ -80,3 +80,27 @@ def test_merge_says_what_makes_a_folder_no_checkpoint(run: Path, tmp_path: Path)
         CheckpointError, match=r"actor/model_rank0_of1\.safetensors is missing \(listed in .*COMPLETE\)"
     ):
         merge_checkpoint(str(step), str(tmp_path / "out"))
+
+
+def test_role_is_a_plain_name(run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36: `--role` with a path read a folder that was never verified, so a corrupt checkpoint that a direct
+    merge refuses was merged through it. Now a role is a plain folder name, one line otherwise."""
+    corrupt = tmp_path / "elsewhere" / "global_step_1"
+    shutil.copytree(run / "global_step_1", corrupt)
+    shard = corrupt / "actor" / "model_rank0_of1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8:] = b"\xff" * 8  # same size, other bytes: only the checksum sees it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model_rank0_of1"):
+        merge_checkpoint(str(corrupt), str(tmp_path / "direct"))
+    step = str(run / "global_step_1")
+    for role in (str(corrupt / "actor"), "../../elsewhere/global_step_1/actor", "actor/..", "..", ".", ""):
+        caplog.clear()
+        assert merge_main([step, "--role", role, "-o", str(tmp_path / "out")]) == 1, role
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(lines) == 1 and f"--role {role!r} is not a role name" in lines[0], lines
+        assert not (tmp_path / "out").exists()
+    os.symlink(corrupt / "actor", run / "global_step_1" / "linked")  # a plain name that leads out of the checkpoint
+    caplog.clear()
+    assert merge_main([step, "--role", "linked", "-o", str(tmp_path / "out")]) == 1
+    assert "linked is a link out of" in caplog.text and not (tmp_path / "out").exists()

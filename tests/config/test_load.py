@@ -240,6 +240,7 @@ BAD = [
     ("image-dir", {"data.image_dir": "/nonexistent/images"}, "data.image_dir", "not found"),
     ("override-form", ["worker.rollout.n"], "worker.rollout.n", "key=value"),
     ("top-k", {"worker.rollout.top_k": -7}, "worker.rollout.top_k", "-1 or 0 (off) or a positive integer"),
+    ("fallback-f32", {"worker.reward.fallback_score": 1e39}, "worker.reward.fallback_score", "float32"),
     (
         "resume-missing",
         {"trainer.load_checkpoint_path": "/nonexistent/global_step_3"},

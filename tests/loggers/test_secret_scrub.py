@@ -21,7 +21,17 @@ BEARER = "Bearer hdr-0c4e2b8a91"
 SPACED_ENV_SECRET = "env-spaced-7d2f9b31"
 COPIED_SECRET = "judge-9a8b7c6d5e"
 PASSWD, CREDENTIALS, AUTH = "pw-3b5d7f9a1c", "cred-2468ace013", "auth-1357bdf024"
-SECRETS = (LIST_SECRET, BEARER, SPACED_ENV_SECRET, COPIED_SECRET, PASSWD, CREDENTIALS, AUTH)
+# Issue 36: common names outside the first rule, a URL's password, a decoded value, a number copied elsewhere.
+NAMED = {
+    "bearer": "brr-6a1c9e3f55",
+    "passphrase": "phrase-8d0b2f4e66",
+    "db_pwd": "pwd-1f3e5d7c99",
+    "cookie": "ck-4b6d8f0a22",
+    "sentry_dsn": "dsn-9c7e5a3b11",
+}
+URL_PASSWORD, DECODED, NUMBER = "urlpw-5e7a9c1b33", "dec-2c4e6a8b44", 73194628501
+SECRETS = (LIST_SECRET, BEARER, SPACED_ENV_SECRET, COPIED_SECRET, PASSWD, CREDENTIALS, AUTH, *NAMED.values())
+SECRETS += (URL_PASSWORD, DECODED, str(NUMBER))
 
 
 def _load(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
@@ -38,6 +48,11 @@ def _load(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], monk
         "credentials": CREDENTIALS,
         "auth": AUTH,
         "model": "gpt-judge",  # not a secret: kept
+        **NAMED,
+        "database": f"postgresql://alice:{URL_PASSWORD}@db.internal:5432/rl",  # credentials inside a URL
+        "options": f"${{oc.decode:'{{region: {DECODED}}}'}}",  # decoded to a mapping under an innocent name
+        "api_key": NUMBER,  # a number under a secret name ...
+        "retries_seed": "${.api_key}",  # ... copied by interpolation under an innocent one
     }
     return load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf))
 
@@ -49,6 +64,9 @@ def test_every_bypass_is_masked_in_the_config_dump(tmp_path, tiny_model_dir, dig
     masked = to_masked_dict(cfg, secrets)["worker"]["reward"]["reward_function_kwargs"]
     assert masked["api_keys"] == ["***", "***"] and masked["headers"] == {"Authorization": "***"}
     assert masked["judge_copy"] == "***" and masked["model"] == "gpt-judge"
+    assert masked["options"] == "***" and masked["retries_seed"] == "***"
+    assert masked["database"] == "postgresql://***@db.internal:5432/rl"  # the rest of the URL stays readable
+    assert kwargs["options"] == {"region": DECODED} and kwargs["retries_seed"] == NUMBER
     text = repr(to_masked_dict(cfg, secrets))
     assert not [s for s in SECRETS if s in text]
     assert to_masked_dict(cfg, secrets)["data"]["prompt_key"] == "prompt"  # our own *_key fields stay
@@ -104,3 +122,11 @@ def test_short_values_are_masked_by_path_only(tmp_path, tiny_model_dir, digits_d
     cfg, secrets = load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf))
     assert len("ab") < MIN_SCRUB_CHARS and "ab" not in secrets.values
     assert to_masked_dict(cfg, secrets)["worker"]["reward"]["reward_function_kwargs"]["token"] == "***"
+
+
+def test_url_credentials_are_masked_even_when_unknown_or_short() -> None:
+    """A URL's userinfo is masked by its place in any text (a log line, an error), not only when the config held it."""
+    from easyrl.config.secrets import Secrets
+
+    line = "cannot reach https://u:pw@hub.internal/x, nor https://ghp_0123456789@github.com/o/r.git"
+    assert Secrets().scrub(line) == "cannot reach https://***@hub.internal/x, nor https://***@github.com/o/r.git"

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from easyrl.config.worker import RewardConfig
 from easyrl.rewards import RewardError, RewardLoadError, RewardManager, make_reward_input
+from easyrl.trainer.step_math import token_level_scores
 
 
 SECRET = "sk-do-not-log-me"
@@ -34,6 +36,12 @@ def behave(x, bonus):
         return {"accuracy": 1.0}
     if kind == "bare":
         return 0.25
+    if kind == "f32-overflow":  # finite in float64, beyond float32 (issue 36)
+        return {"overall": 1e39 * x["sign"], "accuracy": 1.0}
+    if kind == "huge-int":  # no float can hold it
+        return {"overall": 1.0, "accuracy": 10 ** 400}
+    if kind == "bare-huge-int":
+        return 10 ** 39
     return {"overall": 1.0 + bonus, "accuracy": 1.0}
 """
 
@@ -224,3 +232,24 @@ def test_make_reward_input() -> None:
         "response_length": 7,
         "ground_truth": "42",
     }
+
+
+def test_values_beyond_float32_are_invalid_not_a_crash(files: dict[str, str]) -> None:
+    """Every value the float32 scores cannot hold is invalid and counted, in any key, bare or in a dict (issue 36:
+    1e39 passed the float64 check and crashed the step when written into the scores tensor)."""
+    cfg = _cfg(
+        files["sequential"],
+        reward_function_kwargs={"api_key": SECRET},
+        num_workers=0,
+        fallback_score=-1.0,
+        max_error_ratio=1.0,
+    )
+    kinds = {0: "f32-overflow", 1: "f32-overflow", 2: "huge-int", 3: "bare-huge-int"}
+    inputs = _inputs(6, kinds)
+    inputs[0]["sign"], inputs[1]["sign"] = 1, -1
+    with RewardManager(cfg) as manager:
+        scores, metrics = manager.score(inputs)
+    assert metrics["reward/invalid"] == 4
+    assert [s["overall"] for s in scores] == [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+    # What reaches the step is representable: the float32 scores tensor is written without overflow.
+    token_level_scores([s["overall"] for s in scores], torch.ones(6, 3))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
+from easyrl.config import ConfigError
 from tests.trainer.test_e2e import _VOLATILE, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
 
 
@@ -41,8 +44,6 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_
 
 def test_explicit_missing_checkpoint_is_an_error(tmp_path: Path, tiny_model_dir, digits_data) -> None:
     """Found by the config validation, before any worker starts."""
-    from easyrl.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"trainer.load_checkpoint_path: .*global_step_99 does not exist"):
         run(
             tmp_path,
@@ -53,8 +54,32 @@ def test_explicit_missing_checkpoint_is_an_error(tmp_path: Path, tiny_model_dir,
         )
 
 
-def test_log_is_appended_not_rewritten_on_resume(tmp_path: Path, tiny_model_dir, digits_data) -> None:
+def test_log_is_appended_not_rewritten_on_resume(
+    tmp_path: Path, tiny_model_dir, digits_data, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log and the config record keep the whole history; a resume names what changed in the config and refuses
+    a changed model (issue 36: a new model_path or learning rate was taken silently and the record overwritten)."""
     run(tmp_path, tiny_model_dir, digits_data, {}, steps=1)
-    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, {}, steps=2)
+    assert json.loads((tmp_path / "run" / "global_step_1" / "experiment_config.json").read_text())["trainer"]
+    with caplog.at_level(logging.INFO, logger="easyrl"):
+        rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, {"worker.actor.optim.lr": 2e-3}, steps=2)
     assert [r["step"] for r in rows] == [1, 2]
-    assert json.loads((tmp_path / "run" / "experiment_config.json").read_text())["trainer"]["max_steps"] == 2
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "changed training" in r.message
+    ]
+    assert len(warned) == 1 and "worker.actor.optim.lr: 0.001 -> 0.002" in warned[0], warned
+    assert "trainer.max_steps: 1 -> 2" in caplog.text and "trainer.max_steps" not in warned[0]
+    record = tmp_path / "run" / "experiment_config.json"
+    assert json.loads(record.read_text())["trainer"]["max_steps"] == 1  # the original record is kept
+    resumed = json.loads((tmp_path / "run" / "experiment_config.resume1.json").read_text())
+    assert resumed["trainer"]["max_steps"] == 2 and resumed["worker"]["actor"]["optim"]["lr"] == 2e-3
+
+    other_model = shutil.copytree(tiny_model_dir, tmp_path / "other_model")
+    edits = {"worker.actor.optim.lr": 2e-3, "worker.actor.model.model_path": str(other_model)}
+    with pytest.raises(
+        ConfigError,
+        match=r"^worker\.actor\.model\.model_path: the model changed since .*"
+        r"global_step_2.*allow_model_change_on_resume=true",
+    ):
+        run(tmp_path, tiny_model_dir, digits_data, edits, steps=3)
+    assert not (tmp_path / "run" / "experiment_config.resume2.json").exists()

@@ -114,3 +114,54 @@ def test_signal_during_start_up(tmp_path: Path, tiny_model_dir: str, digits_data
     assert code == 128 + signum, (code, stderr[-3000:])
     assert f"stopped by {signal.Signals(signum).name}" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_hangup_of_the_process_group_stops_saves_and_cleans_up(
+    tmp_path: Path, tiny_model_dir: str, digits_data
+) -> None:
+    """A closed SSH session sends SIGHUP to the job's whole process group: driver, Ray's services and workers and
+    the reward workers. Before, the driver died at once (exit -1, no line, no save) and Ray's agents outlived it;
+    now it stops like SIGTERM (exit 129, one line, the checkpoint of the last step) and takes everything with it."""
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["trainer"].update({"save_freq": -1, "save_on_interrupt": True, "max_steps": 50})
+    conf["worker"]["reward"]["num_workers"] = 1  # a reward worker process is in the group too
+    log = tmp_path / "run" / "experiment_log.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "easyrl.cli", "train", write_config(tmp_path / "cfg.yaml", conf)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job of a login shell has
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and log.read_text().strip()):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no step was logged in 300 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGHUP)
+        code = proc.wait(timeout=120)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        deadline = time.monotonic() + 60  # Ray's processes end after the driver's shutdown of them
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _group_alive(proc.pid), "processes of the run outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGHUP, stderr[-3000:]
+    assert "stopped by SIGHUP after step" in stderr, stderr[-3000:]
+    step = int((tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text())
+    assert step >= 1 and (tmp_path / "run" / f"global_step_{step}" / "COMPLETE").exists()
