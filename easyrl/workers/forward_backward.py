@@ -195,7 +195,8 @@ def _backward_mini_batch(
         share = 0.0 if dummy or count == 0 else agg_count(mask, loss_agg_mode) / count
         token_share = 0.0 if dummy or tokens == 0 else float(mask.double().sum()) / tokens
         (out.loss * (share * dp)).backward()
-        weighted = {"": (out.loss, share)} | {k: (v, share) for k, v in out.terms.items()}
+        weighted: dict[str, tuple[torch.Tensor | float, float]] = {"": (out.loss, share)}
+        weighted |= {k: (v, share) for k, v in out.terms.items()}
         weighted |= {k: (v, token_share) for k, v in out.token_means.items()}
         for key, (value, weight) in weighted.items():
             part = 0.0 if dummy else (value.detach() if isinstance(value, torch.Tensor) else value) * weight
