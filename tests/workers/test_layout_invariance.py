@@ -193,3 +193,32 @@ def test_objectives_read_only_the_transferred_micro_batch() -> None:
     batch_with_host_weights = Batch({**on_device.tensors, "rollout_is_weights": torch.rand(shape)})
     with pytest.raises(RuntimeError, match="device"):
         policy_objective(batch_with_host_weights, log_prob, entropy, LOSS, "token-mean", ENTROPY_COEFF)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_actor_step_with_tis_weights_on_gpu(tmp_path: Path) -> None:
+    """The GPU run that crashed: truncated IS weights made on the driver (host) in the batch, the loss on CUDA."""
+    from easyrl.config import ModelConfig, OptimConfig
+    from easyrl.testing.tiny import build_tiny_checkpoint
+    from easyrl.workers.actor import policy_objective
+    from easyrl.workers.forward_backward import MicroBatchLoss, optimize, token_log_probs
+    from easyrl.workers.model_setup import build_scheduler, load_model
+
+    cuda = torch.device("cuda")
+    model_dir = build_tiny_checkpoint(tmp_path / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2)
+    model = load_model(ModelConfig(model_path=model_dir)).to(cuda).train()
+    batch = _batch()
+    shape = batch["response_mask"].shape
+    batch.set(old_log_probs=-torch.rand(shape), ref_log_probs=-torch.rand(shape), rollout_is_weights=torch.rand(shape))
+
+    def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+        lp, ent = token_log_probs(model, mb, cuda, 1.0, with_entropy=True)
+        return policy_objective(on_device, lp, ent, LOSS, "token-mean", ENTROPY_COEFF)
+
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = optimize(
+        model, optim, build_scheduler(optim, OptimConfig(), 10), batch, device=cuda, mini_batch_size=8,
+        micro_batch_size=3, epochs=1, max_grad_norm=1.0, loss_fn=loss_fn, prefix="actor",
+    )  # fmt: skip
+    assert metrics["actor/skipped_updates"] == 0 and "actor/pg_loss" in metrics
