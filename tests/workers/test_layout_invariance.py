@@ -222,3 +222,48 @@ def test_actor_step_with_tis_weights_on_gpu(tmp_path: Path) -> None:
         micro_batch_size=3, epochs=1, max_grad_norm=1.0, loss_fn=loss_fn, prefix="actor",
     )  # fmt: skip
     assert metrics["actor/skipped_updates"] == 0 and "actor/pg_loss" in metrics
+
+
+def test_a_non_finite_loss_skips_the_step() -> None:
+    """The loss is read once per mini-batch now, not per micro-batch: a NaN in one micro-batch still skips that
+    optimizer step, counted as a non-finite loss; a finite batch then steps."""
+    from easyrl.config import OptimConfig
+    from easyrl.workers.forward_backward import MicroBatchLoss, optimize, token_log_probs
+    from easyrl.workers.model_setup import build_scheduler
+    from tests.workers.test_packing import tiny_lm
+
+    model = tiny_lm().train()
+    batch = _batch(vocab=64)
+    poisoned = batch["advantages"].clone()
+    poisoned[1, 0] = float("nan")  # the first mini-batch's second micro-batch
+    batch.set(advantages=poisoned)
+
+    def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+        lp, _ = token_log_probs(model, mb, CPU, 1.0, False)
+        loss = -(lp * on_device["advantages"] * on_device["response_mask"]).sum()
+        return MicroBatchLoss(loss, {"actor/pg_loss": loss.detach()}, {})
+
+    before = [p.detach().clone() for p in model.parameters()]
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"mini_batch_size": 4, "micro_batch_size": 1, "epochs": 1, "max_grad_norm": 1.0, "device": CPU}
+    metrics = optimize(
+        model,
+        optim,
+        build_scheduler(optim, OptimConfig(), 10),
+        batch.slice(0, 4),
+        loss_fn=loss_fn,
+        prefix="actor",
+        **kw,
+    )
+    assert (metrics["actor/skipped_updates"], metrics["actor/nonfinite_loss"]) == (1.0, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    metrics = optimize(
+        model,
+        optim,
+        build_scheduler(optim, OptimConfig(), 10),
+        batch.slice(4, 8),
+        loss_fn=loss_fn,
+        prefix="actor",
+        **kw,
+    )
+    assert metrics["actor/skipped_updates"] == 0.0 and "actor/grad_norm" in metrics
