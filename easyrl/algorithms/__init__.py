@@ -12,7 +12,7 @@ Advantage estimators and policy losses are looked up by name, so a user can add 
 
 from easyrl.algorithms import advantages as _advantages  # noqa: F401  (registers the built-in estimators)
 from easyrl.algorithms import policy_losses as _policy_losses  # noqa: F401  (registers the built-in losses)
-from easyrl.algorithms.aggregation import LOSS_AGG_MODES, agg_loss, masked_mean, masked_whiten
+from easyrl.algorithms.aggregation import LOSS_AGG_MODES, agg_count, agg_loss, masked_mean, masked_whiten
 from easyrl.algorithms.controllers import (
     AdaptiveEntropyController,
     AdaptiveKLController,
@@ -51,6 +51,7 @@ __all__ = [
     "KLController",
     "PolicyLossFn",
     "UnknownNameError",
+    "agg_count",
     "agg_loss",
     "compute_value_loss",
     "entropy_from_logits",

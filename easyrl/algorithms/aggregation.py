@@ -7,7 +7,7 @@ import torch
 from easyrl.config.names import LOSS_AGG_MODES
 
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_whiten"]
+__all__ = ["LOSS_AGG_MODES", "agg_count", "agg_loss", "masked_mean", "masked_whiten"]
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -61,49 +61,39 @@ def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    *,
-    global_tokens: float | None = None,
 ) -> torch.Tensor:
     """Aggregate a per-token loss into a scalar.
 
     Modes (L = ``loss_mat``, M = ``loss_mask``, both (B, T)):
 
     * ``token-mean``: ``sum(L*M) / sum(M)`` -- every valid token weighs the same (DAPO).
-      With ``global_tokens`` given, divide by it instead of ``sum(M)``: when a batch is split into micro-batches
-      for gradient accumulation, passing the valid-token count of the *whole* batch to every micro-batch makes
-      the sum of the micro-batch losses equal the full-batch token-mean (plain per-micro-batch means would
-      overweight tokens of short micro-batches).
     * ``seq-mean-token-sum``: mean over the B sequences of ``sum_t L*M``.
     * ``seq-mean-token-mean``: mean, over sequences with at least one valid token, of ``sum_t L*M / sum_t M``
       (the original GRPO).
     * ``seq-mean-token-sum-norm``: ``sum(L*M) / (B * T)`` with T = ``loss_mask.shape[-1]``, a constant
       normaliser independent of response lengths (Dr.GRPO).
 
-    An all-masked input returns 0 (never NaN), so an empty micro-batch contributes nothing.
+    Every mode is a sum over the rows divided by ``agg_count(M, mode)``, so the aggregate of a batch split in parts
+    is ``sum_p agg_loss(part p) * agg_count(part p) / agg_count(whole)``: how the trainer weighs micro-batches and
+    ranks (`easyrl.workers.forward_backward.optimize`). An all-masked input returns 0 (never NaN), so an empty
+    micro-batch contributes nothing.
 
     Args:
         loss_mat: (B, T) per-token loss.
         loss_mask: (B, T) 1 for tokens that count.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
-        global_tokens: token-mean only; the normalising token count to use instead of ``sum(M)``.
 
     Returns:
         Scalar tensor.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
-    if global_tokens is not None and loss_agg_mode != "token-mean":
-        raise ValueError(f"global_tokens is only supported by loss_agg_mode='token-mean', not {loss_agg_mode!r}")
     masked = _masked(loss_mat, loss_mask)
     mask_f = loss_mask.to(loss_mat.dtype)
     zero = masked.sum() * 0.0  # keeps the graph (and device/dtype) for the degenerate cases
 
     if loss_agg_mode == "token-mean":
         total = masked.sum()
-        if global_tokens is not None:
-            if global_tokens <= 0:
-                return zero
-            return total / global_tokens
         count = mask_f.sum()
         return torch.where(count > 0, total / count.clamp(min=1e-8), zero)
 
@@ -120,3 +110,21 @@ def agg_loss(
         return torch.where(n_seqs > 0, seq_means.sum() / n_seqs.clamp(min=1.0), zero)
     # seq-mean-token-sum-norm
     return masked.sum() / (loss_mask.shape[0] * loss_mask.shape[-1])
+
+
+def agg_count(loss_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """What `agg_loss` divides its sum over the rows by, for a mask (B, T): valid tokens (``token-mean``), rows
+    with at least one valid token (``seq-mean-token-mean``), or rows (the other two modes; ``seq-mean-token-sum-norm``
+    also divides by the constant T).
+
+    A batch split in parts aggregates to ``sum_p agg_loss(part p) * agg_count(part p) / agg_count(whole)``, whatever
+    the split: the weight that makes micro-batches on any number of ranks add up to the whole mini-batch's loss.
+    A host-side count (the mask lives on the host), so it costs no device sync.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    if loss_agg_mode == "token-mean":
+        return float(loss_mask.double().sum())  # as `agg_loss` counts
+    if loss_agg_mode == "seq-mean-token-mean":
+        return float((loss_mask != 0).any(dim=-1).sum())
+    return float(loss_mask.shape[0])

@@ -1,7 +1,8 @@
 """Built-in policy-gradient losses: PPO (with dual clip), GSPO (sequence and token forms), CISPO and SAPO.
 
-All take ``(B, T)`` tensors by keyword and return ``(scalar loss, metrics)`` where the metrics are plain floats
-(already detached and moved to the host) so the trainer can log them directly.
+All take ``(B, T)`` tensors by keyword and return ``(scalar loss, metrics)`` where the metrics are detached 0-dim
+tensors on the loss's device: the update loop sums them on the device and reads them once per mini-batch (a
+``float()`` here would stall the device on every micro-batch).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def compute_ppo_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with dual clip.
 
     ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``;
@@ -108,7 +109,7 @@ def compute_ppo_loss(
         ratio, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_dual
     )
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
     return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
@@ -140,14 +141,13 @@ def _gspo(
     clip_ratio_high: float,
     loss_agg_mode: str,
     rollout_is_weights: torch.Tensor | None,
-    global_tokens: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Both GSPO forms: the clipped surrogate on `_gspo_log_ratio`'s ratio (see the two public losses)."""
     log_ratio = _gspo_log_ratio(old_log_prob, log_prob, response_mask, token_level)
     ratio = torch.exp(log_ratio.clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT))
     loss_mat, clipped, dual_clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, None)
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=global_tokens)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
     return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
@@ -163,7 +163,7 @@ def compute_gspo_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: PPO clipping on a length-normalised sequence ratio, shared by all tokens of the sequence.
 
     ``r_i = exp(mean_{valid t} (log_prob - old_log_prob))`` on every token of sequence i, with its gradient (each
@@ -185,7 +185,7 @@ def compute_gspo_loss(
     del clip_ratio_dual
     return _gspo(
         False, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
-        rollout_is_weights, kwargs.get("global_tokens"),
+        rollout_is_weights,
     )  # fmt: skip
 
 
@@ -201,7 +201,7 @@ def compute_gspo_token_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token: GSPO's sequence ratio as each token's value, each token's own gradient.
 
     ``r_it = sg(r_i) * exp(log_prob_it - sg(log_prob_it))``: its value is ``r_i`` on every token while its
@@ -214,7 +214,7 @@ def compute_gspo_token_loss(
     del clip_ratio_dual
     return _gspo(
         True, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
-        rollout_is_weights, kwargs.get("global_tokens"),
+        rollout_is_weights,
     )  # fmt: skip
 
 
@@ -230,7 +230,7 @@ def compute_cispo_loss(
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight.
 
     ``L = -sg(clip(ratio, 1 - low, 1 + high)) * A * log_prob``. Unlike PPO, clipped tokens still receive gradient
@@ -254,7 +254,7 @@ def compute_cispo_loss(
         clipped = weight != ratio
     loss_mat = -weight * advantages * log_prob
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
     return loss, _clip_metrics(clipped, None, old_log_prob, log_prob, response_mask)
 
 
@@ -272,7 +272,7 @@ def compute_sapo_loss(
     tau_positive: float = 1.0,
     tau_negative: float = 1.05,
     **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: a smooth sigmoid gate on the token ratio in place of PPO's hard clip.
 
     ``f(r; tau) = (4 / tau) * sigmoid(tau * (r - 1))`` and ``L = -A * f(r; tau)`` with ``tau = tau_positive`` where
@@ -300,7 +300,7 @@ def compute_sapo_loss(
     tau = torch.where(advantages >= 0, tau_positive, tau_negative).to(ratio.dtype)  # (B, T)
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
     loss_mat = _apply_is_weights(-advantages * gate, rollout_is_weights)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_tokens=kwargs.get("global_tokens"))
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
     return loss, _clip_metrics(
         torch.zeros_like(response_mask, dtype=torch.bool), None, old_log_prob, log_prob, response_mask
     )
@@ -313,11 +313,12 @@ def _clip_metrics(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-) -> dict[str, float]:
-    """verl-named statistics over valid tokens: clip fractions (B, T bool masks) and the approximate KL."""
-    lower = 0.0 if dual_clipped is None else masked_mean(dual_clipped.to(log_prob.dtype), response_mask).item()
+) -> dict[str, torch.Tensor]:
+    """verl-named statistics over valid tokens: clip fractions (B, T bool masks) and the approximate KL, as 0-dim
+    tensors (no device sync)."""
+    dual = torch.zeros_like(clipped) if dual_clipped is None else dual_clipped
     return {
-        "pg_clipfrac": masked_mean(clipped.to(log_prob.dtype), response_mask).item(),
-        "pg_clipfrac_lower": lower,
-        "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).item(),
+        "pg_clipfrac": masked_mean(clipped.to(log_prob.dtype), response_mask),
+        "pg_clipfrac_lower": masked_mean(dual.to(log_prob.dtype), response_mask),
+        "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask),
     }

@@ -33,7 +33,7 @@ __all__ = [
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``fn(*, token_level_rewards (B, T), response_mask (B, T), index (B,), **kwargs) -> (advantages, returns)``."""
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 """``fn(*, old_log_prob, log_prob, advantages, response_mask (all (B, T)), ..., **kwargs) -> (loss, metrics)``."""
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -139,7 +139,10 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
 
     The function is called with keyword arguments ``old_log_prob, log_prob, advantages, response_mask`` (all
     (B, T)), ``clip_ratio_low, clip_ratio_high, clip_ratio_dual, tau_positive, tau_negative, loss_agg_mode``, optionally
-    ``rollout_is_weights`` (B, T), and must return ``(scalar loss, dict of float metrics)``.
+    ``rollout_is_weights`` (B, T), and must return ``(scalar loss, metrics)``: the loss aggregated over the micro-batch
+    it was given (``agg_loss`` with ``loss_agg_mode``; the trainer weighs micro-batches and ranks itself), metrics as
+    floats or detached 0-dim tensors, each a mean over the micro-batch's valid tokens (reported token-weighted over
+    the whole mini-batch).
     """
     return _POLICY_LOSSES.register(name, override=override)
 

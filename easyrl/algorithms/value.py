@@ -17,7 +17,7 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO value loss with clipping around the rollout-time values.
 
     ``v_clip = values + clamp(vpreds - values, -c, c)`` and
@@ -33,7 +33,7 @@ def compute_value_loss(
 
     Returns:
         ``(loss, metrics)``: scalar loss; ``vf_clipfrac`` (fraction of valid tokens where the clipped term is the
-        larger one) and ``vpred_mean`` (mean prediction over valid tokens).
+        larger one) and ``vpred_mean`` (mean prediction over valid tokens), detached 0-dim tensors.
     """
     vpred_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
     loss_unclipped = (vpreds - returns).square()
@@ -42,7 +42,7 @@ def compute_value_loss(
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
     with torch.no_grad():
         metrics = {
-            "vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), response_mask).item(),
-            "vpred_mean": masked_mean(vpreds, response_mask).item(),
+            "vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), response_mask),
+            "vpred_mean": masked_mean(vpreds, response_mask),
         }
     return loss, metrics

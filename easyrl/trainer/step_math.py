@@ -162,3 +162,18 @@ def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) 
         tokens = response_tokens if stage == "gen" else total_tokens
         out[f"timing_per_token_ms/{stage}"] = 1000.0 * seconds / max(tokens, 1.0)
     return out
+
+
+def mini_batch_major_order(rows: int, mini_batch_rows: int, dp: int) -> list[int]:
+    """Row order for an update call: `Dispatch.DP_SPLIT` hands data-parallel group `r` the `r`-th contiguous chunk,
+    and each worker steps through its chunk `mini_batch_rows / dp` rows at a time; in this order, chunk `r` holds the
+    `r`-th share of every global mini-batch (rows `[k * mini_batch_rows, (k + 1) * mini_batch_rows)`), in order, so
+    optimizer step `k` sees global mini-batch `k` at every data-parallel size (at 1 it is the identity)."""
+    if mini_batch_rows < 1 or rows % mini_batch_rows or mini_batch_rows % dp:
+        raise ValueError(
+            f"mini_batch_major_order: {rows} rows do not split into mini-batches of {mini_batch_rows} rows over {dp} "
+            "data-parallel groups (config validation keeps global_batch_size * n dividing both)"
+        )
+    share = mini_batch_rows // dp
+    minis = rows // mini_batch_rows
+    return [k * mini_batch_rows + r * share + i for r in range(dp) for k in range(minis) for i in range(share)]

@@ -33,6 +33,7 @@ from easyrl.trainer.step_math import (
     first_nonfinite,
     keep_informative_groups,
     logprob_consistency,
+    mini_batch_major_order,
     pool_reward_metrics,
     rollout_tis_weights,
     throughput_metrics,
@@ -152,13 +153,13 @@ class Trainer:
                     )
                 if self.critic is not None and bad is None:
                     with timer("update_critic", timings):
-                        metrics |= self.critic.update_critic(for_workers(batch))
+                        metrics |= self.critic.update_critic(self.for_update(batch, "critic"))
                 if bad is not None:  # never let a non-finite value reach an optimizer
                     metrics |= {"actor/skipped_updates": 1.0, f"training/nonfinite/{bad}": 1.0}
                     self.check_skipped_updates(metrics, culprit=bad)
                 elif self.global_step > cfg.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        metrics |= self.actor.update_actor(for_workers(batch))
+                        metrics |= self.actor.update_actor(self.for_update(batch, "actor"))
                     self.check_skipped_updates(metrics)
             metrics |= data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length)
             metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
@@ -270,6 +271,14 @@ class Trainer:
             batch.meta["entropy_coeff"] = alg.entropy_coeff
         metrics["actor/entropy_coeff"] = batch.meta["entropy_coeff"]
         return metrics
+
+    def for_update(self, batch: Batch, role: str) -> Batch:
+        """`for_workers` with the rows in `mini_batch_major_order`: the role's optimizer steps see the same global
+        mini-batches whatever its data-parallel size."""
+        group = getattr(self, role)
+        rows = getattr(self.cfg.worker, role).global_batch_size * self.cfg.worker.rollout.n
+        dp = group.world_size // group.ranks_per_dp
+        return for_workers(batch).index(mini_batch_major_order(len(batch), rows, dp))
 
     def check_skipped_updates(self, metrics: dict[str, float], culprit: str | None = None) -> None:
         """Count updates skipped for non-finite values; too many in a row stops the run."""

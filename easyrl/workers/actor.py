@@ -16,11 +16,17 @@ from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.seeding import derive_seed
-from easyrl.workers.forward_backward import LossFn, batched_log_probs, token_log_probs, update_model
+from easyrl.workers.forward_backward import (
+    LossFn,
+    MicroBatchLoss,
+    batched_log_probs,
+    token_log_probs,
+    update_model,
+)
 from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import DTYPES, setup_process
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
-from easyrl.workers.specs import ActorSpec, RolloutSpec
+from easyrl.workers.specs import ActorSpec, PolicyLossSpec, RolloutSpec
 from easyrl.workers.trainable import TrainedRole
 
 
@@ -47,6 +53,49 @@ def build_rollout_engine(
     from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine(spec, eos, pad, media_per_prompt or {})
+
+
+def policy_objective(
+    mb: Batch,
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor | None,
+    spec: PolicyLossSpec,
+    loss_agg_mode: str,
+    entropy_coeff: float,
+) -> MicroBatchLoss:
+    """The actor's objective over one micro-batch: the policy loss, minus the entropy bonus, plus the KL loss.
+
+    `mb` is the micro-batch on the loss's device, and the only source of the per-token tensors used here (old and
+    reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
+    from the forward pass: a tensor left on the host would fail on a GPU run.
+    """
+    mask = mb["response_mask"].float()
+    policy_loss = get_policy_loss(spec.loss_type)
+    pg_loss, pg_metrics = policy_loss(
+        old_log_prob=mb["old_log_probs"],
+        log_prob=log_prob,
+        advantages=mb["advantages"],
+        response_mask=mask,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_dual=spec.clip_ratio_dual,
+        tau_positive=spec.tau_positive,
+        tau_negative=spec.tau_negative,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=mb.tensors.get("rollout_is_weights"),
+    )
+    loss = pg_loss
+    terms = {"actor/pg_loss": pg_loss.detach()}
+    if entropy is not None:
+        ent = agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=loss_agg_mode)
+        loss = loss - entropy_coeff * ent
+        terms["actor/entropy"] = ent.detach()
+    if spec.kl_in_loss:
+        kl = kl_penalty(log_prob=log_prob, ref_log_prob=mb["ref_log_probs"], kl_penalty=spec.kl_penalty)
+        kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=loss_agg_mode)
+        loss = loss + spec.kl_coef * kl_loss
+        terms["actor/kl_loss"] = kl_loss.detach()
+    return MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
 
 
 class ActorWorker(TrainedRole, MemoryReporting):
@@ -154,53 +203,29 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO-family update over the batch; returns `actor/*` metrics (means over micro-batches)."""
+        """PPO-family update over the batch; returns `actor/*` metrics (values over all ranks' rows, averaged over the
+        mini-batches)."""
         self.model.train()
         metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
+        if self.spec.loss.kl_in_loss:
+            metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
         self._engine_stale = True
         return metrics
 
     def _loss_fn(self, batch: Batch) -> LossFn:
         """The policy loss of one micro-batch (plus the entropy bonus and the KL loss when they are on)."""
-        loss_spec, agg = self.spec.loss, self.spec.update.loss_avg_mode
-        policy_loss = get_policy_loss(loss_spec.loss_type)
         entropy_coeff = float(batch.meta.get("entropy_coeff", 0.0))
-        opts, device = self.spec.model.forward, self.device
+        opts, device, temperature = self.spec.model.forward, self.device, self.spec.temperature
 
-        def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = mb["response_mask"].to(device).float()
+        def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+            # the forward packs rows from the host copy; the loss reads the device copy only
             log_prob, entropy = token_log_probs(
-                self.model, mb, device, self.spec.temperature, with_entropy=entropy_coeff != 0, opts=opts
+                self.model, mb, device, temperature, with_entropy=entropy_coeff != 0, opts=opts
             )
-            pg_loss, pg_metrics = policy_loss(
-                old_log_prob=mb["old_log_probs"].to(device),
-                log_prob=log_prob,
-                advantages=mb["advantages"].to(device),
-                response_mask=mask,
-                clip_ratio_low=loss_spec.clip_ratio_low,
-                clip_ratio_high=loss_spec.clip_ratio_high,
-                clip_ratio_dual=loss_spec.clip_ratio_dual,
-                tau_positive=loss_spec.tau_positive,
-                tau_negative=loss_spec.tau_negative,
-                loss_agg_mode=agg,
-                rollout_is_weights=mb.tensors.get("rollout_is_weights"),
+            return policy_objective(
+                on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff
             )
-            loss = pg_loss
-            metrics = {f"actor/{k}": float(v) for k, v in pg_metrics.items()}
-            metrics["actor/pg_loss"] = float(pg_loss.detach())
-            if entropy is not None:
-                ent = agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=agg)
-                loss = loss - entropy_coeff * ent
-                metrics["actor/entropy"] = float(ent.detach())
-            if loss_spec.kl_in_loss:
-                ref_log_prob = mb["ref_log_probs"].to(device)
-                kl = kl_penalty(log_prob=log_prob, ref_log_prob=ref_log_prob, kl_penalty=loss_spec.kl_penalty)
-                kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=agg)
-                loss = loss + loss_spec.kl_coef * kl_loss
-                metrics["actor/kl_loss"] = float(kl_loss.detach())
-                metrics["actor/kl_coef"] = loss_spec.kl_coef
-            return loss * weight, metrics
 
         return loss_fn
 

@@ -7,11 +7,25 @@ import torch
 from easyrl.algorithms import compute_value_loss
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.workers.forward_backward import batched_values, response_values, update_model
+from easyrl.workers.forward_backward import MicroBatchLoss, batched_values, response_values, update_model
 from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import CriticSpec
 from easyrl.workers.trainable import TrainedRole
+
+
+def value_objective(mb: Batch, vpreds: torch.Tensor, cliprange_value: float, loss_agg_mode: str) -> MicroBatchLoss:
+    """The critic's clipped value loss over one micro-batch: `mb` on the loss's device (returns, rollout-time values,
+    mask) and the current predictions `vpreds` (b, R) from the forward pass."""
+    loss, metrics = compute_value_loss(
+        vpreds=vpreds,
+        returns=mb["returns"],
+        values=mb["values"],
+        response_mask=mb["response_mask"].float(),
+        cliprange_value=cliprange_value,
+        loss_agg_mode=loss_agg_mode,
+    )
+    return MicroBatchLoss(loss, {"critic/vf_loss": loss.detach()}, {f"critic/{k}": v for k, v in metrics.items()})
 
 
 class CriticWorker(TrainedRole, MemoryReporting):
@@ -43,20 +57,9 @@ class CriticWorker(TrainedRole, MemoryReporting):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         self.model.train()
 
-        def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-            vpreds = self._values(mb)
-            loss, metrics = compute_value_loss(
-                vpreds=vpreds,
-                returns=mb["returns"].to(self.device),
-                values=mb["values"].to(self.device),
-                response_mask=mb["response_mask"].to(self.device).float(),
-                cliprange_value=self.spec.cliprange_value,
-                loss_agg_mode=self.spec.update.loss_avg_mode,
-            )
-            out = {f"critic/{k}": float(v) for k, v in metrics.items()}
-            out["critic/vf_loss"] = float(loss.detach())
-            out["critic/vpred_mean"] = float(vpreds.detach().mean())
-            return loss * weight, out
+        def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+            cfg = self.spec
+            return value_objective(on_device, self._values(mb), cfg.cliprange_value, cfg.update.loss_avg_mode)
 
         with self.trainable.resident():
             return update_model(self.trainable, batch, self.spec.update, loss_fn, prefix="critic")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
+from easyrl.algorithms import agg_count, entropy_from_logits, logprobs_from_logits
 from easyrl.batch import Batch
 from easyrl.models import multimodal_forward_kwargs
-from easyrl.workers.batching import make_micro_batches
-from easyrl.workers.model_setup import all_finite
+from easyrl.workers.batching import MicroBatches, make_micro_batches
 from easyrl.workers.packing import fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions, UpdateSpec
 from easyrl.workers.trainable import TrainableModel
@@ -135,8 +137,75 @@ def batched_values(
     return mbs.restore(torch.cat([v for v, dummy in zip(parts, mbs.dummy) if not dummy]))
 
 
-LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
-"""(micro-batch, weight of this micro-batch in its mini-batch) -> (scaled loss to backprop, metrics)."""
+@dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss and metrics, each aggregated over that micro-batch alone: `optimize` weighs them."""
+
+    loss: torch.Tensor
+    """Scalar to backpropagate (with grad): the objective aggregated over this micro-batch with `loss_agg_mode`."""
+    terms: dict[str, torch.Tensor]
+    """Metrics aggregated like the loss (`actor/pg_loss`, `actor/entropy`, `critic/vf_loss`): weighed like it."""
+    token_means: dict[str, torch.Tensor | float]
+    """Metrics that are means over the micro-batch's valid tokens (clip fractions, `actor/ppo_kl`): token-weighted."""
+
+
+LossFn = Callable[[Batch, Batch], MicroBatchLoss]
+"""(micro-batch on the host, for the forward pass; the same micro-batch on the loss's device, the one source of every
+tensor the loss uses) -> its `MicroBatchLoss`."""
+
+
+def data_parallel_size(sp_size: int) -> int:
+    """Data-parallel groups: all ranks over the ranks of one sequence-parallel group (which hold the same rows)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world // sp_size
+
+
+def sum_over_ranks(values: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """Sum of `values` over the data-parallel groups, on every rank: an all-reduce over all ranks, divided by the
+    `sp_size` ranks of a sequence-parallel group that each hold the same rows (so every row counts once)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+    return values / sp_size
+
+
+def _backward_mini_batch(
+    mbs: MicroBatches, loss_fn: LossFn, device: torch.device, loss_agg_mode: str, sp_size: int
+) -> tuple[float, dict[str, float]]:
+    """Forward and backward over one mini-batch's micro-batches; returns (the mini-batch's loss, its metrics), each
+    the value over the whole mini-batch on all ranks, identical on every rank.
+
+    Each micro-batch's loss is the objective aggregated over that micro-batch; weighing it by
+    `agg_count(micro-batch) / agg_count(mini-batch on all ranks)` makes the sum over the micro-batches of every rank
+    the whole mini-batch's objective, whatever the layout (ranks, sequence-parallel groups, micro-batch sizes,
+    token-budget micro-batches). FSDP2 averages gradients over all `dp * sp` ranks and the sequence-parallel gather's
+    backward multiplies by `sp` (`easyrl.distributed.sequence_parallel`), so the loss backpropagated is also
+    multiplied by `dp`: the averaged gradient is then the gradient of the global objective.
+    """
+    masks = [mb["response_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
+    local = [sum(float(m.double().sum()) for m in masks), sum(agg_count(m, loss_agg_mode) for m in masks)]
+    # One collective per mini-batch: the global valid tokens and the global count the aggregation divides by.
+    tokens, count = sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), sp_size).tolist()
+    dp = data_parallel_size(sp_size)
+    sums: dict[str, torch.Tensor | float] = {}
+    for mb, dummy in zip(mbs.parts, mbs.dummy):
+        out = loss_fn(mb, mb.to(device))  # the micro-batch's one transfer to the device
+        mask = mb["response_mask"]
+        # Host-side shares (the mask is on the host): no device sync. A dummy (run only so every rank joins the same
+        # FSDP collectives) weighs 0 and reports nothing, but names the metrics so every rank reduces the same keys.
+        share = 0.0 if dummy or count == 0 else agg_count(mask, loss_agg_mode) / count
+        token_share = 0.0 if dummy or tokens == 0 else float(mask.double().sum()) / tokens
+        (out.loss * (share * dp)).backward()
+        weighted: dict[str, tuple[torch.Tensor | float, float]] = {"": (out.loss, share)}
+        weighted |= {k: (v, share) for k, v in out.terms.items()}
+        weighted |= {k: (v, token_share) for k, v in out.token_means.items()}
+        for key, (value, weight) in weighted.items():
+            part = 0.0 if dummy else (value.detach() if isinstance(value, torch.Tensor) else value) * weight
+            sums[key] = sums.get(key, 0.0) + part
+    # Summed on the device and read once per mini-batch: a float() per micro-batch would stall the device each time.
+    keys = sorted(sums)  # the same keys on every rank (dummies name them too), in the same order
+    stacked = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=device) for k in keys])
+    values = dict(zip(keys, sum_over_ranks(stacked, sp_size).tolist()))
+    return values.pop(""), values
 
 
 def optimize(
@@ -145,6 +214,7 @@ def optimize(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: Batch,
     *,
+    device: torch.device,
     mini_batch_size: int,
     micro_batch_size: int,
     epochs: int,
@@ -153,37 +223,31 @@ def optimize(
     prefix: str,
     loss_agg_mode: str = "token-mean",
     max_token_len: int | None = None,
+    sp_size: int = 1,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch optimizer steps with gradient accumulation over micro-batches.
 
-    Each micro-batch's loss is weighted by its share of the mini-batch (valid tokens for `token-mean`,
-    sequences for the sequence-level modes), so accumulating equals one pass over the whole mini-batch, whatever
-    the micro-batches are: fixed-count, or token-budget ones with `max_token_len` (dynamic batching). A non-finite
-    loss or gradient norm skips that optimizer step (gradients dropped, counted in `<prefix>/skipped_updates`); the
-    caller decides when to stop.
+    Each optimizer step follows the gradient of the objective over the whole mini-batch, the rows of all ranks
+    together (`_backward_mini_batch`), so neither the number of ranks, the sequence-parallel size, nor the
+    micro-batches (fixed-count, or token-budget ones with `max_token_len`) change it, up to float reduction order.
+    `mini_batch_size` is this rank's share (`sp_size` ranks share one, holding the same rows). Metrics are the
+    global values, averaged over the mini-batches. A non-finite loss or gradient norm skips that optimizer step
+    (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     skipped = nonfinite_loss = nonfinite_grad = 0
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
-            by_tokens = loss_agg_mode == "token-mean"
-            total = float(mini["response_mask"].sum().clamp(min=1)) if by_tokens else float(len(mini))
-            loss_sum = 0.0
             mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
-            for mb, dummy in zip(mbs.parts, mbs.dummy):
-                weight = (float(mb["response_mask"].sum()) if by_tokens else float(len(mb))) / total
-                loss, mb_metrics = loss_fn(mb, 0.0 if dummy else weight)
-                loss.backward()  # a dummy's zero-weight backward keeps this rank in the FSDP collectives
-                if dummy:
-                    continue
-                loss_sum += float(loss.detach())
-                for k, v in mb_metrics.items():
-                    metrics[k].append(v)
+            loss, mini_metrics = _backward_mini_batch(mbs, loss_fn, device, loss_agg_mode, sp_size)
+            for k, v in mini_metrics.items():
+                metrics[k].append(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            loss_ok = all_finite(loss_sum)
-            grad_ok = all_finite(grad_norm_value)
+            # Both are global (an all-reduce, the norm of the whole sharded gradient), so every rank decides alike;
+            # inf and NaN survive any summation order.
+            loss_ok, grad_ok = math.isfinite(loss), math.isfinite(grad_norm_value)
             if loss_ok and grad_ok:
                 optimizer.step()
                 metrics[f"{prefix}/grad_norm"].append(grad_norm_value)
@@ -211,6 +275,7 @@ def update_model(
         trainable.optimizer,
         trainable.scheduler,
         batch,
+        device=trainable.device,
         mini_batch_size=spec.mini_batch_size,
         micro_batch_size=spec.micro_batch_size,
         epochs=spec.epochs,
@@ -219,4 +284,5 @@ def update_model(
         prefix=prefix,
         loss_agg_mode=spec.loss_avg_mode,
         max_token_len=trainable.spec.forward.max_token_len,
+        sp_size=trainable.spec.forward.ulysses_size,
     )

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -235,16 +234,6 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole, detached tensor of an FSDP2 shard (a DTensor: all-gathered, a collective), or `tensor` itself."""
     full: Any = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach()
-
-
-def all_finite(value: torch.Tensor | float) -> bool:
-    """Whether `value` is finite on every rank (a collective when distributed)."""
-    flag = torch.tensor([1.0 if math.isfinite(float(value)) else 0.0])
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() > 0)
 
 
 def setup_process(process: ProcessSpec) -> torch.device:

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from easyrl.algorithms import KL_PENALTY_KINDS, LOSS_AGG_MODES, agg_loss, kl_penalty, masked_mean, masked_whiten
+from easyrl.algorithms import (
+    KL_PENALTY_KINDS,
+    LOSS_AGG_MODES,
+    agg_count,
+    agg_loss,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+)
 
 
 L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -62,16 +70,23 @@ def test_bool_mask_accepted() -> None:
     assert agg_loss(loss_mat=L, loss_mask=M.bool(), loss_agg_mode="token-mean").item() == pytest.approx(7.0 / 3.0)
 
 
-def test_global_tokens_matches_full_batch_under_accumulation() -> None:
-    # Micro-batch 1 = row 0 (sum 3), micro-batch 2 = row 1 (sum 4); full batch has 3 valid tokens.
-    parts = [agg_loss(loss_mat=L[i : i + 1], loss_mask=M[i : i + 1], global_tokens=3.0) for i in range(2)]
-    assert parts[0].item() == pytest.approx(1.0)  # 3 / 3
-    assert parts[1].item() == pytest.approx(4.0 / 3.0)  # 4 / 3
-    assert sum(p.item() for p in parts) == pytest.approx(7.0 / 3.0)
-    # Plain per-micro-batch means would give 1.5 and 4.0, averaging to 2.75: the bug global_tokens avoids.
-    assert agg_loss(loss_mat=L, loss_mask=M, global_tokens=7.0).item() == pytest.approx(1.0)  # 7 / 7
-    with pytest.raises(ValueError, match="token-mean"):
-        agg_loss(loss_mat=L, loss_mask=M, loss_agg_mode="seq-mean-token-sum", global_tokens=3.0)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_parts_weighed_by_agg_count_add_up_to_the_whole(mode: str) -> None:
+    """How the trainer weighs micro-batches and ranks: sum_p agg_loss(p) * agg_count(p) / agg_count(whole)."""
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(5, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])
+    whole = agg_loss(loss, mask, mode)
+    for cuts in ([1, 4], [2, 2, 1], [3, 2]):
+        parts = zip(loss.split(cuts), mask.split(cuts))
+        total = sum(agg_loss(lp, mp, mode) * agg_count(mp, mode) / agg_count(mask, mode) for lp, mp in parts)
+        assert float(total) == pytest.approx(float(whole), rel=1e-6), (mode, cuts)
+    # the plain mean of per-part aggregates is not the whole's (the bug of per-rank normalisation)
+    means = [agg_loss(lp, mp, mode) for lp, mp in zip(loss.split([1, 4]), mask.split([1, 4]))]
+    assert float(sum(means) / 2) != pytest.approx(float(whole), rel=1e-3)
+    assert agg_count(mask, "token-mean") == 10.0
+    assert agg_count(mask, "seq-mean-token-mean") == 4.0  # the all-masked row does not count
+    assert agg_count(mask, "seq-mean-token-sum") == agg_count(mask, "seq-mean-token-sum-norm") == 5.0
 
 
 def test_token_mean_gradient() -> None:

@@ -93,7 +93,8 @@ def test_reference_is_the_base_and_engine_follows_the_policy(trained: dict[str, 
     expected = _base_log_probs(tiny_model_dir, trained["probe"])
     torch.testing.assert_close(trained["ref"], expected, rtol=0, atol=1e-5)
     assert (trained["policy"] - trained["ref"]).abs().max() > 1e-3, "the adapters did not move the policy"
-    assert rows[1]["actor/kl_loss"] > 0, "the KL to the reference is zero after an update"
+    # the default estimator (k1, `log pi - log ref` of the sampled tokens) has either sign on a few tokens
+    assert rows[1]["actor/kl_loss"] != 0, "the KL to the reference is zero after an update"
     # step 2 sampled with the policy after one update: the engine got the merged weights
     assert rows[1]["rollout/logprob_diff_max"] < 1e-3, rows[1]["rollout/logprob_diff_max"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from easyrl.trainer.step_math import pool_reward_metrics
+from easyrl.trainer.step_math import mini_batch_major_order, pool_reward_metrics
 
 
 def test_pooled_reward_metrics_weigh_means_and_sum_counters() -> None:
@@ -17,3 +17,18 @@ def test_pooled_reward_metrics_weigh_means_and_sum_counters() -> None:
     assert pooled["reward/errors"] == 3.0 and pooled["reward/timeouts"] == 1.0
     assert pool_reward_metrics([]) == {}
     assert pool_reward_metrics([(first, 4)]) == first
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_mini_batch_major_order_gives_every_rank_a_share_of_each_global_mini_batch(dp: int) -> None:
+    rows, mini = 24, 8
+    order = mini_batch_major_order(rows, mini, dp)
+    assert sorted(order) == list(range(rows))
+    chunks = [order[r * rows // dp : (r + 1) * rows // dp] for r in range(dp)]  # what DP_SPLIT hands rank r
+    for k in range(rows // mini):  # the worker's k-th mini-batch of mini / dp rows, over all ranks: global k
+        step = [i for chunk in chunks for i in chunk[k * mini // dp : (k + 1) * mini // dp]]
+        assert sorted(step) == list(range(k * mini, (k + 1) * mini))
+    if dp == 1:
+        assert order == list(range(rows))
+    with pytest.raises(ValueError, match="global_batch_size"):
+        mini_batch_major_order(rows, 5, dp)

@@ -82,13 +82,13 @@ def init_rank(rank: int, world: int) -> None:
 
 
 def _loss_fn(model: torch.nn.Module) -> Any:
-    from easyrl.workers.forward_backward import token_log_probs
+    from easyrl.workers.forward_backward import MicroBatchLoss, token_log_probs
 
-    def loss_fn(mb: Batch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
         lp, _ = token_log_probs(model, mb, CPU, 1.0, False)
-        mask = mb["response_mask"].float()
-        loss = -(lp * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
-        return loss * weight, {"actor/pg_loss": float(loss.detach())}
+        mask = on_device["response_mask"].float()
+        loss = -(lp * on_device["advantages"] * mask).sum() / mask.sum().clamp(min=1)
+        return MicroBatchLoss(loss, {"actor/pg_loss": loss.detach()}, {})
 
     return loss_fn
 
@@ -111,7 +111,7 @@ def _optimize_worker(rank: int, world: int, model_dir: str, out: str, uneven: bo
         # into lr-sized differences; SGD shows the gradients themselves are equal.
         optim = torch.optim.SGD(model.parameters(), lr=1.0)
         sched = build_scheduler(optim, OptimConfig(), 10)
-        kw = {"mini_batch_size": len(batch), "micro_batch_size": 3, "epochs": 1, "max_grad_norm": 1e9}
+        kw = {"mini_batch_size": len(batch), "micro_batch_size": 3, "epochs": 1, "max_grad_norm": 1e9, "device": CPU}
         metrics = optimize(
             model, optim, sched, batch, loss_fn=_loss_fn(model), prefix="actor", max_token_len=budget, **kw
         )
