@@ -320,7 +320,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--sleep-level", type=int, default=1, choices=[1, 2], help="vLLM sleep level (2: drop weights)")
+    ap.add_argument(
+        "--sleep-level",
+        type=int,
+        default=None,
+        choices=[1, 2],
+        help="vLLM sleep level (default: the run's derived level, 2 for full-weight sync)",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (the A/B's 'off')")
     ap.add_argument("--logprob-sample-ratio", type=float, default=0.125,
                     help="share of sequences whose vLLM log-probs are returned (consistency metric)")  # fmt: skip

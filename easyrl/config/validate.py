@@ -173,8 +173,8 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_high", "must be >= 0")
     if cfg.worker.actor.clip_ratio_dual <= 1:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
-    if cfg.worker.rollout.sleep_level not in (1, 2):
-        raise ConfigError("worker.rollout.sleep_level", f"must be 1 or 2, got {cfg.worker.rollout.sleep_level}")
+    if cfg.worker.rollout.sleep_level not in (None, 1, 2):
+        raise ConfigError("worker.rollout.sleep_level", f"must be 1, 2 or null (derived), got {cfg.worker.rollout.sleep_level}")
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1] (or null: automatic)")

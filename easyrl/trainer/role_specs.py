@@ -185,7 +185,19 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
         model=cfg.worker.actor.model,
         max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
         logprob_ratio=effective_logprob_ratio(cfg),
+        sleep_level=effective_sleep_level(cfg),
     )
+
+
+def effective_sleep_level(cfg: EasyRLConfig) -> int:
+    """`worker.rollout.sleep_level`, or when null: 1 when the engine keeps its base weights across steps (LoRA with
+    `rollout_sync: adapter` sends only the adapters), else 2 (each wake is followed by a full weight sync, so the
+    level-1 copy of the weights to host memory and back would be thrown away)."""
+    level = cfg.worker.rollout.sleep_level
+    if level is not None:
+        return level
+    lora = cfg.worker.actor.model.lora
+    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
