@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import estimator_needs
+from easyrl.config.validate import effective_sleep_level, estimator_needs
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (
@@ -187,17 +187,6 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
         logprob_ratio=effective_logprob_ratio(cfg),
         sleep_level=effective_sleep_level(cfg),
     )
-
-
-def effective_sleep_level(cfg: EasyRLConfig) -> int:
-    """`worker.rollout.sleep_level`, or when null: 1 when the engine keeps its base weights across steps (LoRA with
-    `rollout_sync: adapter` sends only the adapters), else 2 (each wake is followed by a full weight sync, so the
-    level-1 copy of the weights to host memory and back would be thrown away)."""
-    level = cfg.worker.rollout.sleep_level
-    if level is not None:
-        return level
-    lora = cfg.worker.actor.model.lora
-    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:

@@ -74,15 +74,23 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.ref_weights == 3_087_428_608
     assert plan.engine == int(0.6 * 80 * GiB) == 51_539_607_552
     assert plan.engine_weights == 1_543_714_304 * 2
-    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672.
-    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608) // 28_672 == 1_689_877
-    # Generating: engine + actor weights + optimizer + reference weights (nothing offloaded).
-    assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608
-    # Updating: the actor's whole state and activations + the reference's weights.
-    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608
+    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672; vLLM takes its CUDA graphs (1 GiB)
+    # out of the same budget.
+    assert plan.cuda_graphs == GiB
+    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608 - GiB) // 28_672 == 1_652_428
+    # Two processes (actor with the engine, reference), each a CUDA context (0.5 GiB) and NCCL buffers (256 MiB,
+    # two ranks).
+    assert plan.per_process == 2 * (GiB // 2 + 256 * 2**20) == 1_610_612_736
+    # Generating: engine + actor weights + optimizer + reference weights (nothing offloaded) + the processes.
+    assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608 + 1_610_612_736
+    # Updating: the actor's whole state and activations + the reference's weights + the engine's CUDA graphs (they
+    # stay through sleep) + the processes.
+    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608 + GiB + 1_610_612_736
+    # Sleep level 2 by default (full weight sync): nothing pinned on the host.
+    assert plan.pinned_host == 0
     assert plan_problems(plan) == []
     lines = "\n".join(plan_lines(plan))
-    assert "1.54B parameters" in lines and "about 1689877 tokens" in lines
+    assert "1.54B parameters" in lines and "about 1652428 tokens" in lines
 
 
 def test_memory_plan_levers_and_problems() -> None:
@@ -99,7 +107,8 @@ def test_memory_plan_levers_and_problems() -> None:
     )
     plan = plan_memory(shape, cfg, 24 * GiB)
     assert plan.actor.optimizer == 1_543_714_304 * 4  # two bf16 moments, one rank
-    assert plan.generating == int(0.9 * 24 * GiB) + plan.actor.optimizer + plan.ref_weights
+    # one rank, two processes: their CUDA contexts and no NCCL buffers
+    assert plan.generating == int(0.9 * 24 * GiB) + plan.actor.optimizer + plan.ref_weights + 2 * (GiB // 2)
     problems = "\n".join(plan_problems(plan))
     assert "generating needs" in problems and "worker.rollout.gpu_memory_utilization" in problems
     assert "the update needs" in problems and "worker.actor.max_token_len_per_gpu" in problems
