@@ -30,6 +30,7 @@ the reference's weights). `plan_fixes` says which single setting makes a plan th
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,13 +323,15 @@ def plan_problems(plan: MemoryPlan) -> list[str]:
     return problems
 
 
-LEVERS: dict[str, Any] = {
+def _offload_actor(worker: Any) -> None:
+    worker.actor.offload.offload_params = True
+    worker.actor.offload.offload_optimizer = True
+
+
+LEVERS: dict[str, Callable[[Any], None]] = {
     "worker.actor.optim.strategy=adamw_bf16": lambda w: setattr(w.actor.optim, "strategy", "adamw_bf16"),
     "worker.ref.fsdp.torch_dtype=bf16": lambda w: setattr(w.ref.fsdp, "torch_dtype", "bf16"),
-    "worker.actor.offload.offload_params=true worker.actor.offload.offload_optimizer=true": lambda w: (
-        setattr(w.actor.offload, "offload_params", True),
-        setattr(w.actor.offload, "offload_optimizer", True),
-    ),
+    "worker.actor.offload.offload_params=true worker.actor.offload.offload_optimizer=true": _offload_actor,
 }
 """The settings that shrink a plan, each as the overrides that set it and how it changes a config's worker section."""
 
