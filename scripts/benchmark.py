@@ -369,9 +369,18 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     peak = args.peak_tflops * 1e12 * args.gpus
     summary["mfu_update_verl"] = verl_f / upd / peak if not args.tiny else float("nan")
     summary["mfu_update_true"] = true_f / upd / peak if not args.tiny else float("nan")
+    # training memory (the allocator's peak without the engine's pool), the engine's pool, and the whole device in use
     summary["peak_memory_gb"] = max((r.get("perf/max_memory_allocated_gb", 0.0) for r in measured), default=0.0)
+    summary["engine_memory_gb"] = max((r.get("perf/mem/actor/engine_gb", 0.0) for r in measured), default=0.0)
+    summary["device_total_gb"] = max((r.get("perf/device_total_gb", 0.0) for r in measured), default=0.0)
     summary["peak_device_memory_gb"] = max(
-        (r.get(k, 0.0) for r in measured for k in r if k.startswith("perf/mem/actor/")), default=0.0
+        (
+            r.get(k, 0.0)
+            for r in measured
+            for k in r
+            if k.startswith("perf/mem/actor/") and k != "perf/mem/actor/engine_gb"
+        ),
+        default=0.0,
     )
     engine = [n_samples * args.max_response / r["timing_s/generate_engine"] for r in measured
               if r.get("timing_s/generate_engine")]  # fmt: skip

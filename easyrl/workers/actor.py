@@ -61,7 +61,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
         self.build_trainable(self.spec.model, self.device)
-        self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
+        with self.ledger.building_engine():  # its pools, kept apart from the training figures
+            self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
 
     # ---------------------------------------------------------------- rollout

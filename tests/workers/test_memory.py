@@ -152,6 +152,13 @@ def test_wake_error_names_the_figures_and_real_keys() -> None:
     }
     for key in keys:  # every key it names is a real config key
         assert OmegaConf.select(OmegaConf.structured(EasyRLConfig), key, throw_on_missing=True) is not None
+    # The engine's own pool is part of what the allocator holds (also asleep): the message takes it out.
+    apart = wake_error_message(
+        ["kv_cache"], 3 * GiB, 80 * GiB, 48 * GiB, 3 * GiB, 60 * GiB, memory_levers(cfg), "oom", engine_bytes=48 * GiB
+    )
+    assert (
+        "the actor's training state held 12.00 GiB (its allocator's 60.00 GiB less the engine's own 48.00 GiB" in apart
+    )
     unmeasured = wake_error_message(None, None, None, None, None, None, memory_levers(cfg), "out of memory")
     assert "weights and KV cache need about not measured" in unmeasured
 
@@ -173,6 +180,25 @@ def test_ledger_keys_and_order_on_cpu() -> None:
     assert set(memory_keys("actor")) >= set(metrics)
     assert memory_keys("ref") == ["perf/mem/ref/peak_ref_gb"]
     release_cached_memory(torch.device("cpu"))  # no CUDA: only the garbage collector
+
+
+@pytest.mark.gpu
+def test_cuda_ledger_keeps_the_engine_pool_apart() -> None:
+    """What is allocated while the engine is built (here: 2 GiB kept alive, as vLLM keeps its pools) is the engine's:
+    logged as engine_gb, and not in the training peaks or the allocator figures."""
+    ledger = MemoryLedger("actor", torch.device("cuda"))
+    with ledger.building_engine():
+        engine_pool = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    assert ledger.engine_reserved >= 2 * GiB
+    with ledger.peak("update"):
+        block = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        del block
+    metrics = ledger.drain()
+    assert 1.0 <= metrics["perf/mem/actor/peak_update_gb"] < 1.5  # the update's 1 GiB, not the engine's 2
+    assert 2.0 <= metrics["perf/mem/actor/engine_gb"] < 2.5
+    stats = ledger.allocator_stats()
+    assert stats["perf/memory_allocated_gb"] < 0.5 and stats["perf/device_total_gb"] > 2
+    del engine_pool
 
 
 @pytest.mark.gpu
