@@ -144,6 +144,30 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     return None
 
 
+def vllm_version_line(cfg: EasyRLConfig) -> str | None:
+    """Why the installed vLLM is not one that easyrl has run on this kind of machine (`easyrl.versions`), if so."""
+    if cfg.worker.rollout.name != "vllm":
+        return None
+    from easyrl.trainer.worker_groups import use_gpu
+    from easyrl.versions import installed_vllm, vllm_version_warning
+
+    found = installed_vllm()
+    return None if found is None else vllm_version_warning(*found, on_gpu=use_gpu(cfg))
+
+
+def print_memory_plan(cfg: EasyRLConfig) -> int:
+    """Print the memory plan of one GPU (on a GPU machine); 2 when its arithmetic says the run cannot fit, refused
+    before a GPU hour is spent finding out, with the settings that make it fit."""
+    memory, problems = memory_plan_lines(cfg)
+    if memory:
+        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=sys.stdout)
+        for line in memory:
+            print(line, file=sys.stdout)
+    for problem in problems:
+        print(f"easyrl: memory error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
     from transformers import AutoTokenizer
@@ -162,6 +186,9 @@ def run_check(cfg: EasyRLConfig) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
+    version = vllm_version_line(cfg)
+    if version is not None:
+        print(f"easyrl: warning: {version}", file=out)
     noop = cpu_noop_warning(cfg)
     if noop is not None:
         print(f"easyrl: warning: {noop}", file=out)
@@ -216,13 +243,4 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== plan", file=out)
     for line in plan_lines(cfg):
         print(line, file=out)
-    memory, problems = memory_plan_lines(cfg)
-    if memory:
-        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=out)
-        for line in memory:
-            print(line, file=out)
-    if problems:  # the plan's arithmetic says this run cannot fit: refuse before a GPU hour is spent finding out
-        for problem in problems:
-            print(f"easyrl: memory error: {problem}", file=sys.stderr)
-        return 2
-    return 0
+    return print_memory_plan(cfg)
