@@ -148,7 +148,7 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
         "data": {"train_files": files["train"], "val_files": "", "max_prompt_length": args.prompt_len + 32,
                  "max_response_length": args.max_response, "rollout_batch_size": args.prompts},
         "algorithm": {"adv_estimator": "grpo", "disable_kl": False, "use_kl_loss": True,
-                      "user_modules": [files["truncate"]]},
+                      "user_modules": [files["truncate"]], "tis_cap": args.tis_cap},
         "worker": {
             "actor": {
                 "global_batch_size": args.prompts // args.mini_batches,
@@ -165,7 +165,8 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
                         "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization,
                         "sleep_level": args.sleep_level, "enforce_eager": args.enforce_eager,
-                        "logprob_sample_ratio": args.logprob_sample_ratio},
+                        # TIS needs every sequence's engine log-probs: null derives 1.0 then
+                        "logprob_sample_ratio": None if args.tis_cap is not None else args.logprob_sample_ratio},
             "reward": {"reward_function": files["reward"] + ":compute_score", "num_workers": 0},
         },
         "trainer": {"total_epochs": 1000, "max_steps": args.warmup + args.steps, "n_gpus_per_node": args.gpus,
@@ -328,6 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM sleep level (default: the run's derived level, 2 for full-weight sync)",
     )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (the A/B's 'off')")
+    ap.add_argument("--tis-cap", type=float, default=None, help="algorithm.tis_cap: truncated importance sampling")
     ap.add_argument("--logprob-sample-ratio", type=float, default=0.125,
                     help="share of sequences whose vLLM log-probs are returned (consistency metric)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100 SXM: 989)")
