@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
@@ -51,8 +52,8 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
 
 
 def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
-    """(the memory plan of one GPU of this machine, why it cannot fit) for a run that trains on GPUs here; the
-    arithmetic is `easyrl.workers.memory_plan`'s. Nothing without a GPU."""
+    """(the memory plan of one GPU of this machine, why it cannot fit and what fixes it) for a run that trains on
+    GPUs here; the arithmetic is `easyrl.workers.memory_plan`'s. Nothing without a GPU."""
     import torch
 
     from easyrl.trainer.worker_groups import use_gpu
@@ -61,15 +62,28 @@ def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
         return [], []
     from transformers import AutoConfig
 
-    from easyrl.workers.memory_plan import ModelShape, plan_lines, plan_memory, plan_problems
+    from easyrl.workers.memory_plan import GiB, ModelShape
 
     mcfg = cfg.worker.actor.model
     assert mcfg.model_path is not None
     shape = ModelShape.from_hf_config(
         AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
     )
-    plan = plan_memory(shape, cfg, torch.cuda.mem_get_info()[1])
-    return [f"GPU: {torch.cuda.get_device_name()}", *plan_lines(plan)], plan_problems(plan)
+    free, total = torch.cuda.mem_get_info()
+    lines, problems = memory_report(shape, cfg, total)
+    device = f"GPU: {torch.cuda.get_device_name()}, {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free now"
+    return [device, *lines], problems
+
+
+def memory_report(shape: Any, cfg: EasyRLConfig, device_total: int) -> tuple[list[str], list[str]]:
+    """The plan's lines and, when it does not fit, its problems followed by the levers that make it fit."""
+    from easyrl.workers.memory_plan import plan_fixes, plan_lines, plan_memory, plan_problems
+
+    plan = plan_memory(shape, cfg, device_total)
+    problems = plan_problems(plan)
+    if problems:
+        problems += [f"fits with {fix}" for fix in plan_fixes(shape, cfg, device_total)]
+    return plan_lines(plan), problems
 
 
 def cpu_noop_settings(cfg: EasyRLConfig) -> list[str]:
@@ -130,6 +144,30 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     return None
 
 
+def vllm_version_line(cfg: EasyRLConfig) -> str | None:
+    """Why the installed vLLM is not one that easyrl has run on this kind of machine (`easyrl.versions`), if so."""
+    if cfg.worker.rollout.name != "vllm":
+        return None
+    from easyrl.trainer.worker_groups import use_gpu
+    from easyrl.versions import installed_vllm, vllm_version_warning
+
+    found = installed_vllm()
+    return None if found is None else vllm_version_warning(*found, on_gpu=use_gpu(cfg))
+
+
+def print_memory_plan(cfg: EasyRLConfig) -> int:
+    """Print the memory plan of one GPU (on a GPU machine); 2 when its arithmetic says the run cannot fit, refused
+    before a GPU hour is spent finding out, with the settings that make it fit."""
+    memory, problems = memory_plan_lines(cfg)
+    if memory:
+        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=sys.stdout)
+        for line in memory:
+            print(line, file=sys.stdout)
+    for problem in problems:
+        print(f"easyrl: memory error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
     from transformers import AutoTokenizer
@@ -148,6 +186,9 @@ def run_check(cfg: EasyRLConfig) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
+    version = vllm_version_line(cfg)
+    if version is not None:
+        print(f"easyrl: warning: {version}", file=out)
     noop = cpu_noop_warning(cfg)
     if noop is not None:
         print(f"easyrl: warning: {noop}", file=out)
@@ -202,11 +243,4 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== plan", file=out)
     for line in plan_lines(cfg):
         print(line, file=out)
-    memory, problems = memory_plan_lines(cfg)
-    if memory:
-        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=out)
-        for line in memory:
-            print(line, file=out)
-        for problem in problems:
-            print(f"easyrl: warning: memory: {problem}", file=out)
-    return 0
+    return print_memory_plan(cfg)

@@ -96,7 +96,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str) -> dict[str, A
                     p.normal_(0, 0.05, generator=gen)
         start = time.perf_counter()
         if mode == "merged":
-            engine.load_weights(merged_weights(model))
+            engine.load_weights(merged_weights(model, engine.loads_tied_aliases))
         else:
             engine.load_adapter(*gathered_adapter(model, mcfg))
         sync = time.perf_counter() - start

@@ -10,7 +10,9 @@ vocabulary 151936; vision tower 32 blocks, 1280 wide, 14-pixel patches, window a
 the character tokenizer of `easyrl.testing.tiny` and a local image processor (nothing is downloaded). Prompts are
 random characters after one generated image (sides 224..448 pixels: 64..256 image tokens) or one generated 4-second
 video (sampled at 2 fps); responses are `--response` tokens (`ignore_eos`); the reward is random. GRPO with a
-reference model (KL loss), n=8.
+reference model (KL loss), n=8. By default the actor keeps AdamW's moments in bf16 (`adamw_bf16`) and the reference
+its weights in bf16: with fp32 moments and an fp32 reference the 3.75B model needs ~87 GiB while generating at
+utilization 0.4, more than an 80 GB H100 has (`easyrl check` prints that arithmetic and refuses the setting).
 
 Printed: per step `timing_s/step|gen|update_actor`, the GPU memory the PyTorch allocator peaked at during the step
 and holds after it, the device's memory in use after it, what the engine's sleep gave back, and the vLLM-vs-actor
@@ -47,8 +49,10 @@ STEP_KEYS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", *MEMORY_K
 
 
 def build_model(folder: Path, tiny: bool) -> str:
-    """The model folder (reused when present): Qwen2.5-VL-3B-shaped in bf16, or the tiny test model."""
-    import torch
+    """The model folder (reused when present): Qwen2.5-VL-3B-shaped in bf16, or the tiny test model. The 3B model
+    is built in a child process, so that the ~7.5 GiB it takes on the GPU go back to the device when the child exits
+    (built in this process, the caching allocator kept them for the whole run, beside the engine and the workers)."""
+    import subprocess
 
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
@@ -56,10 +60,20 @@ def build_model(folder: Path, tiny: bool) -> str:
         return str(folder)
     if tiny:
         return build_tiny_vl_checkpoint(folder, "qwen2_5_vl", min_pixels=16 * 16, max_pixels=64 * 64)
+    subprocess.run([sys.executable, __file__, "--build-model-only", str(folder)], check=True)
+    return str(folder)
+
+
+def _build_3b(folder: Path) -> None:
+    """The child process of `build_model`: random Qwen2.5-VL-3B weights written to `folder`."""
+    import torch
+
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
     shape = QWEN25_VL_3B
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):  # random init of 3.8B parameters is minutes on CPU, seconds on the GPU
-        return build_tiny_vl_checkpoint(
+        build_tiny_vl_checkpoint(
             folder, "qwen2_5_vl", min_pixels=224 * 224, max_pixels=448 * 448, patch_size=14, dtype=torch.bfloat16,
             **shape["text"], **shape["vision"], text_overrides=shape["text_overrides"],
             vision_overrides=shape["vision_overrides"],
@@ -125,8 +139,10 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
             "actor": {
                 "global_batch_size": args.prompts // 2, "micro_batch_size_per_device_for_update": 4 if gpu else 2,
                 "micro_batch_size_per_device_for_experience": 16 if gpu else 4,
-                "optim": {"lr": 1e-6}, "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu},
+                "optim": {"lr": 1e-6, "strategy": args.optim},
+                "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu},
             },
+            "ref": {"fsdp": {"torch_dtype": args.ref_dtype}},
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
                         "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization},
             "reward": {"reward_function": files["reward"] + ":compute_score", "num_workers": 0},
@@ -162,9 +178,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--response", type=int, default=None, help="response tokens (default 256; 8 with --tiny)")
     ap.add_argument("--engine", default=None, help="vllm (default on GPU) or hf (default with --tiny)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--optim", default=None, choices=["adamw", "adamw_bf16"], help="default adamw_bf16 (adamw: tiny)")
+    ap.add_argument("--ref-dtype", default=None, choices=["bf16", "fp32"], help="default bf16 (fp32: tiny)")
     ap.add_argument("--workdir", default="/tmp/easyrl_bench_vl")
+    ap.add_argument("--build-model-only", default=None, help=argparse.SUPPRESS)  # build_model's child process
     args = ap.parse_args(argv)
+    if args.build_model_only:
+        _build_3b(Path(args.build_model_only))
+        return {}
     args.engine = args.engine or ("hf" if args.tiny else "vllm")
+    args.optim = args.optim or ("adamw" if args.tiny else "adamw_bf16")
+    args.ref_dtype = args.ref_dtype or ("fp32" if args.tiny else "bf16")
     args.prompts = args.prompts or (4 if args.tiny else 64)
     args.response = args.response or (8 if args.tiny else 256)
     args.n, args.prompt_chars = (2, 8) if args.tiny else (8, 64)

@@ -148,7 +148,7 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
         "data": {"train_files": files["train"], "val_files": "", "max_prompt_length": args.prompt_len + 32,
                  "max_response_length": args.max_response, "rollout_batch_size": args.prompts},
         "algorithm": {"adv_estimator": "grpo", "disable_kl": False, "use_kl_loss": True,
-                      "user_modules": [files["truncate"]]},
+                      "user_modules": [files["truncate"]], "tis_cap": args.tis_cap},
         "worker": {
             "actor": {
                 "global_batch_size": args.prompts // args.mini_batches,
@@ -165,7 +165,8 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
                         "dtype": "bf16" if gpu else "fp32", "gpu_memory_utilization": args.gpu_memory_utilization,
                         "sleep_level": args.sleep_level, "enforce_eager": args.enforce_eager,
-                        "logprob_sample_ratio": args.logprob_sample_ratio},
+                        # TIS needs every sequence's engine log-probs: null derives 1.0 then
+                        "logprob_sample_ratio": None if args.tis_cap is not None else args.logprob_sample_ratio},
             "reward": {"reward_function": files["reward"] + ":compute_score", "num_workers": 0},
         },
         "trainer": {"total_epochs": 1000, "max_steps": args.warmup + args.steps, "n_gpus_per_node": args.gpus,
@@ -320,8 +321,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--sleep-level", type=int, default=1, choices=[1, 2], help="vLLM sleep level (2: drop weights)")
+    ap.add_argument(
+        "--sleep-level",
+        type=int,
+        default=None,
+        choices=[1, 2],
+        help="vLLM sleep level (default: the run's derived level, 2 for full-weight sync)",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (the A/B's 'off')")
+    ap.add_argument("--tis-cap", type=float, default=None, help="algorithm.tis_cap: truncated importance sampling")
     ap.add_argument("--logprob-sample-ratio", type=float, default=0.125,
                     help="share of sequences whose vLLM log-probs are returned (consistency metric)")  # fmt: skip
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100 SXM: 989)")
@@ -363,9 +371,18 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     peak = args.peak_tflops * 1e12 * args.gpus
     summary["mfu_update_verl"] = verl_f / upd / peak if not args.tiny else float("nan")
     summary["mfu_update_true"] = true_f / upd / peak if not args.tiny else float("nan")
+    # training memory (the allocator's peak without the engine's pool), the engine's pool, and the whole device in use
     summary["peak_memory_gb"] = max((r.get("perf/max_memory_allocated_gb", 0.0) for r in measured), default=0.0)
+    summary["engine_memory_gb"] = max((r.get("perf/mem/actor/engine_gb", 0.0) for r in measured), default=0.0)
+    summary["device_total_gb"] = max((r.get("perf/device_total_gb", 0.0) for r in measured), default=0.0)
     summary["peak_device_memory_gb"] = max(
-        (r.get(k, 0.0) for r in measured for k in r if k.startswith("perf/mem/actor/")), default=0.0
+        (
+            r.get(k, 0.0)
+            for r in measured
+            for k in r
+            if k.startswith("perf/mem/actor/") and k != "perf/mem/actor/engine_gb"
+        ),
+        default=0.0,
     )
     engine = [n_samples * args.max_response / r["timing_s/generate_engine"] for r in measured
               if r.get("timing_s/generate_engine")]  # fmt: skip

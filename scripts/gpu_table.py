@@ -23,8 +23,10 @@ COLUMNS = (
     ("engine / raw", "engine_vs_raw_vllm"),
     ("tok/s/GPU", "perf/throughput"),
     ("update MFU", "mfu_update_true"),
-    ("peak alloc GB", "peak_memory_gb"),
+    ("peak training GB", "peak_memory_gb"),
+    ("engine GB", "engine_memory_gb"),
     ("peak device GB", "peak_device_memory_gb"),
+    ("device GB", "device_total_gb"),
     ("logprob diff max", "rollout/logprob_diff_max"),
 )
 

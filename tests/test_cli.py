@@ -79,17 +79,17 @@ def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> 
 
 @pytest.mark.gpu
 def test_check_prints_a_memory_plan_on_a_gpu(tmp_path, tiny_model_dir, digits_data) -> None:
-    """On a GPU `easyrl check` prints the memory plan, and warns when the update cannot fit (a token budget of a
-    billion tokens per micro-batch)."""
+    """On a GPU `easyrl check` prints the memory plan, and refuses a run whose update cannot fit (a token budget of a
+    billion tokens per micro-batch), naming the arithmetic."""
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["trainer"] |= {"device": "cuda", "n_gpus_per_node": 1}
     path = write_config(tmp_path / "cfg.yaml", conf)
     proc = easyrl("check", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== memory plan" in proc.stdout and "actor update: weights" in proc.stdout
-    assert "easyrl: warning: memory" not in proc.stdout
+    assert "easyrl: memory error" not in proc.stderr
     proc = easyrl("check", path, "worker.actor.dynamic_batching=true", "worker.actor.max_token_len_per_gpu=1000000000")
-    assert "easyrl: warning: memory: the update needs" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and "easyrl: memory error: the update needs" in proc.stderr, proc.stderr
 
 
 def test_plan_counts_tensor_parallel_engines() -> None:

@@ -173,8 +173,10 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_high", "must be >= 0")
     if cfg.worker.actor.clip_ratio_dual <= 1:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
-    if cfg.worker.rollout.sleep_level not in (1, 2):
-        raise ConfigError("worker.rollout.sleep_level", f"must be 1 or 2, got {cfg.worker.rollout.sleep_level}")
+    if cfg.worker.rollout.sleep_level not in (None, 1, 2):
+        raise ConfigError(
+            "worker.rollout.sleep_level", f"must be 1, 2 or null (derived), got {cfg.worker.rollout.sleep_level}"
+        )
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1] (or null: automatic)")
@@ -200,6 +202,17 @@ def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
     from easyrl.algorithms import estimator_needs as registered_needs
 
     return registered_needs(name)
+
+
+def effective_sleep_level(cfg: EasyRLConfig) -> int:
+    """`worker.rollout.sleep_level`, or when null: 1 when the engine keeps its base weights across steps (LoRA with
+    `rollout_sync: adapter` sends only the adapters), else 2 (each wake is followed by a full weight sync, so the
+    level-1 copy of the weights to host memory and back would be thrown away)."""
+    level = cfg.worker.rollout.sleep_level
+    if level is not None:
+        return level
+    lora = cfg.worker.actor.model.lora
+    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
 
 
 def _check_sequence_parallel(cfg: EasyRLConfig) -> None:

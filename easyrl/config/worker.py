@@ -216,9 +216,11 @@ class RolloutConfig:
     """vLLM scheduler token budget per step."""
     enable_sleep_mode: bool = True
     """Free the engine's GPU memory during training (CUDA only)."""
-    sleep_level: int = 1
-    """vLLM sleep level: 1 copies the weights to CPU memory and back, 2 discards them (faster to sleep, no CPU copy;
-    the actor's weights are then streamed in at every wake, even when the policy did not change)."""
+    sleep_level: int | None = None
+    """vLLM sleep level: 1 copies the weights to pinned CPU memory at every sleep and back at every wake, 2 discards
+    them (no CPU copy, no pinned host memory; the actor's weights are streamed in at every wake). Default (null): 2
+    when every step sends the full weights anyway (the copy back would be overwritten at once), 1 with LoRA
+    `rollout_sync: adapter`, which sends only the adapters and must keep the base weights."""
     logprob_sample_ratio: float | None = None
     """Fraction of prompts whose samples get per-token log-probs from the vLLM engine (for `rollout/logprob_diff_*`
     and TIS; every sample of a chosen prompt). Asking for them costs generation speed (28.5k vs 17.7k tok/s for every

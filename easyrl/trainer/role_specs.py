@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import estimator_needs
+from easyrl.config.validate import effective_sleep_level, estimator_needs
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (
@@ -185,6 +185,7 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
         model=cfg.worker.actor.model,
         max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
         logprob_ratio=effective_logprob_ratio(cfg),
+        sleep_level=effective_sleep_level(cfg),
     )
 
 

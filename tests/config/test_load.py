@@ -173,7 +173,7 @@ BAD = [
     ("section-scalar", {"worker.actor": 3}, "worker.actor", "mapping"),
     ("enum-estimator", {"algorithm.adv_estimator": "grpoo"}, "algorithm.adv_estimator", "grpo"),
     ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "vllm, hf"),
-    ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1 or 2"),
+    ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1, 2 or null"),
     (
         "tis-needs-every-logprob",
         {"algorithm.tis_cap": 2.0, "worker.rollout.logprob_sample_ratio": 0.5},

@@ -169,3 +169,22 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     after = actor.full_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
     assert "critic/vf_loss" in critic.update_critic(batch)
+
+
+def test_sleep_level_is_derived_from_how_weights_reach_the_engine() -> None:
+    """Null sleep_level: 2 when every step sends the full weights (plain or merged LoRA), 1 for adapter sync (the
+    engine keeps its base weights); an explicit level wins."""
+    from omegaconf import OmegaConf
+
+    from easyrl.config.validate import effective_sleep_level
+
+    def level(**overrides: object) -> int:
+        raw = OmegaConf.merge(
+            OmegaConf.structured(EasyRLConfig), OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])
+        )
+        return effective_sleep_level(OmegaConf.to_object(raw))  # type: ignore[arg-type]
+
+    assert level() == 2
+    assert level(**{"worker.actor.model.lora.rank": 8}) == 2  # merged sync sends every weight each step
+    assert level(**{"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.rollout_sync": "adapter"}) == 1
+    assert level(**{"worker.rollout.sleep_level": 1}) == 1

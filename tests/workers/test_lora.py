@@ -61,8 +61,10 @@ def test_only_adapters_train_and_adapters_off_is_the_base(arch: str, tiny_model_
 def test_merged_stream_is_base_plus_scaled_ba(tiny_model_dir: str) -> None:
     model = lora_model(tiny_model_dir)
     base = dict(load_model(ModelConfig(model_path=tiny_model_dir)).named_parameters(remove_duplicate=False))
-    merged = dict(merged_weights(model))
+    merged = dict(merged_weights(model, aliases=True))
     assert set(merged) == set(base), "the stream's names are not the base model's"
+    # without aliases the tied head is not gathered a second time
+    assert set(dict(merged_weights(model))) == set(base) - {"lm_head.weight"}
     layers = lora_layers(model)
     for name, tensor in merged.items():
         owner = name.rsplit(".", 1)[0]
@@ -85,7 +87,7 @@ def test_vl_adapters_skip_the_vision_tower_and_merge(tmp_path) -> None:
     assert visual is not None and not any(".lora_" in n for n, _ in visual.named_parameters())
     assert lora_layers(model), "no language-model layer was adapted"
     base = load_model(ModelConfig(model_path=vl_dir))
-    base.load_state_dict(dict(merged_weights(model)), strict=True)
+    base.load_state_dict(dict(merged_weights(model, aliases=True)), strict=True)
     ids = torch.randint(3, 90, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(base(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)

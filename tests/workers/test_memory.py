@@ -74,15 +74,23 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.ref_weights == 3_087_428_608
     assert plan.engine == int(0.6 * 80 * GiB) == 51_539_607_552
     assert plan.engine_weights == 1_543_714_304 * 2
-    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672.
-    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608) // 28_672 == 1_689_877
-    # Generating: engine + actor weights + optimizer + reference weights (nothing offloaded).
-    assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608
-    # Updating: the actor's whole state and activations + the reference's weights.
-    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608
+    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672; vLLM takes its CUDA graphs (1 GiB)
+    # out of the same budget.
+    assert plan.cuda_graphs == GiB
+    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608 - GiB) // 28_672 == 1_652_428
+    # Two processes (actor with the engine, reference), each a CUDA context (0.5 GiB) and NCCL buffers (256 MiB,
+    # two ranks).
+    assert plan.per_process == 2 * (GiB // 2 + 256 * 2**20) == 1_610_612_736
+    # Generating: engine + actor weights + optimizer + reference weights (nothing offloaded) + the processes.
+    assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608 + 1_610_612_736
+    # Updating: the actor's whole state and activations + the reference's weights + the engine's CUDA graphs (they
+    # stay through sleep) + the processes.
+    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608 + GiB + 1_610_612_736
+    # Sleep level 2 by default (full weight sync): nothing pinned on the host.
+    assert plan.pinned_host == 0
     assert plan_problems(plan) == []
     lines = "\n".join(plan_lines(plan))
-    assert "1.54B parameters" in lines and "about 1689877 tokens" in lines
+    assert "1.54B parameters" in lines and "about 1652428 tokens" in lines
 
 
 def test_memory_plan_levers_and_problems() -> None:
@@ -99,7 +107,8 @@ def test_memory_plan_levers_and_problems() -> None:
     )
     plan = plan_memory(shape, cfg, 24 * GiB)
     assert plan.actor.optimizer == 1_543_714_304 * 4  # two bf16 moments, one rank
-    assert plan.generating == int(0.9 * 24 * GiB) + plan.actor.optimizer + plan.ref_weights
+    # one rank, two processes: their CUDA contexts and no NCCL buffers
+    assert plan.generating == int(0.9 * 24 * GiB) + plan.actor.optimizer + plan.ref_weights + 2 * (GiB // 2)
     problems = "\n".join(plan_problems(plan))
     assert "generating needs" in problems and "worker.rollout.gpu_memory_utilization" in problems
     assert "the update needs" in problems and "worker.actor.max_token_len_per_gpu" in problems
@@ -143,6 +152,13 @@ def test_wake_error_names_the_figures_and_real_keys() -> None:
     }
     for key in keys:  # every key it names is a real config key
         assert OmegaConf.select(OmegaConf.structured(EasyRLConfig), key, throw_on_missing=True) is not None
+    # The engine's own pool is part of what the allocator holds (also asleep): the message takes it out.
+    apart = wake_error_message(
+        ["kv_cache"], 3 * GiB, 80 * GiB, 48 * GiB, 3 * GiB, 60 * GiB, memory_levers(cfg), "oom", engine_bytes=48 * GiB
+    )
+    assert (
+        "the actor's training state held 12.00 GiB (its allocator's 60.00 GiB less the engine's own 48.00 GiB" in apart
+    )
     unmeasured = wake_error_message(None, None, None, None, None, None, memory_levers(cfg), "out of memory")
     assert "weights and KV cache need about not measured" in unmeasured
 
@@ -164,6 +180,25 @@ def test_ledger_keys_and_order_on_cpu() -> None:
     assert set(memory_keys("actor")) >= set(metrics)
     assert memory_keys("ref") == ["perf/mem/ref/peak_ref_gb"]
     release_cached_memory(torch.device("cpu"))  # no CUDA: only the garbage collector
+
+
+@pytest.mark.gpu
+def test_cuda_ledger_keeps_the_engine_pool_apart() -> None:
+    """What is allocated while the engine is built (here: 2 GiB kept alive, as vLLM keeps its pools) is the engine's:
+    logged as engine_gb, and not in the training peaks or the allocator figures."""
+    ledger = MemoryLedger("actor", torch.device("cuda"))
+    with ledger.building_engine():
+        engine_pool = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    assert ledger.engine_reserved >= 2 * GiB
+    with ledger.peak("update"):
+        block = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        del block
+    metrics = ledger.drain()
+    assert 1.0 <= metrics["perf/mem/actor/peak_update_gb"] < 1.5  # the update's 1 GiB, not the engine's 2
+    assert 2.0 <= metrics["perf/mem/actor/engine_gb"] < 2.5
+    stats = ledger.allocator_stats()
+    assert stats["perf/memory_allocated_gb"] < 0.5 and stats["perf/device_total_gb"] > 2
+    del engine_pool
 
 
 @pytest.mark.gpu

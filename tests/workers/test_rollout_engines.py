@@ -172,6 +172,34 @@ def test_weights_arrive_in_memory(name: str, tiny_model_dir: str, tokenizer) -> 
 
 
 @pytest.mark.parametrize("name", ENGINES)
+def test_tied_embeddings_are_gathered_once_and_stay_tied(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """The weight stream of a tied model (the tiny Qwen2 ties its head) gathers the embedding once: the HF engine
+    gets it once, vLLM (whose in-place reload leaves a head that is given nothing stale) the same tensor again as
+    `lm_head.weight`. Either way the engine's head follows: its log-probs are those of the new tied model."""
+    from easyrl.workers.model_setup import iter_full_weights
+
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(-1.5)  # the head changes with it
+    stream = dict(iter_full_weights(model, engine.loads_tied_aliases))
+    assert ("lm_head.weight" in stream) is (name == "vllm")
+    if name == "vllm":  # the alias is the tensor gathered for the embedding, not a second gather
+        assert stream["lm_head.weight"] is stream["model.embed_tokens.weight"]
+    assert len(dict(iter_full_weights(model))) == len(list(model.named_parameters(remove_duplicate=False))) - 1
+    prompts = left_padded(tokenizer, PROMPTS)
+    try:
+        engine.load_weights((n, t.clone()) for n, t in iter_full_weights(model, engine.loads_tied_aliases))
+        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5))
+        diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
+        assert diff < 1e-3, f"{name}'s head did not follow the tied embedding: log-probs differ by {diff:.2e}"
+    finally:  # restore the original weights for the other tests
+        original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        engine.load_weights((n, t.detach().clone()) for n, t in original.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.parametrize("name", ENGINES)
 def test_greedy_and_sleep_wake(name: str, tiny_model_dir: str, tokenizer) -> None:
     engine = make_engine(name, tiny_model_dir, tokenizer)
     prompts = left_padded(tokenizer, PROMPTS)
@@ -196,7 +224,7 @@ def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, 
     engine = make_engine(name, tiny_model_dir, tokenizer)
     model = lora_model(tiny_model_dir, seed=1)
     try:
-        engine.load_weights(merged_weights(model))
+        engine.load_weights(merged_weights(model, engine.loads_tied_aliases))
         out = engine.generate(left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3))
         diff = ((out["rollout_log_probs"] - reference_log_probs(model, out, 1.0)).abs() * out["response_mask"]).max()
         assert diff < 1e-3, f"{name} log-probs differ from the LoRA policy's by {diff:.2e}"

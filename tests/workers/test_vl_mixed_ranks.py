@@ -119,3 +119,59 @@ def test_text_only_forward_is_unchanged_and_reaches_the_tower(tmp_path: Path) ->
             assert torch.count_nonzero(grad) == 0, name
         else:
             assert torch.equal(grad, ref_grads[name]), name  # type: ignore[arg-type]
+
+
+def _calls_worker(rank: int, world: int, model_dir: str, video: str, out: str) -> None:
+    """Each case of `CASES` (the rows of each rank) through the sharded model: the tower calls the forward makes, and
+    whether the log-probs and gradients are those of the unsharded model (the ranks' average)."""
+    import torch.distributed as dist
+
+    from easyrl.config import FSDPConfig, ModelConfig
+    from easyrl.models import load_processor, vision_tower
+    from easyrl.workers.model_setup import load_model, shard_model
+
+    init_rank(rank, world)
+    whole = _batch(load_processor(model_dir), Path(video))
+    unsharded = load_model(ModelConfig(model_path=model_dir)).train()
+    model = shard_model(load_model(ModelConfig(model_path=model_dir)), FSDPConfig(), CPU).train()
+    calls = [0]
+    tower = vision_tower(model)
+    assert tower is not None
+    tower.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    results = []
+    for rows in CASES:
+        mbs = [whole.index(r) for r in rows]
+        alone = [_lp_grads(unsharded, mb, None) for mb in mbs]
+        calls[0] = 0
+        lp, grads = _lp_grads(model, mbs[rank], None)
+        mask = mbs[rank]["response_mask"].bool()
+        failures = [] if torch.allclose(lp[mask], alone[rank][0][mask], atol=2e-5) else ["lp"]
+        for name, grad in grads.items():
+            full = grad.full_tensor() if grad is not None else None
+            parts = [g[1][name] for g in alone]
+            # a parameter no rank's row reaches (the vision tower, text on both ranks): a zero gradient, not none
+            want = sum(p if p is not None else torch.zeros_like(full) for p in parts) / world  # type: ignore[misc]
+            if full is None or not torch.allclose(full, want, atol=2e-5, rtol=1e-4):
+                failures.append(name)
+        results.append({"failures": failures, "calls": calls[0]})
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+CASES = ([[0], [2]], [[2], [2]])
+"""Rows of `_batch` per rank: an image and text; text and text."""
+
+
+def test_a_media_kind_no_rank_has_costs_no_tower_call(tmp_path: Path) -> None:
+    """Images on one rank and text on the other: one tower call per rank (the text rank's dummy), not two (a video
+    dummy on both, as before); text on both ranks: no tower call at all, the vision parameters still get their zero
+    gradient from each rank's own shard. Gradients stay the ranks' average either way."""
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    model_dir = build_tiny_vl_checkpoint(tmp_path / "m", "qwen2_5_vl")
+    video = tmp_path / "clip.mp4"
+    _write_video(video)
+    run_ranks(_calls_worker, 2, model_dir, str(video), str(tmp_path / "out"))
+    for rank in range(2):
+        results: list[dict[str, Any]] = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert results == [{"failures": [], "calls": 1}, {"failures": [], "calls": 0}], rank

