@@ -29,7 +29,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 
 __all__ = ["CallRunner", "Outcome", "describe_exception", "worker_main"]
@@ -62,7 +62,7 @@ _GUARDED_THREADS: set[int] = set()
 _REAL_EXIT = os._exit
 
 
-def _guarded_exit(code: int) -> None:
+def _guarded_exit(code: int) -> NoReturn:
     if threading.get_ident() in _GUARDED_THREADS:
         raise ProcessExitError(
             f"called os._exit({code}), which would end the training process; refused (return a score instead)"
@@ -115,8 +115,8 @@ class CallRunner:
         self, fn: Callable[..., Any], is_async: bool, on_done: Callable[[int, Any], None], guard_exit: bool = False
     ) -> None:
         self.fn, self.is_async, self.on_done, self.guard_exit = fn, is_async, on_done, guard_exit
-        if guard_exit:
-            os._exit = _guarded_exit  # once per process; other threads still exit through the real one
+        if guard_exit:  # patched once per process; other threads still exit through the real os._exit
+            os._exit = _guarded_exit  # type: ignore[assignment]
         self._loop: asyncio.AbstractEventLoop | None = None
         if is_async:
             self._loop = asyncio.new_event_loop()
