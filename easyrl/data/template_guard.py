@@ -36,6 +36,10 @@ __all__ = [
 MAX_RENDER_CHARS = 8_000_000
 # A prompt template renders in microseconds; seconds per row means a loop the author did not mean.
 RENDER_TIMEOUT_S = 10.0
+# Widths and precisions only: `%-2000000000s`, `%.9999999999f`, and the spec after ':' in `{:>2000000000}`; other
+# digits in the text ("ID 123456789: %s") are not sizes.
+_PERCENT_SIZES = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d+))?")
+_BRACE_SPECS = re.compile(r"\{[^{}]*?:([^{}]*)\}")
 _DIGITS = re.compile(r"\d+")
 
 
@@ -54,7 +58,9 @@ def _check_size(n: float, what: str) -> None:
 
 def _check_format_string(text: str, what: str) -> None:
     """A width or precision in a format string (`%2000000000s`, `{:>2000000000}`) is a size too."""
-    for digits in _DIGITS.findall(text):
+    sizes = [d for pair in _PERCENT_SIZES.findall(text) for d in pair if d]
+    sizes += [d for spec in _BRACE_SPECS.findall(text) for d in _DIGITS.findall(spec)]
+    for digits in sizes:
         if len(digits) > 9 or int(digits) > MAX_RENDER_CHARS:
             raise TemplateLimitError(f"{what}: the number {digits} in the format string is past the size limit")
 

@@ -49,6 +49,8 @@ def test_real_templates_with_large_numbers_still_render() -> None:
     assert render_with_deadline(env.from_string(text), {"n": 3_000_000_000}) == (
         "3,000,000,000 3000000000 3000000000 6000000000 ---  a  "
     )
+    ids = "{{ 'ID 123456789: %5.2f' % x }} {{ 'ID 123456789 {:>6}'.format(x) }}"  # digits in text are no width
+    assert render_with_deadline(env.from_string(ids), {"x": 1.5}) == "ID 123456789:  1.50 ID 123456789    1.5"
 
 
 def test_a_render_past_its_deadline_is_stopped() -> None:
