@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -230,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the saved config's)"
     )
     parser.add_argument("--role", default="actor", help="role subfolder merged from a global_step_<N> folder")
-    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="split the weights past this size")
+    parser.add_argument(
+        "--max-shard-size-gb", type=_shard_size_gb, default=5.0, help="split the weights past this size"
+    )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing output folder written by an earlier merge"
     )
@@ -251,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the SHA-256 check of every checkpoint file (sizes are still checked); for very large checkpoints",
     )
     return parser
+
+
+def _shard_size_gb(text: str) -> float:
+    """A positive, finite size: `nan` compares False with everything and `inf` overflows int(), both tracebacks."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB (e.g. 5)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive, finite number of GB (e.g. 5)")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     except CheckpointError as exc:
         logger.error("easyrl merge: %s", exc)
+        return 1
+    except OSError as exc:  # a full disk, a quota, a read-only output: the half-written folder is already removed
+        logger.error(
+            "easyrl merge: writing the merged model failed (%s); no output was left behind: free space or give "
+            "--output on another disk",
+            exc,
+        )
         return 1
     # stdout, so scripts can take it: EasyR1 users look for the weights in <role>/huggingface, which is not here.
     if args.adapter_only:

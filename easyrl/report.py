@@ -65,10 +65,14 @@ def metric_series(rows: list[dict[str, Any]]) -> Series:
     """Per metric key, its (steps, values), sorted by step. A step logged twice (a resumed run) keeps the later
     value; non-numeric values are ignored."""
     by_step: dict[int, dict[str, float]] = {}
+    odd = [row["step"] for row in rows if "step" in row and _step_of(row["step"]) is None]
+    if odd:  # a hand-edited or foreign log: one line, not a traceback (bool, "3", 1.5, null are no step numbers)
+        logger.warning("%d logged rows have a step that is not an integer (first: %r); skipped", len(odd), odd[0])
     for row in rows:
-        if "step" not in row:
+        step = _step_of(row.get("step"))
+        if step is None:
             continue
-        values = by_step.setdefault(int(row["step"]), {})
+        values = by_step.setdefault(step, {})
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 values[key] = float(value)
@@ -79,6 +83,17 @@ def metric_series(rows: list[dict[str, Any]]) -> Series:
             xs.append(step)
             ys.append(value)
     return series
+
+
+def _step_of(value: Any) -> int | None:
+    """`value` as a step number: an int, or a float holding one (JSON writers may print 3.0); else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def plan_plots(series: Series) -> list[Plot]:

@@ -120,8 +120,32 @@ def save_tensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mappi
     from safetensors.torch import save_file
 
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    save_file(cpu, path, metadata=dict(metadata) if metadata else None)
+    try:
+        save_file(cpu, path, metadata=dict(metadata) if metadata else None)
+    except Exception as exc:
+        # safetensors reports a failed write (full disk, quota) as its own error type: make it the OSError it is,
+        # so callers that answer a full disk with one line see it as one.
+        if "I/O error" in str(exc):
+            raise OSError(f"cannot write {path}: {exc}") from exc
+        raise
+    # safetensors creates its file owner-only (0600), unlike every other file here (0666 less the umask): a merged
+    # model copied for serving was half unreadable. One mode for every file, the one the user's umask asks for.
+    os.chmod(path, 0o666 & ~current_umask())
     fsync_file(path)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (another thread may be creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable read is to set it and put it back
+    os.umask(mask)
+    return mask
 
 
 def read_json(path: str) -> Any:

@@ -145,9 +145,43 @@ def _read_yaml(path: str | os.PathLike[str]) -> DictConfig:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError("config", f"{p} must hold a mapping of sections (data, algorithm, worker, trainer)")
+    # PyYAML builds an alias once and shares it, so a 1 KB "billion laughs" file loads instantly; the blow-up
+    # comes when OmegaConf copies the tree. Measure the tree as it would be copied before anything copies it.
+    size = expanded_size(raw, MAX_CONFIG_NODES)
+    if size > MAX_CONFIG_NODES:
+        raise ConfigError(
+            "config",
+            f"{p} expands to more than {MAX_CONFIG_NODES:,} values through YAML aliases (&anchor/*alias); "
+            "a config never needs that many: remove the nested aliases",
+        )
     conf = OmegaConf.create(raw)
     assert isinstance(conf, DictConfig)
     return conf
+
+
+# A real config has a few hundred values; a million leaves room for large free-form kwargs and none for a bomb.
+MAX_CONFIG_NODES = 1_000_000
+
+
+def expanded_size(tree: Any, limit: int) -> int:
+    """The number of values in `tree` counting every alias as a full copy, or a number > `limit` as soon as that is
+    certain. Shared sub-trees are measured once (memo by id), so a bomb costs its unique nodes, not its size."""
+    memo: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if id(node) in memo:
+            return memo[id(node)]
+        memo[id(node)] = limit + 1  # a node met again while measuring it is a cycle (`a: &a [*a]`): unbounded
+        total = 1
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            total += size(child)
+            if total > limit:  # stop early: the exact size of a bomb is not worth computing
+                break
+        memo[id(node)] = total
+        return total
+
+    return size(tree)
 
 
 def _check_dotlist_form(overrides: list[str]) -> None:

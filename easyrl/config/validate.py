@@ -54,6 +54,9 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
+    from easyrl.config.limits import check_limits
+
+    check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
     _check_sapo_temperatures(cfg)
     _check_lora(cfg)

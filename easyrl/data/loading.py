@@ -73,6 +73,8 @@ def _load_entry(path: str, split: str | None) -> list[Row]:
         if split is not None:
             raise DataError(f"{path}@{split}: a split can only be selected from a folder, not from a file")
         return list(_read_file(path))
+    if not os.path.isdir(path):  # a FIFO would block the first read forever; a device or socket is no data either
+        raise DataError(f"{path} is not a regular file or folder (a FIFO, socket or device); give a data file")
     if _is_saved_dataset(path):
         return _read_saved_dataset(path, split)
     files = _split_files(path, split) if split is not None else _folder_files(path)
@@ -98,7 +100,12 @@ def _folder_files(folder: str) -> list[str]:
     found: list[str] = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(os.path.join(root, name) for name in sorted(names) if _is_supported(name))
+        for name in sorted(names):
+            file = os.path.join(root, name)
+            if _is_supported(name) and not os.path.isfile(file):
+                raise DataError(f"{file} is not a regular file (a FIFO, socket or device); remove it from {folder}")
+            if _is_supported(name):
+                found.append(file)
     return found
 
 

@@ -1,6 +1,6 @@
 """Validation of a row's image and video references at load time (pixels are not kept).
 
-A row may name images as paths (relative to ``data.image_dir``), raw bytes, ``{"bytes", "path"}`` structs (the
+A row may name images as paths (relative to ``data.image_dir``, and confined to it when it is set), raw bytes, ``{"bytes", "path"}`` structs (the
 form `datasets` and HF parquet files store images in), or a list of these. Each is resolved to a path or bytes and
 checked to be decodable by Pillow, so that an unreadable image is found before training starts rather than when
 its batch comes up hours later.
@@ -31,7 +31,7 @@ def _as_list(value: Any) -> list[Any]:
     return [value]
 
 
-def _resolve_one(item: Any, base_dir: str | None) -> MediaRef | None:
+def _resolve_one(item: Any, base_dir: str | None, what: str) -> MediaRef | None:
     """One reference as a path or bytes; ``None`` for an empty slot (e.g. a null image struct)."""
     if isinstance(item, dict):
         data = item.get("bytes")
@@ -45,9 +45,24 @@ def _resolve_one(item: Any, base_dir: str | None) -> MediaRef | None:
     if isinstance(item, str):
         if not item:
             return None
-        path = item if os.path.isabs(item) or base_dir is None else os.path.join(base_dir, item)
-        return path
+        return _confined(item, base_dir, what)
     raise MediaError(f"unsupported media reference of type {type(item).__name__}")
+
+
+def _confined(item: str, base_dir: str | None, what: str) -> str:
+    """`item` joined onto `base_dir`; it must stay inside: rows (a hub dataset's included) are data, and a row
+    naming `../../home/me/.ssh/id_rsa` or `/etc/shadow` must not make the run open it. The check is lexical
+    (normpath), so a symlink the folder's owner placed inside it is still followed. No `base_dir`: as given."""
+    if base_dir is None:
+        return item
+    base = os.path.normpath(os.path.abspath(base_dir))
+    path = os.path.normpath(os.path.join(base, item))  # an absolute `item` replaces `base` here, and is caught
+    if os.path.commonpath([base, path]) != base:
+        raise MediaError(
+            f"{what} path {item!r} lies outside data.{what}_dir ({base}); rows may only name files inside it "
+            "(relative paths without '..')"
+        )
+    return path
 
 
 def _check_image(ref: MediaRef, cache: dict[str, str | None]) -> None:
@@ -95,7 +110,7 @@ def resolve_images(value: Any, image_dir: str | None, cache: dict[str, str | Non
     cache = {} if cache is None else cache
     refs: list[MediaRef] = []
     for item in _as_list(value):
-        ref = _resolve_one(item, image_dir)
+        ref = _resolve_one(item, image_dir, "image")
         if ref is None:
             continue
         _check_image(ref, cache)
@@ -107,7 +122,7 @@ def resolve_videos(value: Any, video_dir: str | None) -> list[MediaRef]:
     """Resolve a row's video column; paths must exist (frames are decoded later, by the media pipeline)."""
     refs: list[MediaRef] = []
     for item in _as_list(value):
-        ref = _resolve_one(item, video_dir)
+        ref = _resolve_one(item, video_dir, "video")
         if ref is None:
             continue
         if isinstance(ref, str) and not os.path.isfile(ref):

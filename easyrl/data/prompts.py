@@ -16,7 +16,8 @@ import os
 from typing import Any
 
 import jinja2
-import jinja2.sandbox
+
+from easyrl.data.template_guard import GuardedEnvironment, TemplateLimitError, render_with_deadline
 
 
 __all__ = [
@@ -51,16 +52,18 @@ def load_prompt_template(path: str) -> jinja2.Template:
     Undefined names are errors (``StrictUndefined``): a typo in a column name must not silently render as an
     empty string in every prompt. The template is user input, so it runs in jinja's immutable sandbox (as
     transformers runs chat templates): no access to dunder attributes (``cycler.__init__.__globals__.os``) and
-    no mutating methods, so a template cannot reach the interpreter.
+    no mutating methods, so a template cannot reach the interpreter; and no operation may grow text past
+    ``MAX_RENDER_CHARS`` (``easyrl.data.template_guard``).
     """
     text = _read_text(path, "prompt template (data.format_prompt)")
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False
-    )
+    # The sandbox with size checks on every operation that multiplies text (see `template_guard`).
+    env = GuardedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"prompt template {path}: syntax error on line {exc.lineno}: {exc.message}") from exc
+    except TemplateLimitError as exc:  # a constant expression too large, found while compiling
+        raise UnsafeTemplateError(f"prompt template {path} (data.format_prompt): {exc}") from exc
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -127,7 +130,12 @@ class PromptRenderer:
         # Columns first, then `content`, so a column literally named "content" cannot shadow the prompt.
         variables = {**row, "content": prompt}
         try:
-            text = self.template.render(**variables)
+            text = render_with_deadline(self.template, variables)
+        except TemplateLimitError as exc:  # stops the run: a template that explodes on one row is no prompt format
+            raise UnsafeTemplateError(
+                f"prompt template {self.template_path} (data.format_prompt): {exc}; a prompt template should only "
+                "format the row's columns"
+            ) from exc
         except jinja2.exceptions.SecurityError as exc:
             raise UnsafeTemplateError(
                 f"prompt template {self.template_path} (data.format_prompt) does something the sandbox forbids: "

@@ -2,14 +2,16 @@
 
 A private (single-node) instance listens on loopback only: Ray's GCS, raylet, object manager, workers and agents
 bind to 127.0.0.1, the dashboard is off, and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
-bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Its session folder is removed when the
-driver exits. Joining a cluster (``address`` or ``RAY_ADDRESS``) changes none of that: the cluster's own
-``ray start`` settings apply.
+bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Its temp folders lie under a per-user 0700
+folder, and its session folder is removed when the driver exits (if the driver is killed, a reaper process stops
+Ray's processes and removes it). Joining a cluster (``address`` or ``RAY_ADDRESS``, checked to answer first)
+changes none of that: the cluster's own ``ray start`` settings apply.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -65,8 +67,51 @@ def _bind_ray_to_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY_RAY_ENV].lower() not in ("0", "false")
 
 
+def _private_temp_root() -> str:
+    """`<tmp>/easyrl-ray-<uid>`, mode 0700 and ours: Ray makes its temp folders world-writable (0777, no sticky bit,
+    so that users can share `/tmp/ray`); under this parent no other user can reach them."""
+    import stat
+    import tempfile
+
+    root = os.path.join(tempfile.gettempdir(), f"easyrl-ray-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):  # checked below: ours, a folder, private
+        os.mkdir(root, 0o700)
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(
+            f"{root} is not a folder owned by you (uid {os.getuid()}); remove it, or set TMPDIR to a private folder"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(root, 0o700)
+    return root
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A cluster address that answers nothing is one line now, not minutes of Ray's retries."""
+    import socket
+
+    from easyrl.config.errors import ConfigError
+
+    if address in ("auto", "local"):  # resolved by Ray from its own files
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # a form Ray resolves itself; it reports its own errors
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") == address else "address"
+        raise ConfigError(
+            source,
+            f"{address}: nothing answers at {host}:{port} within {timeout_s:g} s ({exc}); start the cluster, or "
+            "unset RAY_ADDRESS to let the run start its own Ray",
+        ) from None
+
+
 def _remove_session_folder_at_exit() -> None:
-    """Shut Ray down at exit, then delete this instance's own session folder (never another run's)."""
+    """Shut Ray down at exit, then delete this instance's own session folder (never another run's); if the driver
+    dies without exiting (SIGKILL), the reaper (`easyrl.distributed.reaper`) does it and says so."""
     import ray
 
     node = ray._private.worker._global_node  # no public accessor for the session folder
@@ -74,7 +119,12 @@ def _remove_session_folder_at_exit() -> None:
     if not session:
         return
 
+    from easyrl.distributed.reaper import start_reaper, stop_reaper
+
+    reaper = start_reaper(session)  # acts only if this process dies without running the hook below
+
     def cleanup() -> None:
+        stop_reaper(reaper)
         if ray.is_initialized():
             ray.shutdown()
         latest = os.path.join(os.path.dirname(session), "session_latest")
@@ -135,6 +185,11 @@ def init_ray(
     if address is None:
         _bind_ray_to_loopback()
         init_args.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
+        if "_temp_dir" not in ray_kwargs and not os.environ.get("RAY_TMPDIR"):
+            # A subfolder: Ray makes the temp folder it is given 0777; the 0700 parent is what keeps others out.
+            init_args["_temp_dir"] = os.path.join(_private_temp_root(), "ray")
+    else:
+        _check_reachable(address)
     init_args.update(ray_kwargs)
     with keep_handlers():  # ray.init replaces the SIGTERM handler of the `easyrl` command
         ray.init(**init_args)

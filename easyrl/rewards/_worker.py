@@ -29,7 +29,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 
 __all__ = ["CallRunner", "Outcome", "describe_exception", "worker_main"]
@@ -52,6 +52,28 @@ async def _await_maybe(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class ProcessExitError(Exception):
+    """An in-process reward call tried to end the process (`os._exit`, `sys.exit`): refused, reported as its error."""
+
+
+# Threads now running reward code in the driver (`CallRunner(guard_exit=True)`): `os._exit` from one of them
+# raises `ProcessExitError` instead of ending the training run without a word; from any other thread it exits.
+_GUARDED_THREADS: set[int] = set()
+_REAL_EXIT = os._exit
+
+
+def _guarded_exit(code: int) -> NoReturn:
+    if threading.get_ident() in _GUARDED_THREADS:
+        raise ProcessExitError(
+            f"called os._exit({code}), which would end the training process; refused (return a score instead)"
+        )
+    _REAL_EXIT(code)
+
+
+def _exit_message(exc: SystemExit) -> str:
+    return f"called sys.exit({exc.code!r}) (raised SystemExit); return a score instead"
+
+
 def _call_sync(fn: Callable[..., Any], arg: Any) -> Outcome:
     try:
         value = fn(arg)
@@ -59,6 +81,8 @@ def _call_sync(fn: Callable[..., Any], arg: Any) -> Outcome:
             # A plain def returning a coroutine (e.g. a wrapper around an async client) still gets awaited.
             value = asyncio.run(_await_maybe(value))
         return "ok", value
+    except SystemExit as exc:  # on a thread it would end the thread silently and the call would time out
+        return "error", _exit_message(exc)
     except Exception as exc:
         return "error", describe_exception(exc)
 
@@ -66,6 +90,8 @@ def _call_sync(fn: Callable[..., Any], arg: Any) -> Outcome:
 async def _call_async(fn: Callable[..., Any], arg: Any) -> Outcome:
     try:
         return "ok", await _await_maybe(fn(arg))
+    except SystemExit as exc:
+        return "error", _exit_message(exc)
     except Exception as exc:
         return "error", describe_exception(exc)
 
@@ -82,14 +108,25 @@ async def _payload_async(fn: Callable[..., Any], mode: str, inputs: list[Any]) -
 
 class CallRunner:
     """Runs tasks of one reward function off the calling thread; ``on_done(task_id, payload)`` gets each result
-    from the thread that finished it (in completion order)."""
+    from the thread that finished it (in completion order). ``guard_exit`` (the driver's in-process calls): an
+    ``os._exit`` from the reward code is refused as that call's error (see `_guarded_exit`)."""
 
-    def __init__(self, fn: Callable[..., Any], is_async: bool, on_done: Callable[[int, Any], None]) -> None:
-        self.fn, self.is_async, self.on_done = fn, is_async, on_done
+    def __init__(
+        self, fn: Callable[..., Any], is_async: bool, on_done: Callable[[int, Any], None], guard_exit: bool = False
+    ) -> None:
+        self.fn, self.is_async, self.on_done, self.guard_exit = fn, is_async, on_done, guard_exit
+        if guard_exit:  # patched once per process; other threads still exit through the real os._exit
+            os._exit = _guarded_exit  # type: ignore[assignment]
         self._loop: asyncio.AbstractEventLoop | None = None
         if is_async:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, daemon=True, name="easyrl-reward-loop").start()
+            threading.Thread(target=self._run_loop, daemon=True, name="easyrl-reward-loop").start()
+
+    def _run_loop(self) -> None:
+        assert self._loop is not None
+        if self.guard_exit:
+            _GUARDED_THREADS.add(threading.get_ident())  # this thread runs nothing but reward code
+        self._loop.run_forever()
 
     def submit(self, task_id: int, mode: str, inputs: list[Any]) -> None:
         if self._loop is not None:
@@ -98,7 +135,13 @@ class CallRunner:
             return
 
         def run() -> None:
-            self.on_done(task_id, _payload_sync(self.fn, mode, inputs))
+            if self.guard_exit:
+                _GUARDED_THREADS.add(threading.get_ident())
+            try:
+                payload = _payload_sync(self.fn, mode, inputs)
+            finally:
+                _GUARDED_THREADS.discard(threading.get_ident())
+            self.on_done(task_id, payload)
 
         # Daemon: a call that never returns must not keep the process alive at exit.
         threading.Thread(target=run, daemon=True, name=f"easyrl-reward-{task_id}").start()

@@ -196,7 +196,9 @@ class RewardManager:
             args = (spec, self.reward.kwargs, self.reward.reward_type)
             self._pool = RewardWorkerPool(reward_cfg.num_workers, args, max_in_flight=reward_cfg.max_concurrency)
         else:
-            self._runner = CallRunner(self.reward.fn, self.reward.is_async, lambda *done: self._done.put(done))
+            self._runner = CallRunner(
+                self.reward.fn, self.reward.is_async, lambda *done: self._done.put(done), guard_exit=True
+            )
         logger.info(
             "reward function %s (%s%s, %s)",
             self.reward.name,
