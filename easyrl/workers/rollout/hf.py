@@ -98,11 +98,7 @@ class HFRolloutEngine(RolloutEngine):
         stop_ids = [] if params.ignore_eos else self.eos_token_ids + list(params.stop_token_ids)
         # Greedy search in both cases: sampling is greedy over Gumbel-perturbed scores (see the module docstring).
         gen_cfg = GenerationConfig(
-            do_sample=False,
-            # Explicit "off" values: None would let transformers fall back to its own defaults (top_k=50).
-            temperature=None,
-            top_p=1.0,
-            top_k=0,
+            do_sample=False,  # so transformers builds no warpers: unset temperature / top-p / top-k do nothing
             max_new_tokens=params.max_tokens,
             min_new_tokens=params.max_tokens if params.ignore_eos else None,
             eos_token_id=stop_ids or None,
