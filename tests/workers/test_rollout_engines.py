@@ -137,6 +137,18 @@ def test_samples_do_not_depend_on_the_layout(name: str, tiny_model_dir: str, tok
     assert torch.equal(again[[0, 3, 2, 1]], one.view(len(texts), params.n, -1)), "a prompt's samples moved with it"
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_top_k_and_top_p_keep_their_meaning(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """The warpers still shape the draw (the HF engine applies them itself before its per-row Gumbel-max): top-k 1,
+    or a top-p below the largest token's probability, leaves only the greedy token."""
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS))["responses"]
+    for cut in ({"top_k": 1}, {"top_p": 1e-6}):
+        params = SamplingParams(n=2, temperature=1.5, max_tokens=MAX_TOKENS, seed=9, **cut)
+        assert torch.equal(engine.generate(prompts, params)["responses"], greedy), cut
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
 def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str, tokenizer) -> None:
