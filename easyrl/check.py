@@ -8,6 +8,7 @@ from typing import Any
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.validate import data_parallel_size, estimator_needs
+from easyrl.workers.varlen import attention_kernel
 
 
 def plan_lines(cfg: EasyRLConfig) -> list[str]:
@@ -33,6 +34,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
         + (", online filtering" if alg.online_filtering else ""),
         f"model: {w.actor.model.model_path}{adapters}",
+        f"attention (training, on this machine): {attention_kernel(w.actor.padding_free)}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"

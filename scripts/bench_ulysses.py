@@ -53,9 +53,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, out: 
     import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
+    from easyrl.distributed.device import use_process_device
     from easyrl.workers.forward_backward import token_log_probs
     from easyrl.workers.memory import _cpu_peak_bytes, _reset_cpu_peak
-    from easyrl.workers.model_setup import load_model, shard_model, worker_device
+    from easyrl.workers.model_setup import load_model, shard_model
     from easyrl.workers.packing import packed_attn_implementation
     from easyrl.workers.specs import ForwardOptions
     from easyrl.workers.ulysses import enable_sequence_parallel
@@ -64,8 +65,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, out: 
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(1)
+    device = use_process_device()  # this rank's own GPU (LOCAL_RANK: the script sees every GPU), before NCCL binds
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    device = worker_device()
     attn = packed_attn_implementation()
     if args.sp > 1:
         attn = enable_sequence_parallel(args.sp, attn)

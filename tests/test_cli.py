@@ -49,6 +49,7 @@ def test_check_prints_the_report(tmp_path, tiny_model_dir) -> None:
     assert "prompt tokens: min=" in out
     assert "'overall'" in out  # the reward function ran on one sample
     assert "grpo advantages" in out and "n=4" in out and "2 per role" in out
+    assert "attention (training, on this machine): transformers' default attention over padded rows" in out
     assert not (tmp_path / "run").exists(), "check must not start training"
 
 

@@ -4,6 +4,7 @@ are peers (no role imports another's private names), and no function grows past 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,36 @@ def test_no_function_over_the_size_budget() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{module}.{node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+# Picking a CUDA index: "cuda:0" / f"cuda:{i}", torch.device("cuda", i), torch.cuda.set_device(...), .cuda(i) / .to(i).
+CUDA_INDEX = re.compile(r"""cuda:\s*(\d|\{)|device\(\s*["']cuda["']\s*,|set_device\(|\.cuda\(\s*[^)\s]""")
+DEVICE_MODULE = PACKAGE / "distributed" / "device.py"
+
+
+def _cuda_index_picks(source: str) -> list[str]:
+    """The code lines of `source` that pick a CUDA device index (comments skipped)."""
+    lines = (line.split("#", 1)[0] for line in source.splitlines())
+    return [line.strip() for line in lines if CUDA_INDEX.search(line)]
+
+
+def test_cuda_index_rule_catches_the_ways_to_pick_one() -> None:
+    picks = _cuda_index_picks(
+        'a = torch.device("cuda", int(os.environ["LOCAL_RANK"]))\nb = f"cuda:{rank}"\nc = "cuda:1"\n'
+        "torch.cuda.set_device(rank % n)\nd = x.cuda(rank)\n"
+        'ok = x.cuda()\nok = torch.device("cuda")\nok = "cuda:LOCAL_RANK"  # cuda:0\n'
+    )
+    assert len(picks) == 5, picks
+
+
+def test_only_the_device_module_picks_a_cuda_index() -> None:
+    """Every role, engine, the NCCL set-up and every script take their device from
+    `easyrl.distributed.device` (Ray shows a worker its own GPU as index 0; torchrun shows all of them)."""
+    files = [*sorted(PACKAGE.rglob("*.py")), *sorted((PACKAGE.parent / "scripts").glob("*.py"))]
+    offenders = [
+        f"{p.relative_to(PACKAGE.parent)}: {line}"
+        for p in files
+        if p != DEVICE_MODULE
+        for line in _cuda_index_picks(p.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "pick the device with easyrl.distributed.device.process_device():\n" + "\n".join(offenders)

@@ -77,11 +77,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         backend: ``"nccl"`` or ``"gloo"``; by default nccl when CUDA is available, else gloo.
         timeout_s: the process-group timeout (rendezvous and collectives).
 
-    On CUDA, the current device is set from ``LOCAL_RANK`` (modulo the visible devices: Ray usually shows each
-    worker only its own GPU, which is then device 0).
+    On CUDA, the current device is set to the process's own GPU (`easyrl.distributed.device`: device 0 of a Ray
+    worker, which sees only its own; ``LOCAL_RANK`` under torchrun).
     """
     import torch
     import torch.distributed as dist
+
+    from easyrl.distributed.device import use_process_device
 
     info = dist_info()
     if dist.is_available() and dist.is_initialized():
@@ -90,7 +92,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
-        torch.cuda.set_device(info.local_rank % max(torch.cuda.device_count(), 1))
+        use_process_device()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     logger.debug(

@@ -24,7 +24,7 @@ from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
 from easyrl.config.validate import estimator_needs
-from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
+from easyrl.seeding import GREEDY_STREAM, SEED_COLUMN, VALIDATION_STREAM, derive_seed, prompt_seeds
 from easyrl.trainer.role_specs import sampling_params
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,
@@ -220,6 +220,10 @@ class Trainer:
         `overrides`): the engines get the B prompts and return the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
         params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
         request = for_workers(prompts, "rollout_prompt")  # media for vLLM
+        # Each prompt's seed from its index in this whole batch, made before the split over engines: the samples do
+        # not depend on the layout (easyrl.seeding).
+        assert params.seed is not None
+        request = request.set(**{SEED_COLUMN: prompt_seeds(params.seed, len(request), params.n)})
         request.meta["sampling"] = params
         out = self.actor.generate_sequences(request)
         metrics |= out.meta.pop("timing", {})

@@ -15,7 +15,7 @@ import torch
 from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.seeding import derive_seed
+from easyrl.seeding import SEED_COLUMN
 from easyrl.workers.forward_backward import (
     LossFn,
     MicroBatchLoss,
@@ -120,13 +120,12 @@ class ActorWorker(TrainedRole, MemoryReporting):
         """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the current policy
         weights; the driver's `SamplingParams` travel in `prompts.meta["sampling"]`.
 
-        The ranks of one tensor-parallel engine get the same prompts and must sample alike: the seed is the engine's.
+        Each prompt's seed comes in the `sample_seed` column the driver made for its whole batch, so a prompt samples
+        alike on whichever engine draws it (and the ranks of one tensor-parallel engine, given the same prompts, alike).
         """
         timing = self._wake_engine()
         params: SamplingParams = prompts.meta["sampling"]
-        engine_rank = self.rank // self.spec.rollout.config.ranks_per_engine
-        assert params.seed is not None, "the driver seeds every generate call"
-        params = params.override({"seed": derive_seed(params.seed, engine_rank, "engine")})
+        assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
         start = time.perf_counter()
         out = self.engine.generate(prompts, params)
         timing["timing_s/generate_engine"] = time.perf_counter() - start

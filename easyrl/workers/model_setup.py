@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
+from easyrl.distributed.device import process_device
 from easyrl.models import is_vision_language
 from easyrl.workers.specs import ProcessSpec
 from easyrl.workers.vl_tower import keep_vision_tower_in_step
@@ -26,10 +27,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def worker_device() -> torch.device:
-    """cuda:LOCAL_RANK on GPU machines, cpu elsewhere."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """The process's own GPU, or the CPU (`easyrl.distributed.device.process_device` decides)."""
+    return process_device()
 
 
 def load_model(

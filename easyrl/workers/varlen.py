@@ -8,7 +8,11 @@ more work for 32 sequences of 512 tokens) and stores the mask. This module regis
 
 * on CUDA: torch's own flash-attention varlen kernel (``torch.nn.attention.varlen.varlen_attn``, forward and
   backward), whose signature changed across torch releases (``is_causal`` in 2.10, ``window_size`` and
-  ``enable_gqa`` later): the call adapts to the installed one;
+  ``enable_gqa`` later): the call adapts to the installed one. Grouped-query attention (fewer key/value heads than
+  query heads) runs natively wherever the kernel takes it: through ``enable_gqa`` where the signature has it, or
+  with the fewer heads passed straight in where a one-time probe on tiny tensors (`gqa_support`) shows the
+  flash kernel underneath accepts them and agrees with repeated heads (torch 2.11 has no flag). Only where neither
+  holds are the key/value heads repeated (``Hq / Hkv`` times the K/V memory and traffic of every layer);
 * elsewhere: causal sdpa on each sequence in turn (exact; what the CPU tests run).
 
 Registered without a mask function, so transformers builds no mask at all for it (it passes ``None``); the function
@@ -20,13 +24,26 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 
-__all__ = ["VARLEN_ATTENTION", "cu_seqlens", "register_varlen_attention", "varlen_attention_forward"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "attention_kernel",
+    "cu_seqlens",
+    "gqa_mode",
+    "gqa_support",
+    "register_varlen_attention",
+    "repeat_kv_heads",
+    "varlen_attention_forward",
+]
 
 VARLEN_ATTENTION = "easyrl_varlen"
 """The ``attn_implementation`` name models are loaded with for packed training."""
@@ -62,12 +79,91 @@ def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return torch.cat(parts, dim=1).transpose(0, 1)
 
 
+GqaMode = Literal["flag", "native", "repeat"]
+"""How `varlen_attn` gets fewer key/value heads: ``enable_gqa=True``, passed as they are, or repeated first."""
+
+
 @functools.cache
 def _varlen_params() -> frozenset[str]:
     """The argument names of the installed torch's ``varlen_attn`` (read once, not at every layer of every pass)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def gqa_mode(params: frozenset[str], takes_fewer_kv_heads: Callable[[], bool]) -> GqaMode:
+    """How to call a `varlen_attn` with argument names `params` for GQA: ``flag`` where it has ``enable_gqa``;
+    else ``native`` if `takes_fewer_kv_heads()` (the probe) says the kernel accepts them unflagged; else ``repeat``."""
+    if "enable_gqa" in params:
+        return "flag"
+    return "native" if takes_fewer_kv_heads() else "repeat"
+
+
+def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v (T, Hkv, D) with each head repeated for its group of query heads: (T, Hq, D) (what a kernel without GQA
+    needs; query head h uses key/value head h // (Hq / Hkv), as in every GQA model)."""
+    groups = query_heads // k.shape[1]
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _varlen_call_kwargs(params: frozenset[str], scale: float, head_dim: int) -> dict[str, Any]:
+    """Causal masking and the scale, spelled the way the installed `varlen_attn` takes them."""
+    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - head_dim**-0.5) > 1e-12:
+        raise ValueError(f"this torch's varlen_attn has no scale argument and the model needs {scale}")
+    return kwargs
+
+
+def _probe_unflagged_gqa() -> bool:
+    """Whether this torch's `varlen_attn` (CUDA) takes 2 key/value heads for 4 query heads without a flag, forward
+    and backward, and agrees with repeated heads. Its flash kernel supports GQA; whether the Python wrapper lets the
+    fewer heads through differs by release, so it is tried once instead of guessed from the version."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(12, h, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for h in (4, 2, 2)
+    )
+    cu = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
+    kwargs = _varlen_call_kwargs(params, 64**-0.5, 64)
+    try:
+        out = varlen_attn(q, k, v, cu, cu, 7, 7, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+    except (RuntimeError, ValueError) as err:  # the wrapper or kernel refuses fewer heads: repeat them
+        logger.info("varlen_attn takes no fewer key/value heads unflagged (%s): repeating them", err)
+        return False
+    kr, vr = repeat_kv_heads(k.detach(), v.detach(), 4)
+    ref = varlen_attn(q.detach(), kr, vr, cu, cu, 7, 7, **kwargs)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    grads_ok = k.grad is not None and k.grad.shape == k.shape
+    return grads_ok and torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@functools.cache
+def gqa_support() -> GqaMode:
+    """This process's `gqa_mode` for torch's varlen kernel on CUDA, decided once (the probe runs at most once)."""
+    return gqa_mode(_varlen_params(), _probe_unflagged_gqa)
+
+
+def attention_kernel(padding_free: bool) -> str:
+    """The attention kernel packed training runs in this process, and whether GQA is native: for `easyrl check`."""
+    import importlib.util
+
+    if not padding_free:
+        return "transformers' default attention over padded rows (padding_free=false)"
+    if not torch.cuda.is_available():
+        return f"{VARLEN_ATTENTION}: per-sequence sdpa (CPU), GQA native (enable_gqa)"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2 (the flash-attn package, varlen), GQA native"
+    mode = gqa_support()
+    gqa = {"flag": "GQA native (enable_gqa)", "native": "GQA native (fewer K/V heads accepted)"}.get(
+        mode, "GQA by repeating K/V heads (this torch's varlen_attn takes no fewer heads)"
+    )
+    return f"{VARLEN_ATTENTION}: torch {torch.__version__} varlen_attn (flash), {gqa}"
 
 
 def _torch_varlen(
@@ -77,21 +173,13 @@ def _torch_varlen(
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
-    kwargs: dict[str, Any] = {}
-    if "is_causal" in params:
-        kwargs["is_causal"] = True
-    else:
-        kwargs["window_size"] = (-1, 0)
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        raise ValueError(f"this torch's varlen_attn has no scale argument and the model needs {scale}")
+    kwargs = _varlen_call_kwargs(params, scale, q.shape[-1])
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        mode = gqa_support()
+        if mode == "flag":
             kwargs["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        elif mode == "repeat":
+            k, v = repeat_kv_heads(k, v, q.shape[1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (T, H, D) views of (H, T, D) tensors
     out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
     return out[0] if isinstance(out, tuple) else out

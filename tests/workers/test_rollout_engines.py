@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
+from easyrl.seeding import prompt_seeds
 from easyrl.trainer.role_specs import rollout_spec
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
@@ -116,6 +117,36 @@ def test_batch_over_the_scheduler_budget(name: str, tiny_model_dir: str, tokeniz
     out = engine.generate(prompts, params)
     assert out["responses"].shape == (16 * len(PROMPTS), 4)
     assert torch.equal(engine.generate(prompts, params)["responses"], out["responses"])
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_samples_do_not_depend_on_the_layout(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """A prompt's samples depend on its seed alone (the driver's `sample_seed` column): the batch on one engine, or
+    split in two as ENGINE_SPLIT gives it to two engines, samples the same tokens; and a prompt keeps its samples when
+    its neighbours in the batch change (same padding width, so no float difference can flip a near-tie)."""
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    texts = [*PROMPTS, "Add: 3 4"]
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.9, top_k=20, max_tokens=MAX_TOKENS, seed=3)
+    whole = left_padded(tokenizer, texts).set(sample_seed=prompt_seeds(1234, len(texts), params.n))
+    one = engine.generate(whole, params)["responses"]
+    two = torch.cat([engine.generate(half, params)["responses"] for half in whole.chunk(2)])
+    assert torch.equal(one, two), "the samples changed when the batch was split over two engines"
+    assert len({tuple(r) for r in one.tolist()}) > len(texts), "the samples of a prompt are all alike"
+    swapped = whole.index([0, 3, 2, 1])  # prompt 1 and 3 trade places (and neighbours), each with its own seed
+    again = engine.generate(swapped, params)["responses"].view(len(texts), params.n, -1)
+    assert torch.equal(again[[0, 3, 2, 1]], one.view(len(texts), params.n, -1)), "a prompt's samples moved with it"
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_top_k_and_top_p_keep_their_meaning(name: str, tiny_model_dir: str, tokenizer) -> None:
+    """The warpers still shape the draw (the HF engine applies them itself before its per-row Gumbel-max): top-k 1,
+    or a top-p below the largest token's probability, leaves only the greedy token."""
+    engine = make_engine(name, tiny_model_dir, tokenizer)
+    prompts = left_padded(tokenizer, PROMPTS)
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS))["responses"]
+    for cut in ({"top_k": 1}, {"top_p": 1e-6}):
+        params = SamplingParams(n=2, temperature=1.5, max_tokens=MAX_TOKENS, seed=9, **cut)
+        assert torch.equal(engine.generate(prompts, params)["responses"], greedy), cut
 
 
 @pytest.mark.vllm

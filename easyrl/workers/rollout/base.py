@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from easyrl.batch import Batch
+from easyrl.seeding import SEED_COLUMN, prompt_seeds
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    """Per-call seed (see `easyrl.seeding`): the same seed and weights give the same samples."""
+    """Per-call seed (see `easyrl.seeding`): the same seed and weights give the same samples. The driver's calls
+    carry each prompt's own seed in the prompts' `sample_seed` column instead, made from this one."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token."""
 
@@ -78,6 +80,17 @@ class RolloutEngine(ABC):
 
     def wake_up(self, tags: list[str] | None = None) -> None:  # noqa: B027
         """Re-acquire memory: `["weights"]` before `load_weights`, `["kv_cache"]` before generating."""
+
+
+def seeds_of_prompts(prompts: Batch, params: SamplingParams, unseeded: int) -> list[int]:
+    """The seed of sample 0 of each prompt (sample `j` takes it plus `j`): the `sample_seed` column the driver
+    attached to its whole batch before splitting it over the engines, so a prompt samples alike on any engine. A
+    batch without it (an engine driven directly: tests, benchmarks) is taken for a whole batch seeded with
+    `params.seed`, or `unseeded` when that is None."""
+    if SEED_COLUMN in prompts:
+        return [int(s) for s in prompts[SEED_COLUMN].tolist()]
+    seed = params.seed if params.seed is not None else unseeded
+    return prompt_seeds(seed, len(prompts["input_ids"]), params.n).tolist()
 
 
 def assemble_sequences(

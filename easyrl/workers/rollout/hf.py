@@ -3,6 +3,12 @@
 The engine keeps its own unsharded copy of the policy in eval mode; the actor streams new weights into it
 after every update. Log-probs are computed from the raw logits of each decoding step divided by the
 temperature, which is what the actor computes for the same tokens.
+
+Sampling departs from `generate(do_sample=True)`: that draws every row of a batch from one global generator, so a
+row's tokens would depend on how many rows come before it (on the batch's split over engines). Here each row owns a
+`torch.Generator` seeded from its own seed (`easyrl.seeding`), and a token is drawn by the Gumbel-max trick: the
+argmax of the warped scores (temperature, top-k, top-p, in transformers' order) plus Gumbel noise from the row's
+generator is an exact draw from the softmax of those scores. `generate` then runs greedily over the perturbed scores.
 """
 
 from __future__ import annotations
@@ -12,14 +18,50 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from easyrl.batch import Batch
 from easyrl.models import generate_with_media, model_class_for
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
+from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 
 
 logger = logging.getLogger(__name__)
+
+
+class RowGumbelNoise(LogitsProcessor):
+    """Adds Gumbel noise to each row's scores from that row's own generator, so that the greedy pick that follows is
+    a sample from the row's softmax that no other row can change. A row draws one noise vector per decoding step,
+    also after it finished (those tokens are replaced by padding): its t-th token always uses its t-th draw."""
+
+    def __init__(self, seeds: list[int], device: torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # torch.rand is in [0, 1): -log(-log(0)) is -inf (never picked) and u < 1 keeps the noise finite.
+        uniform = torch.stack(
+            [torch.rand(scores.shape[1], generator=g, device=scores.device) for g in self.generators]
+        )
+        gumbel = -torch.log(-torch.log(uniform))
+        return scores + gumbel.to(scores.dtype)  # type: ignore[return-value]
+
+
+def row_sampler(params: SamplingParams, seeds: list[int], device: torch.device) -> LogitsProcessorList:
+    """The processors that turn `generate`'s greedy search into per-row seeded sampling with `params`' warpers,
+    in the order transformers applies them when it samples (temperature, top-k, top-p)."""
+    warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return LogitsProcessorList([*warpers, RowGumbelNoise(seeds, device)])
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -54,23 +96,23 @@ class HFRolloutEngine(RolloutEngine):
             media = [m for m in media for _ in range(params.n)] if media is not None else None
         greedy = params.temperature == 0
         stop_ids = [] if params.ignore_eos else self.eos_token_ids + list(params.stop_token_ids)
+        # Greedy search in both cases: sampling is greedy over Gumbel-perturbed scores (see the module docstring).
         gen_cfg = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            # Explicit "off" values: None would let transformers fall back to its own defaults (top_k=50).
-            top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+            do_sample=False,  # so transformers builds no warpers: unset temperature / top-p / top-k do nothing
             max_new_tokens=params.max_tokens,
             min_new_tokens=params.max_tokens if params.ignore_eos else None,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_token_id,
-            output_logits=params.logprobs,
+            output_logits=params.logprobs,  # the raw logits, before any processor: log-probs of the policy
             return_dict_in_generate=True,
         )
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            out: Any = generate_with_media(self.model, input_ids, attention_mask, media, generation_config=gen_cfg)
+        extra: dict[str, Any] = {}
+        if not greedy:
+            seeds = [s + j for s in seeds_of_prompts(prompts, params, unseeded=0) for j in range(params.n)]
+            extra["logits_processor"] = row_sampler(params, seeds, self.device)
+        out: Any = generate_with_media(
+            self.model, input_ids, attention_mask, media, generation_config=gen_cfg, **extra
+        )
         prompt_len = input_ids.shape[1]
         responses = out.sequences[:, prompt_len:]
         if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width

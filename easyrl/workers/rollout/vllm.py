@@ -31,8 +31,7 @@ from transformers import AutoConfig
 from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
-from easyrl.seeding import derive_seed
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences
+from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 from easyrl.workers.specs import RolloutSpec
 
 
@@ -140,10 +139,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample `params.n` responses for each prompt: one vLLM request per prompt with `n` samples. Row `i` of the
-        B*n output (sample `j` of prompt `i // n`) is sampled with seed `derive_seed(params.seed, i, "row")`: vLLM
-        seeds child `j` of a request with the request's seed plus `j`, so the request of prompt `p` is seeded for
-        its first row `p * n`, and the samples are the very ones of one request per row."""
+        """Sample `params.n` responses for each prompt: one vLLM request per prompt with `n` samples. Sample `j` of
+        prompt `p` is sampled with the prompt's seed plus `j` (`seeds_of_prompts`: the seed of its row in the
+        driver's whole batch): vLLM seeds child `j` of a request with the request's seed plus `j`, so the request is
+        seeded with the prompt's seed, and the samples are the very ones of one request per row."""
         from vllm import SamplingParams as VSamplingParams
 
         n = params.n
@@ -159,7 +158,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [vllm_request(rows[start // n], media[start // n], self.slot_token_ids) for start, _ in units]
         # Log-probs for a share of the requests, each with all its samples (vLLM asks per request).
         unit_logprobs = _logprob_sample(len(units), self.logprob_ratio if params.logprobs else 0.0)
-        base_seed = params.seed if params.seed is not None else self.cfg.seed
+        seeds = seeds_of_prompts(prompts, params, unseeded=self.cfg.seed)
         # A sampled <|image_pad|> would be taken for an image slot by every later forward pass.
         ban_media = dict.fromkeys(self.media_token_ids, -100.0) or None
         sampling = [
@@ -172,7 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids),
                 logprobs=0 if wanted else None,
-                seed=derive_seed(base_seed, start, "row"),
+                seed=seeds[start // n] + start % n,
                 detokenize=False,
                 logit_bias=ban_media,
             )
