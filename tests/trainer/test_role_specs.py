@@ -13,6 +13,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
+from easyrl.seeding import SEED_COLUMN, prompt_seeds
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
 from tests.conftest import base_config, write_config
 
@@ -144,6 +145,8 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     actor = ActorWorker(specs.actor)
     actor.init_model()
     prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
+    # the driver seeds every prompt before the batch is split (Trainer.generate); the worker refuses unseeded ones
+    prompts = prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
     prompts.meta["sampling"] = sampling
     out = actor.generate_sequences(prompts)
     assert out["responses"].shape == (2 * sampling.n, sampling.max_tokens)  # the engine returned B*n rows
