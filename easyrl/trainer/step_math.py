@@ -83,6 +83,27 @@ def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[s
     return pooled
 
 
+def needs_old_log_prob_pass(
+    *,
+    ppo_epochs: int,
+    mini_batches: int,
+    kl_in_reward: bool,
+    tis: bool,
+    adaptive_entropy: bool,
+    logprob_diagnostics: bool,
+) -> bool:
+    """Whether a step must run the actor's old-log-prob pass before the update (TRL skips it when it may).
+
+    With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
+    the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
+    forward. The pass is still needed when something reads them (or the entropy it returns) before the update: KL in
+    the reward, truncated importance weights, the adaptive entropy controller, or the engine-vs-actor log-prob
+    diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly).
+    """
+    reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
+    return reused or kl_in_reward or tis or adaptive_entropy or logprob_diagnostics
+
+
 def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     """The first of `keys` holding a NaN/inf on a valid response token, or None."""
     mask = batch["response_mask"].bool()

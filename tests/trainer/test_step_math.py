@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from easyrl.trainer.step_math import mini_batch_major_order, pool_reward_metrics
+from easyrl.trainer.step_math import mini_batch_major_order, needs_old_log_prob_pass, pool_reward_metrics
 
 
 def test_pooled_reward_metrics_weigh_means_and_sum_counters() -> None:
@@ -32,3 +32,24 @@ def test_mini_batch_major_order_gives_every_rank_a_share_of_each_global_mini_bat
         assert order == list(range(rows))
     with pytest.raises(ValueError, match="global_batch_size"):
         mini_batch_major_order(rows, 5, dp)
+
+
+def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_with_nothing_reading_it() -> None:
+    base = {
+        "ppo_epochs": 1,
+        "mini_batches": 1,
+        "kl_in_reward": False,
+        "tis": False,
+        "adaptive_entropy": False,
+        "logprob_diagnostics": False,
+    }
+    assert needs_old_log_prob_pass(**base) is False  # the update's forward runs the rollout policy's weights
+    for key, value in (
+        ("ppo_epochs", 2),  # the second epoch runs moved weights
+        ("mini_batches", 2),  # so does the second mini-batch
+        ("kl_in_reward", True),  # the reward reads KL(old || ref) before the update
+        ("tis", True),  # truncated IS weights are old / rollout
+        ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
+        ("logprob_diagnostics", True),  # rollout/logprob_diff_* compare old and rollout log-probs
+    ):
+        assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
