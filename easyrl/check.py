@@ -51,9 +51,25 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         ),
         "old log-probs: "
         + ("a forward pass before the update" if old_log_prob_pass(cfg) else "the update's own, detached (1 pass)"),
+        validation_line(cfg),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
     ]
+
+
+def validation_line(cfg: EasyRLConfig) -> str:
+    """What validation measures: greedy decoding shows little of what training changed in a model that is already
+    good at it; samples do (the demo: greedy 0.92 before and after, sampled 0.24 -> 0.79)."""
+    if not cfg.data.val_files:
+        return "validation: none (no data.val_files)"
+    sampling = {"temperature": cfg.worker.rollout.temperature, "n": 1, **cfg.worker.rollout.val_override_config}
+    n, temperature = int(sampling["n"]), float(sampling["temperature"])
+    if temperature == 0:
+        return f"validation: greedy, {n} response(s) per prompt (val/reward/overall)"
+    return (
+        f"validation: {n} sample(s) per prompt at temperature {temperature} (val/reward/mean@{n}, "
+        f"val/reward/best@{n}, val/pass@{n}: a prompt passes when one of its samples scores full accuracy)"
+    )
 
 
 def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:

@@ -104,6 +104,21 @@ def needs_old_log_prob_pass(
     return reused or kl_in_reward or tis or adaptive_entropy or logprob_diagnostics
 
 
+def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:
+    """Per-prompt statistics of `n` samples per prompt (sample `j` of prompt `i` at `i * n + j`), averaged over prompts:
+    `val/reward/mean@n` (mean `overall`), `val/reward/best@n` (best `overall` of the n) and `val/pass@n` (share of
+    prompts with at least one sample passing: its `accuracy`, or `overall` without one, is at least 1, a full
+    score). Greedy validation of a model that is already good hides learning that these show."""
+    if n < 1 or not scores or len(scores) % n:
+        raise ValueError(f"sampled_validation_metrics: {len(scores)} scores do not make groups of n={n} samples")
+    groups = [scores[i : i + n] for i in range(0, len(scores), n)]
+    mean = sum(sum(s["overall"] for s in g) / n for g in groups) / len(groups)
+    best = sum(max(s["overall"] for s in g) for g in groups) / len(groups)
+    # A sample whose reward call failed carries only the fallback `overall`: it passes on that.
+    passed = sum(any(s.get("accuracy", s["overall"]) >= 1.0 for s in g) for g in groups) / len(groups)
+    return {f"val/reward/mean@{n}": mean, f"val/reward/best@{n}": best, f"val/pass@{n}": passed}
+
+
 def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     """The first of `keys` holding a NaN/inf on a valid response token, or None."""
     mask = batch["response_mask"].bool()

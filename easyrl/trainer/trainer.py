@@ -36,6 +36,7 @@ from easyrl.trainer.step_math import (
     mini_batch_major_order,
     pool_reward_metrics,
     rollout_tis_weights,
+    sampled_validation_metrics,
     throughput_metrics,
     token_level_scores,
 )
@@ -310,7 +311,8 @@ class Trainer:
         return self.val_data is not None and ((freq > 0 and self.global_step % freq == 0) or (last and freq > 0))
 
     def validate(self) -> dict[str, float]:
-        """Generate for the whole validation set with `val_override_config`; mean scores as `val/*`."""
+        """Generate for the whole validation set with `val_override_config`; mean scores as `val/*`, and with `n`
+        samples per prompt their per-prompt mean, best and pass rate (`sampled_validation_metrics`)."""
         if self.val_data is None:
             return {}
         from easyrl.data import collate_prompts
@@ -337,6 +339,7 @@ class Trainer:
             ]
         keys = sorted({k for s in all_scores for k in s})
         metrics = {f"val/reward/{k}": sum(s.get(k, 0.0) for s in all_scores) / len(all_scores) for k in keys}
+        metrics |= sampled_validation_metrics(all_scores, int(overrides.get("n", 1)))
         metrics["val/reward_score"] = metrics.get("val/reward/overall", float("nan"))
         metrics["val/reward_errors"] = reward_errors
         if self.cfg.trainer.val_generations_to_log > 0:
