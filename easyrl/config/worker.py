@@ -109,11 +109,15 @@ class ActorConfig:
     loss_avg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     ppo_epochs: int = 1
-    """Passes over each rollout batch."""
-    padding_free: bool = True
+    """Passes over each rollout batch. One pass over one mini-batch (`global_batch_size` = `data.rollout_batch_size`)
+    skips the old-log-prob pass (the update's own log-probs, detached, are the old ones) unless KL in the reward,
+    `algorithm.tis_cap`, adaptive entropy or an explicit `worker.rollout.logprob_sample_ratio` reads them first."""
+    padding_free: bool | None = None
     """Pack each micro-batch's valid tokens into one row; attention stays within each sequence (flash-attn's varlen
-    kernel when installed, else torch's varlen flash kernel on GPU and per-sequence sdpa on CPU). The reference and
-    critic follow it, as they follow `dynamic_batching`."""
+    kernel when installed, else torch's varlen flash kernel on GPU and per-sequence sdpa on CPU). Null (auto): packed
+    on GPUs and whenever `ulysses_size` > 1 (sequence parallelism splits packed rows), padded on CPU (where packed
+    attention runs sequence by sequence and is slower than one padded batch). The reference and critic follow it, as
+    they follow `dynamic_batching`."""
     dynamic_batching: bool = True
     """Form micro-batches by a token budget instead of a fixed count (also for the reference and critic)."""
     max_token_len_per_gpu: int = 16384
@@ -130,7 +134,7 @@ class ActorConfig:
     """SAPO: gate temperature of tokens with a negative advantage."""
     ulysses_size: int = 1
     """Ulysses sequence parallelism: each packed row is split over this many workers (attention exchanges heads for
-    tokens with all-to-alls). Must divide the workers and the attention heads; needs `padding_free`. The data-parallel
+    tokens with all-to-alls). Must divide the workers and the attention heads; needs `padding_free` true or null. The data-parallel
     size is workers / ulysses_size; `max_token_len_per_gpu` counts each worker's share. The reference follows it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import effective_sleep_level, estimator_needs
+from easyrl.config.validate import effective_padding_free, effective_sleep_level, estimator_needs
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
+from easyrl.trainer.step_math import needs_old_log_prob_pass
 from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (
     ActorSpec,
@@ -58,7 +61,7 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
                 torch_dtype=cfg.worker.ref.fsdp.torch_dtype,
                 fsdp=cfg.worker.ref.fsdp,
                 offload=cfg.worker.ref.offload,
-                forward=forward_options(cfg.worker.actor),
+                forward=forward_options(cfg),
             ),
             temperature=cfg.worker.rollout.temperature,
             micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
@@ -82,7 +85,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             fsdp=acfg.fsdp,
             optim=acfg.optim,
             offload=acfg.offload,
-            forward=forward_options(acfg),
+            forward=forward_options(cfg),
             total_optimizer_steps=optimizer_steps,
             checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
         ),
@@ -133,7 +136,7 @@ def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, 
             optim=ccfg.optim,
             offload=ccfg.offload,
             forward=ForwardOptions(
-                padding_free=acfg.padding_free,
+                padding_free=effective_padding_free(cfg, use_gpu(cfg)),
                 max_token_len=acfg.max_token_len_per_gpu * ccfg.ulysses_size if acfg.dynamic_batching else None,
                 ulysses_size=ccfg.ulysses_size,
             ),
@@ -164,12 +167,23 @@ def _checkpoint_files(own: ModelConfig, actor: ModelConfig) -> tuple[str | None,
     return model_path, own.tokenizer_path or actor.tokenizer_path or model_path
 
 
-def forward_options(actor_cfg: ActorConfig) -> ForwardOptions:
-    """`ForwardOptions` from `worker.actor` (the reference follows all of them, the critic all but its split). The
-    token budget is per rank: a sequence-parallel group's micro-batch holds `ulysses_size` times as many tokens."""
+def use_gpu(cfg: EasyRLConfig) -> bool:
+    """Whether the workers train on GPUs (`trainer.device`, `auto`: when CUDA is available)."""
+    if cfg.trainer.device == "cpu":
+        return False
+    if cfg.trainer.device == "cuda":
+        return True
+    return torch.cuda.is_available()
+
+
+def forward_options(cfg: EasyRLConfig) -> ForwardOptions:
+    """`ForwardOptions` from `worker.actor` (the reference follows all of them, the critic all but its split), with
+    `padding_free` resolved for this run's device. The token budget is per rank: a sequence-parallel group's
+    micro-batch holds `ulysses_size` times as many tokens."""
+    actor_cfg = cfg.worker.actor
     budget = actor_cfg.max_token_len_per_gpu * actor_cfg.ulysses_size
     return ForwardOptions(
-        padding_free=actor_cfg.padding_free,
+        padding_free=effective_padding_free(cfg, use_gpu(cfg)),
         fused=actor_cfg.fused_logprobs,
         chunk_size=actor_cfg.logprob_chunk_size,
         max_token_len=budget if actor_cfg.dynamic_batching else None,
@@ -197,10 +211,25 @@ def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
     return 1.0 if cfg.algorithm.tis_cap is not None else DEFAULT_LOGPROB_RATIO
 
 
+def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
+    """Whether each step runs the actor's old-log-prob pass (`step_math.needs_old_log_prob_pass` on this config)."""
+    acfg, alg, ratio = cfg.worker.actor, cfg.algorithm, cfg.worker.rollout.logprob_sample_ratio
+    return needs_old_log_prob_pass(
+        ppo_epochs=acfg.ppo_epochs,
+        mini_batches=cfg.data.rollout_batch_size // acfg.global_batch_size,
+        kl_in_reward=alg.kl_mode == KLMode.IN_REWARD,
+        tis=alg.tis_cap is not None,
+        adaptive_entropy=alg.adaptive_entropy,
+        logprob_diagnostics=ratio is not None and ratio > 0,
+    )
+
+
 def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
-    """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call."""
+    """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call. The
+    engine's log-probs are asked for only when the old-log-prob pass runs: without it nothing compares them."""
     rcfg = cfg.worker.rollout
     return SamplingParams(
+        logprobs=old_log_prob_pass(cfg),
         n=rcfg.n,
         temperature=rcfg.temperature,
         top_p=rcfg.top_p,

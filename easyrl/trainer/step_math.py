@@ -83,6 +83,42 @@ def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[s
     return pooled
 
 
+def needs_old_log_prob_pass(
+    *,
+    ppo_epochs: int,
+    mini_batches: int,
+    kl_in_reward: bool,
+    tis: bool,
+    adaptive_entropy: bool,
+    logprob_diagnostics: bool,
+) -> bool:
+    """Whether a step must run the actor's old-log-prob pass before the update (TRL skips it when it may).
+
+    With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
+    the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
+    forward. The pass is still needed when something reads them (or the entropy it returns) before the update: KL in
+    the reward, truncated importance weights, the adaptive entropy controller, or the engine-vs-actor log-prob
+    diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly).
+    """
+    reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
+    return reused or kl_in_reward or tis or adaptive_entropy or logprob_diagnostics
+
+
+def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:
+    """Per-prompt statistics of `n` samples per prompt (sample `j` of prompt `i` at `i * n + j`), averaged over prompts:
+    `val/reward/mean@n` (mean `overall`), `val/reward/best@n` (best `overall` of the n) and `val/pass@n` (share of
+    prompts with at least one sample passing: its `accuracy`, or `overall` without one, is at least 1, a full
+    score). Greedy validation of a model that is already good hides learning that these show."""
+    if n < 1 or not scores or len(scores) % n:
+        raise ValueError(f"sampled_validation_metrics: {len(scores)} scores do not make groups of n={n} samples")
+    groups = [scores[i : i + n] for i in range(0, len(scores), n)]
+    mean = sum(sum(s["overall"] for s in g) / n for g in groups) / len(groups)
+    best = sum(max(s["overall"] for s in g) for g in groups) / len(groups)
+    # A sample whose reward call failed carries only the fallback `overall`: it passes on that.
+    passed = sum(any(s.get("accuracy", s["overall"]) >= 1.0 for s in g) for g in groups) / len(groups)
+    return {f"val/reward/mean@{n}": mean, f"val/reward/best@{n}": best, f"val/pass@{n}": passed}
+
+
 def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     """The first of `keys` holding a NaN/inf on a valid response token, or None."""
     mask = batch["response_mask"].bool()

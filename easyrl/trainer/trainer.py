@@ -25,7 +25,7 @@ from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
 from easyrl.config.validate import estimator_needs
 from easyrl.seeding import GREEDY_STREAM, SEED_COLUMN, VALIDATION_STREAM, derive_seed, prompt_seeds
-from easyrl.trainer.role_specs import sampling_params
+from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,
     compute_advantages,
@@ -36,6 +36,7 @@ from easyrl.trainer.step_math import (
     mini_batch_major_order,
     pool_reward_metrics,
     rollout_tis_weights,
+    sampled_validation_metrics,
     throughput_metrics,
     token_level_scores,
 )
@@ -63,6 +64,7 @@ class Trainer:
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
+        self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
         alg = cfg.algorithm
@@ -138,8 +140,9 @@ class Trainer:
                 if self.stop_signal is not None:  # asked to stop before anything trained: undo this step
                     self.restore_driver_state(step_start)
                     break
-                with timer("old", timings):
-                    batch = batch.union(self.actor.compute_log_probs(for_workers(batch)))
+                if self.old_pass:
+                    with timer("old", timings):
+                        batch = batch.union(self.actor.compute_log_probs(for_workers(batch)))
                 if self.ref is not None:
                     with timer("ref", timings):
                         batch = batch.union(self.ref.compute_ref_log_probs(for_workers(batch)))
@@ -227,6 +230,8 @@ class Trainer:
         request.meta["sampling"] = params
         out = self.actor.generate_sequences(request)
         metrics |= out.meta.pop("timing", {})
+        if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare
+            out.tensors.pop("rollout_log_probs", None)
         return prompts.repeat_interleave(params.n).union(out)
 
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
@@ -267,9 +272,9 @@ class Trainer:
             if alg.tis_cap is not None:
                 batch.set(rollout_is_weights=rollout_tis_weights(batch, alg.tis_cap))
         compute_advantages(batch, alg)
-        entropy = float((batch["entropys"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1))
-        if self.entropy_ctrl is not None:
-            self.entropy_ctrl.update(entropy)
+        if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
+            mask = batch["response_mask"]
+            self.entropy_ctrl.update(float((batch["entropys"] * mask).sum() / mask.sum().clamp(min=1)))
             batch.meta["entropy_coeff"] = self.entropy_ctrl.value
         else:
             batch.meta["entropy_coeff"] = alg.entropy_coeff
@@ -306,7 +311,8 @@ class Trainer:
         return self.val_data is not None and ((freq > 0 and self.global_step % freq == 0) or (last and freq > 0))
 
     def validate(self) -> dict[str, float]:
-        """Generate for the whole validation set with `val_override_config`; mean scores as `val/*`."""
+        """Generate for the whole validation set with `val_override_config`; mean scores as `val/*`, and with `n`
+        samples per prompt their per-prompt mean, best and pass rate (`sampled_validation_metrics`)."""
         if self.val_data is None:
             return {}
         from easyrl.data import collate_prompts
@@ -333,6 +339,7 @@ class Trainer:
             ]
         keys = sorted({k for s in all_scores for k in s})
         metrics = {f"val/reward/{k}": sum(s.get(k, 0.0) for s in all_scores) / len(all_scores) for k in keys}
+        metrics |= sampled_validation_metrics(all_scores, int(overrides.get("n", 1)))
         metrics["val/reward_score"] = metrics.get("val/reward/overall", float("nan"))
         metrics["val/reward_errors"] = reward_errors
         if self.cfg.trainer.val_generations_to_log > 0:

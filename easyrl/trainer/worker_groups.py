@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-import torch
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.trainer.role_specs import build_role_specs
+from easyrl.trainer.role_specs import build_role_specs, use_gpu
 
 
 logger = logging.getLogger(__name__)
@@ -161,15 +160,6 @@ def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Wo
             for kind, count in data.media_per_row().items():
                 media[kind] = max(media.get(kind, 0), count)
     return Workers(cfg, optimizer_steps, media)
-
-
-def use_gpu(cfg: EasyRLConfig) -> bool:
-    """Whether the workers train on GPUs (`trainer.device`, `auto`: when CUDA is available)."""
-    if cfg.trainer.device == "cpu":
-        return False
-    if cfg.trainer.device == "cuda":
-        return True
-    return torch.cuda.is_available()
 
 
 def _engine_env(cfg: EasyRLConfig) -> dict[str, str]:

@@ -67,12 +67,15 @@ def policy_objective(
 
     `mb` is the micro-batch on the loss's device, and the only source of the per-token tensors used here (old and
     reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
-    from the forward pass: a tensor left on the host would fail on a GPU run.
+    from the forward pass: a tensor left on the host would fail on a GPU run. Without `old_log_probs` (the driver
+    skipped the old-log-prob pass: one epoch over one mini-batch) they are `log_prob` detached: this forward runs
+    the weights the pass would have run, so the ratio is 1 and the gradient the same.
     """
     mask = mb["response_mask"].float()
+    old_log_prob = mb.tensors.get("old_log_probs")
     policy_loss = get_policy_loss(spec.loss_type)
     pg_loss, pg_metrics = policy_loss(
-        old_log_prob=mb["old_log_probs"],
+        old_log_prob=log_prob.detach() if old_log_prob is None else old_log_prob,
         log_prob=log_prob,
         advantages=mb["advantages"],
         response_mask=mask,
@@ -206,6 +209,15 @@ class ActorWorker(TrainedRole, MemoryReporting):
         """PPO-family update over the batch; returns `actor/*` metrics (values over all ranks' rows, averaged over the
         mini-batches)."""
         self.model.train()
+        if "old_log_probs" not in batch and (
+            self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size
+        ):
+            # A second optimizer step would run moved weights: its "old" log-probs would not be the rollout policy's.
+            raise ValueError(
+                "update_actor without old_log_probs needs one epoch over one mini-batch "
+                f"(worker.actor.ppo_epochs={self.spec.update.epochs}, {len(batch)} rows, mini-batch "
+                f"{self.spec.update.mini_batch_size}): the driver's old-log-prob pass decision is out of step"
+            )
         metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef

@@ -28,8 +28,9 @@ def _config(tmp: Path, model_dir: str, data: dict[str, str], **trainer: Any) -> 
     actor = conf["worker"]["actor"]
     actor["model"]["lora"] = LORA
     actor["model"]["enable_gradient_checkpointing"] = True
-    for fast_path in ("padding_free", "dynamic_batching", "fused_logprobs"):  # the defaults: all on
+    for fast_path in ("dynamic_batching", "fused_logprobs"):  # the defaults: on
         actor.pop(fast_path)
+    actor["padding_free"] = True  # packed rows, as on GPUs (null, the default, pads on CPU)
     actor["optim"]["lr"] = 3e-2
     conf["worker"]["rollout"]["logprob_sample_ratio"] = 1.0
     conf["trainer"].update({"save_freq": 1, **trainer})

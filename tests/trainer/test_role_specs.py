@@ -191,3 +191,30 @@ def test_sleep_level_is_derived_from_how_weights_reach_the_engine() -> None:
     assert level(**{"worker.actor.model.lora.rank": 8}) == 2  # merged sync sends every weight each step
     assert level(**{"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.rollout_sync": "adapter"}) == 1
     assert level(**{"worker.rollout.sleep_level": 1}) == 1
+
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "packed"),
+    [
+        (["trainer.device=cpu"], False),  # auto on CPU: padded (per-sequence attention is slower there)
+        (["trainer.device=cuda"], True),  # auto on GPUs: packed varlen
+        (["trainer.device=cpu", "worker.actor.ulysses_size=2"], True),  # sequence parallelism splits packed rows
+        (["trainer.device=cpu", "worker.actor.padding_free=true"], True),  # explicit values are kept
+        (["trainer.device=cuda", "worker.actor.padding_free=false"], False),
+    ],
+)
+def test_padding_free_null_picks_the_layout_per_device_for_every_role(overrides: list[str], packed: bool) -> None:
+    gae = ["algorithm.adv_estimator=gae", "algorithm.disable_kl=false", "worker.critic.global_batch_size=16"]
+    specs = build_role_specs(load_config(DEMO, [*overrides, *gae]), optimizer_steps=4, world_size=2)
+    assert specs.ref is not None and specs.critic is not None
+    layouts = {specs.actor.model.forward.padding_free, specs.ref.model.forward.padding_free}
+    assert layouts | {specs.critic.model.forward.padding_free} == {packed}
+
+
+def test_engine_log_probs_are_asked_for_only_when_the_old_log_prob_pass_runs() -> None:
+    assert sampling_params(load_config(DEMO, [])).logprobs is False  # 1 epoch over 1 mini-batch: skipped
+    assert sampling_params(load_config(DEMO, ["worker.actor.ppo_epochs=2"])).logprobs is True
+    assert sampling_params(load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])).logprobs is True

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from easyrl.trainer.step_math import mini_batch_major_order, pool_reward_metrics
+from easyrl.trainer.step_math import (
+    mini_batch_major_order,
+    needs_old_log_prob_pass,
+    pool_reward_metrics,
+    sampled_validation_metrics,
+)
 
 
 def test_pooled_reward_metrics_weigh_means_and_sum_counters() -> None:
@@ -32,3 +37,48 @@ def test_mini_batch_major_order_gives_every_rank_a_share_of_each_global_mini_bat
         assert order == list(range(rows))
     with pytest.raises(ValueError, match="global_batch_size"):
         mini_batch_major_order(rows, 5, dp)
+
+
+def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_with_nothing_reading_it() -> None:
+    base = {
+        "ppo_epochs": 1,
+        "mini_batches": 1,
+        "kl_in_reward": False,
+        "tis": False,
+        "adaptive_entropy": False,
+        "logprob_diagnostics": False,
+    }
+    assert needs_old_log_prob_pass(**base) is False  # the update's forward runs the rollout policy's weights
+    for key, value in (
+        ("ppo_epochs", 2),  # the second epoch runs moved weights
+        ("mini_batches", 2),  # so does the second mini-batch
+        ("kl_in_reward", True),  # the reward reads KL(old || ref) before the update
+        ("tis", True),  # truncated IS weights are old / rollout
+        ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
+        ("logprob_diagnostics", True),  # rollout/logprob_diff_* compare old and rollout log-probs
+    ):
+        assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
+
+
+def test_sampled_validation_metrics_per_prompt_mean_best_and_pass() -> None:
+    # Two prompts, n=3: prompt 0 solved once (accuracy 1), prompt 1 never (its best overall is 0.9, accuracy 0.8).
+    scores = [
+        {"overall": 0.2, "accuracy": 0.0},
+        {"overall": 1.0, "accuracy": 1.0},
+        {"overall": 0.3, "accuracy": 0.2},
+        {"overall": 0.9, "accuracy": 0.8},
+        {"overall": 0.5, "accuracy": 0.4},
+        {"overall": 0.1, "accuracy": 0.0},
+    ]
+    got = sampled_validation_metrics(scores, 3)
+    assert got == pytest.approx(
+        {"val/reward/mean@3": (1.5 / 3 + 1.5 / 3) / 2, "val/reward/best@3": 0.95, "val/pass@3": 0.5}
+    )
+    # Without an accuracy sub-score a sample passes on a full overall score; n=1 is greedy validation's case.
+    assert sampled_validation_metrics([{"overall": 1.0}, {"overall": 0.99}], 1) == {
+        "val/reward/mean@1": pytest.approx(0.995),
+        "val/reward/best@1": pytest.approx(0.995),
+        "val/pass@1": 0.5,
+    }
+    with pytest.raises(ValueError, match="groups of n=4"):
+        sampled_validation_metrics(scores, 4)

@@ -1,0 +1,76 @@
+"""Skipping the old-log-prob pass (one epoch over one mini-batch) changes nothing: the update that takes its own
+forward's log-probs, detached, as the old ones moves the parameters as the update given the old pass's log-probs.
+A tiny Qwen2 in one process, the actor's real objective (PPO clip, KL loss), padded and packed rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from easyrl.batch import Batch
+from easyrl.workers.specs import ForwardOptions, PolicyLossSpec
+
+
+CPU = torch.device("cpu")
+PROMPT, RESPONSES = 4, [1, 3, 6, 2, 5, 4]
+LOSS = PolicyLossSpec("ppo", 0.2, 0.28, 3.0, True, "low_var_kl", 0.1, 1.0, 1.05)
+
+
+def _batch(vocab: int = 90) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    b, r = len(RESPONSES), max(RESPONSES)
+    mask = torch.zeros(b, PROMPT + r, dtype=torch.long)
+    for i, n in enumerate(RESPONSES):
+        mask[i, : PROMPT + n] = 1
+    ids = torch.randint(3, vocab, (b, PROMPT + r), generator=g) * mask
+    return Batch(
+        {
+            "prompts": ids[:, :PROMPT],
+            "responses": ids[:, PROMPT:],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "response_mask": mask[:, PROMPT:].clone(),
+            "advantages": torch.randn(b, r, generator=g),
+            "ref_log_probs": -3.0 + 0.1 * torch.randn(b, r, generator=g),
+        }
+    )
+
+
+def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The actor's update (AdamW, 2 micro-batches) after an old-log-prob pass or without one; the parameters before
+    and after it."""
+    from easyrl.config import ModelConfig, OptimConfig
+    from easyrl.workers.actor import policy_objective
+    from easyrl.workers.forward_backward import MicroBatchLoss, batched_log_probs, optimize, token_log_probs
+    from easyrl.workers.model_setup import build_scheduler, load_model
+    from easyrl.workers.varlen import register_varlen_attention
+
+    attn = register_varlen_attention() if opts.padding_free else None
+    model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    if old_pass:  # what `ActorWorker.compute_log_probs` does: eval mode, no grad
+        model.eval()
+        old, _ = batched_log_probs(model, batch, CPU, 1.0, micro_batch_size=4, opts=opts)
+        batch = batch.union(Batch({"old_log_probs": old}))
+    model.train()
+
+    def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+        lp, _ = token_log_probs(model, mb, CPU, 1.0, with_entropy=False, opts=opts)
+        return policy_objective(on_device, lp, None, LOSS, "token-mean", 0.0)
+
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    optimize(
+        model, optim, build_scheduler(optim, OptimConfig(lr=1e-3), 1), batch, device=CPU, mini_batch_size=len(batch),
+        micro_batch_size=3, epochs=1, max_grad_norm=1.0, loss_fn=loss_fn, prefix="actor",
+    )  # fmt: skip
+    return before, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("opts", [ForwardOptions(), ForwardOptions(padding_free=True)], ids=["padded", "packed"])
+def test_update_without_old_log_probs_moves_the_parameters_alike(tiny_model_dir: str, opts: ForwardOptions) -> None:
+    before, with_pass = _update(tiny_model_dir, _batch(), opts, old_pass=True)
+    _, skipped = _update(tiny_model_dir, _batch(), opts, old_pass=False)
+    assert (with_pass - before).abs().max() > 1e-4  # the step moved the parameters (AdamW: about lr each)
+    # Equal up to float rounding: the eval-mode pass and the training forward may sum in another order.
+    torch.testing.assert_close(skipped, with_pass, rtol=1e-5, atol=1e-6)
