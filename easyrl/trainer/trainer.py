@@ -33,6 +33,7 @@ from easyrl.trainer.step_math import (
     first_nonfinite,
     keep_informative_groups,
     logprob_consistency,
+    mean_entropy,
     mini_batch_major_order,
     pool_reward_metrics,
     rollout_tis_weights,
@@ -251,7 +252,7 @@ class Trainer:
         ]
         scores, metrics = self.reward.score(inputs)
         if store:
-            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["response_mask"]))
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
             batch.set(response_text=texts)
         return scores, metrics
 
@@ -267,7 +268,7 @@ class Trainer:
             if alg.tis_cap is not None:
                 batch.set(rollout_is_weights=rollout_tis_weights(batch, alg.tis_cap))
         compute_advantages(batch, alg)
-        entropy = float((batch["entropys"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1))
+        entropy = mean_entropy(batch)
         if self.entropy_ctrl is not None:
             self.entropy_ctrl.update(entropy)
             batch.meta["entropy_coeff"] = self.entropy_ctrl.value

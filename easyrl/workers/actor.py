@@ -69,7 +69,7 @@ def policy_objective(
     reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
     from the forward pass: a tensor left on the host would fail on a GPU run.
     """
-    mask = mb["response_mask"].float()
+    mask = mb["loss_mask"].float()
     policy_loss = get_policy_loss(spec.loss_type)
     pg_loss, pg_metrics = policy_loss(
         old_log_prob=mb["old_log_probs"],

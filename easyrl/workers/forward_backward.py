@@ -181,7 +181,8 @@ def _backward_mini_batch(
     backward multiplies by `sp` (`easyrl.distributed.sequence_parallel`), so the loss backpropagated is also
     multiplied by `dp`: the averaged gradient is then the gradient of the global objective.
     """
-    masks = [mb["response_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
+    # Weighed by the tokens the loss counts (`loss_mask`), not those attended: tool output carries no weight.
+    masks = [mb["loss_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
     local = [sum(float(m.double().sum()) for m in masks), sum(agg_count(m, loss_agg_mode) for m in masks)]
     # One collective per mini-batch: the global valid tokens and the global count the aggregation divides by.
     tokens, count = sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), sp_size).tolist()
@@ -189,7 +190,7 @@ def _backward_mini_batch(
     sums: dict[str, torch.Tensor | float] = {}
     for mb, dummy in zip(mbs.parts, mbs.dummy):
         out = loss_fn(mb, mb.to(device))  # the micro-batch's one transfer to the device
-        mask = mb["response_mask"]
+        mask = mb["loss_mask"]
         # Host-side shares (the mask is on the host): no device sync. A dummy (run only so every rank joins the same
         # FSDP collectives) weighs 0 and reports nothing, but names the metrics so every rank reduces the same keys.
         share = 0.0 if dummy or count == 0 else agg_count(mask, loss_agg_mode) / count

@@ -46,6 +46,7 @@ def _batch(vocab: int = 90) -> Batch:
             "attention_mask": mask,
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
             "response_mask": mask[:, PROMPT:].clone(),
+            "loss_mask": mask[:, PROMPT:].clone(),
             "advantages": torch.randn(b, r, generator=g),
             "returns": torch.randn(b, r, generator=g),
             "values": 0.1 * torch.randn(b, r, generator=g),
