@@ -170,8 +170,9 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 
 
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
-# response text by it. Everything that trains or scores reads `loss_mask` (tool output is attended, never trained).
-ATTENTION_MASK_READERS = {"easyrl.trainer.trainer", "easyrl.workers.forward_backward", "easyrl.workers.ulysses"}
+# response text by it, the forward head zeroes a value model's outputs at padding by it. Everything that trains or
+# scores reads `loss_mask` (tool output is attended, never trained on).
+ATTENTION_MASK_READERS = {"easyrl.trainer.trainer", "easyrl.workers.head"}
 
 
 def _field_reads(source: str, name: str) -> list[int]:

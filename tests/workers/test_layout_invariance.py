@@ -68,11 +68,13 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     from easyrl.workers.varlen import register_varlen_attention
 
     attn = register_varlen_attention()
-    if opts.ulysses_size > 1:
-        attn = enable_sequence_parallel(opts.ulysses_size, attn)
+    sp = enable_sequence_parallel(opts.ulysses_size, attn) if opts.ulysses_size > 1 else None
+    attn = sp.attn_implementation if sp is not None else attn
     torch.manual_seed(0)  # the critic's value head is fresh: the same init at every layout
     role = "value" if kind == "critic" else "causal_lm"
     model = load_model(ModelConfig(model_path=model_dir), role, attn_implementation=attn)
+    if sp is not None:
+        sp.attach(model)
     if dist.is_initialized():
         model = shard_model(model, FSDPConfig(), CPU)
     model.train()
