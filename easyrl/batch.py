@@ -2,8 +2,11 @@
 
 Tensor fields used by the trainer (B samples, P prompt tokens left-padded, R response tokens right-padded):
     prompts (B, P), responses (B, R), input_ids (B, P+R), attention_mask (B, P+R), position_ids (B, P+R),
-    response_mask (B, R), rollout_log_probs (B, R), old_log_probs (B, R), ref_log_probs (B, R), values (B, R),
+    response_mask (B, R), loss_mask (B, R), rollout_log_probs (B, R), old_log_probs (B, R), ref_log_probs (B, R), values (B, R),
     token_level_scores (B, R), token_level_rewards (B, R), advantages (B, R), returns (B, R).
+`response_mask` is the attention side (which response tokens exist: attention, packing, lengths); `loss_mask` the
+training side (which of them the losses, advantages, rewards and metrics count). They are equal for a single-turn
+rollout; a multi-turn one zeroes tool output in `loss_mask` only (seen, never trained on).
 Non-tensor fields: uid (group id of the prompt), ground_truth, raw_prompt, row, index.
 """
 

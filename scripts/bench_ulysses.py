@@ -68,10 +68,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, out: 
     device = use_process_device()  # this rank's own GPU (LOCAL_RANK: the script sees every GPU), before NCCL binds
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     attn = packed_attn_implementation()
-    if args.sp > 1:
-        attn = enable_sequence_parallel(args.sp, attn)
+    sp = enable_sequence_parallel(args.sp, attn) if args.sp > 1 else None
+    attn = sp.attn_implementation if sp is not None else attn
     dtype = torch.bfloat16 if cuda else torch.float32
     model = load_model(ModelConfig(model_path=model_dir), dtype=dtype, attn_implementation=attn)
+    if sp is not None:
+        sp.attach(model)
     model = shard_model(model, FSDPConfig(), device, gradient_checkpointing=True).train()
     opts = ForwardOptions(padding_free=True, fused=True, chunk_size=1024, ulysses_size=args.sp)
     mb = _batch(args.prompt, args.response, min(1000, model.config.vocab_size), seed=rank // args.sp)

@@ -80,6 +80,7 @@ def _wrap(cls):
         lengths = torch.randint({lo}, {hi} + 1, (len(out),), generator=g).clamp(max=r)
         keep = torch.arange(r)[None, :] < lengths[:, None]
         out.tensors["response_mask"] = out["response_mask"] * keep
+        out.tensors["loss_mask"] = out["loss_mask"] * keep
         out.tensors["attention_mask"][:, p:] *= keep
         out.tensors["responses"] = torch.where(keep, out["responses"], {pad})
         out.tensors["input_ids"][:, p:] = out.tensors["responses"]

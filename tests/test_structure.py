@@ -167,3 +167,40 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
         for line in _cuda_index_picks(p.read_text(encoding="utf-8"))
     ]
     assert not offenders, "pick the device with easyrl.distributed.device.process_device():\n" + "\n".join(offenders)
+
+
+# Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
+# response text by it, the forward head zeroes a value model's outputs at padding by it. Everything that trains or
+# scores reads `loss_mask` (tool output is attended, never trained on).
+ATTENTION_MASK_READERS = {"easyrl.trainer.trainer", "easyrl.workers.head"}
+
+
+def _field_reads(source: str, name: str) -> list[int]:
+    """Lines of `source` that read a batch field `name`: `x["name"]` or `x.get("name")` / `x.tensors.get(...)`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == name:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if node.args else None
+            if isinstance(key, ast.Constant) and key.value == name:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_field_read_rule_catches_reads_not_writes() -> None:
+    source = 'a = b["response_mask"]\nc = b.tensors.get("response_mask")\nd = {"response_mask": m}\nb.set(response_mask=m)\n'
+    assert _field_reads(source, "response_mask") == [1, 2]
+
+
+def test_only_the_attention_side_reads_response_mask() -> None:
+    """Losses, advantages, rewards, metrics and the critic read `loss_mask`; `algorithms/` never sees a batch."""
+    offenders = [
+        f"{module}:{line}"
+        for module, path in MODULES.items()
+        if module not in ATTENTION_MASK_READERS
+        for line in _field_reads(path.read_text(encoding="utf-8"), "response_mask")
+    ]
+    assert not offenders, "read batch['loss_mask'] (what the loss counts), not 'response_mask':\n" + "\n".join(
+        offenders
+    )

@@ -20,7 +20,12 @@ from easyrl.algorithms.controllers import (
     KLController,
     get_kl_controller,
 )
-from easyrl.algorithms.entropy import entropy_from_logits, logprobs_from_logits, logprobs_from_logits_chunked
+from easyrl.algorithms.entropy import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    logprobs_from_logits_chunked,
+    scale_logits,
+)
 from easyrl.algorithms.kl import KL_PENALTY_KINDS, kl_penalty
 from easyrl.algorithms.registry import (
     GROUP_ESTIMATORS,
@@ -68,4 +73,5 @@ __all__ = [
     "masked_whiten",
     "register_advantage_estimator",
     "register_policy_loss",
+    "scale_logits",
 ]

@@ -10,7 +10,24 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-__all__ = ["entropy_from_logits", "logprobs_from_logits", "logprobs_from_logits_chunked"]
+__all__ = ["entropy_from_logits", "logprobs_from_logits", "logprobs_from_logits_chunked", "scale_logits"]
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``logits / temperature`` (..., V): the distribution the rollout sampled from, the one every training
+    head (plain, packed, fused, sequence-parallel) takes log-probs and entropy of.
+
+    Greedy decoding (0) has no such distribution, so training refuses it rather than silently using temperature 1
+    (config validation refuses it first: it is for validation only).
+    """
+    if not temperature > 0:  # `not >`: NaN is refused too
+        raise ValueError(
+            f"temperature {temperature}: worker.rollout.temperature must be > 0 for training (e.g. 1.0); greedy (0) "
+            "is for validation only (worker.rollout.val_override_config)"
+        )
+    logits = logits.float()
+    # Skipping the division at 1 keeps the values bit-identical to the unscaled path (x / 1.0 is exact anyway).
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:

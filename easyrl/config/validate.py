@@ -158,8 +158,13 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
             raise ConfigError(key, f"must be a positive integer, got {_get(cfg, key)!r}")
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
         raise ConfigError("trainer.max_steps", f"must be >= 1 or null, got {cfg.trainer.max_steps}")
-    if cfg.worker.rollout.temperature < 0:
-        raise ConfigError("worker.rollout.temperature", "must be >= 0 (0 means greedy)")
+    if not cfg.worker.rollout.temperature > 0:  # `not >`: NaN fails too
+        # Training takes log-probs of logits / temperature (the sampling distribution); greedy has none.
+        raise ConfigError(
+            "worker.rollout.temperature",
+            f"must be > 0 for training, got {cfg.worker.rollout.temperature}: set it > 0 (e.g. 1.0); greedy decoding "
+            "(0) is for validation only: worker.rollout.val_override_config: {temperature: 0}",
+        )
     if not 0 < cfg.worker.rollout.top_p <= 1:
         raise ConfigError("worker.rollout.top_p", f"must be in (0, 1], got {cfg.worker.rollout.top_p}")
     if cfg.worker.rollout.top_k < -1:  # both engines read -1 and 0 as "off"

@@ -31,10 +31,7 @@ __all__ = [
     "gather_sequence",
     "init_sequence_parallel",
     "shard_sequence",
-    "sp_group",
 ]
-
-_GROUPS: dict[int, SPGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,8 @@ class SPGroup:
 
 def init_sequence_parallel(size: int) -> SPGroup:
     """Create the groups of `size` consecutive ranks (a collective: every rank calls it, in the same order) and
-    return this rank's. Idempotent per size."""
-    if size in _GROUPS:
-        return _GROUPS[size]
+    return this rank's. The caller keeps it (`easyrl.workers.ulysses.SequenceParallel`): no module-level registry,
+    so two models of one process can hold groups of their own."""
     if not dist.is_initialized():
         raise RuntimeError(f"sequence parallelism (ulysses_size={size}) needs an initialized process group")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -64,15 +60,7 @@ def init_sequence_parallel(size: int) -> SPGroup:
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = group
-    _GROUPS[size] = SPGroup(mine, size, rank % size)
-    return _GROUPS[size]
-
-
-def sp_group(size: int) -> SPGroup:
-    """The group made by `init_sequence_parallel(size)` in this process."""
-    if size not in _GROUPS:
-        raise RuntimeError(f"no sequence-parallel group of size {size}: init_sequence_parallel was not called")
-    return _GROUPS[size]
+    return SPGroup(mine, size, rank % size)
 
 
 def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, sp: SPGroup) -> torch.Tensor:
@@ -151,7 +139,7 @@ def shard_sequence(
     `inputs_embeds` (1, T, H) with vision embeddings already scattered in, `position_ids` (1, T) or multimodal
     RoPE ids (3, 1, T). Tensors named in `position_keys` are padded with 0, 1, ... (the padding is a sequence of
     its own), the others with zeros. Returns (this rank's slices, the whole padded tensors); attention needs the
-    whole padded 1-D positions of the row (`easyrl.workers.ulysses.ulysses_context`).
+    whole padded 1-D positions of the row (`easyrl.workers.ulysses.SequenceParallel.position_ids`).
     """
     lengths = {t.shape[d] for t, d in seq_dims.values()}
     if len(lengths) != 1:

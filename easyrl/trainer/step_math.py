@@ -12,18 +12,27 @@ from easyrl.batch import Batch
 from easyrl.config import AlgorithmConfig
 
 
-def token_level_scores(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's score on its last valid response token: (B, R)."""
-    out = torch.zeros_like(response_mask, dtype=torch.float32)
-    lengths = response_mask.sum(dim=1).long()
-    for i, (score, length) in enumerate(zip(scores, lengths.tolist())):
-        out[i, max(length, 1) - 1] = float(score)
+def token_level_scores(scores: Sequence[float], loss_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's score on its last trained response token (the last 1 of `loss_mask` (B, R), the first
+    column for a row with none): (B, R)."""
+    out = torch.zeros_like(loss_mask, dtype=torch.float32)
+    # The last 1, not the count of 1s: a multi-turn row's loss mask has holes (tool output) before its end.
+    columns = torch.arange(loss_mask.shape[1]).expand_as(loss_mask)
+    last = torch.where(loss_mask.bool(), columns, -1).max(dim=1).values.clamp(min=0)
+    for i, (score, column) in enumerate(zip(scores, last.tolist())):
+        out[i, column] = float(score)
     return out
+
+
+def response_attention(batch: Batch) -> torch.Tensor:
+    """The response tokens the model saw (B, R), tool output included: the response part of `attention_mask`. Counts
+    lengths and generation work; everything that trains or scores reads `loss_mask` instead."""
+    return batch["attention_mask"][:, batch["prompts"].shape[1] :]
 
 
 def apply_kl_in_reward(batch: Batch, controller: KLController, kind: str) -> dict[str, float]:
     """token_level_rewards = scores - beta * KL(old || ref) per token; updates the controller."""
-    mask = batch["response_mask"].float()
+    mask = batch["loss_mask"].float()
     kl = kl_penalty(log_prob=batch["old_log_probs"], ref_log_prob=batch["ref_log_probs"], kl_penalty=kind) * mask
     beta = controller.value
     batch.set(token_level_rewards=batch["token_level_scores"] - beta * kl)
@@ -42,7 +51,8 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
         extra["reward_baselines"] = batch["reward_baselines"]
     adv, ret = estimator(
         token_level_rewards=batch["token_level_rewards"],
-        response_mask=batch["response_mask"].float(),
+        # The estimators keep verl's keyword; what they get is the loss mask (tool output neither earns nor passes reward).
+        response_mask=batch["loss_mask"].float(),
         index=batch["uid"],
         **extra,
     )
@@ -120,8 +130,8 @@ def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> di
 
 
 def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
-    """The first of `keys` holding a NaN/inf on a valid response token, or None."""
-    mask = batch["response_mask"].bool()
+    """The first of `keys` holding a NaN/inf on a trained response token (`loss_mask`), or None."""
+    mask = batch["loss_mask"].bool()
     for key in keys:
         if key in batch and not torch.isfinite(batch[key][mask]).all():
             return key
@@ -131,12 +141,13 @@ def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
 def rollout_tis_weights(batch: Batch, cap: float) -> torch.Tensor:
     """Truncated importance weights min(pi_actor / pi_rollout, cap) per token (B, R), zero on padding."""
     ratio = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(max=cap)
-    return ratio * batch["response_mask"]
+    return ratio * batch["loss_mask"]
 
 
 def logprob_consistency(batch: Batch) -> dict[str, float]:
-    """|rollout engine log-prob - actor log-prob| of the sampled tokens, over valid tokens."""
-    mask = batch["response_mask"].bool()
+    """|rollout engine log-prob - actor log-prob| of the sampled tokens, over trained tokens (the engine gives no
+    log-prob for tool output it did not sample)."""
+    mask = batch["loss_mask"].bool()
     sampled = batch.tensors.get("rollout_logprob_mask")
     if sampled is not None:
         mask = mask & sampled.bool().unsqueeze(1)
@@ -148,8 +159,8 @@ def logprob_consistency(batch: Batch) -> dict[str, float]:
 
 def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
     """verl-named statistics of scores, rewards, advantages, returns, values and lengths."""
-    mask = batch["response_mask"].float()
-    response_length = mask.sum(dim=1)
+    mask = batch["loss_mask"].float()
+    response_length = response_attention(batch).float().sum(dim=1)  # verl's: every response token, tool output too
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(dim=1)
     seq_score = batch["token_level_scores"].sum(dim=1)
     seq_reward = batch["token_level_rewards"].sum(dim=1)
@@ -187,7 +198,7 @@ def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int)
 def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) -> dict[str, float]:
     """Tokens per second per worker over the whole step, and milliseconds per token of each stage."""
     total_tokens = float(batch["attention_mask"].sum())
-    response_tokens = float(batch["response_mask"].sum())
+    response_tokens = float(response_attention(batch).sum())
     step = timings.get("step", 0.0)
     out = {
         "perf/total_num_tokens": total_tokens,
@@ -198,6 +209,13 @@ def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) 
         tokens = response_tokens if stage == "gen" else total_tokens
         out[f"timing_per_token_ms/{stage}"] = 1000.0 * seconds / max(tokens, 1.0)
     return out
+
+
+def mean_entropy(batch: Batch) -> float:
+    """The rollout's entropy (`entropys` (B, R)) averaged over the trained tokens: what the entropy controller
+    steers."""
+    mask = batch["loss_mask"]
+    return float((batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
 
 
 def mini_batch_major_order(rows: int, mini_batch_rows: int, dp: int) -> list[int]:

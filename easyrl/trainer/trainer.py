@@ -33,6 +33,7 @@ from easyrl.trainer.step_math import (
     first_nonfinite,
     keep_informative_groups,
     logprob_consistency,
+    mean_entropy,
     mini_batch_major_order,
     pool_reward_metrics,
     rollout_tis_weights,
@@ -256,7 +257,7 @@ class Trainer:
         ]
         scores, metrics = self.reward.score(inputs)
         if store:
-            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["response_mask"]))
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
             batch.set(response_text=texts)
         return scores, metrics
 
@@ -273,8 +274,7 @@ class Trainer:
                 batch.set(rollout_is_weights=rollout_tis_weights(batch, alg.tis_cap))
         compute_advantages(batch, alg)
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
-            mask = batch["response_mask"]
-            self.entropy_ctrl.update(float((batch["entropys"] * mask).sum() / mask.sum().clamp(min=1)))
+            self.entropy_ctrl.update(mean_entropy(batch))
             batch.meta["entropy_coeff"] = self.entropy_ctrl.value
         else:
             batch.meta["entropy_coeff"] = alg.entropy_coeff

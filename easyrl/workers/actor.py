@@ -71,7 +71,7 @@ def policy_objective(
     skipped the old-log-prob pass: one epoch over one mini-batch) they are `log_prob` detached: this forward runs
     the weights the pass would have run, so the ratio is 1 and the gradient the same.
     """
-    mask = mb["response_mask"].float()
+    mask = mb["loss_mask"].float()
     old_log_prob = mb.tensors.get("old_log_probs")
     policy_loss = get_policy_loss(spec.loss_type)
     pg_loss, pg_metrics = policy_loss(

@@ -21,7 +21,7 @@ def value_objective(mb: Batch, vpreds: torch.Tensor, cliprange_value: float, los
         vpreds=vpreds,
         returns=mb["returns"],
         values=mb["values"],
-        response_mask=mb["response_mask"].float(),
+        response_mask=mb["loss_mask"].float(),
         cliprange_value=cliprange_value,
         loss_agg_mode=loss_agg_mode,
     )

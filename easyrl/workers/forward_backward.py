@@ -1,4 +1,5 @@
-"""Forward passes and the mini-batch/micro-batch update loop shared by the actor, reference and critic roles."""
+"""Forward passes over whole batches and the mini-batch/micro-batch update loop shared by the actor, reference and
+critic roles. The per-micro-batch forward head (`token_log_probs`, `response_values`) is `easyrl.workers.head`."""
 
 from __future__ import annotations
 
@@ -11,96 +12,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from easyrl.algorithms import agg_count, entropy_from_logits, logprobs_from_logits
+from easyrl.algorithms import agg_count
 from easyrl.batch import Batch
-from easyrl.models import multimodal_forward_kwargs
 from easyrl.workers.batching import MicroBatches, make_micro_batches
-from easyrl.workers.packing import fused_forward, prepare_inputs
+from easyrl.workers.head import response_values, token_log_probs
 from easyrl.workers.specs import ForwardOptions, UpdateSpec
 from easyrl.workers.trainable import TrainableModel
-from easyrl.workers.ulysses import sp_response_values, sp_token_log_probs
 
 
-def response_logits(model: nn.Module, mb: Batch, device: torch.device) -> torch.Tensor:
-    """Logits predicting each response token: (b, R, V) from a forward pass over prompt+response (b, P+R)."""
-    response_len = mb["responses"].shape[1]
-    # Vision-language rows: this micro-batch's patches and grids, and 3D (M-RoPE) positions for the 1D ones.
-    media = multimodal_forward_kwargs(mb, model, device)
-    position_ids = media.pop("position_ids", None)
-    out = model(
-        input_ids=mb["input_ids"].to(device),
-        attention_mask=mb["attention_mask"].to(device),
-        position_ids=position_ids if position_ids is not None else mb["position_ids"].to(device),
-        use_cache=False,
-        **media,
-    )
-    return out.logits[:, -response_len - 1 : -1]
-
-
-def token_log_probs(
-    model: nn.Module,
-    mb: Batch,
-    device: torch.device,
-    temperature: float,
-    with_entropy: bool,
-    opts: ForwardOptions | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each response token under `model` at `temperature`: (b, R), and its entropy (b, R).
-
-    `opts` picks the layout (padded, trimmed or packed) and the head (full logits or fused chunks); every path
-    gives the same values at valid response tokens, for text and vision-language rows alike. The non-plain paths
-    give 0 at padding.
-    """
-    if opts is not None and opts.ulysses_size > 1:
-        return sp_token_log_probs(model, mb, device, temperature, with_entropy, opts)
-    if opts is None or opts.plain:
-        logits = response_logits(model, mb, device).float()
-        if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature
-        log_probs = logprobs_from_logits(logits, mb["responses"].to(device))
-        entropy = entropy_from_logits(logits) if with_entropy else None
-        return log_probs, entropy
-    inputs = prepare_inputs(mb, opts.padding_free, model).to(device)
-    if opts.fused:
-        lp, ent = fused_forward(model, inputs, temperature, opts.chunk_size)
-        return inputs.scatter(lp), (inputs.scatter(ent) if with_entropy else None)
-    # Packed rows: `logits_to_keep` (a tensor of positions) makes the model compute logits only where needed.
-    keep: dict[str, torch.Tensor] = {"logits_to_keep": inputs.select} if opts.padding_free else {}
-    out = model(
-        input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
-        **keep,
-        **inputs.media,
-    )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
-    logits = (logits if opts.padding_free else logits.index_select(0, inputs.select)).float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    lp = inputs.scatter(logprobs_from_logits(logits, inputs.labels))
-    return lp, (inputs.scatter(entropy_from_logits(logits)) if with_entropy else None)
-
-
-def response_values(
-    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
-) -> torch.Tensor:
-    """A value model's estimate of the state before each response token: (b, R), zeros at padding."""
-    if opts is not None and opts.ulysses_size > 1:
-        return sp_response_values(model, mb, device, opts)
-    if opts is None or opts.plain:
-        values = response_logits(model, mb, device)[..., 0].float()
-        return values * mb["response_mask"].to(device)
-    inputs = prepare_inputs(mb, opts.padding_free, model).to(device)
-    out = model(
-        input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
-        **inputs.media,
-    )
-    values = inputs.scatter(out.logits.reshape(-1).index_select(0, inputs.select).float())
-    return values * mb["response_mask"].to(device)
+__all__ = [
+    "MicroBatchLoss",
+    "batched_log_probs",
+    "batched_values",
+    "optimize",
+    "response_values",
+    "token_log_probs",
+    "update_model",
+]
 
 
 @torch.no_grad()
@@ -181,7 +109,8 @@ def _backward_mini_batch(
     backward multiplies by `sp` (`easyrl.distributed.sequence_parallel`), so the loss backpropagated is also
     multiplied by `dp`: the averaged gradient is then the gradient of the global objective.
     """
-    masks = [mb["response_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
+    # Weighed by the tokens the loss counts (`loss_mask`), not those attended: tool output carries no weight.
+    masks = [mb["loss_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
     local = [sum(float(m.double().sum()) for m in masks), sum(agg_count(m, loss_agg_mode) for m in masks)]
     # One collective per mini-batch: the global valid tokens and the global count the aggregation divides by.
     tokens, count = sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), sp_size).tolist()
@@ -189,7 +118,7 @@ def _backward_mini_batch(
     sums: dict[str, torch.Tensor | float] = {}
     for mb, dummy in zip(mbs.parts, mbs.dummy):
         out = loss_fn(mb, mb.to(device))  # the micro-batch's one transfer to the device
-        mask = mb["response_mask"]
+        mask = mb["loss_mask"]
         # Host-side shares (the mask is on the host): no device sync. A dummy (run only so every rank joins the same
         # FSDP collectives) weighs 0 and reports nothing, but names the metrics so every rank reduces the same keys.
         share = 0.0 if dummy or count == 0 else agg_count(mask, loss_agg_mode) / count

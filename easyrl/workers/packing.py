@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from easyrl.algorithms import scale_logits
 from easyrl.batch import Batch
 from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
 
@@ -92,21 +93,31 @@ class ModelInputs:
         return values.new_zeros(b * r).index_copy(0, self.dest, values).view(b, r)
 
 
-def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None) -> ModelInputs:
-    """Lay out `mb` (left-padded prompts, right-padded responses) packed or as trimmed padded rows.
+def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None, trim: bool = True) -> ModelInputs:
+    """Lay out `mb` (left-padded prompts, right-padded responses) packed, as trimmed padded rows, or (`trim` off)
+    as the padded rows themselves with every response column selected (the plain path: padding included, so its
+    results at padding are the model's, not 0).
 
     With a vision-language `model` the layout carries the rows' media and 3D (M-RoPE) positions, computed per row
     on its own valid tokens: trimmed rows get (3, b, W); a packed row gets (4, 1, T), the 1D text positions first
     (restarting at 0 at each sample: what the attention reads the sequence boundaries from, transformers' Qwen-VL
     convention for packed rows), then the temporal/height/width rows.
     """
-    input_ids, mask, pos = mb["input_ids"], mb["attention_mask"].bool(), mb["position_ids"]
-    if pos.dim() != 2:
-        raise ValueError(f"the batch's position_ids must be (b, L) 1D positions, got shape {tuple(pos.shape)}")
+    input_ids, mask = mb["input_ids"], mb["attention_mask"].bool()
     media, mrope = _vision_inputs(mb, model)
     b, length = input_ids.shape
     r = mb["responses"].shape[1]
     p = length - r
+    if not padding_free and not trim:
+        # Every (row, response column), padding too: position P - 1 + col of row `row` predicts column `col`.
+        rows, cols = torch.arange(b).repeat_interleave(r), torch.arange(r).repeat(b)
+        select, labels, dest = rows * length + cols + p - 1, mb["responses"].flatten(), rows * r + cols
+        # A VL row's M-RoPE positions are computed from its media: the batch needs no 1D ones then.
+        position_ids = mb["position_ids"] if mrope is None else mrope
+        return ModelInputs(input_ids, position_ids, mb["attention_mask"], select, labels, dest, (b, r), media)
+    pos = mb["position_ids"]
+    if pos.dim() != 2:
+        raise ValueError(f"the batch's position_ids must be (b, L) 1D positions, got shape {tuple(pos.shape)}")
     rows, cols = mask[:, p:].nonzero(as_tuple=True)  # valid response tokens
     labels = mb["responses"][rows, cols]
     dest = rows * r + cols
@@ -150,9 +161,7 @@ def _chunk_stats(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, ...]:
     """fp32 logits / temperature of one chunk, their softmax, log-prob of `labels` and entropy."""
-    z = (h @ w.T).float()
-    if temperature != 1.0:
-        z = z / temperature
+    z = scale_logits(h @ w.T, temperature)
     lse = torch.logsumexp(z, dim=-1)
     probs = torch.exp(z - lse[:, None])
     logp = z.gather(1, labels[:, None]).squeeze(1) - lse
@@ -216,8 +225,8 @@ def fused_linear_logprobs(
     """Log-probs of `labels` and entropy under `hidden @ weight.T / temperature`, without full logits."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    t = temperature if temperature > 0 else 1.0
-    out = FusedLinearLogProbs.apply(hidden, weight, labels, t, chunk_size)
+    scale_logits(hidden.new_zeros(0), temperature)  # refuse greedy (0) before any work, as every head does
+    out = FusedLinearLogProbs.apply(hidden, weight, labels, temperature, chunk_size)
     return out[0], out[1]
 
 

@@ -40,8 +40,10 @@ class TrainableModel:
         self.device = device
         dtype = DTYPES[spec.torch_dtype] if spec.torch_dtype else torch.float32
         attn = packed_attn_implementation() if spec.forward.padding_free else None
+        sp = None
         if spec.forward.ulysses_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls
-            attn = enable_sequence_parallel(spec.forward.ulysses_size, attn)
+            sp = enable_sequence_parallel(spec.forward.ulysses_size, attn)
+            attn = sp.attn_implementation
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if not spec.trainable:
             model.requires_grad_(False)
@@ -51,6 +53,8 @@ class TrainableModel:
             from easyrl.workers.lora import apply_lora
 
             apply_lora(model, spec.model.lora)
+        if sp is not None:  # the model carries its group: the forward head and the attention read it from there
+            sp.attach(model)
         checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing
         self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
         self.optimizer: torch.optim.Optimizer | None = None

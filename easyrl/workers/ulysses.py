@@ -9,8 +9,13 @@ The group and collectives are in `easyrl.distributed.sequence_parallel`. Here:
   all-to-all brings the output back to the local tokens and all heads. With fewer key/value heads than ranks
   (GQA), each key/value head is repeated so that every rank gets the one its query heads share. Ring attention
   would replace the inner call (see docs/architecture.md).
-* `sp_token_log_probs` / `sp_response_values`: the packed micro-batch split over the group, the model run on the
-  local tokens, the per-token results gathered back, so callers get the same (b, R) grids as without the split.
+* `split_forward`: a layout transform around the one forward head (`easyrl.workers.head`): the packed row split
+  over the group, the head run on the local tokens, its per-token results gathered back, so callers get the same
+  (N,) selections as without the split.
+
+The group rides on an object, `SequenceParallel`, made once per model (`enable_sequence_parallel`) and attached to
+the model's modules: transformers hands the attention function the attention layer itself, which is how the
+attention finds its group and the current pass's whole-row positions. No module-level state.
 
 Vision-language rows are not split before the model: the model gets the whole packed row (ids, media, 4-row
 positions), embeds it and runs its vision tower on every rank of the group, and its language model receives this
@@ -21,55 +26,68 @@ rank's slice of the embeddings and positions (`easyrl.workers.vl_sequence.split_
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
-from easyrl.batch import Batch
 from easyrl.distributed.sequence_parallel import (
     SPGroup,
     all_to_all,
     gather_sequence,
     init_sequence_parallel,
     shard_sequence,
-    sp_group,
 )
-from easyrl.workers.packing import ModelInputs, fused_forward, prepare_inputs
-from easyrl.workers.specs import ForwardOptions
+from easyrl.workers.packing import ModelInputs
 from easyrl.workers.vl_sequence import split_after_embeddings
 
 
 __all__ = [
     "ULYSSES_ATTENTION",
+    "SequenceParallel",
     "enable_sequence_parallel",
     "gather_selected",
     "local_selection",
     "register_ulysses_attention",
-    "sp_response_values",
-    "sp_token_log_probs",
-    "ulysses_context",
+    "sequence_parallel_of",
+    "split_forward",
 ]
 
 ULYSSES_ATTENTION = "easyrl_ulysses"
 """The ``attn_implementation`` models are loaded with when `ulysses_size` > 1."""
 
-_state: dict[str, Any] = {}
-"""The inner implementation's name (set at registration); the group and whole-row positions of the pass under way."""
+_ATTRIBUTE = "easyrl_sequence_parallel"
+"""Where `SequenceParallel.attach` puts the object on each module of a model."""
+
+Head = Callable[[ModelInputs], tuple[torch.Tensor, torch.Tensor | None]]
+"""A forward head: a layout -> (N,) results at its selected positions, and (N,) entropy or None."""
 
 
-@contextmanager
-def ulysses_context(sp: SPGroup, position_ids: torch.Tensor) -> Iterator[None]:
-    """Run a forward pass on local tokens: attention gets the group and the whole padded row's 1-D positions
-    (1, T) (from which the packed attention cuts the sequences).
+class SequenceParallel:
+    """One model's sequence-parallel group, the packed attention it wraps, and the pass under way."""
 
-    They stay set after the block, until the next pass replaces them: with gradient checkpointing, the backward
-    of this pass runs the layers' forwards again, attention included."""
-    _state.update(sp=sp, position_ids=position_ids)
-    yield
+    attn_implementation = ULYSSES_ATTENTION
+
+    def __init__(self, group: SPGroup, inner: str) -> None:
+        self.group = group
+        self.inner = inner
+        """The registered packed attention run on all tokens of `heads / size` heads (``easyrl_varlen``, ...)."""
+        self.position_ids: torch.Tensor | None = None
+        """The whole padded row's 1-D positions (1, T) of the last pass. Kept after the pass: with gradient
+        checkpointing, its backward runs the layers' forwards, attention included, again."""
+
+    def attach(self, model: nn.Module) -> None:
+        """Make the attention layers of `model` find this object (every module gets it: whichever the model
+        calls its attention from)."""
+        for module in model.modules():
+            setattr(module, _ATTRIBUTE, self)
+
+
+def sequence_parallel_of(model: nn.Module) -> SequenceParallel | None:
+    """The object `enable_sequence_parallel` attached to `model`, or None."""
+    sp = getattr(model, _ATTRIBUTE, None)
+    return sp if isinstance(sp, SequenceParallel) else None
 
 
 def ulysses_attention_forward(
@@ -84,9 +102,13 @@ def ulysses_attention_forward(
     (1, L, Hq, D), attending over the whole row of the group."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if "sp" not in _state:
-        raise RuntimeError(f"{ULYSSES_ATTENTION} attention runs only inside ulysses_context (sequence parallelism)")
-    sp: SPGroup = _state["sp"]
+    state = sequence_parallel_of(module)
+    if state is None or state.position_ids is None:
+        raise RuntimeError(
+            f"{ULYSSES_ATTENTION} attention runs only inside `split_forward` on a model given its group by "
+            "SequenceParallel.attach (sequence parallelism)"
+        )
+    sp = state.group
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise RuntimeError(f"ulysses_size={sp.size} must divide the attention heads ({heads})")
@@ -95,29 +117,30 @@ def ulysses_attention_forward(
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     # sequence-split, all heads -> whole sequence, heads / size (dims: 1 = heads, 2 = tokens)
     q, k, v = (all_to_all(t, 1, 2, sp) for t in (query, key, value))
-    kwargs["position_ids"] = _state["position_ids"]
-    inner = ALL_ATTENTION_FUNCTIONS[_state["inner"]]
+    kwargs["position_ids"] = state.position_ids  # the whole row's: where the packed attention cuts the sequences
+    inner = ALL_ATTENTION_FUNCTIONS[state.inner]
     out, _ = inner(module, q, k, v, attention_mask, **kwargs)  # (1, T, H / size, D)
     return all_to_all(out, 1, 2, sp), None
 
 
-def register_ulysses_attention(inner: str) -> str:
-    """Make ``attn_implementation="easyrl_ulysses"`` loadable in this process around the packed attention `inner`
-    (a registered name, e.g. ``easyrl_varlen``); returns the name."""
+def register_ulysses_attention() -> str:
+    """Make ``attn_implementation="easyrl_ulysses"`` loadable in this process; returns the name. The function is
+    stateless: each model's group and inner attention come with its `SequenceParallel`."""
     from transformers import AttentionInterface
 
-    _state["inner"] = inner
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
     return ULYSSES_ATTENTION
 
 
-def enable_sequence_parallel(size: int, inner: str | None) -> str:
-    """Create this process's sequence-parallel groups (a collective over all ranks) and register the attention
-    around the packed attention `inner`; returns the implementation name to load the model with."""
+def enable_sequence_parallel(size: int, inner: str | None) -> SequenceParallel:
+    """Create this process's sequence-parallel group of `size` (a collective over all ranks) and register the
+    attention around the packed attention `inner`. Load the model with the result's `attn_implementation`, then
+    `attach` it to the model."""
     if inner is None:
         raise ValueError(f"ulysses_size={size} needs padding-free packed rows (worker.actor.padding_free=true)")
-    init_sequence_parallel(size)
-    return register_ulysses_attention(inner)
+    group = init_sequence_parallel(size)
+    register_ulysses_attention()
+    return SequenceParallel(group, inner)
 
 
 def local_selection(select: torch.Tensor, local_len: int, sp: SPGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,78 +160,37 @@ def gather_selected(
     return gather_sequence(row, 0, sp).index_select(0, select)
 
 
-def _split(
-    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions
-) -> tuple[ModelInputs, SPGroup, dict[str, Any]]:
-    """The packed micro-batch, the group, and this rank's share: the ids and positions to call the model with
-    (local ones; a VL model's whole row), the whole row's 1-D positions, and which selected positions are local."""
-    sp = sp_group(opts.ulysses_size)
-    inputs = prepare_inputs(mb, padding_free=True, model=model).to(device)
-    share: dict[str, Any]
-    if inputs.media:  # VL: the language model takes its slice after the embeddings (`_sp_forward`)
+def _shard(inputs: ModelInputs, sp: SPGroup) -> tuple[ModelInputs, int, torch.Tensor, torch.Tensor]:
+    """This rank's layout of the packed row `inputs`: the ids and positions to call the model with (local ones; a
+    VL model's whole row, cut after its embeddings), `select` the local positions it holds, and their labels; with
+    the local length and the whole padded row's 1-D positions."""
+    if inputs.media:  # VL: the language model takes its slice after the embeddings (`split_forward`)
         full = shard_sequence(sp, {"position_ids": (inputs.position_ids, 2)})[1]["position_ids"]
         local_len = full.shape[2] // sp.size
-        share = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "full_position_ids": full[0]}
+        ids, positions, full_row = inputs.input_ids, inputs.position_ids, full[0]
     else:
-        local, full_row = shard_sequence(
+        local, whole = shard_sequence(
             sp, {"input_ids": (inputs.input_ids, 1), "position_ids": (inputs.position_ids, 1)}
         )
         local_len = local["input_ids"].shape[1]
-        share = {**local, "full_position_ids": full_row["position_ids"]}
+        ids, positions, full_row = local["input_ids"], local["position_ids"], whole["position_ids"]
     pos, idx = local_selection(inputs.select, local_len, sp)
-    share |= {"local_len": local_len, "pos": pos, "idx": idx}
-    return inputs, sp, share
+    labels = inputs.labels.index_select(0, idx)
+    # `dest` is unused: the local results are gathered into the whole selection, never scattered from here.
+    return ModelInputs(ids, positions, None, pos, labels, pos, inputs.grid, inputs.media), local_len, pos, full_row
 
 
-@contextmanager
-def _sp_forward(model: nn.Module, sp: SPGroup, inputs: ModelInputs, share: dict[str, Any]) -> Iterator[None]:
-    """Forward passes on this rank's slice: attention over the group, and for VL rows the split after the
-    embeddings."""
-    with ulysses_context(sp, share["full_position_ids"]):
-        if not inputs.media:
-            yield
-            return
-        with split_after_embeddings(model, lambda seq: shard_sequence(sp, seq)[0]):
-            yield
-
-
-def sp_token_log_probs(
-    model: nn.Module, mb: Batch, device: torch.device, temperature: float, with_entropy: bool, opts: ForwardOptions
+def split_forward(
+    sp: SequenceParallel, model: nn.Module, inputs: ModelInputs, head: Head
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_log_probs` with the packed row split over the sequence-parallel group: (b, R) each, on every rank."""
-    inputs, sp, share = _split(model, mb, device, opts)
-    pos, labels = share["pos"], inputs.labels.index_select(0, share["idx"])
-    ent: torch.Tensor | None
-    with _sp_forward(model, sp, inputs, share):
-        if opts.fused:
-            local = ModelInputs(
-                share["input_ids"], share["position_ids"], None, pos, labels, pos, inputs.grid, inputs.media
-            )
-            lp, ent = fused_forward(model, local, temperature, opts.chunk_size)
-        else:
-            out = model(
-                input_ids=share["input_ids"],
-                position_ids=share["position_ids"],
-                use_cache=False,
-                logits_to_keep=pos,
-                **inputs.media,
-            )
-            logits = out.logits[0].float()
-            if temperature > 0 and temperature != 1.0:
-                logits = logits / temperature
-            lp = logprobs_from_logits(logits, labels)
-            ent = entropy_from_logits(logits) if with_entropy else None
-    lp = inputs.scatter(gather_selected(lp, pos, share["local_len"], inputs.select, sp))
-    if not with_entropy or ent is None:
-        return lp, None
-    return lp, inputs.scatter(gather_selected(ent, pos, share["local_len"], inputs.select, sp))
-
-
-def sp_response_values(model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions) -> torch.Tensor:
-    """`response_values` with the packed row split over the sequence-parallel group: (b, R), zeros at padding."""
-    inputs, sp, share = _split(model, mb, device, opts)
-    with _sp_forward(model, sp, inputs, share):
-        out = model(input_ids=share["input_ids"], position_ids=share["position_ids"], use_cache=False, **inputs.media)
-    values = out.logits[0, :, 0].float().index_select(0, share["pos"])
-    values = inputs.scatter(gather_selected(values, share["pos"], share["local_len"], inputs.select, sp))
-    return values * mb["response_mask"].to(device)
+    """`head` on the packed row `inputs` split over the group: shard the row, run the head on this rank's tokens
+    (attention over the whole row), gather the selected results: (N,) each, on every rank, as without the split."""
+    local, local_len, pos, full_row = _shard(inputs, sp.group)
+    sp.position_ids = full_row
+    if inputs.media:
+        with split_after_embeddings(model, lambda seq: shard_sequence(sp.group, seq)[0]):
+            out, ent = head(local)
+    else:
+        out, ent = head(local)
+    gathered = gather_selected(out, pos, local_len, inputs.select, sp.group)
+    return gathered, (None if ent is None else gather_selected(ent, pos, local_len, inputs.select, sp.group))

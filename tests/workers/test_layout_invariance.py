@@ -46,6 +46,7 @@ def _batch(vocab: int = 90) -> Batch:
             "attention_mask": mask,
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
             "response_mask": mask[:, PROMPT:].clone(),
+            "loss_mask": mask[:, PROMPT:].clone(),
             "advantages": torch.randn(b, r, generator=g),
             "returns": torch.randn(b, r, generator=g),
             "values": 0.1 * torch.randn(b, r, generator=g),
@@ -67,11 +68,13 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     from easyrl.workers.varlen import register_varlen_attention
 
     attn = register_varlen_attention()
-    if opts.ulysses_size > 1:
-        attn = enable_sequence_parallel(opts.ulysses_size, attn)
+    sp = enable_sequence_parallel(opts.ulysses_size, attn) if opts.ulysses_size > 1 else None
+    attn = sp.attn_implementation if sp is not None else attn
     torch.manual_seed(0)  # the critic's value head is fresh: the same init at every layout
     role = "value" if kind == "critic" else "causal_lm"
     model = load_model(ModelConfig(model_path=model_dir), role, attn_implementation=attn)
+    if sp is not None:
+        sp.attach(model)
     if dist.is_initialized():
         model = shard_model(model, FSDPConfig(), CPU)
     model.train()

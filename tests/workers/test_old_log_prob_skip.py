@@ -31,6 +31,7 @@ def _batch(vocab: int = 90) -> Batch:
             "attention_mask": mask,
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
             "response_mask": mask[:, PROMPT:].clone(),
+            "loss_mask": mask[:, PROMPT:].clone(),  # single-turn: every response token is trained on
             "advantages": torch.randn(b, r, generator=g),
             "ref_log_probs": -3.0 + 0.1 * torch.randn(b, r, generator=g),
         }

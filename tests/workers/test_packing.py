@@ -35,6 +35,7 @@ def make_batch(b: int = 6, p: int = 12, r: int = 10, vocab: int = VOCAB, seed: i
             "attention_mask": mask,
             "position_ids": pos,
             "response_mask": mask[:, p:].clone(),
+            "loss_mask": mask[:, p:].clone(),
             "advantages": torch.randn(b, r, generator=g),
         }
     )

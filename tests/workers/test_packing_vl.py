@@ -73,6 +73,7 @@ def _batch(processor: Any, video: Path) -> Batch:
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
             "responses": ids[:, p:],
             "response_mask": mask[:, p:].clone(),
+            "loss_mask": mask[:, p:].clone(),
             "advantages": torch.randn(len(rows), r, generator=g),
         },
         {"multi_modal_inputs": [e["multi_modal_inputs"] for e in encoded]},

@@ -50,13 +50,17 @@ def _reference(model_dir: str, batches: list[Batch], fused: bool) -> dict[str, A
     return out
 
 
-def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: str) -> torch.Tensor:
+def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: Any) -> torch.Tensor:
+    """`attn`: an attention name, or a `SequenceParallel` (its attention, and attached to the model)."""
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.workers.forward_backward import response_values
     from easyrl.workers.model_setup import load_model, shard_model
 
     torch.manual_seed(0)  # the value head is fresh: the same init on every rank and in both runs
-    model = load_model(ModelConfig(model_path=model_dir), "value", attn_implementation=attn)
+    impl = attn if isinstance(attn, str) else attn.attn_implementation
+    model = load_model(ModelConfig(model_path=model_dir), "value", attn_implementation=impl)
+    if not isinstance(attn, str):
+        attn.attach(model)
     model = shard_model(model, FSDPConfig(), CPU)
     return response_values(model, mb, CPU, opts).detach()
 
@@ -76,7 +80,8 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str)
         batches = [make_batch(b=3, p=9, r=7, vocab=90, seed=10 * sp + g) for g in range(groups)]
         ref = _reference(model_dir, batches, fused)
         attn = enable_sequence_parallel(sp, register_varlen_attention())
-        model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn)
+        model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn.attn_implementation)
+        attn.attach(model)
         # checkpointing (one case): the backward runs the layers' forwards again, the all-to-alls included
         model = shard_model(model, FSDPConfig(), CPU, gradient_checkpointing=fused)
         opts = ForwardOptions(padding_free=True, fused=fused, chunk_size=5, ulysses_size=sp)

@@ -20,13 +20,17 @@ from tests.workers.test_ulysses import CPU, _loss
 SP = 2
 
 
-def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: str) -> torch.Tensor:
+def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: Any) -> torch.Tensor:
+    """`attn`: an attention name, or a `SequenceParallel` (its attention, and attached to the model)."""
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.workers.forward_backward import response_values
     from easyrl.workers.model_setup import load_model, shard_model
 
     torch.manual_seed(0)  # the value head is fresh: the same init on every rank and in both runs
-    model = load_model(ModelConfig(model_path=model_dir), "value", attn_implementation=attn)
+    impl = attn if isinstance(attn, str) else attn.attn_implementation
+    model = load_model(ModelConfig(model_path=model_dir), "value", attn_implementation=impl)
+    if not isinstance(attn, str):
+        attn.attach(model)
     return response_values(shard_model(model, FSDPConfig(), CPU), mb, CPU, opts).detach()
 
 
@@ -44,7 +48,9 @@ def _case(model_dir: str, video: str, fused: bool) -> dict[str, tuple[torch.Tens
     ref_lp, ref_ent, ref_loss = _loss(ref_model, mb, ForwardOptions(padding_free=True, fused=fused, chunk_size=5))
     ref_loss.backward()
     attn = enable_sequence_parallel(SP, varlen)
-    model = shard_model(load_model(ModelConfig(model_path=model_dir), attn_implementation=attn), FSDPConfig(), CPU)
+    split_model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn.attn_implementation)
+    attn.attach(split_model)
+    model = shard_model(split_model, FSDPConfig(), CPU)
     opts = ForwardOptions(padding_free=True, fused=fused, chunk_size=5, ulysses_size=SP)
     lp, ent, loss = _loss(model.train(), mb, opts)
     loss.backward()

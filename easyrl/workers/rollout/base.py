@@ -51,6 +51,7 @@ class RolloutEngine(ABC):
     `generate` takes a batch with `input_ids` (B, P) left-padded, `attention_mask` (B, P), `position_ids`
     (B, P) and returns, for N = B * `params.n` rows (the samples of one prompt next to each other): `prompts`
     (N, P), `responses` (N, R) right-padded with the pad id, `response_mask` (N, R) (1 up to and including EOS),
+    `loss_mask` (N, R) (the tokens trained on: `response_mask` for a single-turn response),
     `input_ids`/`attention_mask`/`position_ids` (N, P+R) for the whole sequence, and `rollout_log_probs` (N, R)
     (zeros where not requested).
     """
@@ -120,6 +121,9 @@ def assemble_sequences(
             "prompts": prompt_ids,
             "responses": responses,
             "response_mask": response_mask,
+            # Single turn: every generated token is trained on. A multi-turn rollout zeroes its tool output here
+            # while `response_mask` (attention) keeps it.
+            "loss_mask": response_mask.clone(),
             "input_ids": torch.cat([prompt_ids, responses], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids,

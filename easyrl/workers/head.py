@@ -1,0 +1,130 @@
+"""The one forward head: a micro-batch -> per-response-token log-probs and entropy (policy) or values (critic).
+
+Every path goes through the same three steps, so they agree by construction:
+
+1. Layout (`easyrl.workers.packing.prepare_inputs`): the padded rows as they are (plain), trimmed padded rows, or
+   one packed row; each names the positions whose output predicts a response token (`select`) and where each
+   result goes in the (b, R) grid (`dest`).
+2. Head (`_run_head`): one model call on the layout, then the selected positions only: the value head's one output,
+   or log-probs and entropy of `scale_logits(logits, temperature)` (full logits of the selected positions, or the
+   fused chunked head of `easyrl.workers.packing`, which scales its chunks with the same `scale_logits`).
+3. Scatter the (N,) results into (b, R).
+
+Ulysses sequence parallelism is a layout transform around step 2 (`easyrl.workers.ulysses.split_forward`): the
+packed row is sharded over the group, the same head runs on the local tokens, and the selected results are gathered
+back before step 3. Its group is the `SequenceParallel` object attached to the model when it was built.
+
+The plain layout keeps the model's outputs at padding (the others give 0 there); only valid tokens are ever read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from easyrl.algorithms import entropy_from_logits, logprobs_from_logits, scale_logits
+from easyrl.batch import Batch
+from easyrl.workers.packing import ModelInputs, fused_forward, prepare_inputs
+from easyrl.workers.specs import ForwardOptions
+from easyrl.workers.ulysses import sequence_parallel_of, split_forward
+
+
+__all__ = ["response_values", "token_log_probs"]
+
+
+def _run_head(
+    model: nn.Module,
+    inputs: ModelInputs,
+    *,
+    temperature: float | None,
+    with_entropy: bool,
+    fused: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward on the layout `inputs`: (N,) at its selected positions, and (N,) entropy or None.
+
+    `temperature` None: the value head (a one-output token classifier), read as is. Otherwise the sampled tokens'
+    log-probs under logits / temperature.
+    """
+    if temperature is not None and fused:
+        lp, ent = fused_forward(model, inputs, temperature, chunk_size)
+        return lp, (ent if with_entropy else None)
+    packed = inputs.attention_mask is None
+    # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
+    # (A value model has no such argument, and its head is one output wide anyway.)
+    keep = {"logits_to_keep": inputs.select} if packed and temperature is not None else {}
+    out = model(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+        **keep,
+        **inputs.media,
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    if not keep:  # every position was computed: pick the selected ones
+        logits = logits.index_select(0, inputs.select)
+    if temperature is None:
+        return logits[:, 0].float(), None
+    z = scale_logits(logits, temperature)
+    return logprobs_from_logits(z, inputs.labels), (entropy_from_logits(z) if with_entropy else None)
+
+
+def _forward(
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    opts: ForwardOptions | None,
+    temperature: float | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layout, head (split over the sequence-parallel group when there is one), scatter: (b, R) each."""
+    opts = opts or ForwardOptions()
+    if temperature is not None:
+        scale_logits(torch.zeros(0), temperature)  # refuse greedy (0) before the forward pass, on every path
+    inputs = prepare_inputs(mb, opts.padding_free, model, trim=not opts.plain).to(device)
+
+    def head(layout: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _run_head(
+            model,
+            layout,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            fused=opts.fused,
+            chunk_size=opts.chunk_size,
+        )
+
+    sp = sequence_parallel_of(model) if opts.ulysses_size > 1 else None
+    if opts.ulysses_size > 1 and sp is None:
+        raise RuntimeError(
+            f"ulysses_size={opts.ulysses_size} but the model has no sequence-parallel group: build it with "
+            "enable_sequence_parallel(...) and SequenceParallel.attach(model)"
+        )
+    out, ent = head(inputs) if sp is None else split_forward(sp, model, inputs, head)
+    return inputs.scatter(out), (None if ent is None else inputs.scatter(ent))
+
+
+def token_log_probs(
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool,
+    opts: ForwardOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each response token under `model` at `temperature` (> 0): (b, R), and its entropy (b, R).
+
+    `opts` picks the layout (padded, trimmed or packed, split over a sequence-parallel group) and the head (full
+    logits or fused chunks); every path gives the same values at valid response tokens, for text and
+    vision-language rows alike. The non-plain paths give 0 at padding.
+    """
+    return _forward(model, mb, device, opts, temperature, with_entropy)
+
+
+def response_values(
+    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
+) -> torch.Tensor:
+    """A value model's estimate of the state before each response token: (b, R), zeros at padding."""
+    values, _ = _forward(model, mb, device, opts, None, False)
+    # Zero at padding on every layout (the plain one computes it there); which tokens train is `loss_mask`'s call.
+    return values * mb["response_mask"].to(device)

@@ -1,0 +1,150 @@
+"""The one forward head (`easyrl.workers.head`): a 4-token probe gives the same log-probs and entropy through every
+path (plain, trimmed fused, packed, packed fused, Ulysses split 2 ways on gloo ranks, plain and fused), at
+temperature 1 and below; training at temperature 0 is refused on every path with one line naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from easyrl.batch import Batch
+from easyrl.workers.specs import ForwardOptions
+from tests.workers.test_batching import init_rank, run_ranks
+
+
+CPU = torch.device("cpu")
+WORLD = 2
+PATHS = {
+    "plain": ForwardOptions(),
+    "fused": ForwardOptions(fused=True, chunk_size=3),
+    "packed": ForwardOptions(padding_free=True),
+    "packed_fused": ForwardOptions(padding_free=True, fused=True, chunk_size=3),
+}
+SP_PATHS = {
+    "ulysses": ForwardOptions(padding_free=True, ulysses_size=WORLD),
+    "ulysses_fused": ForwardOptions(padding_free=True, fused=True, chunk_size=3, ulysses_size=WORLD),
+}
+
+
+def _probe() -> Batch:
+    """One row: a 3-token prompt and a 4-token response, no padding."""
+    ids = torch.tensor([[5, 17, 42, 8, 61, 23, 9]])
+    mask = torch.ones_like(ids)
+    return Batch(
+        {
+            "prompts": ids[:, :3],
+            "responses": ids[:, 3:],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": mask.cumsum(1) - 1,
+            "response_mask": mask[:, 3:].clone(),
+            "loss_mask": mask[:, 3:].clone(),
+        }
+    )
+
+
+def _models(model_dir: str, sp: Any = None) -> dict[str, torch.nn.Module]:
+    """The same weights loaded for each attention the paths need: sdpa (padded rows), varlen (packed rows), and,
+    given a `SequenceParallel`, the Ulysses attention around varlen."""
+    from easyrl.config import ModelConfig
+    from easyrl.workers.model_setup import load_model
+    from easyrl.workers.varlen import register_varlen_attention
+
+    cfg = ModelConfig(model_path=model_dir)
+    models = {"padded": load_model(cfg), "packed": load_model(cfg, attn_implementation=register_varlen_attention())}
+    if sp is not None:
+        models["split"] = load_model(cfg, attn_implementation=sp.attn_implementation)
+        sp.attach(models["split"])
+    return models
+
+
+def _run(models: dict[str, torch.nn.Module], opts: ForwardOptions, temperature: float) -> list[list[float]]:
+    from easyrl.workers.forward_backward import token_log_probs
+
+    model = models["split" if opts.ulysses_size > 1 else "packed" if opts.padding_free else "padded"]
+    with torch.no_grad():
+        lp, ent = token_log_probs(model, _probe(), CPU, temperature, True, opts)
+    assert ent is not None
+    return [lp[0].tolist(), ent[0].tolist()]
+
+
+def _refusal(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> str:
+    from easyrl.workers.forward_backward import token_log_probs
+
+    model = models["split" if opts.ulysses_size > 1 else "packed" if opts.padding_free else "padded"]
+    try:
+        token_log_probs(model, _probe(), CPU, 0.0, True, opts)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from easyrl.workers.ulysses import enable_sequence_parallel
+    from easyrl.workers.varlen import register_varlen_attention
+
+    init_rank(rank, world)
+    models = _models(model_dir, enable_sequence_parallel(world, register_varlen_attention()))
+    found = {
+        "values": {
+            f"{name}@{t}": _run(models, opts, t) for name, opts in {**PATHS, **SP_PATHS}.items() for t in (1, 0.7)
+        },
+        "refusals": {name: _refusal(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
+    }
+    if rank == 0:
+        Path(out).write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def probe_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from easyrl.testing.tiny import build_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("head")
+    model_dir = build_tiny_checkpoint(tmp / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2)
+    out = tmp / "probe.json"
+    run_ranks(_worker, WORLD, model_dir, str(out))
+    return dict(json.loads(out.read_text()))
+
+
+@pytest.mark.parametrize("temperature", [1, 0.7])
+def test_probe_gives_the_same_log_probs_on_every_path(probe_results: dict[str, Any], temperature: float) -> None:
+    values = {
+        k.split("@")[0]: torch.tensor(v) for k, v in probe_results["values"].items() if k.endswith(f"@{temperature}")
+    }
+    assert set(values) == set(PATHS) | set(SP_PATHS)
+    plain = values["plain"]
+    assert plain.shape == (2, 4) and torch.isfinite(plain).all() and (plain[0] < 0).all()
+    for name, got in values.items():
+        # Float reduction order differs between attention kernels and head chunkings; nothing else may.
+        torch.testing.assert_close(got, plain, atol=2e-6, rtol=0, msg=f"{name} at temperature {temperature}")
+
+
+def test_temperature_changes_the_log_probs(probe_results: dict[str, Any]) -> None:
+    """The probe is not blind to temperature: every path applies it (once)."""
+    values = probe_results["values"]
+    for name in (*PATHS, *SP_PATHS):
+        assert abs(values[f"{name}@1"][0][0] - values[f"{name}@0.7"][0][0]) > 1e-3, name
+
+
+def test_training_at_temperature_zero_is_refused_on_every_path(probe_results: dict[str, Any]) -> None:
+    for name, message in probe_results["refusals"].items():
+        assert "worker.rollout.temperature" in message and "> 0" in message, (name, message)
+        assert "\n" not in message, name
+
+
+def test_scale_logits_refuses_greedy_and_keeps_temperature_one_exact() -> None:
+    from easyrl.algorithms import scale_logits
+
+    logits = torch.randn(3, 5, dtype=torch.bfloat16)
+    assert torch.equal(scale_logits(logits, 1.0), logits.float())
+    torch.testing.assert_close(scale_logits(logits, 0.5), logits.float() * 2)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"worker\.rollout\.temperature must be > 0"):
+            scale_logits(logits, bad)
