@@ -165,7 +165,9 @@ def test_easyrl_train_refuses_a_corrupt_checkpoint(
 ) -> None:
     """The real CLI: a resume from a NaN-overwritten shard stops before any worker starts, naming the file."""
     write_nans_in_place(root / "global_step_2" / SHARD)
-    config = write_config(tmp_path / "cfg.yaml", base_config(saved["model_dir"], digits_data, root))
+    cfg = base_config(saved["model_dir"], digits_data, root)
+    cfg["trainer"]["n_gpus_per_node"] = 1  # the world size it was saved at: a change would be refused first
+    config = write_config(tmp_path / "cfg.yaml", cfg)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(
         [sys.executable, "-m", "easyrl.cli", "train", config], capture_output=True, text=True, timeout=300, env=env

@@ -38,13 +38,18 @@ class LocalCluster:
     """A head node and a second node, one CPU each, on this machine's address; `stop()` ends only them."""
 
     def __init__(self) -> None:
-        import ray
 
         from easyrl.distributed.worker_group import pick_free_port
 
         # A short folder: Ray's unix sockets live under it and their paths are limited to 107 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="ray2n", dir="/tmp")
-        self.ip = ray.util.get_node_ip_address()
+        # Asked of a fresh process: an earlier test's private instance sets Ray's local-only flag in this one,
+        # and then Ray answers 127.0.0.1 here.
+        clean = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+        probe = "import ray; print(ray.util.get_node_ip_address())"
+        self.ip = subprocess.run(
+            [sys.executable, "-c", probe], env=clean, capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
         ports = [pick_free_port() for _ in range(11)]
         self.address = f"{self.ip}:{ports[0]}"
         token = Path(self.temp_dir) / "auth_token"
