@@ -146,11 +146,11 @@ def _tree_rss(pid: int) -> tuple[float, int]:
     return total / 2**20, count
 
 
-def measure(cmd: list[str], env: dict[str, str], log_path: str, sample_s: float) -> dict[str, Any]:
+def measure(cmd: list[str], cwd: str, env: dict[str, str], log_path: str, sample_s: float) -> dict[str, Any]:
     """Run `cmd`, timestamp its step lines and sample its process tree's memory until it exits."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
     peak = {"rss_mib": 0.0, "procs": 0}
     done = threading.Event()
@@ -236,17 +236,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of s/step")
     parser.add_argument("--sample-s", type=float, default=0.1, help="process-tree memory sampling period")
     parser.add_argument("--only", choices=("easyrl", "trl"), help="run one side only")
+    parser.add_argument(
+        "--baseline-root", help="another easyrl checkout (e.g. `git worktree add /tmp/base main`) run as easyrl-base"
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "bench_vs_trl"))
     args = parser.parse_args(argv)
-    tools = [t for t in ("easyrl", "trl") if args.only in (None, t) and (t == "easyrl" or args.trl_python)]
+    roots = {"easyrl": ROOT, "easyrl-base": os.path.abspath(args.baseline_root or "")}
+    tools = ["easyrl", *(["easyrl-base"] if args.baseline_root else []), *(["trl"] if args.trl_python else [])]
+    tools = [t for t in tools if args.only in (None, t.split("-")[0])]
     os.makedirs(args.out, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
     results: list[dict[str, Any]] = []
     for seed in args.seeds:
         for tool in tools:
             run_dir = os.path.join(args.out, f"{tool}-seed{seed}")
             shutil.rmtree(run_dir, ignore_errors=True)  # easyrl would resume from an old checkpoint there
-            if tool == "easyrl":
+            root = roots.get(tool, ROOT)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root}
+            if tool.startswith("easyrl"):
                 cmd = easyrl_cmd(seed, args.steps, run_dir)
             else:
                 cmd = [
@@ -259,7 +265,7 @@ def main(argv: list[str]) -> int:
                 cmd.append(f"--out={run_dir}")
             load = os.getloadavg()[0]
             row = {"tool": tool, "seed": seed, "load1_before": round(load, 2)}
-            row |= summarize(measure(cmd, env, run_dir + ".log", args.sample_s), args.warmup)
+            row |= summarize(measure(cmd, root, env, run_dir + ".log", args.sample_s), args.warmup)
             print(json.dumps(row), flush=True)
             results.append(row)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
