@@ -9,7 +9,7 @@ import signal
 import sys
 
 from easyrl import __version__
-from easyrl.signals import StartupInterrupted, exit_code, install_early_handlers, install_stop_handlers
+from easyrl.signals import StartupInterrupted, exit_code, exit_promptly, install_early_handlers, install_stop_handlers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,10 +34,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     install_early_handlers()  # SIGTERM/SIGINT/SIGHUP give 143/130/129 from here on, as they do during training
     try:
-        return _main(argv)
+        code = _main(argv)
     except StartupInterrupted as exc:
         _say(f"easyrl: {exc}")
-        return exit_code(exc.signum)
+        code = exit_code(exc.signum)
+    if argv is None:  # the process is ours (the `easyrl` command): exit hooks run, the slow module teardown does not
+        exit_promptly(code)
+    return code
 
 
 def _say(line: str) -> None:

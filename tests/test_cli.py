@@ -155,3 +155,58 @@ def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path
     assert proc.returncode == 2 and "name different folders" in proc.stderr
     proc = easyrl("merge")
     assert proc.returncode == 2 and "--local_dir" in proc.stderr
+
+
+_EXIT_SCRIPT = """
+import atexit, pathlib, sys, threading, time
+from easyrl.signals import exit_promptly
+out = pathlib.Path(sys.argv[1])
+
+class Teardown:  # a module global: its __del__ runs only in Python's module teardown
+    def __del__(self):
+        (out / "teardown").touch()
+
+keep = Teardown()
+atexit.register(lambda: (out / "hook").touch())
+threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").touch())).start()  # non-daemon
+exit_promptly(3) if sys.argv[2] == "prompt" else sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["prompt", "sys.exit"])
+def test_exit_promptly_does_what_an_exit_does_but_the_teardown(tmp_path, how: str) -> None:
+    """`exit_promptly` (the `easyrl` command's last call, issue 29) joins threads and runs the exit hooks, as
+    `sys.exit` does, and skips only the module teardown that took seconds after a run."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), how], capture_output=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == (["hook", "thread"] if how == "prompt" else ["hook", "teardown", "thread"])
+
+
+def test_train_exits_with_its_final_checkpoint_and_logs(tmp_path, tiny_model_dir, digits_data) -> None:
+    """The command's prompt exit keeps everything of the run: the last step's log line, the final checkpoint, and
+    the private Ray instance's session folder removed by its exit hook."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths live under it
+    path = write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, run))
+    env = {**os.environ, "TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "easyrl.cli", "train", path], capture_output=True, text=True, timeout=300, env=env
+        )
+        sessions = list((ray_tmp / f"easyrl-ray-{os.getuid()}" / "ray").glob("session_2*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "experiment_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (run / "global_step_2" / "actor").is_dir()
+    assert sessions == [], f"Ray session folders left behind: {sessions}"

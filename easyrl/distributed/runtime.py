@@ -1,7 +1,8 @@
 """Starting (or joining) Ray from the driver.
 
 A private (single-node) instance listens on loopback only: Ray's GCS, raylet, object manager, workers and agents
-bind to 127.0.0.1, the dashboard is off, and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
+bind to 127.0.0.1, the dashboard is off, and it starts lean (see :func:`_lean_head`: no autoscaler monitor, no API
+server, no pre-started idle workers), and the workers' ``torch.distributed`` rendezvous, gloo and NCCL
 bootstrap, and vLLM stay on loopback too (see :func:`local_only_env`). Its temp folders lie under a per-user 0700
 folder, and its session folder is removed when the driver exits (if the driver is killed, a reaper process stops
 Ray's processes and removes it). Joining a cluster (``address`` or ``RAY_ADDRESS``, checked to answer first)
@@ -15,6 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 from easyrl.signals import keep_handlers
@@ -65,6 +67,44 @@ def _bind_ray_to_loopback() -> None:
     # Ray is usually imported already (the worker classes import it), so its import-time reading of the variable
     # is set here as well.
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY_RAY_ENV].lower() not in ("0", "false")
+
+
+_LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+"""Ray pre-starts one idle Python worker per CPU for the first driver; easyrl's actors never run in them (each rank
+has its own ``runtime_env``), so on a small machine they only cost start-up CPU and ~85 MiB each."""
+
+
+@contextlib.contextmanager
+def _lean_head() -> Iterator[None]:
+    """While a private instance starts, skip two head processes a single-node run never uses: the autoscaler
+    monitor (nothing to scale) and the API server (Ray starts it even with ``include_dashboard=False``, for usage
+    stats and the job/state APIs). Together ~220 MiB and two Python start-ups on the cores the run needs.
+
+    ``ray.init`` has no flag for either (``ray start`` has ``--no-monitor`` only), so the two ``Node`` methods are
+    stood in for by no-ops for the duration of the call; Ray treats a missing API server as one that failed to
+    start, which a ``ray.init`` without ``include_dashboard=True`` tolerates. If a Ray release renames them, the
+    start is simply not lean (``tests/distributed/test_ray_session.py`` notices).
+    """
+    try:
+        from ray._private.node import Node
+    except ImportError:  # pragma: no cover - a Ray without this private module
+        yield
+        return
+    saved = {name: Node.__dict__.get(name) for name in ("start_monitor", "start_api_server")}
+    if any(method is None for method in saved.values()):  # pragma: no cover - renamed in another Ray release
+        yield
+        return
+
+    def skipped(self: Any, *args: Any, **kwargs: Any) -> None:
+        del self, args, kwargs
+
+    try:
+        for name in saved:
+            setattr(Node, name, skipped)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Node, name, method)
 
 
 def _private_temp_root() -> str:
@@ -188,10 +228,12 @@ def init_ray(
         if "_temp_dir" not in ray_kwargs and not os.environ.get("RAY_TMPDIR"):
             # A subfolder: Ray makes the temp folder it is given 0777; the 0700 parent is what keeps others out.
             init_args["_temp_dir"] = os.path.join(_private_temp_root(), "ray")
+        init_args["_system_config"] = {**_LEAN_SYSTEM_CONFIG, **dict(ray_kwargs.pop("_system_config", None) or {})}
     else:
         _check_reachable(address)
     init_args.update(ray_kwargs)
-    with keep_handlers():  # ray.init replaces the SIGTERM handler of the `easyrl` command
+    lean: contextlib.AbstractContextManager[None] = _lean_head() if address is None else contextlib.nullcontext()
+    with keep_handlers(), lean:  # ray.init replaces the SIGTERM handler of the `easyrl` command
         ray.init(**init_args)
     if address is None:
         _remove_session_folder_at_exit()

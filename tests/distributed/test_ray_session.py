@@ -34,3 +34,24 @@ print(ray._private.worker._global_node.get_session_dir_path())
         assert (other / "logs").is_dir()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_private_instance_starts_lean() -> None:
+    """A local run's Ray has no dashboard/API server, no autoscaler monitor and no idle pre-started workers
+    (issue 29); what remains is GCS, raylet, the raylet's two agents, the log monitor and easyrl's reaper."""
+    code = """
+import time, psutil, ray
+from easyrl.distributed import init_ray
+init_ray(num_cpus=2)
+time.sleep(2)  # pre-started workers, were there any, would be up by now
+for proc in psutil.Process().children(recursive=True):
+    print(" ".join(proc.cmdline()))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tree = proc.stdout
+    assert "gcs_server" in tree and "raylet" in tree, tree  # the instance did start
+    for absent in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "ray::IDLE"):
+        assert absent not in tree, f"{absent} runs in a local instance:\n{tree}"
