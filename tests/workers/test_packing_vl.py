@@ -22,7 +22,7 @@ from easyrl.workers.model_setup import load_model
 from easyrl.workers.packing import packed_attn_implementation, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.varlen import VARLEN_ATTENTION
-from easyrl.workers.vl_sequence import split_after_embeddings
+from easyrl.models.vl_sequence import split_after_embeddings
 
 
 CPU = torch.device("cpu")
