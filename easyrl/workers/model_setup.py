@@ -18,8 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.distributed.device import process_device
 from easyrl.models import is_vision_language
-from easyrl.workers.specs import ProcessSpec
 from easyrl.models.vl_tower import keep_vision_tower_in_step
+from easyrl.workers.specs import ProcessSpec
 
 
 logger = logging.getLogger(__name__)

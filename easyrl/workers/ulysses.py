@@ -39,8 +39,8 @@ from easyrl.distributed.sequence_parallel import (
     init_sequence_parallel,
     shard_sequence,
 )
-from easyrl.workers.packing import ModelInputs
 from easyrl.models.vl_sequence import split_after_embeddings
+from easyrl.workers.packing import ModelInputs
 
 
 __all__ = [

@@ -96,10 +96,10 @@ def test_text_only_forward_is_unchanged_and_reaches_the_tower(tmp_path: Path) ->
     zero gradient rather than none."""
     from easyrl.config import ModelConfig
     from easyrl.models import load_processor
+    from easyrl.models.vl_tower import keep_vision_tower_in_step
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
     from easyrl.workers.model_setup import load_model
     from easyrl.workers.packing import packed_attn_implementation
-    from easyrl.models.vl_tower import keep_vision_tower_in_step
 
     model_dir = build_tiny_vl_checkpoint(tmp_path / "m", "qwen2_5_vl")
     video = tmp_path / "clip.mp4"
