@@ -7,7 +7,7 @@ from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import data_parallel_size, effective_padding_free, estimator_needs
+from easyrl.trainer.resolve import data_parallel_size, effective_padding_free, estimator_needs
 from easyrl.trainer.role_specs import old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
 
