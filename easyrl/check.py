@@ -186,11 +186,9 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
-    from transformers import AutoTokenizer
-
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
-    from easyrl.models import load_processor
+    from easyrl.models import load_tokenizer
     from easyrl.rewards import RewardLoadError, RewardManager
 
     out = sys.stdout
@@ -209,8 +207,8 @@ def run_check(cfg: EasyRLConfig) -> int:
         print(f"easyrl: warning: {noop}", file=out)
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
-    processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(mcfg.tokenizer_path)
+    # the trainer's own loading (`build_data`), so the prompts checked are the prompts trained on
+    tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
     try:
         train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
     except DataError as exc:
