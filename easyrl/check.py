@@ -7,7 +7,7 @@ from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import data_parallel_size, effective_padding_free, estimator_needs
+from easyrl.trainer.resolve import data_parallel_size, effective_padding_free, estimator_needs
 from easyrl.trainer.role_specs import old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
 
@@ -74,14 +74,14 @@ def validation_line(cfg: EasyRLConfig) -> str:
 
 def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
     """(the memory plan of one GPU of this machine, why it cannot fit and what fixes it) for a run that trains on
-    GPUs here; the arithmetic is `easyrl.workers.memory_plan`'s. Nothing without a GPU."""
+    GPUs here; the arithmetic is `easyrl.memory_plan`'s. Nothing without a GPU."""
     import torch
 
     if not (use_gpu(cfg) and torch.cuda.is_available()):
         return [], []
     from transformers import AutoConfig
 
-    from easyrl.workers.memory_plan import GiB, ModelShape
+    from easyrl.memory_plan import GiB, ModelShape
 
     mcfg = cfg.worker.actor.model
     assert mcfg.model_path is not None
@@ -96,7 +96,7 @@ def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
 
 def memory_report(shape: Any, cfg: EasyRLConfig, device_total: int) -> tuple[list[str], list[str]]:
     """The plan's lines and, when it does not fit, its problems followed by the levers that make it fit."""
-    from easyrl.workers.memory_plan import plan_fixes, plan_lines, plan_memory, plan_problems
+    from easyrl.memory_plan import plan_fixes, plan_lines, plan_memory, plan_problems
 
     plan = plan_memory(shape, cfg, device_total)
     problems = plan_problems(plan)
@@ -176,7 +176,7 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
     before a GPU hour is spent finding out, with the settings that make it fit."""
     memory, problems = memory_plan_lines(cfg)
     if memory:
-        print("== memory plan (one GPU, estimates: easyrl/workers/memory_plan.py)", file=sys.stdout)
+        print("== memory plan (one GPU, estimates: easyrl/memory_plan.py)", file=sys.stdout)
         for line in memory:
             print(line, file=sys.stdout)
     for problem in problems:
@@ -186,11 +186,9 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
-    from transformers import AutoTokenizer
-
     from easyrl.data import RLDataset
     from easyrl.data.loading import DataError
-    from easyrl.models import load_processor
+    from easyrl.models import load_tokenizer
     from easyrl.rewards import RewardLoadError, RewardManager
 
     out = sys.stdout
@@ -209,8 +207,8 @@ def run_check(cfg: EasyRLConfig) -> int:
         print(f"easyrl: warning: {noop}", file=out)
     mcfg = cfg.worker.actor.model
     assert mcfg.tokenizer_path is not None
-    processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(mcfg.tokenizer_path)
+    # the trainer's own loading (`build_data`), so the prompts checked are the prompts trained on
+    tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
     try:
         train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
     except DataError as exc:

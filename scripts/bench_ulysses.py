@@ -2,7 +2,7 @@
 fused log-prob head, FSDP2 over all ranks, gradient checkpointing) with `ulysses_size` K against the same ranks
 without the split (every rank then holds a whole sequence, as a data-parallel rank does).
 
-Usage (or through `scripts/benchmark.py --response N --ulysses K`):
+Usage (its own script: it takes the model folder from `scripts/benchmark.py`, which does not import it back):
     python scripts/bench_ulysses.py --response 8192 --ulysses 2            # CPU: gloo, tiny-shaped model
     python scripts/bench_ulysses.py --model 0.5b --response 16384 --ulysses 2  # K GPUs: nccl, Qwen2.5-0.5B shape
 

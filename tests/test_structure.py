@@ -1,5 +1,6 @@
 """The package's shape, read from its source with `ast`: no import cycle, workers never see the whole config, roles
-are peers (no role imports another's private names), and no function grows past the size budget."""
+are peers (no role imports another's private names), no room imports a room above it (the config no algorithm,
+workers no driver module), engines stay inside the rollout room, and no function grows past the size budget."""
 
 from __future__ import annotations
 
@@ -204,3 +205,46 @@ def test_only_the_attention_side_reads_response_mask() -> None:
     assert not offenders, "read batch['loss_mask'] (what the loss counts), not 'response_mask':\n" + "\n".join(
         offenders
     )
+
+
+def _inside(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+@pytest.mark.parametrize(
+    ("room", "above"),
+    [
+        # the config sits below the algorithms: names and needs reach it through `config.names`, which the registry
+        # fills; whatever the run decides from a config lives in `trainer.resolve`
+        ("easyrl.config", ("easyrl.algorithms", "easyrl.trainer", "easyrl.workers", "easyrl.models")),
+        # a worker gets its spec, never the driver's modules
+        ("easyrl.workers", ("easyrl.trainer", "easyrl.check", "easyrl.memory_plan", "easyrl.cli")),
+        # model surgery (VL tower, sequence hooks) knows nothing of the workers that use it
+        ("easyrl.models", ("easyrl.workers", "easyrl.trainer")),
+    ],
+)
+def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> None:
+    offenders = [
+        f"{m} -> {t}" for m in MODULES if _inside(m, room) for t, _ in _imports(m) if any(_inside(t, a) for a in above)
+    ]
+    assert not offenders, f"{room} imports from above it:\n" + "\n".join(offenders)
+
+
+ROLLOUT_ROOM = "easyrl.workers.rollout"
+ENGINE_MODULES = {m for m in MODULES if _inside(m, ROLLOUT_ROOM) and m.rsplit(".", 1)[-1] not in {"rollout", "base"}}
+# Builds an engine today; the engine factory is to move into the rollout room, which empties this set.
+ENGINE_BUILDERS_OUTSIDE = {"easyrl.workers.actor"}
+
+
+def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:
+    """Outside `workers/rollout/` code sees the `RolloutEngine` interface (`rollout.base`), never an engine class (a
+    plain helper of an engine's module, such as `easyrl check`'s vLLM CPU head-size check, is fine)."""
+    assert {"easyrl.workers.rollout.hf", "easyrl.workers.rollout.vllm"} <= ENGINE_MODULES
+    offenders = [
+        f"{m} -> {t} {names or '(the whole module)'}"
+        for m in MODULES
+        if not _inside(m, ROLLOUT_ROOM) and m not in ENGINE_BUILDERS_OUTSIDE
+        for t, names in _imports(m)
+        if t in ENGINE_MODULES and (not names or any(n.endswith("Engine") for n in names))
+    ]
+    assert not offenders, "use rollout.base's interface, not an engine class:\n" + "\n".join(offenders)

@@ -11,7 +11,13 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from easyrl.config.names import GROUP_ESTIMATORS, EstimatorNeeds
+from easyrl.config.names import (
+    GROUP_ESTIMATORS,
+    EstimatorNeeds,
+    declare_estimator,
+    declare_policy_loss,
+    declared_needs,
+)
 
 
 __all__ = [
@@ -95,7 +101,6 @@ class Registry(Generic[F]):
 
 _ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 _POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
 
 
 def register_advantage_estimator(
@@ -112,7 +117,8 @@ def register_advantage_estimator(
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         registered = register(fn)
-        _ESTIMATOR_NEEDS[name] = needs or EstimatorNeeds()
+        # the torch-free table the config validator reads (it never imports this registry)
+        declare_estimator(name, needs or EstimatorNeeds())
         return registered
 
     return decorator
@@ -121,7 +127,7 @@ def register_advantage_estimator(
 def estimator_needs(name: str) -> EstimatorNeeds:
     """What the estimator registered under ``name`` declared it needs; unknown names raise ``UnknownNameError``."""
     _ADVANTAGE_ESTIMATORS.get(name)
-    return _ESTIMATOR_NEEDS[name]
+    return declared_needs(name)
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:
@@ -144,7 +150,14 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
     floats or detached 0-dim tensors, each a mean over the micro-batch's valid tokens (reported token-weighted over
     the whole mini-batch).
     """
-    return _POLICY_LOSSES.register(name, override=override)
+    register = _POLICY_LOSSES.register(name, override=override)
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        registered = register(fn)
+        declare_policy_loss(name)  # for the config validator, as for estimators
+        return registered
+
+    return decorator
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING
 
 from easyrl.config.errors import ConfigError
 from easyrl.config.names import (
-    BUILTIN_ADV_ESTIMATORS,
-    BUILTIN_ESTIMATOR_NEEDS,
-    BUILTIN_POLICY_LOSSES,
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
-    EstimatorNeeds,
+    declared_estimators,
+    declared_needs,
+    declared_policy_losses,
 )
 
 
@@ -69,13 +68,9 @@ def validate(cfg: EasyRLConfig) -> None:
 def _check_enums(cfg: EasyRLConfig) -> None:
     for key, allowed in _ENUMS.items():
         _one_of(key, _get(cfg, key), allowed)
-    estimators, losses = list(BUILTIN_ADV_ESTIMATORS), list(BUILTIN_POLICY_LOSSES)
-    if cfg.algorithm.user_modules:  # their registrations live in the registry (importing it imports torch)
-        from easyrl.algorithms import list_advantage_estimators, list_policy_losses
-
-        estimators, losses = list_advantage_estimators(), list_policy_losses()
-    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, estimators)
-    _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, losses)
+    # the built-ins and whatever `algorithm.user_modules` registered (the loader imported them before validating)
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, declared_estimators())
+    _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, declared_policy_losses())
     _one_of("worker.actor.loss_avg_mode", cfg.worker.actor.loss_avg_mode, list(LOSS_AGG_MODES))
     _one_of("worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, list(LOSS_AGG_MODES))
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
@@ -105,7 +100,7 @@ def _check_lora(cfg: EasyRLConfig) -> None:
         )
     if lora.rank == 0:
         return
-    if estimator_needs(cfg).needs_critic:
+    if declared_needs(cfg.algorithm.adv_estimator).needs_critic:  # the name was checked by _check_enums
         raise ConfigError(
             f"{key}.rank",
             f"{lora.rank}: LoRA is supported with critic-free estimators (grpo, rloo, reinforce_plus_plus, ...), "
@@ -202,37 +197,6 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
 
 
-def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
-    """What `algorithm.adv_estimator` declared it needs (a built-in's without importing torch)."""
-    name = cfg.algorithm.adv_estimator
-    if name in BUILTIN_ESTIMATOR_NEEDS and not cfg.algorithm.user_modules:
-        return BUILTIN_ESTIMATOR_NEEDS[name]
-    from easyrl.algorithms import estimator_needs as registered_needs
-
-    return registered_needs(name)
-
-
-def effective_sleep_level(cfg: EasyRLConfig) -> int:
-    """`worker.rollout.sleep_level`, or when null: 1 when the engine keeps its base weights across steps (LoRA with
-    `rollout_sync: adapter` sends only the adapters), else 2 (each wake is followed by a full weight sync, so the
-    level-1 copy of the weights to host memory and back would be thrown away)."""
-    level = cfg.worker.rollout.sleep_level
-    if level is not None:
-        return level
-    lora = cfg.worker.actor.model.lora
-    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
-
-
-def effective_padding_free(cfg: EasyRLConfig, on_gpu: bool) -> bool:
-    """`worker.actor.padding_free`, or when null: packed rows on GPUs (the varlen kernels skip the padding) and
-    whenever a role splits rows with Ulysses (it needs packed rows), padded rows on CPU (per-sequence attention over
-    packed rows is slower there than one padded batch: 0.30 s against 0.18 s per demo update)."""
-    explicit = cfg.worker.actor.padding_free
-    if explicit is not None:
-        return explicit
-    return on_gpu or cfg.worker.actor.ulysses_size > 1 or cfg.worker.critic.ulysses_size > 1
-
-
 def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
     """`ulysses_size` splits each packed row over that many workers: it must divide them, and rows must be packed.
     (That it divides the attention heads is checked with the model's config, in `_check_files`.)"""
@@ -249,17 +213,10 @@ def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
             )
 
 
-def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
-    """Workers holding different samples: all workers / `worker.<role>.ulysses_size` (the ranks of a
-    sequence-parallel group share their samples)."""
-    workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    return workers // int(getattr(cfg.worker, role).ulysses_size)
-
-
 def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     n = cfg.worker.rollout.n
-    needs = estimator_needs(cfg)
+    needs = declared_needs(cfg.algorithm.adv_estimator)
     if needs.grouped and n < 2:
         raise ConfigError(
             "worker.rollout.n",
@@ -275,7 +232,8 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
         if role == "critic" and not needs.needs_critic:
             continue
         wcfg = getattr(cfg.worker, role)
-        gbs, dp = wcfg.global_batch_size, data_parallel_size(cfg, role)
+        # the data-parallel size the run will use (`trainer.resolve.data_parallel_size`, which sits above config)
+        gbs, dp = wcfg.global_batch_size, workers // wcfg.ulysses_size
         sp_note = (
             f" (data-parallel groups: workers / ulysses_size {wcfg.ulysses_size})" if wcfg.ulysses_size > 1 else ""
         )

@@ -1,6 +1,6 @@
 """Model-side helpers for vision-language policies: processor loading, 3D positions, media in forward passes."""
 
-from easyrl.models.processor import VisionSpec, build_processor, load_processor, vision_spec
+from easyrl.models.processor import VisionSpec, build_processor, load_processor, load_tokenizer, vision_spec
 from easyrl.models.vision import (
     MEDIA_KEYS,
     freeze_vision_tower,
@@ -24,6 +24,7 @@ __all__ = [
     "generate_with_media",
     "is_vision_language",
     "load_processor",
+    "load_tokenizer",
     "media_token_ids",
     "mm_token_type_ids",
     "model_class_for",

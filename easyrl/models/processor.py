@@ -147,3 +147,19 @@ def load_processor(path: str | os.PathLike[str], trust_remote_code: bool = False
         with open(template_file, encoding="utf-8") as f:
             chat_template = f.read()
     return build_processor(_processor_class_name(path), image_processor, tokenizer, chat_template)
+
+
+def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """``(tokenizer, processor)`` of the model at ``path``, as the trainer and ``easyrl check`` both use them: a
+    vision-language model's tokenizer is its processor's (``processor`` is ``None`` for a text model), and a
+    tokenizer without a pad token pads with its end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    processor = load_processor(path, trust_remote_code=trust_remote_code)
+    if processor is not None:
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:  # batches are padded; the end token is never trained on as padding
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, processor

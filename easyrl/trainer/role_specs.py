@@ -13,8 +13,8 @@ import torch
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.config.validate import effective_padding_free, effective_sleep_level, estimator_needs
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
+from easyrl.trainer.resolve import effective_padding_free, effective_sleep_level, estimator_needs
 from easyrl.trainer.step_math import needs_old_log_prob_pass
 from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (

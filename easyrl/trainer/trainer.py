@@ -23,8 +23,8 @@ from easyrl.checkpoint.lock import RunLock
 from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
-from easyrl.config.validate import estimator_needs
 from easyrl.seeding import GREEDY_STREAM, SEED_COLUMN, VALIDATION_STREAM, derive_seed, prompt_seeds
+from easyrl.trainer.resolve import estimator_needs
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,

@@ -18,21 +18,13 @@ logger = logging.getLogger(__name__)
 
 def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     """Tokenizer, train dataset, validation dataset (or None) and the resumable prompt sampler."""
-    from transformers import AutoTokenizer
-
     from easyrl.data import PromptSampler, RLDataset
-    from easyrl.models import load_processor
+    from easyrl.models import load_tokenizer
 
     mcfg = cfg.worker.actor.model
     logger.info("loading tokenizer from %s", mcfg.tokenizer_path)
     assert mcfg.tokenizer_path is not None
-    processor = load_processor(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    if processor is not None:  # vision-language model: its tokenizer lives in the processor
-        tokenizer = processor.tokenizer
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
     logger.info("loading and checking training data %s", cfg.data.train_files)
     rollout_media = processor is not None and cfg.worker.rollout.name == "vllm"
     train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_media)

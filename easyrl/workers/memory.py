@@ -36,9 +36,12 @@ from typing import Any, TypeVar
 import torch
 
 from easyrl.distributed import Dispatch, register
-from easyrl.workers.memory_plan import GiB
 from easyrl.workers.specs import MemoryLevers
 
+
+GiB = 2**30
+"""Bytes in a GiB. Its own constant, not the driver-only plan's (`easyrl.memory_plan`): a worker never imports the
+driver's modules."""
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.distributed.device import process_device
 from easyrl.models import is_vision_language
+from easyrl.models.vl_tower import keep_vision_tower_in_step
 from easyrl.workers.specs import ProcessSpec
-from easyrl.workers.vl_tower import keep_vision_tower_in_step
 
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def shard_model(
 ) -> nn.Module:
     """FSDP2-shard `model` over the default process group: one unit per decoder layer, then the root.
 
-    A vision-language model runs its vision tower on every forward, media or not (`easyrl.workers.vl_tower`), so
+    A vision-language model runs its vision tower on every forward, media or not (`easyrl.models.vl_tower`), so
     ranks whose micro-batches differ in media join the same collectives. Mixed precision follows `fsdp_cfg` on GPUs;
     on CPU everything stays fp32 (CPU bf16 matmuls are slow and gloo reductions gain nothing from it).
     """

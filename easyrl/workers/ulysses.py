@@ -19,7 +19,7 @@ attention finds its group and the current pass's whole-row positions. No module-
 
 Vision-language rows are not split before the model: the model gets the whole packed row (ids, media, 4-row
 positions), embeds it and runs its vision tower on every rank of the group, and its language model receives this
-rank's slice of the embeddings and positions (`easyrl.workers.vl_sequence.split_after_embeddings`, cut by
+rank's slice of the embeddings and positions (`easyrl.models.vl_sequence.split_after_embeddings`, cut by
 `shard_sequence` exactly as text rows are), so the results are picked and gathered the same way.
 """
 
@@ -39,8 +39,8 @@ from easyrl.distributed.sequence_parallel import (
     init_sequence_parallel,
     shard_sequence,
 )
+from easyrl.models.vl_sequence import split_after_embeddings
 from easyrl.workers.packing import ModelInputs
-from easyrl.workers.vl_sequence import split_after_embeddings
 
 
 __all__ = [

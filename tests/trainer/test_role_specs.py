@@ -179,7 +179,7 @@ def test_sleep_level_is_derived_from_how_weights_reach_the_engine() -> None:
     engine keeps its base weights); an explicit level wins."""
     from omegaconf import OmegaConf
 
-    from easyrl.config.validate import effective_sleep_level
+    from easyrl.trainer.resolve import effective_sleep_level
 
     def level(**overrides: object) -> int:
         raw = OmegaConf.merge(

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
 from easyrl.config import EasyRLConfig
+from easyrl.memory_plan import GiB, ModelShape, plan_lines, plan_memory, plan_problems
 from easyrl.trainer.role_specs import memory_levers
 from easyrl.workers.memory import (
     MemoryLedger,
@@ -18,7 +19,6 @@ from easyrl.workers.memory import (
     release_cached_memory,
     wake_error_message,
 )
-from easyrl.workers.memory_plan import GiB, ModelShape, plan_lines, plan_memory, plan_problems
 
 
 # Public Qwen2.5 configs (config.json on the hub).

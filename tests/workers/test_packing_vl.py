@@ -16,13 +16,13 @@ from easyrl.batch import Batch
 from easyrl.config import ModelConfig
 from easyrl.data.multimodal import encode_multimodal_prompt
 from easyrl.models import load_processor, mrope_position_ids, stack_media
+from easyrl.models.vl_sequence import split_after_embeddings
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
 from easyrl.workers.forward_backward import batched_log_probs, response_values, token_log_probs
 from easyrl.workers.model_setup import load_model
 from easyrl.workers.packing import packed_attn_implementation, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.varlen import VARLEN_ATTENTION
-from easyrl.workers.vl_sequence import split_after_embeddings
 
 
 CPU = torch.device("cpu")

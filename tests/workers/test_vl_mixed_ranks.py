@@ -1,5 +1,5 @@
 """Vision-language micro-batches that differ in media across data-parallel ranks: rank 0's row has a video and an
-image (two vision tower calls), rank 1's is text only (none). Without `easyrl.workers.vl_tower` the ranks' FSDP2
+image (two vision tower calls), rank 1's is text only (none). Without `easyrl.models.vl_tower` the ranks' FSDP2
 collectives stop pairing up (gloo aborts: "Received data size doesn't match expected size"); with it each rank's
 log-probs are those of the unsharded model, and the gradients are the ranks' average, the text-only rank adding zero
 to every vision parameter."""
@@ -96,10 +96,10 @@ def test_text_only_forward_is_unchanged_and_reaches_the_tower(tmp_path: Path) ->
     zero gradient rather than none."""
     from easyrl.config import ModelConfig
     from easyrl.models import load_processor
+    from easyrl.models.vl_tower import keep_vision_tower_in_step
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
     from easyrl.workers.model_setup import load_model
     from easyrl.workers.packing import packed_attn_implementation
-    from easyrl.workers.vl_tower import keep_vision_tower_in_step
 
     model_dir = build_tiny_vl_checkpoint(tmp_path / "m", "qwen2_5_vl")
     video = tmp_path / "clip.mp4"

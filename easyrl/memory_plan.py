@@ -208,7 +208,7 @@ def _micro_batch_tokens(cfg: Any) -> int:
 
 def _sleep_level(cfg: Any) -> int:
     """`worker.rollout.sleep_level`, derived when null."""
-    from easyrl.config.validate import effective_sleep_level
+    from easyrl.trainer.resolve import effective_sleep_level
 
     return effective_sleep_level(cfg)
 

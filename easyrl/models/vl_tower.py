@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from easyrl.models import vision_tower
-from easyrl.workers.vl_sequence import language_model
+from easyrl.models.vision import vision_tower
+from easyrl.models.vl_sequence import language_model
 
 
 __all__ = ["TOWER_CALLS", "keep_vision_tower_in_step"]

@@ -10,7 +10,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2Config
 
 from easyrl.check import memory_report
 from easyrl.config import EasyRLConfig
-from easyrl.workers.memory_plan import GiB, ModelShape, plan_fixes, plan_memory, vision_parameter_count
+from easyrl.memory_plan import GiB, ModelShape, plan_fixes, plan_memory, vision_parameter_count
 
 
 H100 = 80 * GiB
