@@ -213,14 +213,16 @@ def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
 
 
 def effective_sleep_level(cfg: EasyRLConfig) -> int:
-    """`worker.rollout.sleep_level`, or when null: 1 when the engine keeps its base weights across steps (LoRA with
-    `rollout_sync: adapter` sends only the adapters), else 2 (each wake is followed by a full weight sync, so the
-    level-1 copy of the weights to host memory and back would be thrown away)."""
+    """`worker.rollout.sleep_level`, or when null: the level that follows from how weights reach the engine
+    (`WeightSync.sleep_level`: 1 for adapter sync, which keeps the engine's base weights, else 2)."""
+    # Imported here: the spec module imports `easyrl.config.worker`, so a top-level import would be circular.
+    from easyrl.workers.specs import WeightSync
+
     level = cfg.worker.rollout.sleep_level
     if level is not None:
         return level
     lora = cfg.worker.actor.model.lora
-    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
+    return WeightSync.resolve(lora.rank, lora.rollout_sync).sleep_level
 
 
 def effective_padding_free(cfg: EasyRLConfig, on_gpu: bool) -> bool:

@@ -32,7 +32,7 @@ from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
-from easyrl.workers.specs import RolloutSpec
+from easyrl.workers.specs import RolloutSpec, WeightSync
 
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 "image": max(1, media.get("image", 0)),
                 "video": media.get("video", 0),
             }
-        engine_args |= self._lora_args(mcfg.lora)
+        engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         if rcfg.tensor_parallel_size > 1 and not on_gpu:
             _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
@@ -124,10 +124,10 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = LLM(**engine_args)
         self._asleep = False
 
-    def _lora_args(self, lora: LoraConfig) -> dict[str, Any]:
-        """vLLM's LoRA settings when it serves the adapters itself (`rollout_sync: adapter`), else none: the base
+    def _lora_args(self, lora: LoraConfig, sync: WeightSync) -> dict[str, Any]:
+        """vLLM's LoRA settings when it serves the adapters itself (`WeightSync.ADAPTER`), else none: the base
         stays as loaded and each update's adapters arrive through `load_adapter`."""
-        self.serves_lora = lora.rank > 0 and lora.rollout_sync == "adapter"
+        self.serves_lora = sync is WeightSync.ADAPTER
         self._lora_request: Any = None
         self._lora_version = 0
         if not self.serves_lora:
