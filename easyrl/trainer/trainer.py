@@ -35,7 +35,9 @@ from easyrl.trainer.step_math import (
     logprob_consistency,
     mean_entropy,
     mini_batch_major_order,
+    policy_version_metrics,
     pool_reward_metrics,
+    resumed_policy_version,
     rollout_tis_weights,
     sampled_validation_metrics,
     throughput_metrics,
@@ -166,6 +168,7 @@ class Trainer:
                         metrics |= self.actor.update_actor(self.for_update(batch, "actor"))
                     self.check_skipped_updates(metrics)
             metrics |= data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length)
+            metrics |= policy_version_metrics(batch)
             metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
             metrics |= throughput_metrics(batch, timings, self.workers.world_size)
             metrics |= self.workers.memory_metrics()
@@ -419,6 +422,7 @@ class Trainer:
             call.result()
         state, rng = read_trainer_state(folder)
         self.restore_driver_state(state)
+        self.actor.set_policy_version(resumed_policy_version(self.global_step, self.cfg.trainer.critic_warmup))
         rng.restore()
 
     def check_resume_config(self, folder: str) -> None:

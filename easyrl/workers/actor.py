@@ -117,6 +117,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
             self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
         self._session_open = False  # between open_rollout and close_rollout
+        # Policy versions: `update_actor` calls the policy's weights reflect, and those of the weights the engine
+        # holds (taken at each push). The initial checkpoint is version 0: step 1 samples with 0, step 2 with 1.
+        self._policy_version = 0
+        self._engine_version = 0
 
     # ---------------------------------------------------------------- rollout
     # An engine session: `open_rollout`, any number of `generate` calls, `close_rollout`. The driver drives the
@@ -146,7 +150,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.ENGINE_SPLIT)
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the weights the engine
-        holds; no wake, sync or sleep here (`open_rollout` / `close_rollout` around it).
+        holds; no wake, sync or sleep here (`open_rollout` / `close_rollout` around it). Each row carries the
+        `policy_version` (B*n,) int64 of those weights: the `update_actor` calls they reflect.
 
         Each prompt's seed comes in the `sample_seed` column the driver made for its whole batch, so a prompt samples
         alike on whichever engine draws it (and the ranks of one tensor-parallel engine, given the same prompts, alike).
@@ -154,7 +159,15 @@ class ActorWorker(TrainedRole, MemoryReporting):
         if not self._session_open:
             raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
         assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
-        return self.engine.generate(prompts, params)
+        out = self.engine.generate(prompts, params)
+        # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
+        return out.set(policy_version=torch.full((len(out),), self._engine_version, dtype=torch.int64))
+
+    @register(dispatch=Dispatch.ALL)
+    def set_policy_version(self, version: int) -> None:
+        """A resumed run's policy version (`easyrl.trainer.step_math.resumed_policy_version`): the engine takes it
+        at its next push, which a checkpoint load forces."""
+        self._policy_version = version
 
     @register(dispatch=Dispatch.ALL)
     def close_rollout(self) -> dict[str, float]:
@@ -188,6 +201,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         wake = time.perf_counter() - start
         start = time.perf_counter()
         self._push_weights()
+        self._engine_version = self._policy_version  # a re-push after a level-2 sleep keeps the version
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()
@@ -263,6 +277,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
+        self._policy_version += 1  # even when a non-finite step was skipped: versions count update calls
         self._engine_stale = True
         return metrics
 

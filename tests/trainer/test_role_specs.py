@@ -151,6 +151,7 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     prompts.meta["sampling"] = sampling
     out = actor.generate_sequences(prompts)
     assert out["responses"].shape == (2 * sampling.n, sampling.max_tokens)  # the engine returned B*n rows
+    assert out["policy_version"].dtype == torch.int64 and out["policy_version"].tolist() == [0] * len(out)
     assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(sampling.n, 0))
     batch = out.union(actor.compute_log_probs(out))
 
@@ -172,6 +173,8 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics and metrics["actor/skipped_updates"] == 0
     after = actor.full_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
+    # the next rollout pushes the updated weights: every row says it was sampled by policy version 1
+    assert actor.generate_sequences(prompts)["policy_version"].tolist() == [1] * len(out)
     assert "critic/vf_loss" in critic.update_critic(batch)
 
 
