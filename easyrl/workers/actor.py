@@ -126,16 +126,15 @@ class ActorWorker(TrainedRole, MemoryReporting):
     # An engine session: `open_rollout`, any number of `generate` calls, `close_rollout`. The driver drives the
     # lifecycle; `generate` itself never wakes, syncs or sleeps, so several calls share one wake and one push.
     @register(dispatch=Dispatch.ENGINE_SPLIT)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """One whole session around one `generate`: open, generate, close (the driver's synchronous loop); the
-        driver's `SamplingParams` travel in `prompts.meta["sampling"]`."""
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """One whole session around one `generate`: open, generate, close (the driver's synchronous loop). Returns
+        the rows and the session's timings (`timing_s/wake`, `/update_weights`, `/generate_engine`, `/sleep`)."""
         timing = self.open_rollout()
         start = time.perf_counter()
-        out = self.generate(prompts, prompts.meta["sampling"])
+        out = self.generate(prompts, params)
         timing["timing_s/generate_engine"] = time.perf_counter() - start
         timing |= self.close_rollout()
-        out.meta["timing"] = timing
-        return out
+        return out, timing
 
     @register(dispatch=Dispatch.ALL)
     def open_rollout(self) -> dict[str, float]:
@@ -260,9 +259,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
 
     @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("update")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO-family update over the batch; returns `actor/*` metrics (values over all ranks' rows, averaged over the
-        mini-batches)."""
+    def update_actor(self, batch: Batch, entropy_coeff: float) -> dict[str, float]:
+        """PPO-family update over the batch with the entropy bonus weighted by `entropy_coeff` (the driver's: fixed
+        or adaptive; 0 turns the bonus and its entropy computation off); returns `actor/*` metrics (values over all
+        ranks' rows, averaged over the mini-batches)."""
         self.model.train()
         if "old_log_probs" not in batch and (
             self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size
@@ -273,7 +273,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
                 f"(worker.actor.ppo_epochs={self.spec.update.epochs}, {len(batch)} rows, mini-batch "
                 f"{self.spec.update.mini_batch_size}): the driver's old-log-prob pass decision is out of step"
             )
-        metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
+        metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(entropy_coeff), prefix="actor")
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
@@ -281,9 +281,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
         self._engine_stale = True
         return metrics
 
-    def _loss_fn(self, batch: Batch) -> LossFn:
+    def _loss_fn(self, entropy_coeff: float) -> LossFn:
         """The policy loss of one micro-batch (plus the entropy bonus and the KL loss when they are on)."""
-        entropy_coeff = float(batch.meta.get("entropy_coeff", 0.0))
         opts, device, temperature = self.spec.model.forward, self.device, self.spec.temperature
 
         def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:

@@ -148,8 +148,8 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
     # the driver seeds every prompt before the batch is split (Trainer.generate); the worker refuses unseeded ones
     prompts = prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
-    prompts.meta["sampling"] = sampling
-    out = actor.generate_sequences(prompts)
+    out, timing = actor.generate_sequences(prompts, sampling)
+    assert {"timing_s/wake", "timing_s/generate_engine", "timing_s/sleep"} <= set(timing)
     assert out["responses"].shape == (2 * sampling.n, sampling.max_tokens)  # the engine returned B*n rows
     assert out["policy_version"].dtype == torch.int64 and out["policy_version"].tolist() == [0] * len(out)
     assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(sampling.n, 0))
@@ -169,12 +169,12 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     advantages = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).float() * mask
     batch.set(advantages=advantages, returns=advantages)
     before = {k: v.detach().clone() for k, v in actor.full_weights().items()}
-    metrics = actor.update_actor(batch)
+    metrics = actor.update_actor(batch, entropy_coeff=0.0)
     assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics and metrics["actor/skipped_updates"] == 0
     after = actor.full_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
     # the next rollout pushes the updated weights: every row says it was sampled by policy version 1
-    assert actor.generate_sequences(prompts)["policy_version"].tolist() == [1] * len(out)
+    assert actor.generate_sequences(prompts, sampling)[0]["policy_version"].tolist() == [1] * len(out)
     assert "critic/vf_loss" in critic.update_critic(batch)
 
 
@@ -200,8 +200,7 @@ def test_an_engine_session_generates_the_rows_of_generate_sequences(
     rows = [actor.generate(first, sampling), actor.generate(second, sampling)]
     assert "timing_s/sleep" in actor.close_rollout()
     for prompts, got in zip((first, second), rows):
-        prompts.meta["sampling"] = sampling
-        whole = actor.generate_sequences(prompts)
+        whole, _ = actor.generate_sequences(prompts, sampling)
         assert set(got.tensors) == set(whole.tensors)
         for key, value in whole.tensors.items():
             assert torch.equal(got[key], value), key
