@@ -8,6 +8,8 @@ Tensor fields used by the trainer (B samples, P prompt tokens left-padded, R res
 training side (which of them the losses, advantages, rewards and metrics count). They are equal for a single-turn
 rollout; a multi-turn one zeroes tool output in `loss_mask` only (seen, never trained on).
 Non-tensor fields: uid (group id of the prompt), ground_truth, raw_prompt, row, index.
+Rows only: settings for a call (sampling, the entropy coefficient) are typed arguments of the worker method, and
+what a call measures (timings) comes back as a typed result beside the batch; there is no batch-wide bag.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ class Batch:
     """Tensors whose first dimension is the batch."""
     non_tensors: dict[str, list[Any]] = field(default_factory=dict)
     """Per-sample Python objects (lists of length B)."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Batch-wide information (sampling parameters, step, ...)."""
 
     def __post_init__(self) -> None:
         sizes = {k: int(v.shape[0]) for k, v in self.tensors.items()}
@@ -62,18 +62,15 @@ class Batch:
         return self
 
     def select(self, *keys: str) -> Batch:
-        """A batch with only these fields (meta kept)."""
+        """A batch with only these fields."""
         return Batch(
             {k: v for k, v in self.tensors.items() if k in keys},
             {k: v for k, v in self.non_tensors.items() if k in keys},
-            dict(self.meta),
         )
 
     def union(self, other: Batch) -> Batch:
         """Fields of both (other wins on a clash); sizes must agree."""
-        return Batch(
-            {**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors}, {**self.meta, **other.meta}
-        )
+        return Batch({**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors})
 
     def index(self, idx: Sequence[int] | torch.Tensor) -> Batch:
         """The samples at positions `idx`, in that order."""
@@ -82,14 +79,12 @@ class Batch:
         return Batch(
             {k: v[t] for k, v in self.tensors.items()},
             {k: [v[i] for i in ids] for k, v in self.non_tensors.items()},
-            dict(self.meta),
         )
 
     def slice(self, start: int, end: int) -> Batch:
         return Batch(
             {k: v[start:end] for k, v in self.tensors.items()},
             {k: v[start:end] for k, v in self.non_tensors.items()},
-            dict(self.meta),
         )
 
     def chunk(self, n: int) -> list[Batch]:
@@ -110,7 +105,7 @@ class Batch:
         return self.index(ids)
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors))
 
     @classmethod
     def concat(cls, parts: Iterable[Batch]) -> Batch:
@@ -126,4 +121,4 @@ class Batch:
                 values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
             tensors[k] = torch.cat(values)
         non_tensors = {k: [x for p in parts for x in p.non_tensors[k]] for k in parts[0].non_tensors}
-        return cls(tensors, non_tensors, dict(parts[0].meta))
+        return cls(tensors, non_tensors)

@@ -189,6 +189,28 @@ def _field_reads(source: str, name: str) -> list[int]:
     return lines
 
 
+def _meta_uses(source: str) -> list[int]:
+    """Lines of `source` that touch an attribute named `meta` (the batch-wide bag `Batch` no longer has)."""
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and n.attr == "meta"]
+
+
+def test_no_untyped_control_channel_between_driver_and_workers() -> None:
+    """Sampling settings, the entropy coefficient and timings travel as typed arguments and results of the worker
+    methods: `Batch` holds rows only, and no code reads or writes a `.meta` bag."""
+    import dataclasses
+
+    from easyrl.batch import Batch
+
+    assert "meta" not in {f.name for f in dataclasses.fields(Batch)}
+    assert _meta_uses('batch.meta["sampling"] = p\nx = out.meta.pop("timing")\nok = meta.get("k")\n') == [1, 2]
+    offenders = [
+        f"{module}:{line}" for module, path in MODULES.items() for line in _meta_uses(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "pass settings as typed worker-method arguments, not through `.meta`:\n" + "\n".join(
+        offenders
+    )
+
+
 def test_field_read_rule_catches_reads_not_writes() -> None:
     source = 'a = b["response_mask"]\nc = b.tensors.get("response_mask")\nd = {"response_mask": m}\nb.set(response_mask=m)\n'
     assert _field_reads(source, "response_mask") == [1, 2]

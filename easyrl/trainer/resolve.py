@@ -10,6 +10,7 @@ from __future__ import annotations
 from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.config import EasyRLConfig
+from easyrl.workers.specs import WeightSync
 
 
 def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
@@ -25,7 +26,7 @@ def effective_sleep_level(cfg: EasyRLConfig) -> int:
     if level is not None:
         return level
     lora = cfg.worker.actor.model.lora
-    return 1 if lora.rank > 0 and lora.rollout_sync == "adapter" else 2
+    return WeightSync.resolve(lora.rank, lora.rollout_sync).sleep_level  # the one rule, shared with the spec
 
 
 def effective_padding_free(cfg: EasyRLConfig, on_gpu: bool) -> bool:

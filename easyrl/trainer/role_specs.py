@@ -28,6 +28,7 @@ from easyrl.workers.specs import (
     RefSpec,
     RolloutSpec,
     UpdateSpec,
+    WeightSync,
 )
 
 
@@ -199,8 +200,15 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
         model=cfg.worker.actor.model,
         max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
         logprob_ratio=effective_logprob_ratio(cfg),
-        sleep_level=effective_sleep_level(cfg),
+        weight_sync=weight_sync(cfg),
+        sleep_level=effective_sleep_level(cfg),  # an explicit level, else the one `weight_sync` implies
     )
+
+
+def weight_sync(cfg: EasyRLConfig) -> WeightSync:
+    """How the actor pushes its weights into its engine: all of them, a LoRA policy merged, or its adapters."""
+    lora = cfg.worker.actor.model.lora
+    return WeightSync.resolve(lora.rank, lora.rollout_sync)
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:

@@ -195,6 +195,23 @@ def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int)
     return out
 
 
+def policy_version_metrics(batch: Batch) -> dict[str, float]:
+    """The oldest and newest policy that sampled the batch (`policy_version` (B,) int64): equal in the synchronous
+    loop; apart once rollouts overlap training."""
+    versions = batch["policy_version"]
+    return {
+        "rollout/policy_version_min": float(versions.min()),
+        "rollout/policy_version_max": float(versions.max()),
+    }
+
+
+def resumed_policy_version(global_step: int, critic_warmup: int) -> int:
+    """The policy version after `global_step` steps, for a resumed run: one actor update per step past the critic
+    warm-up. A step whose update the driver skipped for non-finite advantages is counted too (such steps are rare
+    and bounded by `max_consecutive_skips`); the checkpoint itself does not record the version."""
+    return max(0, global_step - critic_warmup)
+
+
 def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) -> dict[str, float]:
     """Tokens per second per worker over the whole step, and milliseconds per token of each stage."""
     total_tokens = float(batch["attention_mask"].sum())

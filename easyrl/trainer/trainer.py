@@ -35,7 +35,9 @@ from easyrl.trainer.step_math import (
     logprob_consistency,
     mean_entropy,
     mini_batch_major_order,
+    policy_version_metrics,
     pool_reward_metrics,
+    resumed_policy_version,
     rollout_tis_weights,
     sampled_validation_metrics,
     throughput_metrics,
@@ -163,9 +165,10 @@ class Trainer:
                     self.check_skipped_updates(metrics, culprit=bad)
                 elif self.global_step > cfg.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        metrics |= self.actor.update_actor(self.for_update(batch, "actor"))
+                        metrics |= self.actor.update_actor(self.for_update(batch, "actor"), self.entropy_coeff())
                     self.check_skipped_updates(metrics)
             metrics |= data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length)
+            metrics |= policy_version_metrics(batch)
             metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
             metrics |= throughput_metrics(batch, timings, self.workers.world_size)
             metrics |= self.workers.memory_metrics()
@@ -228,9 +231,9 @@ class Trainer:
         # not depend on the layout (easyrl.seeding).
         assert params.seed is not None
         request = request.set(**{SEED_COLUMN: prompt_seeds(params.seed, len(request), params.n)})
-        request.meta["sampling"] = params
-        out = self.actor.generate_sequences(request)
-        metrics |= out.meta.pop("timing", {})
+        # The sampling goes to every engine unsplit (only the batch is split); the timings come back merged.
+        out, timing = self.actor.generate_sequences(request, params)
+        metrics |= timing
         if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare
             out.tensors.pop("rollout_log_probs", None)
         return prompts.repeat_interleave(params.n).union(out)
@@ -275,11 +278,13 @@ class Trainer:
         compute_advantages(batch, alg)
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
             self.entropy_ctrl.update(mean_entropy(batch))
-            batch.meta["entropy_coeff"] = self.entropy_ctrl.value
-        else:
-            batch.meta["entropy_coeff"] = alg.entropy_coeff
-        metrics["actor/entropy_coeff"] = batch.meta["entropy_coeff"]
+        metrics["actor/entropy_coeff"] = self.entropy_coeff()
         return metrics
+
+    def entropy_coeff(self) -> float:
+        """The entropy bonus weight of this step's update: the adaptive controller's (updated from this step's
+        rollout), else `algorithm.entropy_coeff`."""
+        return self.entropy_ctrl.value if self.entropy_ctrl is not None else self.cfg.algorithm.entropy_coeff
 
     def for_update(self, batch: Batch, role: str) -> Batch:
         """`for_workers` with the rows in `mini_batch_major_order`: the role's optimizer steps see the same global
@@ -419,6 +424,7 @@ class Trainer:
             call.result()
         state, rng = read_trainer_state(folder)
         self.restore_driver_state(state)
+        self.actor.set_policy_version(resumed_policy_version(self.global_step, self.cfg.trainer.critic_warmup))
         rng.restore()
 
     def check_resume_config(self, folder: str) -> None:
@@ -464,7 +470,7 @@ class Trainer:
 
 
 def for_workers(batch: Batch, *extra: str) -> Batch:
-    """What the workers read: the tensors, per-sample media (processed pixels) and the meta, plus the `extra`
+    """What the workers read: the tensors and per-sample media (processed pixels), plus the `extra`
     fields. Rows, prompt texts and decoded responses stay in the driver instead of being serialized to every
     worker on every call."""
     return batch.select(*batch.tensors, "multi_modal_inputs", *extra)

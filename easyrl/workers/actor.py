@@ -26,7 +26,7 @@ from easyrl.workers.forward_backward import (
 from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import DTYPES, setup_process
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
-from easyrl.workers.specs import ActorSpec, PolicyLossSpec, RolloutSpec
+from easyrl.workers.specs import ActorSpec, PolicyLossSpec, RolloutSpec, WeightSync
 from easyrl.workers.trainable import TrainedRole
 
 
@@ -116,32 +116,75 @@ class ActorWorker(TrainedRole, MemoryReporting):
         with self.ledger.building_engine():  # its pools, kept apart from the training figures
             self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
         self._engine_stale = False  # the engine loaded the same checkpoint the policy did
+        self._session_open = False  # between open_rollout and close_rollout
+        # Policy versions: `update_actor` calls the policy's weights reflect, and those of the weights the engine
+        # holds (taken at each push). The initial checkpoint is version 0: step 1 samples with 0, step 2 with 1.
+        self._policy_version = 0
+        self._engine_version = 0
 
     # ---------------------------------------------------------------- rollout
+    # An engine session: `open_rollout`, any number of `generate` calls, `close_rollout`. The driver drives the
+    # lifecycle; `generate` itself never wakes, syncs or sleeps, so several calls share one wake and one push.
     @register(dispatch=Dispatch.ENGINE_SPLIT)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the current policy
-        weights; the driver's `SamplingParams` travel in `prompts.meta["sampling"]`.
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """One whole session around one `generate`: open, generate, close (the driver's synchronous loop). Returns
+        the rows and the session's timings (`timing_s/wake`, `/update_weights`, `/generate_engine`, `/sleep`)."""
+        timing = self.open_rollout()
+        start = time.perf_counter()
+        out = self.generate(prompts, params)
+        timing["timing_s/generate_engine"] = time.perf_counter() - start
+        timing |= self.close_rollout()
+        return out, timing
+
+    @register(dispatch=Dispatch.ALL)
+    def open_rollout(self) -> dict[str, float]:
+        """Move training state off the device (as `offload` says), wake the engine and, when the policy changed
+        since the engine last held it, push the new weights. Returns `timing_s/wake` (and `timing_s/update_weights`
+        after a push)."""
+        if self._session_open:
+            raise RuntimeError("open_rollout called twice: close the engine session (close_rollout) first")
+        self._session_open = True
+        return self._wake_engine()
+
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the weights the engine
+        holds; no wake, sync or sleep here (`open_rollout` / `close_rollout` around it). Each row carries the
+        `policy_version` (B*n,) int64 of those weights: the `update_actor` calls they reflect.
 
         Each prompt's seed comes in the `sample_seed` column the driver made for its whole batch, so a prompt samples
         alike on whichever engine draws it (and the ranks of one tensor-parallel engine, given the same prompts, alike).
         """
-        timing = self._wake_engine()
-        params: SamplingParams = prompts.meta["sampling"]
+        if not self._session_open:
+            raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
         assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
-        start = time.perf_counter()
         out = self.engine.generate(prompts, params)
-        timing["timing_s/generate_engine"] = time.perf_counter() - start
+        # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
+        return out.set(policy_version=torch.full((len(out),), self._engine_version, dtype=torch.int64))
+
+    @register(dispatch=Dispatch.ALL)
+    def set_policy_version(self, version: int) -> None:
+        """A resumed run's policy version (`easyrl.trainer.step_math.resumed_policy_version`): the engine takes it
+        at its next push, which a checkpoint load forces."""
+        self._policy_version = version
+
+    @register(dispatch=Dispatch.ALL)
+    def close_rollout(self) -> dict[str, float]:
+        """Put the engine to sleep and bring the training state back; returns `timing_s/sleep` (and, on CUDA,
+        `perf/sleep_freed_gb`)."""
+        if not self._session_open:
+            raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
         self.ledger.mark("after_generate")
         start = time.perf_counter()
+        timing: dict[str, float] = {}
         self.ledger.sleep(self.engine)  # hands the allocator's cache back too
         self._engine_stale |= self.engine.discards_weights_on_sleep
         if self.ledger.slept_bytes is not None:  # what sleeping gave back to the device (weights + KV cache; CUDA)
             timing["perf/sleep_freed_gb"] = self.ledger.slept_bytes / 2**30
         self.trainable.reload()
         timing["timing_s/sleep"] = time.perf_counter() - start
-        out.meta["timing"] = timing
-        return out
+        self._session_open = False
+        return timing
 
     def _wake_engine(self) -> dict[str, float]:
         """Wake the engine; when the policy changed since it last generated, stream the new weights in
@@ -156,10 +199,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
         self.ledger.wake(self.engine, ["weights"])
         wake = time.perf_counter() - start
         start = time.perf_counter()
-        if self.trainable.lora and self.spec.model.model.lora.rollout_sync == "adapter":
-            self.engine.load_adapter(*self.trainable.lora_adapter())
-        else:
-            self.engine.load_weights(self.trainable.full_weights(self.engine.loads_tied_aliases))
+        self._push_weights()
+        self._engine_version = self._policy_version  # a re-push after a level-2 sleep keeps the version
         update = time.perf_counter() - start
         start = time.perf_counter()
         self.trainable.offload()
@@ -167,6 +208,19 @@ class ActorWorker(TrainedRole, MemoryReporting):
         wake += time.perf_counter() - start
         self._engine_stale = False
         return {"timing_s/wake": wake, "timing_s/update_weights": update}
+
+    def _push_weights(self) -> None:
+        """Send the policy's weights to the engine the way the driver chose (`spec.rollout.weight_sync`)."""
+        sync = self.spec.rollout.weight_sync
+        if (sync is WeightSync.FULL) == self.trainable.lora:
+            raise RuntimeError(
+                f"weight_sync={sync.value} for a {'LoRA' if self.trainable.lora else 'full'} policy: the actor spec "
+                "was not built by easyrl.trainer.role_specs from this model's lora settings"
+            )
+        if sync is WeightSync.ADAPTER:
+            self.engine.load_adapter(*self.trainable.lora_adapter())
+        else:  # FULL and MERGED_LORA: `full_weights` merges the adapters in for a LoRA policy
+            self.engine.load_weights(self.trainable.full_weights(self.engine.loads_tied_aliases))
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT)
@@ -205,9 +259,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
 
     @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("update")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO-family update over the batch; returns `actor/*` metrics (values over all ranks' rows, averaged over the
-        mini-batches)."""
+    def update_actor(self, batch: Batch, entropy_coeff: float) -> dict[str, float]:
+        """PPO-family update over the batch with the entropy bonus weighted by `entropy_coeff` (the driver's: fixed
+        or adaptive; 0 turns the bonus and its entropy computation off); returns `actor/*` metrics (values over all
+        ranks' rows, averaged over the mini-batches)."""
         self.model.train()
         if "old_log_probs" not in batch and (
             self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size
@@ -218,16 +273,16 @@ class ActorWorker(TrainedRole, MemoryReporting):
                 f"(worker.actor.ppo_epochs={self.spec.update.epochs}, {len(batch)} rows, mini-batch "
                 f"{self.spec.update.mini_batch_size}): the driver's old-log-prob pass decision is out of step"
             )
-        metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(batch), prefix="actor")
+        metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(entropy_coeff), prefix="actor")
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
+        self._policy_version += 1  # even when a non-finite step was skipped: versions count update calls
         self._engine_stale = True
         return metrics
 
-    def _loss_fn(self, batch: Batch) -> LossFn:
+    def _loss_fn(self, entropy_coeff: float) -> LossFn:
         """The policy loss of one micro-batch (plus the entropy bonus and the KL loss when they are on)."""
-        entropy_coeff = float(batch.meta.get("entropy_coeff", 0.0))
         opts, device, temperature = self.spec.model.forward, self.device, self.spec.temperature
 
         def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).with_name("golden_grpo.json")
 # Metrics that depend on wall time or the machine, not on the computation.
 _VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+# Counters of the loop rather than results of the math (which policy sampled the rows): checked exactly on their own,
+# kept out of the recorded golden trajectory so that adding one does not mean recording it again.
+_BOOKKEEPING = ("rollout/policy_version_",)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,6 +98,12 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
         "actor/entropy_rollout",
     ):
         assert key in rows[-1], key
+    # the initial checkpoint samples step 1 (version 0); each update's push makes the next version
+    assert [(r["rollout/policy_version_min"], r["rollout/policy_version_max"]) for r in rows] == [
+        (0.0, 0.0),
+        (1.0, 1.0),
+        (2.0, 2.0),
+    ]
     assert before is not None and after is not None and before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters not trained: {unchanged}"
@@ -204,6 +213,8 @@ def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> Non
     second, _, _ = run(tmp_path / "b", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5)
     stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in first]
     assert stable == [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in second]
+    assert [r["rollout/policy_version_max"] for r in stable] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    stable = [{k: v for k, v in r.items() if not k.startswith(_BOOKKEEPING)} for r in stable]
     if os.environ.get("EASYRL_RECORD_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(stable, indent=1, sort_keys=True))
     mismatches = golden_mismatches(stable, json.loads(GOLDEN.read_text()))

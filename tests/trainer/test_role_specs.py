@@ -15,6 +15,7 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
+from easyrl.workers.specs import WeightSync
 from tests.conftest import base_config, write_config
 
 
@@ -147,9 +148,10 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
     # the driver seeds every prompt before the batch is split (Trainer.generate); the worker refuses unseeded ones
     prompts = prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
-    prompts.meta["sampling"] = sampling
-    out = actor.generate_sequences(prompts)
+    out, timing = actor.generate_sequences(prompts, sampling)
+    assert {"timing_s/wake", "timing_s/generate_engine", "timing_s/sleep"} <= set(timing)
     assert out["responses"].shape == (2 * sampling.n, sampling.max_tokens)  # the engine returned B*n rows
+    assert out["policy_version"].dtype == torch.int64 and out["policy_version"].tolist() == [0] * len(out)
     assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(sampling.n, 0))
     batch = out.union(actor.compute_log_probs(out))
 
@@ -167,11 +169,62 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     advantages = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).float() * mask
     batch.set(advantages=advantages, returns=advantages)
     before = {k: v.detach().clone() for k, v in actor.full_weights().items()}
-    metrics = actor.update_actor(batch)
+    metrics = actor.update_actor(batch, entropy_coeff=0.0)
     assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics and metrics["actor/skipped_updates"] == 0
     after = actor.full_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no weight"
+    # the next rollout pushes the updated weights: every row says it was sampled by policy version 1
+    assert actor.generate_sequences(prompts, sampling)[0]["policy_version"].tolist() == [1] * len(out)
     assert "critic/vf_loss" in critic.update_critic(batch)
+
+
+def test_an_engine_session_generates_the_rows_of_generate_sequences(
+    tmp_path, tiny_model_dir, digits_data, single_process
+) -> None:
+    """open_rollout -> generate twice -> close_rollout on the HF engine: each generate gives the very rows that a
+    whole `generate_sequences` call gives (one wake and one push serve both), and no lifecycle runs inside."""
+    from easyrl.workers.actor import ActorWorker
+
+    cfg = _config(tmp_path, tiny_model_dir, digits_data)
+    actor = ActorWorker(build_role_specs(cfg, optimizer_steps=4, world_size=1).actor)
+    actor.init_model()
+    sampling = sampling_params(cfg).override({"seed": 7})
+    first = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
+    second = _prompts(tiny_model_dir, ["Copy: 2", "Copy: 3 1 0 2"])
+    for prompts in (first, second):
+        prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
+    with pytest.raises(RuntimeError, match="call open_rollout first"):
+        actor.generate(first, sampling)
+    timing = actor.open_rollout()
+    assert "timing_s/wake" in timing
+    rows = [actor.generate(first, sampling), actor.generate(second, sampling)]
+    assert "timing_s/sleep" in actor.close_rollout()
+    for prompts, got in zip((first, second), rows):
+        whole, _ = actor.generate_sequences(prompts, sampling)
+        assert set(got.tensors) == set(whole.tensors)
+        for key, value in whole.tensors.items():
+            assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sync", "level"),
+    [
+        ([], WeightSync.FULL, 2),
+        (["worker.actor.model.lora.rank=8"], WeightSync.MERGED_LORA, 2),
+        (
+            ["worker.actor.model.lora.rank=8", "worker.actor.model.lora.rollout_sync=adapter"],
+            WeightSync.ADAPTER,
+            1,
+        ),
+    ],
+)
+def test_the_actor_spec_carries_how_weights_reach_the_engine(
+    overrides: list[str], sync: WeightSync, level: int
+) -> None:
+    """The driver resolves the WeightSync from the LoRA settings; the sleep level follows from it."""
+    cfg = load_config(DEMO, ["worker.rollout.name=vllm", *overrides])
+    rollout = build_role_specs(cfg, optimizer_steps=4, world_size=2).actor.rollout
+    assert rollout.weight_sync is sync and rollout.sleep_level == level
 
 
 def test_sleep_level_is_derived_from_how_weights_reach_the_engine() -> None:

