@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,3 +110,28 @@ def run_script(name: str, *args: str, workdir: Path) -> None:
 def write_config(path: Path, config: dict[str, Any]) -> str:
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+def padded_rows(
+    prompt_len: int, response_lengths: list[int], generator: torch.Generator, width: int | None = None, vocab: int = 90
+) -> dict[str, torch.Tensor]:
+    """The sequence tensors of a rollout batch, as the rollout pads them: row `i` is `prompt_len` prompt tokens and
+    `response_lengths[i]` response tokens, padded to `width` (default: the longest); token ids are drawn from
+    `generator` first, so a test's later draws stay where they were. `loss_mask` equals `response_mask`
+    (single-turn)."""
+    import torch
+
+    width = max(response_lengths) if width is None else width
+    mask = torch.zeros(len(response_lengths), prompt_len + width, dtype=torch.long)
+    for i, n in enumerate(response_lengths):
+        mask[i, : prompt_len + n] = 1
+    ids = torch.randint(3, vocab, mask.shape, generator=generator) * mask  # padding stays token 0
+    return {
+        "prompts": ids[:, :prompt_len],
+        "responses": ids[:, prompt_len:],
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask[:, prompt_len:].clone(),
+        "loss_mask": mask[:, prompt_len:].clone(),
+    }

@@ -30,6 +30,7 @@ from easyrl.workers.batching import make_micro_batches
 from easyrl.workers.critic import value_objective
 from easyrl.workers.forward_backward import _backward_mini_batch, token_log_probs
 from easyrl.workers.specs import PolicyLossSpec
+from tests.conftest import padded_rows
 from tests.workers.test_packing import tiny_lm
 
 
@@ -45,25 +46,11 @@ LOSS = PolicyLossSpec("ppo", 0.2, 0.28, 3.0, True, "low_var_kl", 0.1, 1.0, 1.05)
 
 def _rows() -> Batch:
     """Two groups of two rows; the tool tokens are attended (`response_mask` 1) but masked out of `loss_mask`."""
-    g = torch.Generator().manual_seed(0)
-    b = len(LENGTHS)
-    mask = torch.zeros(b, PROMPT + RESPONSE, dtype=torch.long)
-    for i, n in enumerate(LENGTHS):
-        mask[i, : PROMPT + n] = 1
-    ids = torch.randint(3, 90, mask.shape, generator=g) * mask
-    loss_mask = mask[:, PROMPT:].clone()
+    rows = padded_rows(PROMPT, LENGTHS, torch.Generator().manual_seed(0), width=RESPONSE)
     for i, span in TOOL.items():
-        loss_mask[i, list(span)] = 0
+        rows["loss_mask"][i, list(span)] = 0
     return Batch(
-        {
-            "prompts": ids[:, :PROMPT],
-            "responses": ids[:, PROMPT:],
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-            "response_mask": mask[:, PROMPT:].clone(),
-            "loss_mask": loss_mask,
-        },
+        rows,
         {"uid": ["a", "a", "b", "b"]},
     )
 

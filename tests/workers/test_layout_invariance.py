@@ -18,6 +18,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions, PolicyLossSpec
+from tests.conftest import padded_rows
 from tests.workers.test_batching import init_rank, run_ranks
 
 
@@ -34,19 +35,9 @@ ENTROPY_COEFF = 0.01
 def _batch(vocab: int = 90) -> Batch:
     g = torch.Generator().manual_seed(0)
     b, r = len(RESPONSES), max(RESPONSES)
-    mask = torch.zeros(b, PROMPT + r, dtype=torch.long)
-    for i, n in enumerate(RESPONSES):
-        mask[i, : PROMPT + n] = 1
-    ids = torch.randint(3, vocab, (b, PROMPT + r), generator=g) * mask
     return Batch(
         {
-            "prompts": ids[:, :PROMPT],
-            "responses": ids[:, PROMPT:],
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-            "response_mask": mask[:, PROMPT:].clone(),
-            "loss_mask": mask[:, PROMPT:].clone(),
+            **padded_rows(PROMPT, RESPONSES, g, vocab=vocab),
             "advantages": torch.randn(b, r, generator=g),
             "returns": torch.randn(b, r, generator=g),
             "values": 0.1 * torch.randn(b, r, generator=g),
