@@ -24,12 +24,6 @@ def token_level_scores(scores: Sequence[float], loss_mask: torch.Tensor) -> torc
     return out
 
 
-def response_attention(batch: Batch) -> torch.Tensor:
-    """The response tokens the model saw (B, R), tool output included: the response part of `attention_mask`. Counts
-    lengths and generation work; everything that trains or scores reads `loss_mask` instead."""
-    return batch["attention_mask"][:, batch["prompts"].shape[1] :]
-
-
 def apply_kl_in_reward(batch: Batch, controller: KLController, kind: str) -> dict[str, float]:
     """token_level_rewards = scores - beta * KL(old || ref) per token; updates the controller."""
     mask = batch["loss_mask"].float()
@@ -160,7 +154,8 @@ def logprob_consistency(batch: Batch) -> dict[str, float]:
 def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
     """verl-named statistics of scores, rewards, advantages, returns, values and lengths."""
     mask = batch["loss_mask"].float()
-    response_length = response_attention(batch).float().sum(dim=1)  # verl's: every response token, tool output too
+    # verl's response length: every response token the model saw (`response_mask`), tool output too
+    response_length = batch["response_mask"].float().sum(dim=1)
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(dim=1)
     seq_score = batch["token_level_scores"].sum(dim=1)
     seq_reward = batch["token_level_rewards"].sum(dim=1)
@@ -215,7 +210,7 @@ def resumed_policy_version(global_step: int, critic_warmup: int) -> int:
 def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) -> dict[str, float]:
     """Tokens per second per worker over the whole step, and milliseconds per token of each stage."""
     total_tokens = float(batch["attention_mask"].sum())
-    response_tokens = float(response_attention(batch).sum())
+    response_tokens = float(batch["response_mask"].sum())  # generation work: every response token, tool output too
     step = timings.get("step", 0.0)
     out = {
         "perf/total_num_tokens": total_tokens,
