@@ -7,12 +7,13 @@ def is_user_facing(exc: BaseException) -> bool:
     """Errors whose message already names the culprit and the fix."""
     from easyrl.checkpoint import CheckpointError
     from easyrl.data.loading import DataError
-    from easyrl.distributed.errors import WorkerGroupError
+    from easyrl.distributed.errors import ResourceUnavailableError, WorkerGroupError
     from easyrl.trainer.trainer import StopRequested, TrainingError
 
     user_facing: tuple[type[BaseException], ...] = (
         DataError,
         WorkerGroupError,
+        ResourceUnavailableError,
         TrainingError,
         CheckpointError,
         StopRequested,

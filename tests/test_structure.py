@@ -244,6 +244,8 @@ def _inside(module: str, room: str) -> bool:
         ("easyrl.workers", ("easyrl.trainer", "easyrl.check", "easyrl.memory_plan", "easyrl.cli")),
         # model surgery (VL tower, sequence hooks) knows nothing of the workers that use it
         ("easyrl.models", ("easyrl.workers", "easyrl.trainer")),
+        # processes, ranks and devices sit under everything: their errors are their own, not the config's
+        ("easyrl.distributed", ("easyrl.config", "easyrl.workers", "easyrl.trainer", "easyrl.algorithms")),
     ],
 )
 def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> None:

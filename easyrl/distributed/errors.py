@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 
-__all__ = ["ResourceUnavailableError", "WorkerDiedError", "WorkerError", "WorkerGroupError", "WorkerTimeoutError"]
+__all__ = [
+    "ClusterUnreachableError",
+    "ResourceUnavailableError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroupError",
+    "WorkerTimeoutError",
+]
 
 
 class WorkerGroupError(RuntimeError):
@@ -58,3 +65,8 @@ class WorkerTimeoutError(WorkerGroupError):
 
 class ResourceUnavailableError(RuntimeError):
     """The Ray cluster cannot provide the resources a :class:`~easyrl.distributed.ResourcePool` asks for."""
+
+
+class ClusterUnreachableError(ResourceUnavailableError):
+    """The Ray cluster address given (``RAY_ADDRESS`` or ``address``) answers nothing: its message names which one
+    and how to fix it. A distributed error, not a configuration one, so this room imports nothing of the config."""

@@ -130,7 +130,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """A cluster address that answers nothing is one line now, not minutes of Ray's retries."""
     import socket
 
-    from easyrl.config.errors import ConfigError
+    from easyrl.distributed.errors import ClusterUnreachableError
 
     if address in ("auto", "local"):  # resolved by Ray from its own files
         return
@@ -142,9 +142,8 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") == address else "address"
-        raise ConfigError(
-            source,
-            f"{address}: nothing answers at {host}:{port} within {timeout_s:g} s ({exc}); start the cluster, or "
+        raise ClusterUnreachableError(
+            f"{source}: {address}: nothing answers at {host}:{port} within {timeout_s:g} s ({exc}); start the cluster, or "
             "unset RAY_ADDRESS to let the run start its own Ray",
         ) from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from easyrl.config.errors import ConfigError
+from easyrl.distributed.errors import ClusterUnreachableError
 from tests.conftest import REPO
 
 
@@ -72,5 +72,7 @@ def test_unreachable_ray_address_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    with pytest.raises(ConfigError, match=rf"RAY_ADDRESS: 127\.0\.0\.1:{port}: nothing answers .* unset RAY_ADDRESS"):
+    with pytest.raises(
+        ClusterUnreachableError, match=rf"RAY_ADDRESS: 127\.0\.0\.1:{port}: nothing answers .* unset RAY_ADDRESS"
+    ):
         init_ray(num_cpus=1)
