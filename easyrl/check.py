@@ -148,7 +148,7 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     if not use_gpu(cfg):
         from transformers import AutoConfig
 
-        from easyrl.workers.rollout.vllm import check_cpu_head_size
+        from easyrl.rollout.vllm import check_cpu_head_size
 
         mcfg = cfg.worker.actor.model
         assert mcfg.model_path is not None

@@ -37,11 +37,11 @@ from easyrl.checkpoint.errors import CheckpointError
 from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR, MERGE_MARKER
+from easyrl.models.dtypes import DTYPES
 
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 DEFAULT_OUTPUT = "huggingface_merged"

@@ -117,7 +117,7 @@ def plan_plots(series: Series) -> list[Plot]:
         Plot("entropy", "Entropy", "nats / token", having(lambda k: k in ("actor/entropy", "actor/entropy_rollout"))),
         Plot("grad_norm", "Gradient norm", "norm", having(lambda k: k.endswith("/grad_norm"))),
         Plot("throughput", "Throughput", "tokens / s / device", having(lambda k: k == "perf/throughput")),
-        # The memory ledger (easyrl.workers.memory): each role at its phase boundaries and phase peaks.
+        # The memory ledger (easyrl.distributed.memory): each role at its phase boundaries and phase peaks.
         Plot("memory", "Memory per role and phase", "GiB", having(lambda k: k.startswith("perf/mem/"))),
         Plot(
             "timing",

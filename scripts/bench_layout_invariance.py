@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from easyrl.batch import Batch
+from easyrl.rollout.engine import RolloutEngine, SamplingParams
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
 
 def left_padded(tokenizer, texts: list[str]) -> Batch:
@@ -43,13 +43,13 @@ def left_padded(tokenizer, texts: list[str]) -> Batch:
 def make_engine(name: str, model_dir: str, tokenizer, max_tokens: int) -> RolloutEngine:
     eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
     if name == "hf":
-        from easyrl.workers.rollout.hf import HFRolloutEngine
+        from easyrl.rollout.hf import HFRolloutEngine
 
         return HFRolloutEngine(model_dir, torch.device("cpu"), torch.float32, eos, pad)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from easyrl.config import EasyRLConfig
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.trainer.role_specs import rollout_spec
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir

@@ -68,11 +68,11 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str) -> dict[str, A
     from easyrl.batch import Batch
     from easyrl.config import EasyRLConfig
     from easyrl.config.worker import LoraConfig, ModelConfig
+    from easyrl.rollout.engine import SamplingParams
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.trainer.role_specs import rollout_spec
     from easyrl.workers.lora import apply_lora, gathered_adapter, merged_weights
     from easyrl.workers.model_setup import load_model
-    from easyrl.workers.rollout.base import SamplingParams
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     cfg = EasyRLConfig()
     mcfg = cfg.worker.actor.model

@@ -60,9 +60,9 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     import torch
 
     from easyrl.config import EasyRLConfig
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import load_tokenizer
     from easyrl.trainer.role_specs import rollout_spec
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     tok = load_tokenizer(model_dir)
     cfg = EasyRLConfig()
@@ -92,8 +92,8 @@ def prompt_batch(args: argparse.Namespace, vocab_low: int, vocab_high: int) -> A
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from easyrl.rollout.engine import SamplingParams
     from easyrl.testing.tiny import build_tiny_checkpoint
-    from easyrl.workers.rollout.base import SamplingParams
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="easyrl_overhead_"))
     shape = f"h{args.hidden}_l{args.layers}_a{args.heads}_kv{args.kv_heads}_i{args.intermediate}_v{args.vocab}"

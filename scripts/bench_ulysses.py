@@ -54,8 +54,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, out: 
 
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.distributed.device import use_process_device
+    from easyrl.distributed.memory import _cpu_peak_bytes, _reset_cpu_peak
     from easyrl.workers.forward_backward import token_log_probs
-    from easyrl.workers.memory import _cpu_peak_bytes, _reset_cpu_peak
     from easyrl.workers.model_setup import load_model, shard_model
     from easyrl.workers.packing import packed_attn_implementation
     from easyrl.workers.specs import ForwardOptions

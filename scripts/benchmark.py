@@ -67,7 +67,7 @@ VOCAB = 151936
 
 TRUNCATE_MODULE = '''"""Benchmark only: truncate each generated response to a length uniform in [{lo}, {hi}]."""
 import torch
-from easyrl.workers.rollout import hf as _hf
+from easyrl.rollout import hf as _hf
 
 def _wrap(cls):
     original = cls.generate
@@ -88,7 +88,7 @@ def _wrap(cls):
 
 _wrap(_hf.HFRolloutEngine)
 try:
-    from easyrl.workers.rollout import vllm as _vllm
+    from easyrl.rollout import vllm as _vllm
     _wrap(_vllm.VLLMRolloutEngine)
 except ImportError:
     pass

@@ -1,6 +1,7 @@
 """The package's shape, read from its source with `ast`: no import cycle, workers never see the whole config, roles
 are peers (no role imports another's private names), no room imports a room above it (the config no algorithm,
-workers no driver module), engines stay inside the rollout room, and no function grows past the size budget."""
+workers no driver module, rollout no trainer or worker), engines stay inside the rollout room, and no function grows
+past the size budget."""
 
 from __future__ import annotations
 
@@ -244,6 +245,9 @@ def _inside(module: str, room: str) -> bool:
         ("easyrl.workers", ("easyrl.trainer", "easyrl.check", "easyrl.memory_plan", "easyrl.cli")),
         # model surgery (VL tower, sequence hooks) knows nothing of the workers that use it
         ("easyrl.models", ("easyrl.workers", "easyrl.trainer")),
+        # the rollout room (engines, the rollout worker, the driver's loops) knows nothing of trainer or workers:
+        # the actor composes it, the trainer drives it through a loop
+        ("easyrl.rollout", ("easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.check", "easyrl.cli")),
         # processes, ranks and devices sit under everything: their errors are their own, not the config's
         ("easyrl.distributed", ("easyrl.config", "easyrl.workers", "easyrl.trainer", "easyrl.algorithms")),
     ],
@@ -255,21 +259,34 @@ def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> N
     assert not offenders, f"{room} imports from above it:\n" + "\n".join(offenders)
 
 
-ROLLOUT_ROOM = "easyrl.workers.rollout"
-ENGINE_MODULES = {m for m in MODULES if _inside(m, ROLLOUT_ROOM) and m.rsplit(".", 1)[-1] not in {"rollout", "base"}}
-# Builds an engine today; the engine factory is to move into the rollout room, which empties this set.
-ENGINE_BUILDERS_OUTSIDE = {"easyrl.workers.actor"}
+ROLLOUT_ROOM = "easyrl.rollout"
+ENGINE_MODULES = {"easyrl.rollout.hf", "easyrl.rollout.vllm"}
+"""The engines' own modules: only the rollout room names their classes (`rollout.worker.build_engine` builds one)."""
 
 
 def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:
-    """Outside `workers/rollout/` code sees the `RolloutEngine` interface (`rollout.base`), never an engine class (a
+    """Outside `rollout/` code sees the `RolloutEngine` interface (`rollout.engine`), never an engine class (a
     plain helper of an engine's module, such as `easyrl check`'s vLLM CPU head-size check, is fine)."""
-    assert {"easyrl.workers.rollout.hf", "easyrl.workers.rollout.vllm"} <= ENGINE_MODULES
+    assert set(MODULES) >= ENGINE_MODULES
     offenders = [
         f"{m} -> {t} {names or '(the whole module)'}"
         for m in MODULES
-        if not _inside(m, ROLLOUT_ROOM) and m not in ENGINE_BUILDERS_OUTSIDE
+        if not _inside(m, ROLLOUT_ROOM)
         for t, names in _imports(m)
         if t in ENGINE_MODULES and (not names or any(n.endswith("Engine") for n in names))
     ]
-    assert not offenders, "use rollout.base's interface, not an engine class:\n" + "\n".join(offenders)
+    assert not offenders, "use rollout.engine's interface, not an engine class:\n" + "\n".join(offenders)
+
+
+def test_only_the_rollout_worker_drives_an_engine() -> None:
+    """An engine's lifecycle (build, sleep, wake, weight loads) is `RolloutWorker`'s: no module outside the rollout
+    room calls an engine's methods (the actor composes a `RolloutWorker`; the driver drives an `EngineSession`)."""
+    lifecycle = re.compile(r"\.engine\.(generate|load_weights|load_adapter|sleep|wake_up)\(|build_engine\(")
+    offenders = [
+        f"{m}:{n}"
+        for m, path in MODULES.items()
+        if not _inside(m, ROLLOUT_ROOM) and m != "easyrl.distributed.memory"  # the ledger wakes what it is given
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if lifecycle.search(line)
+    ]
+    assert not offenders, "drive the engine through easyrl.rollout.RolloutWorker:\n" + "\n".join(offenders)

@@ -141,9 +141,8 @@ class CheckpointMixin:
 
     The worker must have `model` (FSDP2-sharded or plain), `optimizer` and `scheduler`. The Hugging Face side
     files come from the worker's `cfg.worker.<role>.model` (role: `role_name`, else `EASYRL_ROLE`, else
-    `actor`); override :meth:`checkpoint_sources` to change that. After a load, a worker that has an
-    `_engine_stale` attribute (the actor's co-located rollout engine) gets it set to True so the engine picks up
-    the restored weights before the next generation; :meth:`after_load_checkpoint` is a hook for more.
+    `actor`); override :meth:`checkpoint_sources` to change that. :meth:`after_load_checkpoint` runs after a
+    load (the actor marks its co-located rollout engine stale there, so it takes the restored weights).
     """
 
     model: nn.Module
@@ -201,7 +200,5 @@ class CheckpointMixin:
             )
         scheduler = getattr(self, "scheduler", None)
         load_worker_state(folder, self.model, self.optimizer, scheduler, rank, world, adapters_only)
-        if hasattr(self, "_engine_stale"):  # a co-located rollout engine still holds the old weights
-            self._engine_stale = True
         self.after_load_checkpoint()
         logger.info("rank %d loaded its checkpoint shards from %s", rank, folder)

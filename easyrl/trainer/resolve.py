@@ -10,7 +10,7 @@ from __future__ import annotations
 from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.config import EasyRLConfig
-from easyrl.workers.specs import WeightSync
+from easyrl.rollout import WeightSync
 
 
 def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:

@@ -14,21 +14,19 @@ import torch
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
+from easyrl.distributed.memory import MemoryLevers
+from easyrl.rollout import RolloutSpec, SamplingParams, WeightSync
 from easyrl.trainer.resolve import effective_padding_free, effective_sleep_level, estimator_needs
 from easyrl.trainer.step_math import needs_old_log_prob_pass
-from easyrl.workers.rollout.base import SamplingParams
 from easyrl.workers.specs import (
     ActorSpec,
     CriticSpec,
     ForwardOptions,
-    MemoryLevers,
     ModelSpec,
     PolicyLossSpec,
     ProcessSpec,
     RefSpec,
-    RolloutSpec,
     UpdateSpec,
-    WeightSync,
 )
 
 

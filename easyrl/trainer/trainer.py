@@ -23,7 +23,8 @@ from easyrl.checkpoint.lock import RunLock
 from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
-from easyrl.seeding import GREEDY_STREAM, SEED_COLUMN, VALIDATION_STREAM, derive_seed, prompt_seeds
+from easyrl.rollout import RolloutLoop, SingleTurnLoop
+from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.resolve import estimator_needs
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
@@ -67,6 +68,7 @@ class Trainer:
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
+        self.rollout_loop: RolloutLoop = SingleTurnLoop()
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
@@ -224,19 +226,11 @@ class Trainer:
 
     def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
         """`n` responses for each of `prompts` (`n` and the rest of the sampling from `worker.rollout`, changed by
-        `overrides`): the engines get the B prompts and return the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
+        `overrides`): the rollout loop returns the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
         params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
-        request = for_workers(prompts, "rollout_prompt")  # media for vLLM
-        # Each prompt's seed from its index in this whole batch, made before the split over engines: the samples do
-        # not depend on the layout (easyrl.seeding).
-        assert params.seed is not None
-        request = request.set(**{SEED_COLUMN: prompt_seeds(params.seed, len(request), params.n)})
-        # The sampling goes to every engine unsplit (only the batch is split); the timings come back merged.
-        out, timing = self.actor.generate_sequences(request, params)
+        batch, timing = self.rollout_loop.run(self.actor, prompts, params)
         metrics |= timing
-        if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare
-            out.tensors.pop("rollout_log_probs", None)
-        return prompts.repeat_interleave(params.n).union(out)
+        return batch
 
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""

@@ -119,7 +119,7 @@ class Workers:
 
     def memory_metrics(self) -> dict[str, float]:
         """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
-        the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.workers.memory`)."""
+        the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
         out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
         calls = [
             group.call_async("memory_stats") for group in (self.actor, self.ref, self.critic) if group is not None

@@ -1,4 +1,5 @@
-"""The actor role: the FSDP2 policy being trained, with its rollout engine in the same process (HybridEngine).
+"""The actor role: the FSDP2 policy being trained, with a `RolloutWorker` (its engine) in the same process
+(HybridEngine).
 
 After every update the policy's weights are streamed, one parameter at a time, into the engine in memory;
 the engine sleeps while the policy trains and wakes for the next generation.
@@ -15,7 +16,9 @@ import torch
 from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
-from easyrl.seeding import SEED_COLUMN
+from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
+from easyrl.rollout.engine import SamplingParams
+from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.forward_backward import (
     LossFn,
     MicroBatchLoss,
@@ -23,36 +26,12 @@ from easyrl.workers.forward_backward import (
     token_log_probs,
     update_model,
 )
-from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
-from easyrl.workers.model_setup import DTYPES, setup_process
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
-from easyrl.workers.specs import ActorSpec, PolicyLossSpec, RolloutSpec, WeightSync
+from easyrl.workers.model_setup import setup_process
+from easyrl.workers.specs import ActorSpec, PolicyLossSpec
 from easyrl.workers.trainable import TrainedRole
 
 
 logger = logging.getLogger(__name__)
-
-
-def build_rollout_engine(
-    spec: RolloutSpec, device: torch.device, media_per_prompt: dict[str, int] | None = None
-) -> RolloutEngine:
-    """The engine named by `worker.rollout.name`, loaded from the actor's model folder. ``media_per_prompt``: the
-    most images / videos one prompt of the data carries (an engine that processes pixels sizes itself for it)."""
-    from transformers import AutoTokenizer
-
-    model_cfg = spec.model
-    assert model_cfg.model_path is not None and model_cfg.tokenizer_path is not None
-    tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path, trust_remote_code=model_cfg.trust_remote_code)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    dtype = DTYPES[spec.config.dtype] if device.type == "cuda" else torch.float32
-    if spec.config.name == "hf":
-        from easyrl.workers.rollout.hf import HFRolloutEngine
-
-        return HFRolloutEngine(model_cfg.model_path, device, dtype, eos, pad, model_cfg.trust_remote_code)
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
-
-    return VLLMRolloutEngine(spec, eos, pad, media_per_prompt or {})
 
 
 def policy_objective(
@@ -113,18 +92,15 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
         self.build_trainable(self.spec.model, self.device)
-        with self.ledger.building_engine():  # its pools, kept apart from the training figures
-            self.engine = build_rollout_engine(self.spec.rollout, self.device, media_per_prompt)
-        self._engine_stale = False  # the engine loaded the same checkpoint the policy did
-        self._session_open = False  # between open_rollout and close_rollout
-        # Policy versions: `update_actor` calls the policy's weights reflect, and those of the weights the engine
-        # holds (taken at each push). The initial checkpoint is version 0: step 1 samples with 0, step 2 with 1.
+        self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+        # The policy's version: the `update_actor` calls its weights reflect. The initial checkpoint is version 0:
+        # step 1 samples with 0, step 2 with 1; the engine takes the version with each push.
         self._policy_version = 0
-        self._engine_version = 0
 
     # ---------------------------------------------------------------- rollout
     # An engine session: `open_rollout`, any number of `generate` calls, `close_rollout`. The driver drives the
-    # lifecycle; `generate` itself never wakes, syncs or sleeps, so several calls share one wake and one push.
+    # lifecycle (a `easyrl.rollout.RolloutLoop`); `generate` itself never wakes, syncs or sleeps, so several calls
+    # share one wake and one push.
     @register(dispatch=Dispatch.ENGINE_SPLIT)
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         """One whole session around one `generate`: open, generate, close (the driver's synchronous loop). Returns
@@ -138,13 +114,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
 
     @register(dispatch=Dispatch.ALL)
     def open_rollout(self) -> dict[str, float]:
-        """Move training state off the device (as `offload` says), wake the engine and, when the policy changed
-        since the engine last held it, push the new weights. Returns `timing_s/wake` (and `timing_s/update_weights`
-        after a push)."""
-        if self._session_open:
-            raise RuntimeError("open_rollout called twice: close the engine session (close_rollout) first")
-        self._session_open = True
-        return self._wake_engine()
+        """Wake the engine and, when the policy changed since the engine last held it, push the new weights; the
+        training state leaves the device (as `offload` says) before the engine's KV cache comes back. Returns
+        `timing_s/wake` (and `timing_s/update_weights` after a push)."""
+        return self.rollout.open(self.trainable, self._policy_version, make_room=self.trainable.offload)
 
     @register(dispatch=Dispatch.ENGINE_SPLIT)
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -155,12 +128,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         Each prompt's seed comes in the `sample_seed` column the driver made for its whole batch, so a prompt samples
         alike on whichever engine draws it (and the ranks of one tensor-parallel engine, given the same prompts, alike).
         """
-        if not self._session_open:
-            raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
-        assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
-        out = self.engine.generate(prompts, params)
-        # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
-        return out.set(policy_version=torch.full((len(out),), self._engine_version, dtype=torch.int64))
+        return self.rollout.generate(prompts, params)
 
     @register(dispatch=Dispatch.ALL)
     def set_policy_version(self, version: int) -> None:
@@ -170,57 +138,17 @@ class ActorWorker(TrainedRole, MemoryReporting):
 
     @register(dispatch=Dispatch.ALL)
     def close_rollout(self) -> dict[str, float]:
-        """Put the engine to sleep and bring the training state back; returns `timing_s/sleep` (and, on CUDA,
-        `perf/sleep_freed_gb`)."""
-        if not self._session_open:
-            raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
-        self.ledger.mark("after_generate")
+        """Put the engine to sleep and bring the training state back; returns `timing_s/sleep` (both) and, on CUDA,
+        `perf/sleep_freed_gb`."""
+        timing = self.rollout.close()
         start = time.perf_counter()
-        timing: dict[str, float] = {}
-        self.ledger.sleep(self.engine)  # hands the allocator's cache back too
-        self._engine_stale |= self.engine.discards_weights_on_sleep
-        if self.ledger.slept_bytes is not None:  # what sleeping gave back to the device (weights + KV cache; CUDA)
-            timing["perf/sleep_freed_gb"] = self.ledger.slept_bytes / 2**30
         self.trainable.reload()
-        timing["timing_s/sleep"] = time.perf_counter() - start
-        self._session_open = False
+        timing["timing_s/sleep"] += time.perf_counter() - start
         return timing
 
-    def _wake_engine(self) -> dict[str, float]:
-        """Wake the engine; when the policy changed since it last generated, stream the new weights in
-        between waking its weight memory and its KV cache (so both are never resident at once). Training state
-        leaves the GPU (as `offload` says) while the engine holds it."""
-        if not self._engine_stale:
-            start = time.perf_counter()
-            self.trainable.offload()
-            self.ledger.wake(self.engine)  # hands the allocator's cache back first
-            return {"timing_s/wake": time.perf_counter() - start}
-        start = time.perf_counter()
-        self.ledger.wake(self.engine, ["weights"])
-        wake = time.perf_counter() - start
-        start = time.perf_counter()
-        self._push_weights()
-        self._engine_version = self._policy_version  # a re-push after a level-2 sleep keeps the version
-        update = time.perf_counter() - start
-        start = time.perf_counter()
-        self.trainable.offload()
-        self.ledger.wake(self.engine, ["kv_cache"])
-        wake += time.perf_counter() - start
-        self._engine_stale = False
-        return {"timing_s/wake": wake, "timing_s/update_weights": update}
-
-    def _push_weights(self) -> None:
-        """Send the policy's weights to the engine the way the driver chose (`spec.rollout.weight_sync`)."""
-        sync = self.spec.rollout.weight_sync
-        if (sync is WeightSync.FULL) == self.trainable.lora:
-            raise RuntimeError(
-                f"weight_sync={sync.value} for a {'LoRA' if self.trainable.lora else 'full'} policy: the actor spec "
-                "was not built by easyrl.trainer.role_specs from this model's lora settings"
-            )
-        if sync is WeightSync.ADAPTER:
-            self.engine.load_adapter(*self.trainable.lora_adapter())
-        else:  # FULL and MERGED_LORA: `full_weights` merges the adapters in for a LoRA policy
-            self.engine.load_weights(self.trainable.full_weights(self.engine.loads_tied_aliases))
+    def after_load_checkpoint(self) -> None:
+        """The engine still holds the weights of before the load: push the restored ones at the next session."""
+        self.rollout.stale = True
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT)
@@ -278,7 +206,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
         self._policy_version += 1  # even when a non-finite step was skipped: versions count update calls
-        self._engine_stale = True
+        self.rollout.stale = True
         return metrics
 
     def _loss_fn(self, entropy_coeff: float) -> LossFn:

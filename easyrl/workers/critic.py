@@ -7,8 +7,8 @@ import torch
 from easyrl.algorithms import compute_value_loss
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
+from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.forward_backward import MicroBatchLoss, batched_values, response_values, update_model
-from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import CriticSpec
 from easyrl.workers.trainable import TrainedRole

@@ -18,12 +18,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.distributed.device import process_device
 from easyrl.models import is_vision_language
+from easyrl.models.dtypes import DTYPES
 from easyrl.models.vl_tower import keep_vision_tower_in_step
 from easyrl.workers.specs import ProcessSpec
 
 
 logger = logging.getLogger(__name__)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def worker_device() -> torch.device:

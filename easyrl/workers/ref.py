@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
+from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.forward_backward import batched_log_probs
-from easyrl.workers.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.specs import RefSpec
 from easyrl.workers.trainable import TrainableModel

@@ -1,16 +1,17 @@
 """What each worker is given: one frozen spec per role, built on the driver from the validated config.
 
 A worker sees its own spec and nothing else: no other role's section, no batch arithmetic to redo (the per-rank
-sizes are computed once, on the driver, by `easyrl.trainer.role_specs`). Pure data: importing this module imports
-neither torch nor the whole config.
+sizes are computed once, on the driver, by `easyrl.trainer.role_specs`). Pure data: no model, no engine, not the whole
+config. The rollout engine's spec is the rollout room's own (`easyrl.rollout.spec`).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-from easyrl.config.worker import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig, RolloutConfig
+from easyrl.config.worker import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
+from easyrl.distributed.memory import MemoryLevers
+from easyrl.rollout.spec import RolloutSpec
 
 
 @dataclass(frozen=True)
@@ -100,62 +101,6 @@ class PolicyLossSpec:
     """SAPO's gate temperature where the advantage is non-negative."""
     tau_negative: float
     """SAPO's gate temperature where the advantage is negative."""
-
-
-class WeightSync(str, enum.Enum):
-    """How the policy's weights reach the rollout engine at each push (resolved on the driver from the LoRA
-    settings, `easyrl.trainer.role_specs.weight_sync`): the actor reads this choice, never the LoRA config."""
-
-    FULL = "full"
-    """Every weight of the (non-LoRA) policy, streamed in memory (`engine.load_weights`)."""
-    MERGED_LORA = "merged_lora"
-    """A LoRA policy's merged weights (base + scale * B @ A) under the base's names (`engine.load_weights`)."""
-    ADAPTER = "adapter"
-    """Only the LoRA adapters (`engine.load_adapter`): the engine keeps its base weights across steps."""
-
-    @classmethod
-    def resolve(cls, lora_rank: int, rollout_sync: str) -> WeightSync:
-        """The choice for `worker.actor.model.lora.rank` / `.rollout_sync` (validated: `merged` or `adapter`)."""
-        if lora_rank <= 0:
-            return cls.FULL
-        return cls.ADAPTER if rollout_sync == "adapter" else cls.MERGED_LORA
-
-    @property
-    def sleep_level(self) -> int:
-        """vLLM's sleep level when `worker.rollout.sleep_level` is null: 1 keeps the base weights (in host memory)
-        for adapter sync; 2 drops them, since every push after a wake sends all of them anyway (a level-1 copy to
-        host and back would be thrown away)."""
-        return 1 if self is WeightSync.ADAPTER else 2
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """The rollout engine of the actor's process."""
-
-    config: RolloutConfig
-    """`worker.rollout`: engine kind, dtype, memory, sleep mode, tensor parallelism."""
-    model: ModelConfig
-    """The policy's model (the engine loads the same checkpoint)."""
-    max_model_len: int
-    """Prompt + response tokens the engine must hold (`max_model_len`, else the data's lengths)."""
-    logprob_ratio: float
-    """Share of requests that get the engine's per-token log-probs (resolved from `logprob_sample_ratio`)."""
-    weight_sync: WeightSync
-    """How each push sends the policy's weights to the engine."""
-    sleep_level: int
-    """vLLM's sleep level: `worker.rollout.sleep_level`, else `weight_sync.sleep_level`."""
-
-
-@dataclass(frozen=True)
-class MemoryLevers:
-    """The settings that make room on a GPU, with their values in this run: a failed engine wake names them. No
-    defaults: the values are always the run's (`easyrl.trainer.role_specs.memory_levers`)."""
-
-    gpu_memory_utilization: float
-    actor_offload_params: bool
-    actor_offload_optimizer: bool
-    ref_offload_params: bool
-    actor_max_token_len_per_gpu: int
 
 
 @dataclass(frozen=True)

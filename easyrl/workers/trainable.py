@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from easyrl.checkpoint import CheckpointMixin
+from easyrl.models.dtypes import DTYPES
 from easyrl.workers.model_setup import (
-    DTYPES,
     build_optimizer,
     build_scheduler,
     iter_full_weights,

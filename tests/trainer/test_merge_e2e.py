@@ -33,9 +33,9 @@ def test_merge_after_training_loads_in_transformers_and_vllm(tmp_path: Path, tin
         pytest.skip("vLLM not installed: merged folder checked in transformers only")
     from easyrl.batch import Batch
     from easyrl.config import EasyRLConfig
+    from easyrl.rollout.engine import SamplingParams
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.trainer.role_specs import rollout_spec
-    from easyrl.workers.rollout.base import SamplingParams
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = str(merged)

@@ -13,9 +13,9 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
+from easyrl.rollout import WeightSync
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
-from easyrl.workers.specs import WeightSync
 from tests.conftest import base_config, write_config
 
 

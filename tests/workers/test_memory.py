@@ -10,15 +10,15 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
 from easyrl.config import EasyRLConfig
-from easyrl.memory_plan import GiB, ModelShape, plan_lines, plan_memory, plan_problems
-from easyrl.trainer.role_specs import memory_levers
-from easyrl.workers.memory import (
+from easyrl.distributed.memory import (
     MemoryLedger,
     is_out_of_memory,
     memory_keys,
     release_cached_memory,
     wake_error_message,
 )
+from easyrl.memory_plan import GiB, ModelShape, plan_lines, plan_memory, plan_problems
+from easyrl.trainer.role_specs import memory_levers
 
 
 # Public Qwen2.5 configs (config.json on the hub).

@@ -31,9 +31,9 @@ def _scenario(model_dir: str, mode: str) -> str:
     from transformers import AutoTokenizer
 
     from easyrl.config import EasyRLConfig
+    from easyrl.distributed.memory import EngineWakeError, MemoryLedger
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.trainer.role_specs import memory_levers, rollout_spec
-    from easyrl.workers.memory import EngineWakeError, MemoryLedger
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = cfg.worker.actor.model.tokenizer_path = model_dir

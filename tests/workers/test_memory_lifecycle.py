@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from easyrl.config import load_config_and_secrets
-from easyrl.workers.memory import memory_keys
+from easyrl.distributed.memory import memory_keys
 from tests.conftest import base_config, write_config
 
 

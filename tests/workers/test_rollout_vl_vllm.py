@@ -96,7 +96,7 @@ def _slot_ids(processor: Any) -> dict[str, int | None]:
 @needs_vllm
 @pytest.mark.parametrize("arch", VL_ARCHS)
 def test_vllm_requests_carry_the_actors_pixels(tmp_path: Path, arch: str) -> None:
-    from easyrl.workers.rollout.vllm import vllm_request
+    from easyrl.rollout.vllm import vllm_request
 
     model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch, min_pixels=16 * 16, max_pixels=64 * 64)
     ds = _dataset(tmp_path, model, _rows(tmp_path), min_pixels=16 * 16, max_pixels=48 * 48)
@@ -131,7 +131,7 @@ def test_vllm_video_requests_carry_the_actors_frames(tmp_path: Path, arch: str) 
     timestamps in the prompt (Qwen3-VL)."""
     from transformers.video_utils import VideoMetadata
 
-    from easyrl.workers.rollout.vllm import vllm_request
+    from easyrl.rollout.vllm import vllm_request
 
     model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
     _write_video(tmp_path / "clip.mp4")  # 12 frames at 4 fps: 3 s
@@ -168,7 +168,7 @@ def test_vllm_video_requests_carry_the_actors_frames(tmp_path: Path, arch: str) 
 
 @needs_vllm
 def test_vllm_request_refuses_mismatched_slots() -> None:
-    from easyrl.workers.rollout.vllm import vllm_request
+    from easyrl.rollout.vllm import vllm_request
 
     image = np.zeros((16, 16, 3), np.uint8)
     two_images = {"prompt_token_ids": [1, 9, 2], "multi_modal_data": {"image": [image, image]}}
@@ -187,7 +187,7 @@ def test_expansion_check_compares_token_for_token() -> None:
     different frame timestamp) is refused, naming where they part."""
     from types import SimpleNamespace
 
-    from easyrl.workers.rollout.vllm import _check_media_expansion
+    from easyrl.rollout.vllm import _check_media_expansion
 
     request = {"prompt_token_ids": [1, 9, 2], "multi_modal_data": {"image": []}}
     actor = [1, 9, 9, 9, 2]

@@ -31,8 +31,8 @@ from transformers import AutoConfig
 from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
-from easyrl.workers.specs import RolloutSpec, WeightSync
+from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.spec import RolloutSpec, WeightSync
 
 
 logger = logging.getLogger(__name__)

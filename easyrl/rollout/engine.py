@@ -1,8 +1,9 @@
-"""The rollout engine interface shared by the vLLM and HF engines.
+"""The rollout engine interface shared by the vLLM and HF engines, and the sampling settings of one call.
 
-An engine lives inside the actor worker's process (the HybridEngine): it generates from the actor's current
-weights, which the worker streams into it in memory after every update (`load_weights`), and it can release
-its accelerator memory while the actor trains (`sleep` / `wake_up`).
+An engine is held by a `RolloutWorker` (`easyrl.rollout.worker`) in the process that serves rollouts; today that is
+the actor's (the HybridEngine): it generates from the policy's current weights, which are streamed into it in
+memory after every update (`load_weights`), and it releases its accelerator memory while the policy trains (`sleep` /
+`wake_up`).
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from easyrl.distributed import Dispatch, register
-from easyrl.workers.specs import MemoryLevers
+from easyrl.distributed.dispatch import Dispatch, register
 
 
 GiB = 2**30
@@ -50,6 +50,18 @@ BOUNDARIES = ("after_generate", "after_sleep", "before_wake")
 """Phase boundaries the actor's ledger marks, in the order of a step (before_wake opens the next generation)."""
 PEAK_PHASES = {"actor": ("old", "update"), "ref": ("ref",), "critic": ("values", "update")}
 """The phases whose peak each role logs."""
+
+
+@dataclass(frozen=True)
+class MemoryLevers:
+    """The settings that make room on a GPU, with their values in this run: a failed engine wake names them. No
+    defaults: the values are always the run's (`easyrl.trainer.role_specs.memory_levers`)."""
+
+    gpu_memory_utilization: float
+    actor_offload_params: bool
+    actor_offload_optimizer: bool
+    ref_offload_params: bool
+    actor_max_token_len_per_gpu: int
 
 
 class EngineWakeError(RuntimeError):

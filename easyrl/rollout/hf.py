@@ -30,7 +30,7 @@ from transformers import (
 
 from easyrl.batch import Batch
 from easyrl.models import generate_with_media, model_class_for
-from easyrl.workers.rollout.base import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,79 @@
+"""The driver's side of the rollout seam: a `RolloutLoop` turns a batch of prompts into rows to train on, driving
+the engines through an `EngineSession` (the workers that hold them, seen from the driver).
+
+The trainer owns *what* to sample (which prompts, how many samples, the sampling settings and their seed); a loop
+owns *how*: one engine call per batch (`SingleTurnLoop`, today's synchronous loop), or, to come, several calls per
+trajectory with tool or environment output between them, or requests kept in flight across steps. Whatever the
+loop, the rows it returns follow one contract (`RolloutEngine.generate`'s fields, plus the prompts' own columns and
+`policy_version`), so `fit()` reads the same for every loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from easyrl.batch import Batch
+from easyrl.rollout.engine import SamplingParams
+from easyrl.seeding import SEED_COLUMN, prompt_seeds
+
+
+ENGINE_COLUMNS = ("multi_modal_inputs", "rollout_prompt")
+"""The prompts' non-tensor columns an engine reads (processed media; the raw prompt with its media for vLLM). The
+rest (rows, texts, answers) stays on the driver instead of being sent to every engine."""
+
+
+class EngineSession(Protocol):
+    """The engines as a loop drives them (the actor group in the HybridEngine). Every call reaches every engine;
+    `generate` splits its prompts over them and gathers the rows in order."""
+
+    def open_rollout(self) -> dict[str, float]:
+        """Wake the engines (pushing new weights where the policy moved); returns their timings."""
+        ...
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """`params.n` samples per prompt with the weights the engines hold; no lifecycle inside."""
+        ...
+
+    def close_rollout(self) -> dict[str, float]:
+        """Put the engines to sleep; returns their timings."""
+        ...
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """Open, generate, close in one call per engine (one round trip instead of three)."""
+        ...
+
+
+class RolloutLoop(Protocol):
+    """Turns prompts into trainable rows."""
+
+    def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """The rows for `prompts` (B prompts with the driver's columns in; B*n rows out, sample `j` of prompt `i` at
+        row `i*n + j`, each with its prompt's columns) and the session's timings. `params.seed` is set: it seeds
+        every sample (`seeded_request`), so the rows do not depend on how many engines share the work."""
+        ...
+
+
+def seeded_request(prompts: Batch, params: SamplingParams) -> Batch:
+    """What the engines get for `prompts`: the tensors and `ENGINE_COLUMNS`, with each prompt's seed in the
+    `sample_seed` column, made from its index in this whole batch before the batch is split over the engines (so a
+    prompt samples alike on whichever engine draws it: `easyrl.seeding`)."""
+    if params.seed is None:
+        raise ValueError("a rollout loop needs params.seed: the trainer derives one per call (easyrl.seeding)")
+    request = prompts.select(*prompts.tensors, *ENGINE_COLUMNS)
+    return request.set(**{SEED_COLUMN: prompt_seeds(params.seed, len(request), params.n)})
+
+
+def with_prompts(prompts: Batch, rows: Batch, params: SamplingParams) -> Batch:
+    """The engines' rows beside their prompts' driver columns (each prompt repeated for its `n` samples)."""
+    if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare against
+        rows.tensors.pop("rollout_log_probs", None)
+    return prompts.repeat_interleave(params.n).union(rows)
+
+
+class SingleTurnLoop:
+    """One response per sample, in one engine session per call: today's synchronous loop. The three lifecycle steps
+    go as one call per engine (`generate_sequences`): the same work as open / generate / close, one round trip."""
+
+    def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        rows, timings = engines.generate_sequences(seeded_request(prompts, params), params)
+        return with_prompts(prompts, rows, params), timings

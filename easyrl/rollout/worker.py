@@ -1,0 +1,156 @@
+"""The engine side of a process: one rollout engine, its memory ledger, and which policy's weights it holds.
+
+A `RolloutWorker` is composed into whichever process serves rollouts. Today that is the actor (the HybridEngine:
+the policy trains and the engine generates in one process, one after the other); a process that only generates
+(separate rollout GPUs, asynchronous rollouts) composes the same object and is handed weights by `receive_weights`.
+
+The worker keeps two facts the trainer needs and no one else can know:
+
+- **stale**: the policy moved on (an update, a checkpoint load) or a deep sleep dropped the engine's weights, so the
+  next session must push weights before generating;
+- **version**: the policy version of the weights the engine holds, stamped on every generated row
+  (`policy_version`), so an off-policy consumer can tell how old a sample is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+
+from easyrl.batch import Batch
+from easyrl.distributed.memory import MemoryLedger
+from easyrl.models.dtypes import DTYPES
+from easyrl.rollout.engine import RolloutEngine, SamplingParams
+from easyrl.rollout.spec import RolloutSpec, WeightSync
+from easyrl.seeding import SEED_COLUMN
+
+
+class WeightSource(Protocol):
+    """Where a push takes the policy's weights from (the actor's `TrainableModel` is one)."""
+
+    lora: bool
+    """Whether the policy trains LoRA adapters over a frozen base."""
+
+    def full_weights(self, aliases: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every weight under its HF name, one full tensor at a time (a LoRA policy's merged into its base)."""
+        ...
+
+    def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The LoRA adapter tensors (PEFT names) and their PEFT config."""
+        ...
+
+
+def build_engine(
+    spec: RolloutSpec, device: torch.device, media_per_prompt: dict[str, int] | None = None
+) -> RolloutEngine:
+    """The engine named by `worker.rollout.name`, loaded from the policy's model folder. ``media_per_prompt``: the
+    most images / videos one prompt of the data carries (an engine that processes pixels sizes itself for it).
+    The only place that names an engine class: everything else sees `RolloutEngine`."""
+    from transformers import AutoTokenizer
+
+    model_cfg = spec.model
+    assert model_cfg.model_path is not None and model_cfg.tokenizer_path is not None
+    tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path, trust_remote_code=model_cfg.trust_remote_code)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    # On CPU the engine samples in fp32 whatever the GPU dtype: bf16 matmuls there are slow and drift from the policy
+    dtype = DTYPES[spec.config.dtype] if device.type == "cuda" else torch.float32
+    if spec.config.name == "hf":
+        from easyrl.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(model_cfg.model_path, device, dtype, eos, pad, model_cfg.trust_remote_code)
+    from easyrl.rollout.vllm import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(spec, eos, pad, media_per_prompt or {})
+
+
+class RolloutWorker:
+    """An engine session at a time: `open` (wake, push weights when stale), any number of `generate`, `close`.
+
+    `ledger` is the process's memory ledger: the engine's pools are measured apart from the training figures when
+    it is built, and every sleep and wake goes through it (a wake that does not fit names the levers)."""
+
+    def __init__(
+        self,
+        spec: RolloutSpec,
+        device: torch.device,
+        ledger: MemoryLedger,
+        media_per_prompt: dict[str, int] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.ledger = ledger
+        with ledger.building_engine():  # its pools, kept apart from the training figures
+            self.engine = build_engine(spec, device, media_per_prompt)
+        self.stale = False  # the engine loaded the same checkpoint the policy did
+        self.version = 0  # the initial checkpoint is policy version 0
+        self.session_open = False
+
+    def open(self, source: WeightSource, version: int, make_room: Callable[[], None]) -> dict[str, float]:
+        """Wake the engine; when it is stale, push `source`'s weights as policy `version` between waking its weights
+        and its KV cache (so a deep-slept engine never holds both beside the training state). `make_room` moves the
+        caller's training state off the device; it runs before the KV cache (the larger part) is mapped. Returns
+        `timing_s/wake` (and `timing_s/update_weights` after a push)."""
+        if self.session_open:
+            raise RuntimeError("open_rollout called twice: close the engine session (close_rollout) first")
+        self.session_open = True
+        if not self.stale:
+            start = time.perf_counter()
+            make_room()
+            self.ledger.wake(self.engine)  # hands the allocator's cache back first
+            return {"timing_s/wake": time.perf_counter() - start}
+        start = time.perf_counter()
+        self.ledger.wake(self.engine, ["weights"])
+        wake = time.perf_counter() - start
+        start = time.perf_counter()
+        self.receive_weights(source, version)
+        update = time.perf_counter() - start
+        start = time.perf_counter()
+        make_room()
+        self.ledger.wake(self.engine, ["kv_cache"])
+        wake += time.perf_counter() - start
+        return {"timing_s/wake": wake, "timing_s/update_weights": update}
+
+    def receive_weights(self, source: WeightSource, version: int) -> None:
+        """Load policy `version`'s weights into the (awake) engine the way the driver chose (`spec.weight_sync`);
+        the engine is current afterwards."""
+        sync = self.spec.weight_sync
+        if (sync is WeightSync.FULL) == source.lora:
+            raise RuntimeError(
+                f"weight_sync={sync.value} for a {'LoRA' if source.lora else 'full'} policy: the rollout spec "
+                "was not built by easyrl.trainer.role_specs from this model's lora settings"
+            )
+        if sync is WeightSync.ADAPTER:
+            self.engine.load_adapter(*source.lora_adapter())
+        else:  # FULL and MERGED_LORA: `full_weights` merges the adapters in for a LoRA policy
+            self.engine.load_weights(source.full_weights(self.engine.loads_tied_aliases))
+        self.version = version  # a re-push after a deep sleep keeps the version it had
+        self.stale = False
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the weights the engine
+        holds; each row carries the `policy_version` (B*n,) int64 of those weights. No wake, push or sleep here."""
+        if not self.session_open:
+            raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
+        assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
+        out = self.engine.generate(prompts, params)
+        # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
+        return out.set(policy_version=torch.full((len(out),), self.version, dtype=torch.int64))
+
+    def close(self) -> dict[str, float]:
+        """Put the engine to sleep; returns `timing_s/sleep` (the caller adds bringing its training state back) and,
+        on CUDA, `perf/sleep_freed_gb`."""
+        if not self.session_open:
+            raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
+        self.ledger.mark("after_generate")
+        start = time.perf_counter()
+        timing: dict[str, float] = {}
+        self.ledger.sleep(self.engine)  # hands the allocator's cache back too
+        self.stale |= self.engine.discards_weights_on_sleep  # a deep sleep dropped the weights: push them again
+        if self.ledger.slept_bytes is not None:  # what sleeping gave back to the device (weights + KV cache; CUDA)
+            timing["perf/sleep_freed_gb"] = self.ledger.slept_bytes / 2**30
+        timing["timing_s/sleep"] = time.perf_counter() - start
+        self.session_open = False
+        return timing
