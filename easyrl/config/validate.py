@@ -13,6 +13,7 @@ from easyrl.config.errors import ConfigError
 from easyrl.config.names import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
+    declared_engines,
     declared_estimators,
     declared_needs,
     declared_policy_losses,
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
 LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
 _ENUMS: dict[str, tuple[str, ...]] = {
-    "worker.rollout.name": ("vllm", "hf"),
     "worker.reward.reward_type": ("batch", "sequential"),
     "algorithm.kl_type": ("fixed", "adaptive"),
     "worker.actor.optim.strategy": ("adamw", "adamw_bf16"),
@@ -71,6 +71,7 @@ def _check_enums(cfg: EasyRLConfig) -> None:
     # the built-ins and whatever `algorithm.user_modules` registered (the loader imported them before validating)
     _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, declared_estimators())
     _one_of("worker.actor.loss_type", cfg.worker.actor.loss_type, declared_policy_losses())
+    _one_of("worker.rollout.name", cfg.worker.rollout.name, declared_engines())
     _one_of("worker.actor.loss_avg_mode", cfg.worker.actor.loss_avg_mode, list(LOSS_AGG_MODES))
     _one_of("worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, list(LOSS_AGG_MODES))
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))

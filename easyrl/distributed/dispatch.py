@@ -10,6 +10,8 @@ The modes (every mode calls *every* rank, because collectives need all ranks):
 
 * ``ALL``: the same arguments to every rank; the result is the list of the ranks' results, in rank order.
 * ``RANK0``: the same arguments to every rank; the result is rank 0's result.
+* ``ALL_MERGED``: the same arguments to every rank; the ranks' dicts of metrics merged into one (see
+  :func:`merge_metrics`): a lifecycle call whose timings the driver logs once (an engine session's open and close).
 * ``DP_SPLIT``: the first positional argument is a batch object, split with ``batch.chunk(world_size)``; rank
   ``i`` gets chunk ``i`` (the other arguments go unchanged to every rank). The ranks' results are collected with
   :func:`collect_dp_results`: batch objects are concatenated back in rank order with ``type(result).concat``,
@@ -57,6 +59,7 @@ class Dispatch(str, enum.Enum):
     """How a worker-group call spreads its arguments over the ranks and gathers the results."""
 
     ALL = "all"
+    ALL_MERGED = "all_merged"
     RANK0 = "rank0"
     DP_SPLIT = "dp_split"
     ENGINE_SPLIT = "engine_split"

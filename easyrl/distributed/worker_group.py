@@ -25,6 +25,7 @@ from easyrl.distributed.dispatch import (
     Dispatch,
     DispatchSpec,
     collect_dp_results,
+    merge_metrics,
     registered_methods,
     split_grouped_args,
 )
@@ -157,6 +158,8 @@ class GroupCall:
     def _gather(self, results: list[Any]) -> Any:
         if self.spec.dispatch is Dispatch.RANK0:
             return results[0]
+        if self.spec.dispatch is Dispatch.ALL_MERGED:
+            return merge_metrics(results)
         if self.spec.dispatch is Dispatch.DP_SPLIT:
             return collect_dp_results(results[:: self.group.ranks_per_dp])
         if self.spec.dispatch is Dispatch.ENGINE_SPLIT:
@@ -301,7 +304,7 @@ class WorkerGroup:
         import ray
 
         # Put shared arguments in the object store once instead of once per rank.
-        if spec.dispatch in (Dispatch.ALL, Dispatch.RANK0) and self.world_size > 1:
+        if spec.dispatch in (Dispatch.ALL, Dispatch.ALL_MERGED, Dispatch.RANK0) and self.world_size > 1:
             shared_args = tuple(ray.put(a) if _is_large(a) else a for a in args)
             per_rank = [(shared_args, dict(kwargs))] * self.world_size
         refs = [

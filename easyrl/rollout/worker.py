@@ -24,6 +24,7 @@ from easyrl.batch import Batch
 from easyrl.distributed.memory import MemoryLedger
 from easyrl.models.dtypes import DTYPES
 from easyrl.rollout.engine import RolloutEngine, SamplingParams
+from easyrl.rollout.registry import EngineContext, engine_factory
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.seeding import SEED_COLUMN
 
@@ -46,25 +47,19 @@ class WeightSource(Protocol):
 def build_engine(
     spec: RolloutSpec, device: torch.device, media_per_prompt: dict[str, int] | None = None
 ) -> RolloutEngine:
-    """The engine named by `worker.rollout.name`, loaded from the policy's model folder. ``media_per_prompt``: the
-    most images / videos one prompt of the data carries (an engine that processes pixels sizes itself for it).
-    The only place that names an engine class: everything else sees `RolloutEngine`."""
+    """The engine `worker.rollout.name` names (`easyrl.rollout.registry`), loaded from the policy's model folder.
+    ``media_per_prompt``: the most images / videos one prompt of the data carries."""
     from transformers import AutoTokenizer
 
     model_cfg = spec.model
     assert model_cfg.model_path is not None and model_cfg.tokenizer_path is not None
+    factory = engine_factory(spec.config.name)  # before the tokenizer loads: an unknown name fails at once
     tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path, trust_remote_code=model_cfg.trust_remote_code)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     # On CPU the engine samples in fp32 whatever the GPU dtype: bf16 matmuls there are slow and drift from the policy
     dtype = DTYPES[spec.config.dtype] if device.type == "cuda" else torch.float32
-    if spec.config.name == "hf":
-        from easyrl.rollout.hf import HFRolloutEngine
-
-        return HFRolloutEngine(model_cfg.model_path, device, dtype, eos, pad, model_cfg.trust_remote_code)
-    from easyrl.rollout.vllm import VLLMRolloutEngine
-
-    return VLLMRolloutEngine(spec, eos, pad, media_per_prompt or {})
+    return factory(EngineContext(spec, device, dtype, eos, pad, media_per_prompt or {}))
 
 
 class RolloutWorker:

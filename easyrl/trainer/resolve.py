@@ -10,7 +10,7 @@ from __future__ import annotations
 from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.config import EasyRLConfig
-from easyrl.rollout import WeightSync
+from easyrl.rollout import RolloutLoop, SingleTurnLoop, WeightSync
 
 
 def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
@@ -44,3 +44,11 @@ def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
     sequence-parallel group share their samples)."""
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     return workers // int(getattr(cfg.worker, role).ulysses_size)
+
+
+def rollout_loop(cfg: EasyRLConfig) -> RolloutLoop:
+    """How the trainer turns prompts into rows: today one engine session per batch, one response per sample
+    (`SingleTurnLoop`). A new loop (multi-turn, asynchronous) is chosen here from the config section that turns it on;
+    `fit()` does not change (docs/architecture.md, "Adding a rollout loop")."""
+    del cfg  # one loop so far: the config has nothing to choose between yet
+    return SingleTurnLoop()

@@ -23,9 +23,8 @@ from easyrl.checkpoint.lock import RunLock
 from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
-from easyrl.rollout import RolloutLoop, SingleTurnLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
-from easyrl.trainer.resolve import estimator_needs
+from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,
@@ -68,7 +67,7 @@ class Trainer:
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
-        self.rollout_loop: RolloutLoop = SingleTurnLoop()
+        self.rollout_loop = rollout_loop(cfg)  # how prompts become rows (a RolloutLoop)
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed

@@ -112,7 +112,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         timing |= self.close_rollout()
         return out, timing
 
-    @register(dispatch=Dispatch.ALL)
+    @register(dispatch=Dispatch.ALL_MERGED)
     def open_rollout(self) -> dict[str, float]:
         """Wake the engine and, when the policy changed since the engine last held it, push the new weights; the
         training state leaves the device (as `offload` says) before the engine's KV cache comes back. Returns
@@ -136,7 +136,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         at its next push, which a checkpoint load forces."""
         self._policy_version = version
 
-    @register(dispatch=Dispatch.ALL)
+    @register(dispatch=Dispatch.ALL_MERGED)
     def close_rollout(self) -> dict[str, float]:
         """Put the engine to sleep and bring the training state back; returns `timing_s/sleep` (both) and, on CUDA,
         `perf/sleep_freed_gb`."""

@@ -172,7 +172,7 @@ BAD = [
     ("type-bool", {"trainer.val_before_train": "maybe"}, "trainer.val_before_train", "bool"),
     ("section-scalar", {"worker.actor": 3}, "worker.actor", "mapping"),
     ("enum-estimator", {"algorithm.adv_estimator": "grpoo"}, "algorithm.adv_estimator", "grpo"),
-    ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "vllm, hf"),
+    ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "hf, vllm"),
     ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1, 2 or null"),
     (
         "tis-needs-every-logprob",

@@ -7,13 +7,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from easyrl.config import load_config_and_secrets
-from tests.conftest import base_config, write_config
+from tests.conftest import train_steps as run
 
 
 pytestmark = pytest.mark.slow
@@ -34,46 +32,6 @@ def ray_session():
     import ray
 
     ray.shutdown()
-
-
-def run(
-    tmp_path: Path,
-    model: str,
-    data: dict[str, str],
-    edits: dict[str, Any],
-    steps: int,
-    weights: bool = False,
-    weights_each_step: list | None = None,
-) -> tuple[list[dict[str, float]], dict | None, dict | None]:
-    """Train `steps` steps with `edits` on the base test config; returns the logged rows (and weights)."""
-    from easyrl.trainer.trainer import Trainer
-
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    conf = base_config(model, data, tmp_path / "run")
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    conf["trainer"]["max_steps"] = steps
-    trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
-    try:
-        before = trainer.actor.full_weights() if weights else None
-        if weights_each_step is None:
-            trainer.fit()
-        else:  # one step at a time, keeping the policy after each
-            weights_each_step.append(trainer.actor.full_weights())
-            for step in range(1, steps + 1):
-                trainer.total_steps = step
-                trainer.fit()
-                weights_each_step.append(trainer.actor.full_weights())
-        after = trainer.actor.full_weights() if weights else None
-    finally:
-        trainer.close()
-    log = tmp_path / "run" / "experiment_log.jsonl"
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return rows, before, after
 
 
 def assert_finite(rows: list[dict[str, float]]) -> None:
