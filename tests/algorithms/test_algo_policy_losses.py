@@ -1,7 +1,10 @@
 """PPO / GSPO / GSPO-token / CISPO / SAPO losses and the value loss against hand-computed numbers and autograd."""
 
+import ast
 import dataclasses
+import inspect
 import math
+import textwrap
 
 import pytest
 import torch
@@ -262,3 +265,30 @@ def test_value_loss() -> None:
     assert vpreds.grad is not None
     torch.testing.assert_close(vpreds.grad, torch.tensor([[0.0, 1 / 3, -1 / 3, 0.0]]), atol=1e-6, rtol=0)
 
+
+BUILTIN_KNOBS = {
+    "ppo": {"clip_ratio_low", "clip_ratio_high", "clip_ratio_dual"},
+    "vanilla": {"clip_ratio_low", "clip_ratio_high", "clip_ratio_dual"},
+    "gspo": {"clip_ratio_low", "clip_ratio_high"},
+    "gspo_token": {"clip_ratio_low", "clip_ratio_high"},
+    "cispo": {"clip_ratio_low", "clip_ratio_high"},
+    "sapo": {"tau_positive", "tau_negative"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_KNOBS))
+def test_builtin_params_carry_exactly_the_knobs_the_loss_reads(name: str) -> None:
+    """The fields of a loss's params class are the `params.<knob>` its own body reads: no knob it ignores."""
+    from easyrl.config.names import BUILTIN_POLICY_LOSSES
+
+    assert set(BUILTIN_KNOBS) == set(BUILTIN_POLICY_LOSSES)
+    params_cls = get_policy_loss_params(name)
+    assert params_cls is not None
+    declared = {f.name for f in dataclasses.fields(params_cls)}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(get_policy_loss(name))))
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "params"
+    }
+    assert declared == read == BUILTIN_KNOBS[name]
