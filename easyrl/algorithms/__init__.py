@@ -27,6 +27,7 @@ from easyrl.algorithms.entropy import (
     scale_logits,
 )
 from easyrl.algorithms.kl import KL_PENALTY_KINDS, kl_penalty
+from easyrl.algorithms.policy_losses import ClipParams, PpoParams, SapoParams
 from easyrl.algorithms.registry import (
     GROUP_ESTIMATORS,
     AdvantageFn,
@@ -36,8 +37,11 @@ from easyrl.algorithms.registry import (
     estimator_needs,
     get_advantage_estimator,
     get_policy_loss,
+    get_policy_loss_params,
     list_advantage_estimators,
     list_policy_losses,
+    policy_loss_params,
+    policy_loss_with_params,
     register_advantage_estimator,
     register_policy_loss,
 )
@@ -51,10 +55,13 @@ __all__ = [
     "AdaptiveEntropyController",
     "AdaptiveKLController",
     "AdvantageFn",
+    "ClipParams",
     "EstimatorNeeds",
     "FixedKLController",
     "KLController",
     "PolicyLossFn",
+    "PpoParams",
+    "SapoParams",
     "UnknownNameError",
     "agg_count",
     "agg_loss",
@@ -64,6 +71,7 @@ __all__ = [
     "get_advantage_estimator",
     "get_kl_controller",
     "get_policy_loss",
+    "get_policy_loss_params",
     "kl_penalty",
     "list_advantage_estimators",
     "list_policy_losses",
@@ -71,6 +79,8 @@ __all__ = [
     "logprobs_from_logits_chunked",
     "masked_mean",
     "masked_whiten",
+    "policy_loss_params",
+    "policy_loss_with_params",
     "register_advantage_estimator",
     "register_policy_loss",
     "scale_logits",

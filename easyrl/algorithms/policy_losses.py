@@ -2,12 +2,14 @@
 
 All take ``(B, T)`` tensors by keyword and return ``(scalar loss, metrics)`` where the metrics are detached 0-dim
 tensors on the loss's device: the update loop sums them on the device and reads them once per mini-batch (a
-``float()`` here would stall the device on every micro-batch).
+``float()`` here would stall the device on every micro-batch). Each loss registers the frozen dataclass of the knobs
+it reads (``PpoParams``, ``ClipParams``, ``SapoParams``): the driver fills it from ``worker.actor`` by field name and
+the loss gets it as ``params``, so a loss never sees another's knobs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,9 @@ from easyrl.algorithms.registry import register_policy_loss
 
 
 __all__ = [
+    "ClipParams",
+    "PpoParams",
+    "SapoParams",
     "compute_cispo_loss",
     "compute_gspo_loss",
     "compute_gspo_token_loss",
@@ -25,6 +30,47 @@ __all__ = [
 
 _LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to +-20 before exp: beyond that the ratio is meaningless and exp overflows fp32/bf16."""
+
+
+@dataclass(frozen=True)
+class PpoParams:
+    """`ppo`'s knobs (`worker.actor.*`)."""
+
+    clip_ratio_low: float
+    """The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
+    clip_ratio_high: float
+    clip_ratio_dual: float
+    """Dual-clip constant, > 1: the loss of a negative-advantage token is capped at -A * clip_ratio_dual."""
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_dual <= 1.0:
+            raise ValueError(f"clip_ratio_dual must be > 1, got {self.clip_ratio_dual}")
+
+
+@dataclass(frozen=True)
+class ClipParams:
+    """The two-sided clip range of `gspo`, `gspo_token` and `cispo` (`worker.actor.*`): no dual clip."""
+
+    clip_ratio_low: float
+    """The ratio (GSPO) or the IS weight (CISPO) is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
+    clip_ratio_high: float
+
+
+@dataclass(frozen=True)
+class SapoParams:
+    """`sapo`'s gate temperatures (`worker.actor.*`), both > 0."""
+
+    tau_positive: float
+    """Temperature where the advantage is non-negative."""
+    tau_negative: float
+    """Temperature where the advantage is negative."""
+
+    def __post_init__(self) -> None:
+        if self.tau_positive <= 0 or self.tau_negative <= 0:
+            raise ValueError(
+                f"SAPO temperatures must be > 0, got tau_positive={self.tau_positive}, "
+                f"tau_negative={self.tau_negative}"
+            )
 
 
 def _apply_is_weights(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
@@ -66,19 +112,17 @@ def _clipped_surrogate(
     return loss_mat, clipped, dual_clipped
 
 
-@register_policy_loss("ppo")
-@register_policy_loss("vanilla")
+@register_policy_loss("ppo", params=PpoParams)
+@register_policy_loss("vanilla", params=PpoParams)
 def compute_ppo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_dual: float = 3.0,
+    *,
+    params: PpoParams,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with dual clip.
 
@@ -91,8 +135,7 @@ def compute_ppo_loss(
         log_prob: (B, T) log-probs of the current policy (with grad).
         advantages: (B, T).
         response_mask: (B, T).
-        clip_ratio_low, clip_ratio_high: clip range [1 - low, 1 + high].
-        clip_ratio_dual: dual-clip constant, must be > 1.
+        params: the clip range [1 - low, 1 + high] and the dual-clip constant.
         loss_agg_mode: see ``agg_loss``.
         rollout_is_weights: optional (B, T) truncated IS weights.
 
@@ -101,12 +144,10 @@ def compute_ppo_loss(
         ``pg_clipfrac_lower`` (fraction where the dual clip is active) and ``ppo_kl`` (mean of
         ``old_log_prob - log_prob`` over valid tokens).
     """
-    if clip_ratio_dual <= 1.0:
-        raise ValueError(f"clip_ratio_dual must be > 1, got {clip_ratio_dual}")
     log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     loss_mat, clipped, dual_clipped = _clipped_surrogate(
-        ratio, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_dual
+        ratio, advantages, params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_dual
     )
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
@@ -151,56 +192,50 @@ def _gspo(
     return loss, _clip_metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", params=ClipParams)
 def compute_gspo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_dual: float = 3.0,
+    *,
+    params: ClipParams,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: PPO clipping on a length-normalised sequence ratio, shared by all tokens of the sequence.
 
     ``r_i = exp(mean_{valid t} (log_prob - old_log_prob))`` on every token of sequence i, with its gradient (each
     token's loss reaches every token of the sequence, weighted ``1 / |y_i|``). Then
-    ``L = max(-A * r_i, -A * clip(r_i, 1 - low, 1 + high))`` -- the two-sided clip of the GSPO paper;
-    ``clip_ratio_dual`` is accepted for the common signature but not applied. With one advantage per sequence (every
-    group estimator) its gradient equals ``gspo_token``'s; they differ when advantages vary along a sequence.
+    ``L = max(-A * r_i, -A * clip(r_i, 1 - low, 1 + high))`` -- the two-sided clip of the GSPO paper (no dual clip).
+    With one advantage per sequence (every group estimator) its gradient equals ``gspo_token``'s; they differ when
+    advantages vary along a sequence.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (B, T).
-        clip_ratio_low, clip_ratio_high: clip range (GSPO uses much smaller values than PPO, e.g. 3e-4 / 4e-4).
-        clip_ratio_dual: ignored.
+        params: the clip range (GSPO uses much smaller values than PPO, e.g. 3e-4 / 4e-4).
         loss_agg_mode: see ``agg_loss`` (the paper uses ``seq-mean-token-mean``).
         rollout_is_weights: optional (B, T) truncated IS weights.
 
     Returns:
         ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
     """
-    del clip_ratio_dual
     return _gspo(
-        False, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
-        rollout_is_weights,
+        False, old_log_prob, log_prob, advantages, response_mask, params.clip_ratio_low, params.clip_ratio_high,
+        loss_agg_mode, rollout_is_weights,
     )  # fmt: skip
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", params=ClipParams)
 def compute_gspo_token_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_dual: float = 3.0,
+    *,
+    params: ClipParams,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token: GSPO's sequence ratio as each token's value, each token's own gradient.
 
@@ -211,35 +246,31 @@ def compute_gspo_token_loss(
     Returns:
         ``(loss, metrics)`` with ``pg_clipfrac``, ``pg_clipfrac_lower`` (always 0) and ``ppo_kl``.
     """
-    del clip_ratio_dual
     return _gspo(
-        True, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, loss_agg_mode,
-        rollout_is_weights,
+        True, old_log_prob, log_prob, advantages, response_mask, params.clip_ratio_low, params.clip_ratio_high,
+        loss_agg_mode, rollout_is_weights,
     )  # fmt: skip
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", params=ClipParams)
 def compute_cispo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_dual: float = 3.0,
+    *,
+    params: ClipParams,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight.
 
     ``L = -sg(clip(ratio, 1 - low, 1 + high)) * A * log_prob``. Unlike PPO, clipped tokens still receive gradient
-    (scaled by the clipped weight); only the weight is bounded. ``clip_ratio_dual`` is ignored.
+    (scaled by the clipped weight); only the weight is bounded.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (B, T).
-        clip_ratio_low, clip_ratio_high: bounds of the IS weight.
-        clip_ratio_dual: ignored.
+        params: the bounds of the IS weight.
         loss_agg_mode: see ``agg_loss``.
         rollout_is_weights: optional (B, T) truncated IS weights.
 
@@ -250,7 +281,7 @@ def compute_cispo_loss(
     with torch.no_grad():
         log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
         ratio = torch.exp(log_ratio)
-        weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        weight = torch.clamp(ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
         clipped = weight != ratio
     loss_mat = -weight * advantages * log_prob
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
@@ -258,46 +289,37 @@ def compute_cispo_loss(
     return loss, _clip_metrics(clipped, None, old_log_prob, log_prob, response_mask)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", params=SapoParams)
 def compute_sapo_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_dual: float = 3.0,
+    *,
+    params: SapoParams,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    tau_positive: float = 1.0,
-    tau_negative: float = 1.05,
-    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: a smooth sigmoid gate on the token ratio in place of PPO's hard clip.
 
     ``f(r; tau) = (4 / tau) * sigmoid(tau * (r - 1))`` and ``L = -A * f(r; tau)`` with ``tau = tau_positive`` where
     ``A >= 0`` and ``tau_negative`` where ``A < 0``. At ``r = 1`` the gate's slope is 1 (the plain policy gradient);
     away from it the slope ``4 * s * (1 - s)`` (``s`` the sigmoid) decays smoothly instead of dropping to 0, faster
-    for a larger ``tau``. The clip keys are accepted for the common signature and not used.
+    for a larger ``tau``. Nothing is clipped, so the clip keys are not its knobs.
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: (B, T).
         loss_agg_mode: see ``agg_loss``.
         rollout_is_weights: optional (B, T) truncated IS weights.
-        tau_positive, tau_negative: gate temperatures (``worker.actor.tau_positive`` / ``tau_negative``), > 0.
+        params: the gate temperatures (``worker.actor.tau_positive`` / ``tau_negative``), > 0.
 
     Returns:
         ``(loss, metrics)`` with ``pg_clipfrac`` and ``pg_clipfrac_lower`` (always 0: nothing is clipped) and
         ``ppo_kl``.
     """
-    del clip_ratio_low, clip_ratio_high, clip_ratio_dual
-    if tau_positive <= 0 or tau_negative <= 0:
-        raise ValueError(
-            f"SAPO temperatures must be > 0, got tau_positive={tau_positive}, tau_negative={tau_negative}"
-        )
     log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages >= 0, tau_positive, tau_negative).to(ratio.dtype)  # (B, T)
+    tau = torch.where(advantages >= 0, params.tau_positive, params.tau_negative).to(ratio.dtype)  # (B, T)
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
     loss_mat = _apply_is_weights(-advantages * gate, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode)

@@ -2,10 +2,14 @@
 
 Both registries are plain module-level dictionaries wrapped in a small class so that a user can add an algorithm
 from their own file with a decorator, and the trainer / config validator can look it up by the string in the YAML.
+A policy loss also registers the frozen dataclass of its knobs, whose fields are `worker.actor` keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -18,6 +22,7 @@ from easyrl.config.names import (
     declare_policy_loss,
     declared_needs,
 )
+from easyrl.config.worker import ActorConfig
 
 
 __all__ = [
@@ -30,8 +35,11 @@ __all__ = [
     "estimator_needs",
     "get_advantage_estimator",
     "get_policy_loss",
+    "get_policy_loss_params",
     "list_advantage_estimators",
     "list_policy_losses",
+    "policy_loss_params",
+    "policy_loss_with_params",
     "register_advantage_estimator",
     "register_policy_loss",
 ]
@@ -40,7 +48,8 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``fn(*, token_level_rewards (B, T), response_mask (B, T), index (B,), **kwargs) -> (advantages, returns)``."""
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
-"""``fn(*, old_log_prob, log_prob, advantages, response_mask (all (B, T)), ..., **kwargs) -> (loss, metrics)``."""
+"""``fn(*, old_log_prob, log_prob, advantages, response_mask (all (B, T)), loss_agg_mode, rollout_is_weights,
+params) -> (loss, metrics)``; ``params`` only for a loss registered with a params class."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -140,24 +149,70 @@ def list_advantage_estimators() -> list[str]:
     return _ADVANTAGE_ESTIMATORS.names()
 
 
-def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+_ACTOR_KEYS = frozenset(f.name for f in dataclasses.fields(ActorConfig))
+"""The `worker.actor` keys: the names a policy loss's params fields may take (the config fills them by name)."""
+
+_LOSS_PARAMS: dict[str, type | None] = {}
+"""Loss name -> the params dataclass it registered (None: it takes no knobs)."""
+
+
+def register_policy_loss(
+    name: str, *, params: type | None = None, override: bool = False
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` (selected by ``worker.actor.loss_type``).
 
     The function is called with keyword arguments ``old_log_prob, log_prob, advantages, response_mask`` (all
-    (B, T)), ``clip_ratio_low, clip_ratio_high, clip_ratio_dual, tau_positive, tau_negative, loss_agg_mode``, optionally
-    ``rollout_is_weights`` (B, T), and must return ``(scalar loss, metrics)``: the loss aggregated over the micro-batch
-    it was given (``agg_loss`` with ``loss_agg_mode``; the trainer weighs micro-batches and ranks itself), metrics as
-    floats or detached 0-dim tensors, each a mean over the micro-batch's valid tokens (reported token-weighted over
-    the whole mini-batch).
+    (B, T)), ``loss_agg_mode``, ``rollout_is_weights`` ((B, T) or None) and, when the loss declares ``params`` (a
+    frozen dataclass whose fields are ``worker.actor`` keys, e.g. ``clip_ratio_low``), ``params``: that dataclass
+    filled from the config by field name. A loss registered without ``params`` gets no knobs. It must return
+    ``(scalar loss, metrics)``: the loss aggregated over the micro-batch it was given (``agg_loss`` with
+    ``loss_agg_mode``; the trainer weighs micro-batches and ranks itself), metrics as floats or detached 0-dim
+    tensors, each a mean over the micro-batch's valid tokens (reported token-weighted over the whole mini-batch).
     """
+    if params is not None:
+        _check_params_class(name, params)
     register = _POLICY_LOSSES.register(name, override=override)
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        _check_no_knob_arguments(name, fn)
         registered = register(fn)
+        _LOSS_PARAMS[name] = params
         declare_policy_loss(name)  # for the config validator, as for estimators
         return registered
 
     return decorator
+
+
+def _check_params_class(name: str, params: type) -> None:
+    """A loss's params: a frozen dataclass (its knobs are constants of the run) whose every field the config can
+    fill; a field it cannot would otherwise surface only when a run builds its specs."""
+    # `__dataclass_params__` is where dataclasses records `frozen=`; there is no public accessor for it
+    frozen = getattr(getattr(params, "__dataclass_params__", None), "frozen", False)
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params) and frozen):
+        raise TypeError(f"policy loss {name!r}: params must be a @dataclass(frozen=True) class, got {params!r}")
+    unknown = [f.name for f in dataclasses.fields(params) if f.name not in _ACTOR_KEYS]
+    if unknown:
+        raise ValueError(
+            f"policy loss {name!r}: params field(s) {', '.join(map(repr, unknown))} of {params.__qualname__} are not "
+            "worker.actor keys, so the config cannot fill them; name each field after the worker.actor key it "
+            "reads (e.g. clip_ratio_low, tau_positive) or make it a constant of the loss"
+        )
+
+
+def _check_no_knob_arguments(name: str, fn: PolicyLossFn) -> None:
+    """Knobs reach a loss only through ``params``: an argument named after a ``worker.actor`` key would silently
+    keep its default (losses used to get every knob as a keyword argument), so it is refused."""
+    try:
+        arguments = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return
+    knobs = [a for a in arguments if a in _ACTOR_KEYS]
+    if knobs:
+        raise TypeError(
+            f"policy loss {name!r} takes {', '.join(map(repr, knobs))} as an argument, which is never passed: "
+            "declare a frozen params dataclass with those fields (register_policy_loss(name, params=...)) and read "
+            "them as params.<field>"
+        )
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -168,3 +223,36 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 def list_policy_losses() -> list[str]:
     """Sorted names of all registered policy losses (built-in and user-registered)."""
     return _POLICY_LOSSES.names()
+
+
+def get_policy_loss_params(name: str) -> type | None:
+    """The params dataclass the loss ``name`` registered (None: it takes no knobs); unknown names raise
+    ``UnknownNameError``."""
+    _POLICY_LOSSES.get(name)
+    return _LOSS_PARAMS[name]
+
+
+def policy_loss_params(name: str, source: object) -> tuple[tuple[str, Any], ...]:
+    """The knobs of the loss ``name`` as ``(field, value)`` pairs, read from ``source`` (the ``worker.actor``
+    config) by the field names of its params class; () for a loss without one.
+
+    The class is built here, so a bad value fails on the driver. Pairs, not the instance, travel to the workers: a
+    user's class lives in an ``algorithm.user_modules`` file that a worker imports only after its spec has arrived,
+    so an instance of it could not be unpickled there.
+    """
+    params_cls = get_policy_loss_params(name)
+    if params_cls is None:
+        return ()
+    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(params_cls)}
+    params_cls(**values)  # validates (a params class may check its values in __post_init__)
+    return tuple(values.items())
+
+
+def policy_loss_with_params(name: str, values: tuple[tuple[str, Any], ...]) -> PolicyLossFn:
+    """The loss ``name`` with its params class, built from ``values`` (`policy_loss_params`'s pairs), bound as
+    ``params``; the loss itself when it registered none."""
+    fn = get_policy_loss(name)
+    params_cls = get_policy_loss_params(name)
+    if params_cls is None:
+        return fn
+    return functools.partial(fn, params=params_cls(**dict(values)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from easyrl.algorithms import policy_loss_params
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
@@ -91,14 +92,10 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         update=_update_spec(acfg, cfg.worker.rollout.n, world_size),
         loss=PolicyLossSpec(
             loss_type=acfg.loss_type,
-            clip_ratio_low=acfg.clip_ratio_low,
-            clip_ratio_high=acfg.clip_ratio_high,
-            clip_ratio_dual=acfg.clip_ratio_dual,
+            params=policy_loss_params(acfg.loss_type, acfg),  # only the knobs this loss registered
             kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
-            tau_positive=acfg.tau_positive,
-            tau_negative=acfg.tau_negative,
         ),
         rollout=rollout_spec(cfg),
         temperature=cfg.worker.rollout.temperature,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from easyrl.algorithms import agg_loss, get_policy_loss, kl_penalty
+from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
@@ -52,17 +52,13 @@ def policy_objective(
     """
     mask = mb["loss_mask"].float()
     old_log_prob = mb.tensors.get("old_log_probs")
-    policy_loss = get_policy_loss(spec.loss_type)
+    # the loss's own params class, rebuilt here from the spec's pairs (the worker's registry knows a user's class)
+    policy_loss = policy_loss_with_params(spec.loss_type, spec.params)
     pg_loss, pg_metrics = policy_loss(
         old_log_prob=log_prob.detach() if old_log_prob is None else old_log_prob,
         log_prob=log_prob,
         advantages=mb["advantages"],
         response_mask=mask,
-        clip_ratio_low=spec.clip_ratio_low,
-        clip_ratio_high=spec.clip_ratio_high,
-        clip_ratio_dual=spec.clip_ratio_dual,
-        tau_positive=spec.tau_positive,
-        tau_negative=spec.tau_negative,
         loss_agg_mode=loss_agg_mode,
         rollout_is_weights=mb.tensors.get("rollout_is_weights"),
     )

@@ -8,6 +8,7 @@ config. The rollout engine's spec is the rollout room's own (`easyrl.rollout.spe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from easyrl.config.worker import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
 from easyrl.distributed.memory import MemoryLevers
@@ -87,20 +88,18 @@ class UpdateSpec:
 
 @dataclass(frozen=True)
 class PolicyLossSpec:
-    """The actor's loss: policy-gradient loss, clipping, and the KL term when it is a loss."""
+    """The actor's loss: the registered policy-gradient loss with its own knobs, and the KL term when it is a loss."""
 
     loss_type: str
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_dual: float
+    """`worker.actor.loss_type`: the registered loss."""
+    params: tuple[tuple[str, Any], ...]
+    """The loss's knobs as (field, value) pairs of the params class it registered, read from `worker.actor` on the
+    driver (`easyrl.algorithms.policy_loss_params`); () for a loss registered without one. The worker rebuilds the
+    class by the loss's name: an instance of a user's class could not be unpickled before its module is imported."""
     kl_in_loss: bool
     """Add `kl_coef * KL(policy || reference)` to the loss (`algorithm.use_kl_loss`, KL enabled)."""
     kl_penalty: str
     kl_coef: float
-    tau_positive: float
-    """SAPO's gate temperature where the advantage is non-negative."""
-    tau_negative: float
-    """SAPO's gate temperature where the advantage is negative."""
 
 
 @dataclass(frozen=True)

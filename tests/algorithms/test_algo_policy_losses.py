@@ -1,14 +1,26 @@
 """PPO / GSPO / GSPO-token / CISPO / SAPO losses and the value loss against hand-computed numbers and autograd."""
 
+import ast
+import dataclasses
+import inspect
 import math
+import textwrap
 
 import pytest
 import torch
 
-from easyrl.algorithms import compute_value_loss, get_policy_loss
+from easyrl.algorithms import (
+    ClipParams,
+    PpoParams,
+    SapoParams,
+    compute_value_loss,
+    get_policy_loss,
+    get_policy_loss_params,
+)
 
 
-CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_dual": 3.0}  # ratio range [0.8, 1.28]
+PPO = PpoParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=3.0)  # ratio range [0.8, 1.28]
+CLIP = ClipParams(clip_ratio_low=0.2, clip_ratio_high=0.28)
 
 
 def _ppo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,7 +44,7 @@ def _ppo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 def test_ppo_values_metrics_and_grad(name: str) -> None:
     old, lp, adv, mask = _ppo_batch()
     loss, metrics = get_policy_loss(name)(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", params=PPO
     )
     # (-1.1 - 1.28 + 0.8 + 3.0 - 1.0) / 5 = 0.42 / 5
     assert loss.item() == pytest.approx(0.084, abs=1e-6)
@@ -53,13 +65,18 @@ def test_ppo_seq_mean_token_mean_and_is_weights() -> None:
     old, lp, adv, mask = _ppo_batch()
     fn = get_policy_loss("ppo")
     loss, _ = fn(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-mean", **CLIP
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-mean",
+        params=PPO,
     )
     # row0 (-1.1 - 1.28 + 0.8) / 3 = -0.5266667; row1 (3 - 1) / 2 = 1; mean 0.2366667
     assert loss.item() == pytest.approx(0.2366667, abs=1e-6)
     weights = torch.tensor([[0.5, 1.0, 1.0, 1.0], [1.0, 2.0, 1.0, 1.0]])
     loss_w, _ = fn(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, rollout_is_weights=weights, **CLIP
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, rollout_is_weights=weights, params=PPO
     )
     # (-0.55 - 1.28 + 0.8 + 3.0 - 2.0) / 5 = -0.03 / 5
     assert loss_w.item() == pytest.approx(-0.006, abs=1e-6)
@@ -74,14 +91,18 @@ def test_ppo_without_dual_clip_effect_and_bad_dual() -> None:
         log_prob=lp,
         advantages=adv,
         response_mask=mask,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_dual=1e9,
+        params=PpoParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=1e9),
     )
     assert loss.item() == pytest.approx(0.484, abs=1e-6)
     assert metrics["pg_clipfrac_lower"] == 0.0
-    with pytest.raises(ValueError, match="clip_ratio_dual"):
-        fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, clip_ratio_dual=1.0)
+    with pytest.raises(ValueError, match="clip_ratio_dual"):  # the params refuse it before any loss is computed
+        fn(
+            old_log_prob=old,
+            log_prob=lp,
+            advantages=adv,
+            response_mask=mask,
+            params=PpoParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=1.0),
+        )
 
 
 def _gspo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +119,7 @@ def _gspo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 def test_gspo_token_token_mean_and_stop_gradient() -> None:
     old, lp, adv, mask = _gspo_batch()
     loss, metrics = get_policy_loss("gspo_token")(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", params=CLIP
     )
     # Row 0 tokens: -A * 1.1618342 = -1.1618342, -3.4855026 (unclipped). Row 1 (A=-1): max(0.67032, 0.8) = 0.8,
     # clipped. (-4 * 1.1618342 + 3 * 0.8) / 5 = (-4.6473368 + 2.4) / 5 = -2.2473368 / 5
@@ -120,7 +141,7 @@ def test_gspo_token_token_mean_and_stop_gradient() -> None:
 def test_gspo_sequence_ratio_carries_gradient_to_every_token() -> None:
     old, lp, adv, mask = _gspo_batch()
     loss, metrics = get_policy_loss("gspo")(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", **CLIP
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean", params=CLIP
     )
     # Same values as gspo_token (the ratio's value is r_i on every token): -2.2473368 / 5.
     assert loss.item() == pytest.approx(-0.44946736, abs=1e-6)
@@ -138,7 +159,12 @@ def test_gspo_seq_mean_token_mean_and_dual_ignored() -> None:
     old, lp, adv, mask = _gspo_batch()
     fn = get_policy_loss("gspo_token")
     loss, _ = fn(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-mean", **CLIP
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-mean",
+        params=CLIP,
     )
     # row 0: (-1.1618342 - 3.4855026) / 2 = -2.3236684; row 1: 0.8; mean (-2.3236684 + 0.8) / 2
     assert loss.item() == pytest.approx(-0.7618342, abs=1e-6)
@@ -146,18 +172,12 @@ def test_gspo_seq_mean_token_mean_and_dual_ignored() -> None:
     r0 = 1.1618342  # grad_t = -A_t * r0, / 2 tokens in row 0, / 2 sequences
     assert lp.grad is not None
     torch.testing.assert_close(lp.grad[0], torch.tensor([-r0 / 4, -3 * r0 / 4, 0.0]), atol=1e-6, rtol=0)
-    # Row 1 with a dual constant of 1.1 would be capped at 1.1 * 1 -- GSPO does not apply it, so no change.
-    loss2, _ = fn(
-        old_log_prob=old,
-        log_prob=lp.detach(),
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode="seq-mean-token-mean",
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_dual=1.1,
-    )
-    assert loss2.item() == pytest.approx(-0.7618342, abs=1e-6)
+    # Row 1 with a dual constant of 1.1 would be capped at 1.1 * 1 -- GSPO has no dual clip: its params cannot
+    # even carry one, so the constant never reaches it.
+    assert {f.name for f in dataclasses.fields(get_policy_loss_params("gspo_token"))} == {
+        "clip_ratio_low",
+        "clip_ratio_high",
+    }
 
 
 def _sapo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,9 +197,7 @@ def test_sapo_gates_by_advantage_sign() -> None:
         advantages=adv,
         response_mask=mask,
         loss_agg_mode="token-mean",
-        tau_positive=1.0,
-        tau_negative=2.0,
-        **CLIP,
+        params=SapoParams(tau_positive=1.0, tau_negative=2.0),
     )
     # gate f(r; tau) = 4 / tau * sigmoid(tau * (r - 1)), L = -A * f:
     #   t1: tau 1, f = 4 * 0.5 = 2                           -> L = -2
@@ -203,12 +221,12 @@ def test_sapo_negative_temperature_only_moves_negative_tokens() -> None:
     old, lp, adv, mask = _sapo_batch()
     fn = get_policy_loss("sapo")
     args = {"old_log_prob": old, "log_prob": lp.detach(), "advantages": adv, "response_mask": mask}
-    loss_a, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", tau_positive=1.0, tau_negative=1.0)
-    loss_b, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", tau_positive=1.0, tau_negative=2.0)
+    loss_a, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", params=SapoParams(tau_positive=1.0, tau_negative=1.0))
+    loss_b, _ = fn(**args, loss_agg_mode="seq-mean-token-sum", params=SapoParams(tau_positive=1.0, tau_negative=2.0))
     # Only t2 (A = -1, r = 2) changes: 4 * sigmoid(1) = 2.9242344 with tau 1 vs 1.7615942 with tau 2.
     assert loss_a.item() - loss_b.item() == pytest.approx(2.9242344 - 1.7615942, abs=1e-6)
     with pytest.raises(ValueError, match="tau"):
-        fn(**args, tau_positive=0.0)
+        fn(**args, params=SapoParams(tau_positive=0.0, tau_negative=1.05))
 
 
 def test_cispo_value_and_gradient_through_clipped_tokens() -> None:
@@ -219,7 +237,7 @@ def test_cispo_value_and_gradient_through_clipped_tokens() -> None:
     lp = torch.tensor([[-1.0, math.log(2.0), -math.log(2.0)]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0]])
     loss, metrics = get_policy_loss("cispo")(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=torch.ones(1, 3), **CLIP
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=torch.ones(1, 3), params=CLIP
     )
     # (1 - 0.8872284 - 0.5545177) / 3
     assert loss.item() == pytest.approx(-0.1472487, abs=1e-6)
@@ -246,3 +264,31 @@ def test_value_loss() -> None:
     # t0: the clamp saturates -> 0; t1: (v - R) / 3 = 1/3; t2: (0 - 1) / 3; pad 0.
     assert vpreds.grad is not None
     torch.testing.assert_close(vpreds.grad, torch.tensor([[0.0, 1 / 3, -1 / 3, 0.0]]), atol=1e-6, rtol=0)
+
+
+BUILTIN_KNOBS = {
+    "ppo": {"clip_ratio_low", "clip_ratio_high", "clip_ratio_dual"},
+    "vanilla": {"clip_ratio_low", "clip_ratio_high", "clip_ratio_dual"},
+    "gspo": {"clip_ratio_low", "clip_ratio_high"},
+    "gspo_token": {"clip_ratio_low", "clip_ratio_high"},
+    "cispo": {"clip_ratio_low", "clip_ratio_high"},
+    "sapo": {"tau_positive", "tau_negative"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_KNOBS))
+def test_builtin_params_carry_exactly_the_knobs_the_loss_reads(name: str) -> None:
+    """The fields of a loss's params class are the `params.<knob>` its own body reads: no knob it ignores."""
+    from easyrl.config.names import BUILTIN_POLICY_LOSSES
+
+    assert set(BUILTIN_KNOBS) == set(BUILTIN_POLICY_LOSSES)
+    params_cls = get_policy_loss_params(name)
+    assert params_cls is not None
+    declared = {f.name for f in dataclasses.fields(params_cls)}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(get_policy_loss(name))))
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "params"
+    }
+    assert declared == read == BUILTIN_KNOBS[name]

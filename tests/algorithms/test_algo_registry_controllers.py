@@ -1,6 +1,7 @@
 """Registries, entropy/log-prob helpers and the KL / entropy coefficient controllers."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,13 +14,17 @@ from easyrl.algorithms import (
     get_advantage_estimator,
     get_kl_controller,
     get_policy_loss,
+    get_policy_loss_params,
     list_advantage_estimators,
     list_policy_losses,
     logprobs_from_logits,
     logprobs_from_logits_chunked,
+    policy_loss_params,
+    policy_loss_with_params,
     register_advantage_estimator,
     register_policy_loss,
 )
+from easyrl.config import ActorConfig
 
 
 def test_user_registered_estimator_is_selected_by_name() -> None:
@@ -51,6 +56,83 @@ def test_duplicate_names_rejected() -> None:
         register_policy_loss("test_user_loss")(my_loss)
     # An explicit override is allowed.
     register_policy_loss("test_user_loss", override=True)(my_loss)
+
+
+def _loss_inputs() -> dict[str, torch.Tensor | str | None]:
+    ones = torch.ones(1, 2)
+    return {
+        "old_log_prob": -ones,
+        "log_prob": -ones,
+        "advantages": ones,
+        "response_mask": ones,
+        "loss_agg_mode": "token-mean",
+        "rollout_is_weights": None,
+    }
+
+
+def test_a_loss_without_params_gets_no_knobs() -> None:
+    seen: dict[str, object] = {}
+
+    @register_policy_loss("test_user_no_knobs")
+    def no_knobs(**kwargs):
+        seen.update(kwargs)
+        return torch.tensor(0.0), {}
+
+    assert get_policy_loss_params("test_user_no_knobs") is None
+    assert policy_loss_params("test_user_no_knobs", ActorConfig()) == ()
+    policy_loss_with_params("test_user_no_knobs", ())(**_loss_inputs())
+    assert set(seen) == set(_loss_inputs())  # the tensors and the aggregation mode, no `params`, no knob
+
+
+def test_a_loss_gets_its_own_params_filled_by_field_name() -> None:
+    @dataclass(frozen=True)
+    class GateParams:
+        tau_negative: float
+        clip_ratio_high: float
+
+    seen: dict[str, object] = {}
+
+    @register_policy_loss("test_user_gate", params=GateParams)
+    def gate(*, params: GateParams, **kwargs):
+        seen["params"] = params
+        return torch.tensor(0.0), {}
+
+    pairs = policy_loss_params("test_user_gate", ActorConfig(tau_negative=2.5, clip_ratio_high=0.4))
+    assert pairs == (("tau_negative", 2.5), ("clip_ratio_high", 0.4))
+    policy_loss_with_params("test_user_gate", pairs)(**_loss_inputs())
+    assert seen["params"] == GateParams(tau_negative=2.5, clip_ratio_high=0.4)
+
+
+def test_a_params_field_the_config_cannot_fill_is_one_error_at_registration() -> None:
+    @dataclass(frozen=True)
+    class Typo:
+        clip_ratio_low: float
+        clip_ratio_hi: float
+
+    with pytest.raises(ValueError) as info:
+        register_policy_loss("test_user_typo", params=Typo)(lambda **kw: kw)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "'test_user_typo'" in message and "'clip_ratio_hi'" in message and "'clip_ratio_low'" not in message
+    assert "not worker.actor keys" in message and "name each field after the worker.actor key" in message
+    assert "test_user_typo" not in list_policy_losses()
+
+
+def test_params_must_be_frozen_and_knobs_never_arguments() -> None:
+    @dataclass
+    class Mutable:
+        clip_ratio_low: float
+
+    with pytest.raises(TypeError, match=r"'test_user_mutable': params must be a @dataclass\(frozen=True\)"):
+        register_policy_loss("test_user_mutable", params=Mutable)
+    # an old-style loss that read a knob as a keyword argument would silently keep its default: refused
+    with pytest.raises(TypeError, match=r"'test_user_old_style' takes 'clip_ratio_low' as an argument"):
+
+        @register_policy_loss("test_user_old_style")
+        def old_style(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low=0.2, **kwargs):
+            return torch.tensor(0.0), {}
+
+    assert "test_user_old_style" not in list_policy_losses()
 
 
 def test_unknown_names_list_registered_ones() -> None:

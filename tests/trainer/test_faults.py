@@ -31,9 +31,9 @@ def grpo_nan_at_step_2(token_level_rewards, response_mask, index, **kwargs):
 """
 
 NAN_LOSS = """
-from easyrl.algorithms import get_policy_loss, register_policy_loss
+from easyrl.algorithms import PpoParams, get_policy_loss, register_policy_loss
 
-@register_policy_loss("ppo_nan")
+@register_policy_loss("ppo_nan", params=PpoParams)  # wraps ppo: takes its knobs
 def ppo_nan(**kwargs):
     loss, metrics = get_policy_loss("ppo")(**kwargs)
     return loss * float("nan"), metrics
@@ -79,11 +79,11 @@ def test_nan_loss_stops_after_k_consecutive_skips(tmp_path, tiny_model_dir, digi
 LOSS_FAILS_ON_RANK_1_AT_STEP_2 = """
 import time
 import torch.distributed as dist
-from easyrl.algorithms import get_policy_loss, register_policy_loss
+from easyrl.algorithms import PpoParams, get_policy_loss, register_policy_loss
 
 CALLS = [0]
 
-@register_policy_loss("ppo_fails_on_rank_1")
+@register_policy_loss("ppo_fails_on_rank_1", params=PpoParams)
 def ppo_fails_on_rank_1(**kwargs):
     CALLS[0] += 1  # two mini-batches per step on each rank (base config): call 3 is step 2's first
     if dist.get_rank() == 1 and CALLS[0] == 3:

@@ -41,7 +41,13 @@ LENGTHS = [10, 6, 9, 4]
 TOOL = {0: range(3, 6), 2: range(6, 9)}
 """Tool output per row: row 0 in the middle of its response, row 2 at its very end (cut off mid-tool-call)."""
 SCORES = [1.0, 0.0, 0.5, 1.0]
-LOSS = PolicyLossSpec("ppo", 0.2, 0.28, 3.0, True, "low_var_kl", 0.1, 1.0, 1.05)
+LOSS = PolicyLossSpec(
+    "ppo",
+    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
+    kl_in_loss=True,
+    kl_penalty="low_var_kl",
+    kl_coef=0.1,
+)
 
 
 def _rows() -> Batch:

@@ -74,6 +74,88 @@ def test_a_user_estimator_declaring_needs_critic_gets_a_critic(tmp_path, tiny_mo
         load_config(write_config(tmp_path / "grouped.yaml", raw), [])
 
 
+USER_LOSS = """
+from dataclasses import dataclass
+
+import torch
+
+from easyrl.algorithms import register_policy_loss
+
+
+@dataclass(frozen=True)
+class GateParams:
+    tau_negative: float
+    clip_ratio_low: float
+
+
+@register_policy_loss("spec_test_user_gate", params=GateParams)
+def user_gate(old_log_prob, log_prob, advantages, response_mask, *, params, loss_agg_mode, rollout_is_weights):
+    assert type(params).__name__ == "GateParams"
+    loss = -(advantages * log_prob * response_mask).sum() * params.clip_ratio_low
+    return loss, {"tau_negative": torch.tensor(params.tau_negative), "clip_ratio_low": params.clip_ratio_low}
+"""
+
+UNFILLABLE_LOSS = """
+from dataclasses import dataclass
+
+from easyrl.algorithms import register_policy_loss
+
+
+@dataclass(frozen=True)
+class TypoParams:
+    clip_ratio_hi: float
+
+
+@register_policy_loss("spec_test_typo", params=TypoParams)
+def typo(**kwargs):
+    raise AssertionError("never registered")
+"""
+
+
+def test_a_user_loss_gets_its_own_params_from_the_config(tmp_path, tiny_model_dir, digits_data) -> None:
+    import subprocess
+    import sys
+
+    from easyrl.workers.actor import policy_objective
+
+    module = tmp_path / "user_loss.py"
+    module.write_text(USER_LOSS)
+    raw = base_config(tiny_model_dir, digits_data, tmp_path / "ckpt")
+    raw["algorithm"]["user_modules"] = [str(module)]
+    raw["worker"]["actor"].update(loss_type="spec_test_user_gate", tau_negative=2.5, clip_ratio_low=0.1)
+    loss = build_role_specs(load_config(write_config(tmp_path / "cfg.yaml", raw), []), 4, 1).actor.loss
+    assert loss.params == (("tau_negative", 2.5), ("clip_ratio_low", 0.1))  # its own knobs, none of ppo's
+    # Ray unpickles a spec before the worker imports `user_modules`: the spec must not name the user's class
+    sent = pickle.dumps(loss)
+    subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"], input=sent, check=True
+    )
+    ones = torch.ones(1, 3)
+    mb = Batch({"loss_mask": ones, "advantages": ones, "old_log_probs": -ones})
+    out = policy_objective(mb, -ones.requires_grad_(True), None, pickle.loads(sent), "token-mean", 0.0)
+    assert out.loss.item() == pytest.approx(0.3)  # -(1 * -1 * 3) * 0.1
+    assert {k: float(v) for k, v in out.token_means.items()} == {
+        "actor/tau_negative": 2.5,
+        "actor/clip_ratio_low": 0.1,
+    }
+
+
+def test_a_user_loss_params_field_the_config_cannot_fill_is_one_config_error(
+    tmp_path, tiny_model_dir, digits_data
+) -> None:
+    from easyrl.config import ConfigError
+
+    module = tmp_path / "typo_loss.py"
+    module.write_text(UNFILLABLE_LOSS)
+    raw = base_config(tiny_model_dir, digits_data, tmp_path / "ckpt")
+    raw["algorithm"]["user_modules"] = [str(module)]
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path / "cfg.yaml", raw), [])
+    message = str(info.value)
+    assert message.startswith("algorithm.user_modules[0]: importing") and "\n" not in message
+    assert "'spec_test_typo'" in message and "'clip_ratio_hi'" in message and "worker.actor key" in message
+
+
 def test_kl_mode_is_derived_once() -> None:
     from easyrl.config.algorithm import AlgorithmConfig, KLMode
 

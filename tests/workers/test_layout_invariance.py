@@ -28,7 +28,13 @@ PROMPT, RESPONSES = 4, [1, 2, 2, 3, 10, 10, 4, 2]
 """Rank 0's half of the batch has short responses, rank 1's long ones: per-rank token means weigh them wrongly."""
 BUDGET = 15
 """Token budget that cuts rank 1's rows (14, 14, 8, 6 tokens) into 3 micro-batches of 1, 1 and 2 rows."""
-LOSS = PolicyLossSpec("ppo", 0.2, 0.28, 3.0, True, "low_var_kl", 0.1, 1.0, 1.05)
+LOSS = PolicyLossSpec(
+    "ppo",
+    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
+    kl_in_loss=True,
+    kl_penalty="low_var_kl",
+    kl_coef=0.1,
+)
 ENTROPY_COEFF = 0.01
 
 

@@ -14,7 +14,13 @@ from tests.conftest import padded_rows
 
 CPU = torch.device("cpu")
 PROMPT, RESPONSES = 4, [1, 3, 6, 2, 5, 4]
-LOSS = PolicyLossSpec("ppo", 0.2, 0.28, 3.0, True, "low_var_kl", 0.1, 1.0, 1.05)
+LOSS = PolicyLossSpec(
+    "ppo",
+    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
+    kl_in_loss=True,
+    kl_penalty="low_var_kl",
+    kl_coef=0.1,
+)
 
 
 def _batch(vocab: int = 90) -> Batch:
