@@ -27,6 +27,7 @@ from easyrl.workers.specs import (
     PolicyLossSpec,
     ProcessSpec,
     RefSpec,
+    RolloutRoleSpec,
     UpdateSpec,
 )
 
@@ -241,3 +242,9 @@ def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
         ignore_eos=rcfg.ignore_eos,
         stop_token_ids=tuple(rcfg.stop_token_ids),
     )
+
+
+def rollout_role_spec(actor: ActorSpec) -> RolloutRoleSpec:
+    """The spec of a worker that only generates, with the actor's engine settings (the same checkpoint, sampling
+    engine, memory and weight sync), for rollouts in processes apart from the policy."""
+    return RolloutRoleSpec(process=actor.process, rollout=actor.rollout, memory_levers=actor.memory_levers)

@@ -134,3 +134,13 @@ class CriticSpec:
     update: UpdateSpec
     cliprange_value: float
     micro_batch_size_for_experience: int
+
+
+@dataclass(frozen=True)
+class RolloutRoleSpec:
+    """A worker that only generates (`easyrl.workers.rollout_role`): the actor's engine settings, in a process of its
+    own."""
+
+    process: ProcessSpec
+    rollout: RolloutSpec
+    memory_levers: MemoryLevers

@@ -1,0 +1,101 @@
+"""A worker that only generates: a `RolloutWorker` of its own, in a process (and, on GPUs, a device) apart from the
+policy. The shape asynchronous rollouts and separate rollout GPUs build on; today the HybridEngine keeps the engine in
+the actor's process instead (`easyrl.workers.actor`).
+
+The policy's weights come from the driver (`receive_weights`: full tensors by HF name, the actor's `full_weights`)
+and are loaded into the engine at the next `open_rollout`, when the engine is awake; every row it generates carries
+the version it was given. The driver drives it through the same `EngineSession` calls as the actor, so any
+`easyrl.rollout.RolloutLoop` runs on either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from easyrl.batch import Batch
+from easyrl.distributed import Dispatch, register
+from easyrl.distributed.memory import MemoryLedger, MemoryReporting
+from easyrl.rollout import SamplingParams, WeightSync
+from easyrl.rollout.worker import RolloutWorker
+from easyrl.workers.model_setup import setup_process
+from easyrl.workers.specs import RolloutRoleSpec
+
+
+class ReceivedWeights:
+    """Full weights handed over by the driver, as a `WeightSource`: a full policy's, or a LoRA policy's merged."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], merged_lora: bool) -> None:
+        self.weights = weights
+        self.lora = merged_lora  # the spec's sync mode expects a LoRA source when the weights are merged adapters
+
+    def full_weights(self, aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        # The driver's copy has every name, tied aliases included: an engine that loads them once sees the same
+        # tensor twice, which is harmless.
+        del aliases
+        yield from self.weights.items()
+
+    def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        raise NotImplementedError("a rollout worker of its own receives full (merged) weights, not adapters")
+
+
+class RolloutRole(MemoryReporting):
+    """Generates with the weights it was last given; never trains."""
+
+    def __init__(self, spec: RolloutRoleSpec) -> None:
+        if spec.rollout.weight_sync is WeightSync.ADAPTER:
+            raise ValueError(
+                "a rollout worker of its own receives full weights: set worker.actor.model.lora.rollout_sync=merged"
+            )
+        self.spec = spec
+        self.device = setup_process(spec.process)
+        self.ledger = MemoryLedger("rollout", self.device, spec.memory_levers)
+        self._weights: ReceivedWeights | None = None
+        self._version = 0
+
+    @register(dispatch=Dispatch.ALL)
+    def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
+        """Load the engine from the policy's checkpoint (policy version 0)."""
+        self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+
+    @register(dispatch=Dispatch.ALL)
+    def receive_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Keep policy `version`'s full weights (HF names, tied aliases included) for the next session: the engine
+        may be asleep now, and an awake engine loads them without holding its KV cache beside them."""
+        self._weights = ReceivedWeights(weights, self.spec.rollout.weight_sync is WeightSync.MERGED_LORA)
+        self._version = version
+        self.rollout.stale = True
+
+    @register(dispatch=Dispatch.ALL_MERGED)
+    def open_rollout(self) -> dict[str, float]:
+        """Wake the engine, loading the weights received since the last session (then dropped: the engine has them)."""
+        if self.rollout.stale and self._weights is None:
+            raise RuntimeError("the engine dropped its weights in its sleep and none were received: receive_weights")
+        # nothing to make room for: no training state lives in this process
+        source = self._weights or ReceivedWeights({}, merged_lora=False)  # not read unless the engine is stale
+        timing = self.rollout.open(source, self._version, make_room=lambda: None)
+        if not self.rollout.engine.discards_weights_on_sleep:
+            self._weights = None  # the engine keeps them across sleeps: no second copy in this process
+        return timing
+
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """`params.n` samples per prompt with the weights the engine holds, each row stamped with their version."""
+        return self.rollout.generate(prompts, params)
+
+    @register(dispatch=Dispatch.ALL_MERGED)
+    def close_rollout(self) -> dict[str, float]:
+        """Put the engine to sleep."""
+        return self.rollout.close()
+
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """Open, generate, close in one call."""
+        timing = self.open_rollout()
+        start = time.perf_counter()
+        out = self.generate(prompts, params)
+        timing["timing_s/generate_engine"] = time.perf_counter() - start
+        return out, timing | self.close_rollout()
