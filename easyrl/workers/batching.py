@@ -30,8 +30,9 @@ def valid_token_counts(batch: Batch) -> list[int]:
 
 def _lpt(lengths: list[int], num_bins: int) -> list[list[int]]:
     """Longest-first greedy: each sample (longest first) goes to the currently least loaded bin."""
-    heap = [(0, b) for b in range(num_bins)]
+    heap = [(0, b) for b in range(num_bins)]  # (load, bin): a tie goes to the lowest bin
     bins: list[list[int]] = [[] for _ in range(num_bins)]
+    # Longest first; equal lengths by index, so the result is deterministic.
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         load, b = heapq.heappop(heap)
         bins[b].append(i)
@@ -51,9 +52,11 @@ def balanced_partition(lengths: list[int], max_tokens: int, min_bins: int = 1) -
     n = len(lengths)
     # A sample over the budget fills a bin alone: count it as `max_tokens` for the lower bound.
     needed = math.ceil(sum(min(x, max_tokens) for x in lengths) / max_tokens)
+    # At most one bin per sample; `min_bins` beyond that become empty bins at the end.
     num_bins = min(max(min_bins, needed, 1), max(n, 1))
     while True:
         bins = _lpt(lengths, num_bins)
+        # A bin over budget with a single sample cannot be split: only a shared one calls for another bin.
         over = any(len(b) > 1 and sum(lengths[i] for i in b) > max_tokens for b in bins)
         if not over or num_bins >= n:
             break
@@ -67,7 +70,7 @@ def sync_max(value: int) -> int:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.long)
-    if dist.get_backend() == "nccl":
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -89,6 +92,7 @@ class MicroBatches:
         if self.order is None:
             return stacked
         inverse = torch.empty(len(self.order), dtype=torch.long)
+        # order[j] is the original index of computed row j; its inverse maps each original index to its row.
         inverse[torch.tensor(self.order, dtype=torch.long)] = torch.arange(len(self.order))
         return stacked[inverse]
 
@@ -99,10 +103,11 @@ def make_micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int |
         parts = batch.split(micro_batch_size)
         return MicroBatches(parts, [False] * len(parts), None)
     lengths = valid_token_counts(batch)
+    # This rank's own bin count, then the most over all ranks: every rank partitions into that many bins.
     local = len(balanced_partition(lengths, max_token_len))
     bins = balanced_partition(lengths, max_token_len, min_bins=sync_max(local))
     real = [b for b in bins if b]
     parts = [batch.index(b) for b in real]
     n_dummy = len(bins) - len(real)
-    parts += [batch.slice(0, 1)] * n_dummy
+    parts += [batch.slice(0, 1)] * n_dummy  # a real row, so the forward is valid; outputs dropped
     return MicroBatches(parts, [False] * len(real) + [True] * n_dummy, [i for b in real for i in b])

@@ -52,6 +52,7 @@ def batched_log_probs(
         lps.append(lp.cpu())
         if ent is not None:
             ents.append(ent.cpu())
+    # The real parts in run order, put back in the batch's order (token-budget micro-batches permute the rows).
     return mbs.restore(torch.cat(lps)), (mbs.restore(torch.cat(ents)) if with_entropy else None)
 
 
@@ -61,6 +62,7 @@ def batched_values(
 ) -> torch.Tensor:
     """`response_values` over a whole batch in micro-batches: (B, R) on CPU, in the batch's order."""
     mbs = make_micro_batches(batch, micro_batch_size, opts.max_token_len if opts else None)
+    # Dummies run too (every rank must join the same FSDP collectives); their values are dropped below.
     parts = [response_values(model, mb, device, opts).cpu() for mb in mbs.parts]
     return mbs.restore(torch.cat([v for v, dummy in zip(parts, mbs.dummy) if not dummy]))
 
@@ -123,6 +125,7 @@ def _backward_mini_batch(
         # FSDP collectives) weighs 0 and reports nothing, but names the metrics so every rank reduces the same keys.
         share = 0.0 if dummy or count == 0 else agg_count(mask, loss_agg_mode) / count
         token_share = 0.0 if dummy or tokens == 0 else float(mask.double().sum()) / tokens
+        # x dp: FSDP2 divides the summed gradient by dp * sp, and the sequence-parallel gather multiplies it by sp.
         (out.loss * (share * dp)).backward()
         weighted: dict[str, tuple[torch.Tensor | float, float]] = {"": (out.loss, share)}
         weighted |= {k: (v, share) for k, v in out.terms.items()}
@@ -167,7 +170,7 @@ def optimize(
     skipped = nonfinite_loss = nonfinite_grad = 0
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)  # gradients accumulate over this mini-batch's micro-batches only
             mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
             loss, mini_metrics = _backward_mini_batch(mbs, loss_fn, device, loss_agg_mode, sp_size)
             for k, v in mini_metrics.items():
@@ -185,6 +188,7 @@ def optimize(
                 nonfinite_loss += int(not loss_ok)
                 nonfinite_grad += int(loss_ok and not grad_ok)
                 optimizer.zero_grad(set_to_none=True)
+            # Advanced on a skipped update too: the schedule follows the step count it was built for.
             scheduler.step()
             metrics[f"{prefix}/lr"].append(float(scheduler.get_last_lr()[0]))
     out = {k: sum(v) / len(v) for k, v in metrics.items()}

@@ -49,9 +49,10 @@ def _run_head(
     if temperature is not None and fused:
         lp, ent = fused_forward(model, inputs, temperature, chunk_size)
         return lp, (ent if with_entropy else None)
-    packed = inputs.attention_mask is None
+    packed = inputs.attention_mask is None  # only the packed layout passes no mask
     # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
     # (A value model has no such argument, and its head is one output wide anyway.)
+    # Packed only: the positions index the token dim (1) of the hidden states, which is the flat index for one row.
     keep = {"logits_to_keep": inputs.select} if packed and temperature is not None else {}
     out = model(
         input_ids=inputs.input_ids,
@@ -61,11 +62,11 @@ def _run_head(
         **keep,
         **inputs.media,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    logits = out.logits.reshape(-1, out.logits.shape[-1])  # (rows * width, V), or (N, V) with `logits_to_keep`
     if not keep:  # every position was computed: pick the selected ones
         logits = logits.index_select(0, inputs.select)
     if temperature is None:
-        return logits[:, 0].float(), None
+        return logits[:, 0].float(), None  # the value head's one output (num_labels=1)
     z = scale_logits(logits, temperature)
     return logprobs_from_logits(z, inputs.labels), (entropy_from_logits(z) if with_entropy else None)
 
@@ -82,6 +83,7 @@ def _forward(
     opts = opts or ForwardOptions()
     if temperature is not None:
         scale_logits(torch.zeros(0), temperature)  # refuse greedy (0) before the forward pass, on every path
+    # laid out on the host, moved in one go
     inputs = prepare_inputs(mb, opts.padding_free, model, trim=not opts.plain).to(device)
 
     def head(layout: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

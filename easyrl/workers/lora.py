@@ -56,6 +56,7 @@ def default_exclude(model: nn.Module) -> str | None:
     if visual is None:
         return None
     prefix = next(name for name, m in model.named_modules() if m is visual)
+    # peft full-matches a string exclude_modules as a regex: the tower and all below it
     return rf"{re.escape(prefix)}(\..*)?"
 
 
@@ -76,10 +77,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
         exclude_modules=exclude,
         bias="none",
     )
-    model.requires_grad_(False)
+    model.requires_grad_(False)  # the base stays frozen; the adapters are made trainable below
     try:
         inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
     except ValueError as exc:
+        # peft's ValueErrors for an empty match (peft/tuners/tuners_utils.py); anything else is a real failure
         if "not found in the base model" not in str(exc) and "No modules were targeted" not in str(exc):
             raise
         raise ConfigError(
@@ -95,6 +97,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
             f"layers only: {', '.join(linear_layer_names(model))}",
         )
     trainable = 0
+    # Exactly the `lora_A` / `lora_B` weights train, whatever peft left trainable.
     for name, param in model.named_parameters():
         is_adapter = _LORA_PART.search(name) is not None
         param.requires_grad_(is_adapter)
@@ -161,6 +164,7 @@ def merged_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[st
     for name, param in model.named_parameters():  # remove_duplicate: tied embeddings once
         if _LORA_PART.search(name):
             continue
+        # `x.q_proj.base_layer.weight` -> owner `x.q_proj`, leaf `weight`; a name without `.base_layer.` gets owner ''.
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = layers.get(owner) if leaf else None
         if layer is None:
@@ -170,9 +174,10 @@ def merged_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[st
                 yield alias, full
             continue
         weight = full_tensor(param)
-        if leaf == "weight":
+        if leaf == "weight":  # a base bias goes out unchanged: bias="none" trains none
             a = full_tensor(layer.lora_A[ADAPTER].weight)
             b = full_tensor(layer.lora_B[ADAPTER].weight)
+            # peft's merge: W + scaling * (B @ A), scaling = alpha / r (rsLoRA is not enabled)
             weight = weight + (b @ a).to(weight.dtype) * layer.scaling[ADAPTER]
         yield hf_name(name), weight
 

@@ -62,7 +62,7 @@ def load_model(
             model = VisionValueModel.from_pretrained(model_cfg.model_path, **common)
         else:
             hf_config.num_labels = 1
-            hf_config.classifier_dropout = 0.0
+            hf_config.classifier_dropout = 0.0  # transformers' token-classification head would default to dropout 0.1
             model = AutoModelForTokenClassification.from_pretrained(model_cfg.model_path, **common)
     else:
         from easyrl.models import model_class_for
@@ -78,6 +78,7 @@ def load_model(
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    # The classes transformers keeps whole (decoder layers; a VL model's vision blocks too): one FSDP unit each.
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -96,6 +97,8 @@ def shard_model(
     """
     if gradient_checkpointing:
         enable: Any = model.gradient_checkpointing_enable
+        # Non-reentrant: the reentrant checkpoint leaves a layer without gradients when none of its inputs requires
+        # grad (a LoRA policy's frozen embeddings feed the first layer).
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(
@@ -107,9 +110,13 @@ def shard_model(
     # shards live on the host anyway, so there it is a no-op (the driver warns once: easyrl.check.cpu_noop_settings).
     cpu_offload = fsdp_cfg.enable_cpu_offload and device.type != "cpu"
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # With offload the model stays on the host: fully_shard moves each unit to the device only to shard it, then keeps
+    # this rank's shards in pinned host memory.
     if not cpu_offload:
         model.to(device)
     reshard = fsdp_cfg.enable_full_shard
+    # Layers first, then the root: each fully_shard call takes only the parameters no inner unit holds, so the root's
+    # unit keeps what no layer has (a text model's embeddings, final norm and head).
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
@@ -139,7 +146,7 @@ class AdamWBF16States(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.tensor(0.0)  # a CPU tensor, as torch's (non-capturable) AdamW keeps it
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
@@ -150,8 +157,10 @@ class AdamWBF16States(torch.optim.Optimizer):
                 exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 state["exp_avg"] = exp_avg.to(torch.bfloat16)
                 state["exp_avg_sq"] = exp_avg_sq.to(torch.bfloat16)
+                # Bias-corrected as in torch's AdamW: m_hat / (sqrt(v_hat) + eps).
                 denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
                 update = (exp_avg / (1 - beta1**step)).div_(denom)
+                # decoupled weight decay, before the update (as torch's AdamW)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
 
@@ -195,9 +204,11 @@ def _move_training_state(
     if optim and optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():
+                # `step` stays on the host, where torch's AdamW keeps it unless capturable or fused.
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
     if device.type == "cpu":
+        # Non-blocking copies to the host are complete only after a sync; empty_cache frees the blocks for the engine.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -210,7 +221,7 @@ def build_scheduler(
 
     def factor(step: int) -> float:
         if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+            return (step + 1) / warmup  # step 0 already trains at lr / warmup
         if cfg.lr_scheduler_type == "cosine":
             progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -240,7 +251,7 @@ def iter_full_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """{first name of a parameter: its other names} for the parameters registered under several names."""
     by_tensor: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):  # every name of a shared tensor
         by_tensor.setdefault(id(param), []).append(name)
     return {names[0]: names[1:] for names in by_tensor.values() if len(names) > 1}
 
@@ -257,6 +268,7 @@ def setup_process(process: ProcessSpec) -> torch.device:
     from easyrl.distributed import init_distributed
 
     if not torch.cuda.is_available():
+        # CPU workers share the host: torch's default, a thread per core in each process, would oversubscribe it.
         torch.set_num_threads(int(os.environ.get("EASYRL_NUM_THREADS", "1")))
     init_distributed()
     seed_everything(process.seed)
@@ -270,5 +282,5 @@ def seed_everything(seed: int) -> None:
     import numpy as np
 
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)  # NumPy takes seeds in [0, 2**32)
     torch.manual_seed(seed)

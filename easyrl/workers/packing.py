@@ -107,7 +107,7 @@ def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None
     media, mrope = _vision_inputs(mb, model)
     b, length = input_ids.shape
     r = mb["responses"].shape[1]
-    p = length - r
+    p = length - r  # prompt columns (left-padded); the last R columns are the right-padded responses
     if not padding_free and not trim:
         # Every (row, response column), padding too: position P - 1 + col of row `row` predicts column `col`.
         rows, cols = torch.arange(b).repeat_interleave(r), torch.arange(r).repeat(b)
@@ -121,15 +121,22 @@ def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None
     rows, cols = mask[:, p:].nonzero(as_tuple=True)  # valid response tokens
     labels = mb["responses"][rows, cols]
     dest = rows * r + cols
+    # Always a valid token: column P - 1 is the prompt's last (left padding) and a valid response token follows only
+    # valid ones (right padding), so the packed index and the trimmed window below both hold it.
     source = cols + p - 1  # the position whose output predicts response token `cols`
     if padding_free:
+        # Where each (row, column) lands in the packed row (meaningful at valid positions only): boolean indexing
+        # (`input_ids[mask]`) keeps the same row-major order as this running count.
         packed_pos = mask.flatten().long().cumsum(0) - 1
         select = packed_pos[rows * length + source]
+        # (1, T): each sample's positions restart at 0, where the attention cuts the row
         position_ids = pos[mask][None]
         if mrope is not None:
             position_ids = torch.cat([position_ids, mrope[:, mask]])[:, None]  # (4, 1, T)
             media["mm_token_type_ids"] = media["mm_token_type_ids"][mask][None]
         return ModelInputs(input_ids[mask][None], position_ids, None, select, labels, dest, (b, r), media)
+    # The columns that are padding in every row sit at the two ends (left-padded prompts, right-padded responses), so
+    # one [left, right) window drops them all.
     used = mask.any(dim=0).nonzero()
     left, right = int(used.min()), int(used.max()) + 1
     width = right - left
@@ -150,8 +157,11 @@ def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.
             raise ValueError("the micro-batch carries images or videos: lay it out with its vision-language model")
         return {}, None
     media: dict[str, torch.Tensor] = multimodal_forward_kwargs(mb, model)
+    # None when the micro-batch has no media (`multimodal_forward_kwargs` returns {})
     mrope = media.pop("position_ids", None)
     if mrope is None:
+        # Text-only micro-batch: a text token's M-RoPE position is its 1D position on all three axes, and every token
+        # is text (type 0); set so the layouts below treat every VL micro-batch alike.
         mrope = mb["position_ids"].unsqueeze(0).expand(3, -1, -1)
         media["mm_token_type_ids"] = torch.zeros_like(mb["input_ids"], dtype=torch.int)
     return media, mrope
@@ -161,11 +171,11 @@ def _chunk_stats(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, ...]:
     """fp32 logits / temperature of one chunk, their softmax, log-prob of `labels` and entropy."""
-    z = scale_logits(h @ w.T, temperature)
+    z = scale_logits(h @ w.T, temperature)  # (chunk, V): the matmul in the model's dtype, then fp32 / T
     lse = torch.logsumexp(z, dim=-1)
     probs = torch.exp(z - lse[:, None])
     logp = z.gather(1, labels[:, None]).squeeze(1) - lse
-    entropy = lse - (probs * z).sum(dim=-1)
+    entropy = lse - (probs * z).sum(dim=-1)  # H = -sum p log p, with log p = z - lse
     return z, probs, logp, entropy
 
 
@@ -185,8 +195,10 @@ class FusedLinearLogProbs(torch.autograd.Function):
             _, _, logp, ent = _chunk_stats(h, weight, lab, temperature)
             logps.append(logp)
             ents.append(ent)
+        # Only the inputs are kept, never a (chunk, V) block: the backward recomputes each chunk's logits.
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.chunk = temperature, chunk
+        # No selected token (a micro-batch of empty responses): torch.cat refuses an empty list.
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
 
@@ -194,7 +206,9 @@ class FusedLinearLogProbs(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         hidden, weight, labels = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
+        # Left uninitialized: each chunk writes its own rows below.
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # Summed over the chunks in fp32: a bf16 running sum would round at every chunk.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
@@ -203,20 +217,22 @@ class FusedLinearLogProbs(torch.autograd.Function):
             grad_z = torch.zeros_like(z)
             if grad_logp is not None:
                 gl = grad_logp[sl].float()
+                # d logp / dz = onehot(label) - p, times the incoming gradient
                 grad_z -= probs * gl[:, None]
                 grad_z.scatter_add_(1, lab[:, None], gl[:, None])
             if grad_ent is not None:
+                # dH / dz = -p (z - E_p[z])
                 mean_z = (probs * z).sum(dim=-1, keepdim=True)
                 grad_z -= probs * (z - mean_z) * grad_ent[sl].float()[:, None]
             if temperature != 1.0:
-                grad_z = grad_z / temperature
-            grad_z = grad_z.to(weight.dtype)
+                grad_z = grad_z / temperature  # chain rule through z = logits / T
+            grad_z = grad_z.to(weight.dtype)  # both matmuls below run in the model's dtype, as the forward's
             if grad_hidden is not None:
                 grad_hidden[sl] = grad_z @ weight
             if grad_weight is not None:
-                grad_weight += (grad_z.T @ h).float()
+                grad_weight += (grad_z.T @ h).float()  # (V, H)
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_w, None, None, None
+        return grad_hidden, grad_w, None, None, None  # labels, temperature and chunk take no gradient
 
 
 def fused_linear_logprobs(
@@ -237,6 +253,7 @@ def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chun
     head: Any = self.lm_head  # type: ignore[attr-defined]
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("the fused head supports a bias-free lm_head only")
+    # The backbone alone (`self.model`): the root's own forward would compute the full logits this head avoids.
     out = backbone(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
@@ -245,6 +262,7 @@ def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chun
         **inputs.media,
     )
     hidden = out.last_hidden_state
+    # (N, H): `select` indexes the flattened (rows * width) positions
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)
     return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size)
 

@@ -112,14 +112,18 @@ def ulysses_attention_forward(
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise RuntimeError(f"ulysses_size={sp.size} must divide the attention heads ({heads})")
+    # lcm: the fewest copies per key/value head that split evenly over the ranks. repeat_interleave keeps each copy
+    # next to its original, so every rank's slice of key/value heads still lines up with its slice of query heads.
     repeat = math.lcm(kv_heads, sp.size) // kv_heads
     if repeat > 1:  # GQA with fewer KV heads than ranks: each rank needs the KV head its query heads share
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     # sequence-split, all heads -> whole sequence, heads / size (dims: 1 = heads, 2 = tokens)
+    # The tokens arrive in rank order, which is row order: rank i holds the i-th slice of the row.
     q, k, v = (all_to_all(t, 1, 2, sp) for t in (query, key, value))
     kwargs["position_ids"] = state.position_ids  # the whole row's: where the packed attention cuts the sequences
     inner = ALL_ATTENTION_FUNCTIONS[state.inner]
     out, _ = inner(module, q, k, v, attention_mask, **kwargs)  # (1, T, H / size, D)
+    # The output has tokens on dim 1, heads on dim 2: the reverse exchange returns the tokens and gathers the heads.
     return all_to_all(out, 1, 2, sp), None
 
 
@@ -146,7 +150,7 @@ def enable_sequence_parallel(size: int, inner: str | None) -> SequenceParallel:
 def local_selection(select: torch.Tensor, local_len: int, sp: SPGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Of the row positions `select` (N,), those held by this rank: (their index among the local tokens, their index
     in `select`)."""
-    start = sp.rank * local_len
+    start = sp.rank * local_len  # rank i holds the row's tokens [i * local_len, (i + 1) * local_len)
     mine = ((select >= start) & (select < start + local_len)).nonzero().squeeze(1)
     return select.index_select(0, mine) - start, mine
 
@@ -156,6 +160,8 @@ def gather_selected(
 ) -> torch.Tensor:
     """This rank's per-token `values` (n,) at local positions `local_pos` -> the group's values at every row
     position of `select` (N,), on every rank (differentiable)."""
+    # This rank's slice of the padded row (zeros where nothing is selected). Gathered, it is the whole padded row,
+    # which `select` indexes like the unpadded one: the padding is appended at the end.
     row = values.new_zeros(local_len).index_copy(0, local_pos, values)
     return gather_sequence(row, 0, sp).index_select(0, select)
 
@@ -165,9 +171,11 @@ def _shard(inputs: ModelInputs, sp: SPGroup) -> tuple[ModelInputs, int, torch.Te
     VL model's whole row, cut after its embeddings), `select` the local positions it holds, and their labels; with
     the local length and the whole padded row's 1-D positions."""
     if inputs.media:  # VL: the language model takes its slice after the embeddings (`split_forward`)
+        # Only the (4, 1, T) positions are cut here (sequence dim 2), for the local length and the whole padded row;
+        # the ids and the media stay whole.
         full = shard_sequence(sp, {"position_ids": (inputs.position_ids, 2)})[1]["position_ids"]
         local_len = full.shape[2] // sp.size
-        ids, positions, full_row = inputs.input_ids, inputs.position_ids, full[0]
+        ids, positions, full_row = inputs.input_ids, inputs.position_ids, full[0]  # full[0]: the 1D text positions
     else:
         local, whole = shard_sequence(
             sp, {"input_ids": (inputs.input_ids, 1), "position_ids": (inputs.position_ids, 1)}
@@ -186,8 +194,10 @@ def split_forward(
     """`head` on the packed row `inputs` split over the group: shard the row, run the head on this rank's tokens
     (attention over the whole row), gather the selected results: (N,) each, on every rank, as without the split."""
     local, local_len, pos, full_row = _shard(inputs, sp.group)
-    sp.position_ids = full_row
+    sp.position_ids = full_row  # read by every attention layer of this pass (and its recompute)
     if inputs.media:
+        # VL: the whole row goes in (the vision tower needs every image); the language model gets this rank's slice of
+        # the embeddings.
         with split_after_embeddings(model, lambda seq: shard_sequence(sp.group, seq)[0]):
             out, ent = head(local)
     else:

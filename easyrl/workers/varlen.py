@@ -48,6 +48,8 @@ __all__ = [
 VARLEN_ATTENTION = "easyrl_varlen"
 """The ``attn_implementation`` name models are loaded with for packed training."""
 
+# One entry, keyed by identity (`is`): every attention layer of a pass is handed the same position_ids object. The
+# entry keeps that tensor alive, so no later tensor can be mistaken for it.
 _cache: dict[str, Any] = {}
 
 
@@ -59,12 +61,12 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     if _cache.get("key") is position_ids:
         return _cache["cu"], _cache["max"]
     flat = position_ids.reshape(-1)
-    starts = torch.nonzero(flat == 0).reshape(-1)
+    starts = torch.nonzero(flat == 0).reshape(-1)  # each sequence starts at position 0
     if starts.numel() == 0 or int(starts[0]) != 0:
         raise ValueError("a packed row must start a sequence at position 0")
-    total = torch.tensor([flat.numel()], device=flat.device)
-    cu = torch.cat([starts, total]).to(torch.int32)
-    max_len = int(cu.diff().max())
+    total = torch.tensor([flat.numel()], device=flat.device)  # the row's end closes the last sequence
+    cu = torch.cat([starts, total]).to(torch.int32)  # int32 offsets, as the flash varlen kernels take them
+    max_len = int(cu.diff().max())  # a host sync: once per pass, thanks to the cache
     _cache.update(key=position_ids, cu=cu, max=max_len)
     return cu, max_len
 
@@ -76,7 +78,7 @@ def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     for start, end in itertools.pairwise(cu.tolist()):
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, s, D)
         parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
-    return torch.cat(parts, dim=1).transpose(0, 1)
+    return torch.cat(parts, dim=1).transpose(0, 1)  # (H, T, D) -> (T, H, D)
 
 
 GqaMode = Literal["flag", "native", "repeat"]
@@ -108,9 +110,11 @@ def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, query_heads: int) -> tuple
 
 def _varlen_call_kwargs(params: frozenset[str], scale: float, head_dim: int) -> dict[str, Any]:
     """Causal masking and the scale, spelled the way the installed `varlen_attn` takes them."""
+    # Releases without `is_causal` spell causal as the window (-1, 0): unbounded to the left, nothing to the right.
     kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if "scale" in params:
         kwargs["scale"] = scale
+    # Without a `scale` argument the kernel uses 1/sqrt(D): only a model that wants exactly that can run.
     elif abs(scale - head_dim**-0.5) > 1e-12:
         raise ValueError(f"this torch's varlen_attn has no scale argument and the model needs {scale}")
     return kwargs
@@ -124,22 +128,24 @@ def _probe_unflagged_gqa() -> bool:
 
     params = _varlen_params()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # Two sequences (5 + 7 tokens), 4 query and 2 key/value heads, in bf16 (flash kernels take half precision only).
     q, k, v = (
         torch.randn(12, h, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for h in (4, 2, 2)
     )
     cu = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
     kwargs = _varlen_call_kwargs(params, 64**-0.5, 64)
     try:
-        out = varlen_attn(q, k, v, cu, cu, 7, 7, **kwargs)
+        out = varlen_attn(q, k, v, cu, cu, 7, 7, **kwargs)  # max_q = max_k = 7, the longer sequence
         out = out[0] if isinstance(out, tuple) else out
         out.float().sum().backward()
     except (RuntimeError, ValueError) as err:  # the wrapper or kernel refuses fewer heads: repeat them
         logger.info("varlen_attn takes no fewer key/value heads unflagged (%s): repeating them", err)
         return False
+    # The reference: the same attention with the key/value heads repeated, which every release accepts.
     kr, vr = repeat_kv_heads(k.detach(), v.detach(), 4)
     ref = varlen_attn(q.detach(), kr, vr, cu, cu, 7, 7, **kwargs)
     ref = ref[0] if isinstance(ref, tuple) else ref
-    grads_ok = k.grad is not None and k.grad.shape == k.shape
+    grads_ok = k.grad is not None and k.grad.shape == k.shape  # the backward summed back to 2 heads
     return grads_ok and torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -175,14 +181,14 @@ def _torch_varlen(
     params = _varlen_params()
     kwargs = _varlen_call_kwargs(params, scale, q.shape[-1])
     if q.shape[1] != k.shape[1]:
-        mode = gqa_support()
+        mode = gqa_support()  # "native" needs nothing: the fewer heads go in as they are
         if mode == "flag":
             kwargs["enable_gqa"] = True
         elif mode == "repeat":
             k, v = repeat_kv_heads(k, v, q.shape[1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (T, H, D) views of (H, T, D) tensors
     out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    return out[0] if isinstance(out, tuple) else out  # the output alone, should a release return (output, lse)
 
 
 def varlen_attention_forward(
@@ -207,18 +213,19 @@ def varlen_attention_forward(
     if sliding_window is not None or dropout:
         raise RuntimeError(f"{VARLEN_ATTENTION} attention does not do sliding windows or attention dropout")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    cu, max_len = cu_seqlens(position_ids)
+    cu, max_len = cu_seqlens(position_ids)  # computed by the pass's first layer, cached for the rest
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if q.is_cuda:
         out = _torch_varlen(q, k, v, cu, max_len, scale)
     else:
         out = _segment_sdpa(q, k, v, cu, scale)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0), None  # (1, T, Hq, D): the layout transformers' attention functions return
 
 
 def register_varlen_attention() -> str:
     """Make ``attn_implementation="easyrl_varlen"`` loadable in this process (idempotent); returns the name."""
     from transformers import AttentionInterface
 
+    # a global registry: any model loaded afterwards can name it
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     return VARLEN_ATTENTION
