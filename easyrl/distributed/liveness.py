@@ -61,6 +61,7 @@ DEATH_GRACE_S = 1.0
 """How long a method error waits for a worker death that would explain it."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Weak: a group dropped without shutdown() stops being watched rather than being kept alive here.
 _registry: weakref.WeakSet[WatchedGroup] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 
@@ -106,7 +107,7 @@ def to_group_error(role: str, rank: int, error: BaseException) -> WorkerDiedErro
     import ray
 
     if isinstance(error, ray.exceptions.RayActorError):
-        if getattr(error, "_actor_init_failed", False):
+        if getattr(error, "_actor_init_failed", False):  # __init__ raised: a traceback to show, not a death
             return WorkerError(role, rank, summarize_remote_error(error))
         return WorkerDiedError(role, rank, _death_cause(error))
     return WorkerError(role, rank, summarize_remote_error(error))
@@ -117,7 +118,7 @@ def _get_ready(ref: Any) -> tuple[bool, Any]:
     import ray
 
     try:
-        return True, ray.get(ref, timeout=0)
+        return True, ray.get(ref, timeout=0)  # already ready: never blocks
     except Exception as exc:  # any remote failure is reported as a group error
         return False, exc
 
@@ -144,6 +145,7 @@ def _ping_error(role: str, rank: int, error: BaseException) -> WorkerDiedError |
     """The group error for a failed ping (any ping failure means the actor is gone)."""
     if _is_death(error):
         return to_group_error(role, rank, error)
+    # `__ray_ready__` cannot raise: any failure of a ping means the actor is gone.
     return WorkerDiedError(role, rank, summarize_remote_error(error))
 
 
@@ -180,7 +182,7 @@ def _explain_by_death(error: WorkerError, pending: dict[Any, int], role: str, gr
     import ray
 
     deadline = time.monotonic() + grace_s
-    pending = dict(pending)
+    pending = dict(pending)  # a copy: the caller's map stays as it was
     while True:
         groups = live_groups()
         _raise_recorded_deaths(groups)
@@ -189,12 +191,13 @@ def _explain_by_death(error: WorkerError, pending: dict[Any, int], role: str, gr
         remaining = deadline - time.monotonic()
         if not refs or remaining <= 0:
             return
+        # At most a tick per wait, so the pings due are re-sent.
         ready, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, PING_INTERVAL_S))
         for ref in ready:
             if ref in pending:
                 rank = pending.pop(ref)
                 ok, value = _get_ready(ref)
-                if not ok and _is_death(value):
+                if not ok and _is_death(value):  # another rank's plain error changes nothing: the first stands
                     raise to_group_error(role, rank, value) from error
             else:
                 group, rank = pings[ref]
@@ -243,12 +246,14 @@ def wait_for_results(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerTimeoutError(role, method, timeout_s)
-            tick = min(tick, remaining)
+            tick = min(tick, remaining)  # never sleep past the deadline
+        # Wake on the first result or ping, or after a tick to re-send pings and check the deadline.
         ready, _ = ray.wait(list(pending) + list(pings), num_returns=1, timeout=tick)
         if ready:  # collect whatever else is ready too, in one go
             more, _ = ray.wait(list(pending) + list(pings), num_returns=len(pending) + len(pings), timeout=0)
-            ready = list(dict.fromkeys([*ready, *more]))
+            ready = list(dict.fromkeys([*ready, *more]))  # deduplicated, in order
         for ref in ready:
+            # A ping: raises if its actor died, else it is re-sent on a later tick.
             if ref in pings:
                 group, rank = pings[ref]
                 _handle_ping(group, rank, ref)
@@ -259,6 +264,8 @@ def wait_for_results(
                 results[rank] = value
                 continue
             error = to_group_error(role, rank, value)
+            # A method error may be a symptom: a rank blocked in a collective fails because a peer died. Report the
+            # death instead if one shows up within the grace.
             if isinstance(error, WorkerError) and death_grace_s > 0:
                 _explain_by_death(error, pending, role, death_grace_s)
             raise error from value

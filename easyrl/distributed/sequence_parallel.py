@@ -55,15 +55,18 @@ def init_sequence_parallel(size: int) -> SPGroup:
     if size < 1 or world % size:
         raise ValueError(f"ulysses_size={size} must divide the number of workers ({world})")
     mine = None
+    # Every rank creates every group, in the same order: `new_group` is a collective over all ranks, even for the
+    # groups a rank is not in.
     for start in range(0, world, size):
         ranks = list(range(start, start + size))
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = group
-    return SPGroup(mine, size, rank % size)
+    return SPGroup(mine, size, rank % size)  # rank r is index r % size of group r // size
 
 
 def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, sp: SPGroup) -> torch.Tensor:
+    # all_to_all takes contiguous tensors; chunks along an inner dim are strided views
     chunks = [c.contiguous() for c in x.chunk(sp.size, dim=scatter_dim)]
     received = [torch.empty_like(c) for c in chunks]
     dist.all_to_all(received, chunks, group=sp.group)
@@ -79,6 +82,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         scatter_dim, gather_dim = ctx.dims
+        # The adjoint of an all-to-all is the all-to-all with the two dims swapped.
         return _exchange(grad, gather_dim, scatter_dim, ctx.sp), None, None, None
 
 
@@ -111,7 +115,7 @@ def gather_sequence(x: torch.Tensor, dim: int, sp: SPGroup) -> torch.Tensor:
 
 def padded_length(length: int, size: int) -> int:
     """`length` rounded up to a multiple of `size`."""
-    return -(-length // size) * size
+    return -(-length // size) * size  # ceil division
 
 
 def _pad(x: torch.Tensor, dim: int, pad: int, positions: bool) -> torch.Tensor:
@@ -121,10 +125,11 @@ def _pad(x: torch.Tensor, dim: int, pad: int, positions: bool) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     if positions:
+        # Positions 0, 1, ...: the packed attention starts a sequence at each 0, so the padding attends only to itself.
         fill = torch.arange(pad, device=x.device, dtype=x.dtype)
         view = [1] * x.dim()
         view[dim] = pad
-        tail = fill.view(view).expand(shape)
+        tail = fill.view(view).expand(shape)  # broadcast over the other dims (the rows of M-RoPE positions)
     else:
         tail = x.new_zeros(shape)
     return torch.cat([x, tail], dim=dim)
@@ -148,5 +153,5 @@ def shard_sequence(
     total = padded_length(length, sp.size)
     local_len = total // sp.size
     full = {k: _pad(t, d, total - length, k in position_keys) for k, (t, d) in seq_dims.items()}
-    local = {k: full[k].narrow(seq_dims[k][1], sp.rank * local_len, local_len) for k in full}
+    local = {k: full[k].narrow(seq_dims[k][1], sp.rank * local_len, local_len) for k in full}  # views, no copy
     return local, full

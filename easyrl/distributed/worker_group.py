@@ -44,7 +44,7 @@ _ports_lock = threading.Lock()
 def _bind_free_port() -> int:
     """A TCP port free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("", 0))  # port 0: the OS picks a free one
         return int(sock.getsockname()[1])
 
 
@@ -53,6 +53,7 @@ def pick_free_port() -> int:
     with _ports_lock:
         for _ in range(100):
             port = _bind_free_port()
+            # The socket closes on return: the OS may offer the port again before torch binds it. Never hand it twice.
             if port not in _used_ports:
                 _used_ports.add(port)
                 return port
@@ -66,7 +67,7 @@ def _free_port_on(node_id: str) -> int:
 
     if not node_id or node_id == ray.get_runtime_context().get_node_id():
         return pick_free_port()
-    task = ray.remote(num_cpus=0)(_bind_free_port)
+    task = ray.remote(num_cpus=0)(_bind_free_port)  # zero CPUs: it runs even when the node's CPUs are all reserved
     strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return int(ray.get(task.options(scheduling_strategy=strategy).remote(), timeout=120))
 
@@ -93,6 +94,7 @@ class GroupCall:
 
         if self._done:
             return True
+        # timeout=0: a poll, never blocks
         ready, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
         return len(ready) == len(self._refs)
 
@@ -114,7 +116,7 @@ class GroupCall:
             except WorkerError as exc:
                 self._error = self._stop_ranks_left_behind(exc)
                 self._done = True
-                raise self._error from exc.__cause__
+                raise self._error from exc.__cause__  # Ray's error stays the cause
             except Exception as exc:  # a KeyboardInterrupt leaves the call waitable again
                 self._error = exc
                 self._done = True
@@ -161,8 +163,10 @@ class GroupCall:
         if self.spec.dispatch is Dispatch.ALL_MERGED:
             return merge_metrics(results)
         if self.spec.dispatch is Dispatch.DP_SPLIT:
+            # a group's ranks return the same rows: keep the first
             return collect_dp_results(results[:: self.group.ranks_per_dp])
         if self.spec.dispatch is Dispatch.ENGINE_SPLIT:
+            # an engine's ranks return the same rows
             return collect_dp_results(results[:: self.group.ranks_per_engine])
         return results
 
@@ -233,6 +237,7 @@ class WorkerGroup:
         self._failures: dict[int, BaseException] = {}
 
         self.master_addr = pool.rendezvous_host()
+        # free on rank 0's node, where the rendezvous store listens
         self.master_port = _free_port_on(pool.bundle_node_ids[0])
         local_ranks = pool.local_ranks()
         remote_cls: Any = ray.remote(worker_cls)
@@ -255,15 +260,15 @@ class WorkerGroup:
                 num_gpus=num_gpus_per_worker,
                 scheduling_strategy=strategy,
                 runtime_env={"env_vars": worker_env},
-                max_restarts=0,
+                max_restarts=0,  # a restarted rank would have lost its process group and model: fail loudly
             ).remote(*init_args, **init_kwargs)
             self._actors.append(actor)
         liveness.register_group(self)
         try:
-            ready = [actor.__ray_ready__.remote() for actor in self._actors]
+            ready = [actor.__ray_ready__.remote() for actor in self._actors]  # resolves once __init__ has run
             deadline = None if init_timeout_s is None else time.monotonic() + init_timeout_s
             liveness.wait_for_results(ready, role, "__init__", timeout_s=init_timeout_s, deadline=deadline)
-        except BaseException:
+        except BaseException:  # Ctrl-C during startup too: never leave actors behind
             self.shutdown()
             raise
         logger.info(
@@ -347,6 +352,7 @@ class WorkerGroup:
             for rank, actor in enumerate(self._actors):
                 if rank in self._failures:
                     continue
+                # At most one ping in flight per rank, and no sooner than a tick after the last one was sent.
                 if self._pings[rank] is None and now - self._ping_sent[rank] >= liveness.PING_INTERVAL_S:
                     self._pings[rank] = actor.__ray_ready__.remote()
                     self._ping_sent[rank] = now
@@ -358,9 +364,9 @@ class WorkerGroup:
     def _ping_done(self, rank: int, ref: Any, error: BaseException | None) -> None:
         """Record a finished ping of ``rank``; ``error`` when it failed (the actor is gone)."""
         with self._lock:
-            if self._pings[rank] is ref:
+            if self._pings[rank] is ref:  # not a ping that shutdown() already dropped
                 self._pings[rank] = None
-            if error is not None and not self._closed:
+            if error is not None and not self._closed:  # after shutdown, failures are our own kills
                 self._failures.setdefault(rank, error)
 
     def _first_failure(self) -> tuple[int, BaseException] | None:
@@ -379,7 +385,7 @@ class WorkerGroup:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # under the lock: concurrent shutdowns kill once
         liveness.unregister_group(self)
         for actor in self._actors:
             try:
@@ -400,4 +406,5 @@ def _is_large(value: Any) -> bool:
     """Whether an argument is worth one ``ray.put`` shared by every rank (tensors, arrays, batches)."""
     if isinstance(value, (int, float, str, bool, type(None))):
         return False
+    # arrays (nbytes), batches (chunk), tensors (element_size)
     return hasattr(value, "nbytes") or hasattr(value, "chunk") or hasattr(value, "element_size")

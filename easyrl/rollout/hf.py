@@ -46,6 +46,7 @@ class RowGumbelNoise(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # torch.rand is in [0, 1): -log(-log(0)) is -inf (never picked) and u < 1 keeps the noise finite.
+        # (B, V): one draw per row per step, from that row's generator alone
         uniform = torch.stack(
             [torch.rand(scores.shape[1], generator=g, device=scores.device) for g in self.generators]
         )
@@ -83,6 +84,8 @@ class HFRolloutEngine(RolloutEngine):
         self.model.requires_grad_(False)
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
+        # Every name, aliases included: a tied head's name maps to the embedding tensor itself, so weights sent under
+        # either name land in the one tensor.
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     @torch.no_grad()
@@ -90,6 +93,7 @@ class HFRolloutEngine(RolloutEngine):
         input_ids = prompts["input_ids"].to(self.device)
         attention_mask = prompts["attention_mask"].to(self.device)
         media = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
+        # Sample j of prompt p is row p * n + j, as in the vLLM engine and the seeds below.
         if params.n > 1:
             input_ids = input_ids.repeat_interleave(params.n, dim=0)
             attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
@@ -108,19 +112,21 @@ class HFRolloutEngine(RolloutEngine):
         )
         extra: dict[str, Any] = {}
         if not greedy:
+            # Sample j gets the prompt's seed + j, as vLLM seeds the j-th sample of a request.
             seeds = [s + j for s in seeds_of_prompts(prompts, params, unseeded=0) for j in range(params.n)]
             extra["logits_processor"] = row_sampler(params, seeds, self.device)
         out: Any = generate_with_media(
             self.model, input_ids, attention_mask, media, generation_config=gen_cfg, **extra
         )
         prompt_len = input_ids.shape[1]
-        responses = out.sequences[:, prompt_len:]
+        responses = out.sequences[:, prompt_len:]  # generate returns the prompt and the new tokens
         if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width
             pad = torch.full((responses.shape[0], params.max_tokens - responses.shape[1]), self.pad_token_id)
             responses = torch.cat([responses, pad.to(responses)], dim=1)
         log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         if params.logprobs:
-            temperature = 1.0 if greedy else params.temperature
+            temperature = 1.0 if greedy else params.temperature  # greedy (0) has no distribution: score at T = 1
+            # One (B, V) tensor per generated step, as the model produced it: before the warpers and the Gumbel noise.
             for t, step_logits in enumerate(out.logits):
                 lp = torch.log_softmax(step_logits.float() / temperature, dim=-1)
                 log_probs[:, t] = lp.gather(-1, responses[:, t : t + 1]).squeeze(-1)
@@ -136,6 +142,7 @@ class HFRolloutEngine(RolloutEngine):
             target = self._params.get(name)
             if target is None:
                 raise KeyError(f"rollout model has no parameter {name!r}")
+            # in place: the tensors (tied ones included) stay the same objects
             target.copy_(tensor.to(target.device, target.dtype))
             loaded += 1
         logger.debug("loaded %d tensors into the HF rollout engine", loaded)

