@@ -62,11 +62,13 @@ def _group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor,
         ``(count, mean, std)``, each (B,). Groups of one get mean 0 and std 1 (no peer to compare against).
     """
     n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
+    # Per-group sums by scatter-add over the dense ids: (G,) counts, totals and squared deviations.
     count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
     total = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
     mean = total / count
     sq_dev = (scores - mean[gid]) ** 2
     sq_total = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, sq_dev)
+    # unbiased (n - 1); the clamp only guards groups of one, whose std is replaced below
     std = torch.sqrt(sq_total / (count - 1).clamp(min=1.0))
     single = count < 2
     mean = torch.where(single, torch.zeros_like(mean), mean)
@@ -86,7 +88,7 @@ def _reverse_discounted_sum(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
         (B, T) reward-to-go.
     """
     mask_f = mask.to(rewards.dtype)
-    running = torch.zeros_like(rewards[:, 0])
+    running = torch.zeros_like(rewards[:, 0])  # (B,): the return after the last token is 0
     out = torch.zeros_like(rewards)
     for t in reversed(range(rewards.shape[1])):
         m = mask_f[:, t]
@@ -127,6 +129,7 @@ def compute_grpo_advantage(
     adv = scores - mean
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
+    # (B, 1) * (B, T): the sequence's advantage on each valid token
     adv_tok = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
     return adv_tok, adv_tok
 
@@ -269,6 +272,7 @@ def compute_remax_advantage(
     if reward_baselines is None:
         raise ValueError("remax needs reward_baselines (B,): the scores of greedy samples")
     returns = _reverse_discounted_sum(token_level_rewards, response_mask, 1.0)
+    # (B, 1), broadcast over the tokens
     baselines = reward_baselines.to(device=returns.device, dtype=returns.dtype).reshape(-1, 1)
     adv = (returns - baselines) * response_mask.to(returns.dtype)
     return adv, returns
@@ -306,6 +310,7 @@ def compute_gae_advantage(
         raise ValueError("gae needs values (B, T) from the critic")
     mask_f = response_mask.to(token_level_rewards.dtype)
     values = values.to(token_level_rewards.dtype)
+    # V past the last valid token is 0: no bootstrap after the response ends
     next_value = torch.zeros_like(token_level_rewards[:, 0])
     last_adv = torch.zeros_like(next_value)
     adv = torch.zeros_like(token_level_rewards)
@@ -317,7 +322,7 @@ def compute_gae_advantage(
         last_adv = m * cand + (1.0 - m) * last_adv
         next_value = m * values[:, t] + (1.0 - m) * next_value
         adv[:, t] = cand * m
-    returns = (adv + values) * mask_f
+    returns = (adv + values) * mask_f  # the critic's target, from the unwhitened advantages
     return masked_whiten(adv, response_mask), returns
 
 
@@ -358,7 +363,7 @@ def compute_grpo_passk_advantage(
         if members.numel() < 2:
             continue
         local = scores[members]
-        top = torch.topk(local, k=2).values
+        top = torch.topk(local, k=2).values  # (best, runner-up); equal on a tie, giving 0
         # topk's order among equal values is unspecified, so pick the first index holding the maximum ourselves.
         best = members[(local == top[0]).nonzero(as_tuple=True)[0][0]]
         value = top[0] - top[1]

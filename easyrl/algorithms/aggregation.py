@@ -31,6 +31,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     total = _masked(values, mask).sum()
     count = mask.to(values.dtype).sum()
+    # where() computes both branches: the clamp keeps the unused one from being 0 / 0.
     return torch.where(count > 0, total / count.clamp(min=1e-8), torch.zeros_like(total))
 
 
@@ -95,9 +96,10 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         total = masked.sum()
         count = mask_f.sum()
+        # where() evaluates both branches: the clamp keeps the unused one finite, so no NaN enters the backward.
         return torch.where(count > 0, total / count.clamp(min=1e-8), zero)
 
-    if loss_mat.dim() == 0 or loss_mat.shape[0] == 0:
+    if loss_mat.dim() == 0 or loss_mat.shape[0] == 0:  # no rows: .mean() over nothing would be NaN
         return zero
     seq_sums = masked.sum(dim=-1)  # (B,)
     if loss_agg_mode == "seq-mean-token-sum":

@@ -101,7 +101,7 @@ def _clipped_surrogate(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
+    clipped = loss_clipped > loss_unclipped  # strictly: where the branches tie the token counts as unclipped
     if clip_ratio_dual is None:
         return loss_mat, clipped, torch.zeros_like(clipped)
     # With A < 0 and a huge ratio the max() above grows without bound; the dual clip caps it at -A * c.
@@ -168,7 +168,9 @@ def _gspo_log_ratio(
     # where(), not a product: a -inf log-prob on a padding token would turn 0 * inf into nan.
     seq_log_ratio = torch.where(mask_f != 0, log_ratio_tok, torch.zeros_like(log_ratio_tok)).sum(dim=-1) / n_valid
     if token_level:
+        # Value: the sequence log-ratio; gradient: 1 w.r.t. the token's own log-prob, 0 w.r.t. the others.
         return seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+    # (B, T) view: each token's loss reaches the whole sequence's mean
     return seq_log_ratio.unsqueeze(-1).expand_as(log_prob)
 
 
@@ -282,7 +284,8 @@ def compute_cispo_loss(
         log_ratio = (log_prob - old_log_prob).clamp(min=-_LOG_RATIO_LIMIT, max=_LOG_RATIO_LIMIT)
         ratio = torch.exp(log_ratio)
         weight = torch.clamp(ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
-        clipped = weight != ratio
+        clipped = weight != ratio  # the weight hit a bound
+    # The weight is a constant (no_grad above): the gradient is -weight * A * d log_prob, clipped tokens included.
     loss_mat = -weight * advantages * log_prob
     loss_mat = _apply_is_weights(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
@@ -342,5 +345,6 @@ def _clip_metrics(
     return {
         "pg_clipfrac": masked_mean(clipped.to(log_prob.dtype), response_mask),
         "pg_clipfrac_lower": masked_mean(dual.to(log_prob.dtype), response_mask),
+        # k1 estimate of KL(old || current), on samples from old
         "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask),
     }

@@ -30,6 +30,7 @@ def apply_kl_in_reward(batch: Batch, controller: KLController, kind: str) -> dic
     kl = kl_penalty(log_prob=batch["old_log_probs"], ref_log_prob=batch["ref_log_probs"], kl_penalty=kind) * mask
     beta = controller.value
     batch.set(token_level_rewards=batch["token_level_scores"] - beta * kl)
+    # The controller's KL as verl measures it: each sequence's token mean, averaged over the sequences with a token.
     current = float(agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode="seq-mean-token-mean"))
     controller.update(current_kl=current, n_steps=len(batch))
     return {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
@@ -78,7 +79,7 @@ def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[s
     """The reward metrics of several scored batches (each ``(metrics, number of samples)``) as if scored at once:
     counters summed, means weighted by sample count. Online filtering reports every sample generated this step."""
     pooled: dict[str, float] = {}
-    for key in dict.fromkeys(k for metrics, _ in parts for k in metrics):
+    for key in dict.fromkeys(k for metrics, _ in parts for k in metrics):  # every key of any part, first-seen order
         if key in REWARD_COUNTERS:
             pooled[key] = sum(metrics.get(key, 0.0) for metrics, _ in parts)
         else:
@@ -144,7 +145,7 @@ def logprob_consistency(batch: Batch) -> dict[str, float]:
     mask = batch["loss_mask"].bool()
     sampled = batch.tensors.get("rollout_logprob_mask")
     if sampled is not None:
-        mask = mask & sampled.bool().unsqueeze(1)
+        mask = mask & sampled.bool().unsqueeze(1)  # (B,) -> (B, 1): the rows the engine gave log-probs for
     if not mask.any():
         return {}
     diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
@@ -183,7 +184,7 @@ def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int)
             f"{name}/mean": float(lengths.mean()),
             f"{name}/max": float(lengths.max()),
             f"{name}/min": float(lengths.min()),
-            f"{name}/clip_ratio": float((lengths >= limit).float().mean()),
+            f"{name}/clip_ratio": float((lengths >= limit).float().mean()),  # the share that hit the length limit
         }
     if "entropys" in batch:
         out["actor/entropy_rollout"] = float(masked_mean(batch["entropys"], mask))
@@ -218,6 +219,7 @@ def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) 
         "perf/throughput": total_tokens / max(step, 1e-9) / n_workers,
     }
     for stage, seconds in timings.items():
+        # generation makes the response tokens; the other stages read whole sequences
         tokens = response_tokens if stage == "gen" else total_tokens
         out[f"timing_per_token_ms/{stage}"] = 1000.0 * seconds / max(tokens, 1.0)
     return out
@@ -242,4 +244,5 @@ def mini_batch_major_order(rows: int, mini_batch_rows: int, dp: int) -> list[int
         )
     share = mini_batch_rows // dp
     minis = rows // mini_batch_rows
+    # Outer loop over the data-parallel groups: group r's chunk lists its share of mini-batch 0, then of 1, ...
     return [k * mini_batch_rows + r * share + i for r in range(dp) for k in range(minis) for i in range(share)]
