@@ -100,6 +100,7 @@ def is_complete(folder: str, verify_checksums: bool = False) -> bool:
     root = os.path.abspath(folder)
     for rel, entry in manifest["files"].items():
         path = os.path.abspath(os.path.join(folder, rel))
+        # A manifest entry must name a file inside the folder: `../x` or an absolute path is refused.
         if not path.startswith(root + os.sep) or not isinstance(entry, dict):
             return False
         try:
@@ -267,9 +268,12 @@ class CheckpointManager:
         for entry in sorted(os.listdir(self.root)):
             path = os.path.join(self.root, entry)
             match = _HIDDEN_RE.match(entry)
+            # First restore: a replace that crashed between its two renames left the old checkpoint aside (.old_). The
+            # pass below deletes every hidden folder, so it must come second.
             if match and entry.startswith(OLD_PREFIX):
                 target = self.step_folder(int(match.group(1)))
-                if not is_complete(target) and is_complete(path):
+                if not is_complete(target) and is_complete(path):  # the new one never arrived, or is partial
+                    # A partial target goes to the trash (deleted below), freeing its name at once.
                     if os.path.exists(target):
                         fsio.rename(
                             target, os.path.join(self.root, f"{TRASH_PREFIX}{match.group(1)}_{secrets.token_hex(4)}")
@@ -310,6 +314,7 @@ class CheckpointManager:
         """
         if os.path.dirname(os.path.abspath(tmp)) != self.root or not os.path.isdir(tmp):
             raise CheckpointError(f"{tmp} is not a temporary folder of {self.root} (use begin())")
+        # Make every name in the folder durable (fsio fsynced each file as it wrote it), deepest folder first.
         for dirpath, _, _ in sorted(os.walk(tmp), key=lambda w: -w[0].count(os.sep)):
             fsio.fsync_dir(dirpath)
         rels = _list_files(tmp)
@@ -326,10 +331,13 @@ class CheckpointManager:
             "val_score": val_score,
             "time": time.time(),
         }
+        # The manifest goes last: its presence, with every listed size, is what makes a folder complete.
         fsio.write_json(os.path.join(tmp, MANIFEST), manifest)
         fsio.fsync_dir(tmp)
         final = self.step_folder(step)
         old = None
+        # Replacing a step: the old folder moves aside first, and `_recover` restores it if a crash comes before the
+        # new one is in place.
         if os.path.exists(final):
             old = os.path.join(self.root, f"{OLD_PREFIX}{step}_{secrets.token_hex(4)}")
             fsio.rename(final, old)
@@ -343,12 +351,14 @@ class CheckpointManager:
             scores[str(step)] = float(val_score)
             fsio.write_json_atomic(os.path.join(self.root, SCORES), scores)
         tracker = os.path.join(self.root, TRACKER)
+        # Written beside, then renamed over (os.replace is atomic): a reader sees the old step or the new one, never a
+        # partial file.
         tracker_tmp = f"{tracker}.tmp.{os.getpid()}"
         fsio.write_bytes(tracker_tmp, f"{step}\n".encode())
         fsio.replace(tracker_tmp, tracker)
         fsio.fsync_dir(self.root)
         logger.info("saved checkpoint %s", final)
-        self.prune()
+        self.prune()  # only now: the tracker names the new checkpoint, which prune always keeps
         return final
 
     # ------------------------------------------------------------------ pruning
@@ -372,7 +382,7 @@ class CheckpointManager:
         if not candidates:
             return None
         sign = 1.0 if self.higher_is_better else -1.0
-        return max(candidates, key=lambda s: (sign * scores[str(s)], s))
+        return max(candidates, key=lambda s: (sign * scores[str(s)], s))  # a tie goes to the newest step
 
     def prune(self) -> list[int]:
         """Delete complete checkpoints beyond the newest `save_limit` (the best-scoring one is kept); returns them."""
@@ -383,11 +393,14 @@ class CheckpointManager:
         best = self.best_step()
         if best is not None:
             keep.add(best)
+        # The tracker's step too: after a resume from an older checkpoint it need not be among the highest.
         latest = self.latest()
         if latest is not None:
             keep.add(int(_STEP_RE.match(os.path.basename(latest)).group(1)))  # type: ignore[union-attr]
         removed = [s for s in steps if s not in keep]
         for step in removed:
+            # Renamed to a hidden name first: a crash during the delete leaves trash for the next start, not a
+            # half-deleted global_step_<N>.
             trash = os.path.join(self.root, f"{TRASH_PREFIX}{step}_{secrets.token_hex(4)}")
             fsio.rename(self.step_folder(step), trash)
             fsio.fsync_dir(self.root)
@@ -405,6 +418,7 @@ class CheckpointManager:
         path = os.path.join(self.root, TRACKER)
         try:
             with open(path, "rb") as handle:
+                # a step number: never read a stray large file whole
                 return int(handle.read(64).decode("ascii").strip())
         except (OSError, ValueError, UnicodeDecodeError):
             return None
@@ -453,6 +467,7 @@ class CheckpointManager:
 
     def _newest_intact(self, verify: bool, fallback: bool) -> str | None:
         """The newest resumable checkpoint that passes verification (see `resolve_load` for a corrupt one)."""
+        # Every global_step_<N> folder, complete or not: an incomplete newest one is reported as corrupt, not skipped.
         steps = sorted((int(m.group(1)) for e in os.listdir(self.root) if (m := _STEP_RE.match(e))), reverse=True)
         corrupt: list[tuple[str, CheckpointError]] = []
         for step in steps:

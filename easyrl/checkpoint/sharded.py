@@ -89,6 +89,8 @@ def shard_info(t: torch.Tensor) -> dict[str, Any]:
         raise CheckpointError(f"cannot checkpoint a DTensor with placement {placement} (Shard or Replicate only)")
     dim = int(placement.dim)
     size, world, coord = t.shape[dim], mesh.size(), mesh.get_local_rank()
+    # torch.chunk's split, as FSDP2 shards: ceil(size / world) rows per rank, the last ranks short or empty (an empty
+    # shard's offset is clamped to `size`).
     chunk = -(-size // world)
     offset = min(coord * chunk, size)
     expected = max(0, min(chunk, size - offset))
@@ -113,10 +115,12 @@ def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[
     `trainable_only`: the parameters that require gradients and nothing else (a LoRA policy's adapters: its
     frozen base is reloaded from the model folder)."""
     if trainable_only:
+        # Adapters are never tied: no aliases.
         return {name: p for name, p in model.named_parameters() if p.requires_grad}, {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
+    # Every name of a tied parameter: the first is stored, the others are recorded as its aliases.
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             aliases[name] = seen[id(param)]
@@ -125,6 +129,7 @@ def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[
         tensors[name] = param
     for mod_name, module in model.named_modules():
         for buf_name, buf in module._buffers.items():
+            # Persistent buffers only, as state_dict keeps them (rotary frequencies are computed at model build).
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
             name = f"{mod_name}.{buf_name}" if mod_name else buf_name
@@ -136,6 +141,8 @@ def model_class_name(model: nn.Module) -> str:
     """The model's own class name (not the FSDP2 wrapper class `fully_shard` swaps in)."""
     from torch.distributed.fsdp import FSDPModule
 
+    # fully_shard swaps in a class `FSDP<Name>(FSDPModule, Name)`: the first class of the MRO outside FSDPModule is the
+    # model's own.
     for cls in type(model).__mro__:
         if not issubclass(cls, FSDPModule):
             return cls.__name__
@@ -212,13 +219,13 @@ def load_model(folder: str, model: nn.Module, rank: int, world: int, trainable_o
                 raise CheckpointError(
                     f"{path}: {name} has local shape {tuple(saved[name].shape)}, expected {tuple(local.shape)}"
                 )
-            local.copy_(saved[name])
+            local.copy_(saved[name])  # in place: `local` shares the DTensor's storage
 
 
 # --------------------------------------------------------------------------------------------- optimizer
 def save_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> None:
     """Write this rank's optimizer state: tensors (local shards) as safetensors, param groups and scalars as JSON."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}  # deduplicated, as `model_tensors` names them
     tensors: dict[str, torch.Tensor] = {}
     infos: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -230,6 +237,7 @@ def save_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
                 raise CheckpointError("the optimizer holds a parameter that is not a parameter of the model")
             name = names[id(param)]
             group_names.append(name)
+            # a parameter that never stepped has no state yet
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"{name}{SEP}{key}"] = local_tensor(value)
@@ -273,7 +281,7 @@ def load_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
     scalars = doc.get("scalars", {})
     state: dict[int, dict[str, Any]] = {}
     groups = []
-    index = 0
+    index = 0  # load_state_dict pairs state with parameters by position across the groups
     for group, saved_group in zip(optimizer.param_groups, doc["param_groups"]):
         current_names = [names[id(p)] for p in group["params"]]
         if saved_group.get("param_names") != current_names:
@@ -284,6 +292,8 @@ def load_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
             prefix = f"{name}{SEP}"
             for key in [k for k in saved if k.startswith(prefix)]:
                 value, info = saved[key], infos.get(key, {})
+                # Rebuild the DTensor from this rank's shard: `shape` and `stride` are given because from_local would
+                # otherwise assume an even split (run_check=False: no cross-rank check, a collective).
                 if info.get("dtensor") and _is_dtensor(param):
                     placement = Replicate() if info.get("shard_dim") is None else Shard(int(info["shard_dim"]))
                     shape = torch.Size(info["global_shape"])
@@ -306,8 +316,10 @@ def load_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
                 state[index] = entry
             ids.append(index)
             index += 1
+        # The saved hyperparameters (lr, betas...) win; `params` are the positions load_state_dict expects.
         groups.append({**_restore_types(saved_group.get("hyper", {}), group), "params": ids})
     try:
+        # casts state tensors to each parameter's dtype, `step` excepted
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"cannot load optimizer state from {path}: {exc}") from exc
@@ -353,12 +365,13 @@ class ShardedReader:
 
         pieces = self.infos[name]
         first = pieces[0][1]
-        if first["shard_dim"] is None:
+        if first["shard_dim"] is None:  # replicated: any rank's copy is the whole tensor
             with safe_open(self.files[pieces[0][0]], framework="pt") as handle:
                 return handle.get_tensor(name)
         dim = int(first["shard_dim"])
         out: torch.Tensor | None = None
         covered = 0
+        # In offset order each piece must start where the last one ended (empty shards, at offset = size, come last).
         for r, info in sorted(pieces, key=lambda p: p[1]["offset"]):
             if info["offset"] != covered or info["shard_dim"] != dim or info["global_shape"] != first["global_shape"]:
                 raise CheckpointError(f"{self.folder}: the shards of {name} do not tile it (rank {r}: {info})")
@@ -368,7 +381,7 @@ class ShardedReader:
             except Exception as exc:
                 raise CheckpointError(f"{self.files[r]} is not a valid safetensors file ({exc})") from exc
             if out is None:
-                out = torch.empty(first["global_shape"], dtype=piece.dtype)
+                out = torch.empty(first["global_shape"], dtype=piece.dtype)  # allocated once the saved dtype is known
             out.narrow(dim, covered, piece.shape[dim]).copy_(piece)
             covered += piece.shape[dim]
         if out is None or covered != first["global_shape"][dim]:

@@ -106,6 +106,7 @@ class RLDataset:
         self.rollout_media = rollout_media
         try:
             chat_template = load_chat_template(data_cfg.override_chat_template)
+            # The processor's template if it has one (a VL template renders image / video parts), else the tokenizer's.
             templater = processor if getattr(processor, "chat_template", None) else self.tokenizer
             self._renderer = PromptRenderer(templater, data_cfg.prompt_key, data_cfg.format_prompt, chat_template)
         except (OSError, ValueError) as exc:
@@ -146,7 +147,7 @@ class RLDataset:
         if self.cfg.on_bad_row == "error":
             raise DataError(f"{where}: {bad.reason}: {bad.detail}")
         drops[bad.reason] += 1
-        examples.setdefault(bad.reason, f"{where}: {bad.detail}")
+        examples.setdefault(bad.reason, f"{where}: {bad.detail}")  # the first row of each reason, for the summary
 
     def _prepare(self, source: str, row_index: int, row: dict[str, Any]) -> _Sample:
         """Validate one row and render its prompt; raise :class:`_BadRow` on the first problem."""
@@ -207,12 +208,14 @@ class RLDataset:
             encoded = self.tokenizer([s.raw_prompt for s in chunk], add_special_tokens=False)["input_ids"]
             for sample, ids in zip(chunk, encoded):
                 sample.prompt_ids = list(ids)
+                # With media the length counts the media tokens as the model sees them (`media_token_counts`).
                 length = sample.media.prompt_tokens if sample.media is not None else len(ids)
                 if length <= limit:
                     kept.append(sample)
                     continue
                 media = " (media included)" if sample.media is not None else ""
                 detail = f"prompt has {length} tokens{media} > data.max_prompt_length={limit}"
+                # raises instead with filter_overlong_prompts off
                 bad = self._overlong(sample.source, sample.row_index, detail)
                 self._reject(bad, sample.source, sample.row_index, drops, examples)
         return kept
@@ -273,11 +276,12 @@ class RLDataset:
                     self.cfg,
                     self._renderer.chat_template,
                 )
-                item["prompt_ids"] = encoded["input_ids"]
+                item["prompt_ids"] = encoded["input_ids"]  # media expanded: the pads the actor's patches fill
                 item["multi_modal_inputs"] = encoded["multi_modal_inputs"]
                 if self.rollout_media:
                     item["rollout_prompt"] = _rollout_prompt(self.tokenizer, encoded)
             if self.rollout_media:
+                # text rows too: collate keeps a column only when all items have it
                 item.setdefault("rollout_prompt", {})
         return item
 
@@ -328,6 +332,7 @@ def _rollout_prompt(tokenizer: Any, encoded: dict[str, Any]) -> dict[str, Any]:
     the templated prompt's ids with one pad token per image / video (the engine expands them again from the pixels)
     and the media as uint8 arrays (small to ship to the workers): the resized images, and per video its sampled
     resized frames with their :meth:`VideoClip.metadata`."""
+    # The templated text before expansion: one pad per image / video, which vLLM expands itself.
     ids = tokenizer(encoded["prompt"], add_special_tokens=False)["input_ids"]
     media: dict[str, Any] = {}
     if encoded["images"]:

@@ -67,11 +67,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     ``[min_pixels, max_pixels]``, keeping the aspect ratio (up to rounding to ``factor``)."""
     if height <= 0 or width <= 0:
         raise MultimodalError(f"empty image ({width}x{height})")
-    if max(height, width) / min(height, width) > 200:
+    if max(height, width) / min(height, width) > 200:  # the Qwen-VL image processor's own limit
         raise MultimodalError(f"image aspect ratio {width}x{height} is beyond 200:1")
+    # The arithmetic of transformers' Qwen2-VL smart_resize, plus a floor of one factor per side.
     h = max(factor, round(height / factor) * factor)
     w = max(factor, round(width / factor) * factor)
     if h * w > max_pixels:
+        # One scale for both sides keeps the aspect ratio; rounding down keeps the area within max_pixels, rounding up
+        # (below) reaches min_pixels.
         scale = math.sqrt(height * width / max_pixels)
         h = max(factor, math.floor(height / scale / factor) * factor)
         w = max(factor, math.floor(width / scale / factor) * factor)
@@ -88,7 +91,7 @@ def load_image(ref: MediaRef | Image.Image) -> Image.Image:
         image = ref
     else:
         image = Image.open(ref if isinstance(ref, str) else io.BytesIO(ref))
-        image.load()
+        image.load()  # decode now: Image.open is lazy and would read the file or buffer later
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
@@ -102,7 +105,7 @@ def _image_size(ref: MediaRef | Image.Image) -> tuple[int, int]:
     """(height, width) without decoding the pixels."""
     if isinstance(ref, Image.Image):
         return ref.height, ref.width
-    with Image.open(ref if isinstance(ref, str) else io.BytesIO(ref)) as image:
+    with Image.open(ref if isinstance(ref, str) else io.BytesIO(ref)) as image:  # lazy: reads the header only
         return image.height, image.width
 
 
@@ -144,12 +147,14 @@ def sample_frame_indices(
     patch, and a multiple of ``temporal_patch_size`` (frames repeat when the video is shorter than that)."""
     if total_frames <= 0:
         raise MultimodalError("video has no frames")
-    duration = total_frames / native_fps if native_fps > 0 else float(total_frames)
+    duration = total_frames / native_fps if native_fps > 0 else float(total_frames)  # unknown fps: a frame a second
     wanted = round(duration * video_fps)
+    # whole temporal patches, at least one
     cap = max(temporal_patch_size, max_frames - max_frames % temporal_patch_size)
+    # No more frames than the video has, except to fill one temporal patch (indices then repeat).
     count = min(max(wanted, temporal_patch_size), cap, max(total_frames, temporal_patch_size))
     count = max(temporal_patch_size, count - count % temporal_patch_size)
-    return [int(x) for x in np.rint(np.linspace(0, total_frames - 1, count))]
+    return [int(x) for x in np.rint(np.linspace(0, total_frames - 1, count))]  # first and last frame included
 
 
 def _open_container(ref: MediaRef) -> Any:
@@ -166,7 +171,7 @@ def _video_meta(ref: MediaRef) -> tuple[int, float, int, int]:
         stream = container.streams.video[0]
         fps = float(stream.average_rate or stream.guessed_rate or 0) or 1.0
         height, width = int(stream.codec_context.height), int(stream.codec_context.width)
-        total = int(stream.frames or 0)
+        total = int(stream.frames or 0)  # 0 when the container does not record it
         if total <= 0:
             total = sum(1 for _ in container.decode(video=0))
     return total, fps, height, width
@@ -175,8 +180,8 @@ def _video_meta(ref: MediaRef) -> tuple[int, float, int, int]:
 def _frame_budget(min_pixels: int, max_pixels: int, num_frames: int, spec: VisionSpec) -> tuple[int, int]:
     """Per-frame (min, max) pixels: ``max_pixels`` is shared by the temporal patches of the clip."""
     groups = max(1, num_frames // spec.temporal_patch_size)
-    frame_max = max(spec.factor**2, max_pixels // groups)
-    return min(min_pixels, frame_max), frame_max
+    frame_max = max(spec.factor**2, max_pixels // groups)  # never below one merged patch
+    return min(min_pixels, frame_max), frame_max  # min never above max
 
 
 def load_video(ref: MediaRef, spec: VisionSpec, data_cfg: Any) -> VideoClip:
@@ -192,10 +197,11 @@ def load_video(ref: MediaRef, spec: VisionSpec, data_cfg: Any) -> VideoClip:
             if i in wanted:
                 image = frame.to_image().convert("RGB")
                 decoded[i] = np.asarray(image.resize((w, h), Image.Resampling.BICUBIC), dtype=np.uint8)
-            if i >= indices[-1]:
+            if i >= indices[-1]:  # indices ascend: nothing wanted after the last
                 break
     if not decoded:
         raise MultimodalError("no frame could be decoded")
+    # The container's frame count can exceed what decodes: missing frames repeat the last decoded one.
     last = decoded[max(decoded)]
     frames = np.stack([decoded.get(i, last) for i in indices])
     duration = total / fps
@@ -213,6 +219,7 @@ def patchify_frames(frames: np.ndarray, spec: VisionSpec) -> tuple[torch.Tensor,
     if num % t_patch or height % (patch * merge) or width % (patch * merge):
         raise MultimodalError(f"frames {frames.shape} do not tile into {t_patch}x{patch * merge} patches")
     x: Any = frames.astype(np.float32) / 255.0
+    # Rescaled to [0, 1] and normalized, as the image processor does.
     x = (x - np.asarray(spec.image_mean, np.float32)) / np.asarray(spec.image_std, np.float32)
     x = x.transpose(0, 3, 1, 2)  # T, C, H, W
     gt, gh, gw = num // t_patch, height // patch, width // patch
@@ -224,10 +231,10 @@ def patchify_frames(frames: np.ndarray, spec: VisionSpec) -> tuple[torch.Tensor,
 
 def _video_placeholder(spec: VisionSpec, grid: Sequence[int], clip_times: list[float] | None) -> str:
     """The text replacing one ``<|video_pad|>``: one pad per merged patch; Qwen3-VL adds per-frame timestamps."""
-    per_frame = grid[1] * grid[2] // spec.merge_size**2
+    per_frame = grid[1] * grid[2] // spec.merge_size**2  # merged patches per temporal patch
     if spec.family != "qwen3_vl":
         return spec.video_token * (grid[0] * per_frame)
-    times = clip_times or [float(i) for i in range(grid[0])]
+    times = clip_times or [float(i) for i in range(grid[0])]  # no timestamps given: a second per temporal patch
     return "".join(
         f"<{times[i]:.1f} seconds>{spec.vision_start}{spec.video_token * per_frame}{spec.vision_end}"
         for i in range(grid[0])
@@ -257,7 +264,7 @@ def media_messages(messages: list[dict[str, Any]], num_images: int, num_videos: 
             for part in content:
                 if isinstance(part, dict) and part.get("type") in seen:
                     seen[part["type"]] += 1
-            out.append(dict(message))
+            out.append(dict(message))  # a copy: the caller's messages stay as they are
             continue
         parts: list[dict[str, Any]] = []
         for piece in _PLACEHOLDER_RE.split(content):
@@ -296,6 +303,7 @@ def _expand_videos(text: str, token: str, placeholders: list[str]) -> str:
     pieces = text.split(token)
     if len(pieces) - 1 != len(placeholders):
         raise MultimodalError(f"the templated prompt has {len(pieces) - 1} {token} for {len(placeholders)} videos")
+    # the i-th video's tokens replace the i-th pad
     return pieces[0] + "".join(p + rest for p, rest in zip(placeholders, pieces[1:]))
 
 
@@ -356,25 +364,27 @@ def encode_multimodal_prompt(
             grids.append(grid)
             times = _frame_times(clip.indices, clip.native_fps, spec.temporal_patch_size)
             placeholders.append(_video_placeholder(spec, grid, times))
+            # seconds per temporal patch (Qwen2.5-VL's second_per_grid_ts)
             seconds.append(spec.temporal_patch_size / clip.sampled_fps)
             video_tokens += grid[0] * grid[1] * grid[2] // spec.merge_size**2
         expanded = _expand_videos(text, spec.video_token, placeholders)
         mm["pixel_values_videos"] = torch.cat(patches)
         mm["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
-        if spec.family != "qwen3_vl":
+        if spec.family != "qwen3_vl":  # Qwen3-VL puts timestamps in the text instead
             mm["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
     pil_images = [fit_image(load_image(ref), spec, data_cfg.min_pixels, data_cfg.max_pixels) for ref in images]
     encoded = processor(
         text=[expanded],
         images=pil_images or None,
         do_resize=False,  # already resized to multiples of the merged patch within the pixel budget
-        add_special_tokens=False,
+        add_special_tokens=False,  # the chat template wrote them
         return_tensors="pt",
     )
     image_tokens = 0
     if pil_images:
         mm["pixel_values"] = encoded["pixel_values"]
         mm["image_grid_thw"] = encoded["image_grid_thw"].long()
+        # t * h * w patches per image, merge_size**2 of them per token
         image_tokens = int(mm["image_grid_thw"].prod(dim=-1).sum()) // spec.merge_size**2
     return {
         "input_ids": encoded["input_ids"][0].tolist(),

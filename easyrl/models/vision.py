@@ -70,6 +70,7 @@ def _rope_owner(model_or_config: Any) -> Any:
     if cls is None or not hasattr(cls, "get_rope_index"):
         raise ValueError(f"{type(model_or_config).__name__}: no get_rope_index for model_type {config.model_type!r}")
     owner = types.SimpleNamespace(config=config)
+    # get_rope_index calls it through self
     owner.get_vision_position_ids = types.MethodType(cls.get_vision_position_ids, owner)
     owner.get_rope_index = types.MethodType(cls.get_rope_index, owner)
     return owner
@@ -111,7 +112,7 @@ def mrope_position_ids(
     if image_grid_thw is None and video_grid_thw is None:
         # Text only: every component equals the 1D position.
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return positions.unsqueeze(0).expand(3, -1, -1).clone()
+        return positions.unsqueeze(0).expand(3, -1, -1).clone()  # clone: an expanded view cannot be written in place
     kwargs: dict[str, Any] = {
         "image_grid_thw": image_grid_thw,
         "video_grid_thw": video_grid_thw,
@@ -119,6 +120,7 @@ def mrope_position_ids(
     }
     if second_per_grid_ts is not None:
         kwargs["second_per_grid_ts"] = second_per_grid_ts
+    # (3, B, L) positions; the rope deltas are not needed outside generate
     position_ids, _ = owner.get_rope_index(input_ids, mm_token_type_ids(input_ids, owner.config), **kwargs)
     return position_ids
 
@@ -157,6 +159,7 @@ def stack_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, 
     for key in MEDIA_KEYS:
         parts = [s[key] for s in samples if s and key in s]
         if parts:
+            # in row order: the order of the pad runs in input_ids
             out[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0)
     return out
 
@@ -191,6 +194,7 @@ def multimodal_forward_kwargs(
         kwargs["mm_token_type_ids"] = mm_token_type_ids(batch_slice["input_ids"], model.config)
     if device is not None:
         kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    # The processor's patches are fp32; the vision tower's first layer takes its weights' dtype.
     if model is not None and "pixel_values" in kwargs:
         kwargs["pixel_values"] = kwargs["pixel_values"].to(_param_dtype(model))
     if model is not None and "pixel_values_videos" in kwargs:
@@ -203,6 +207,7 @@ def _check_media_tokens(input_ids: torch.Tensor, config: Any, media: dict[str, t
     config = getattr(config, "config", config)
     merge = int(config.vision_config.spatial_merge_size) ** 2
     for token_key, grid_key in (("image_token_id", "image_grid_thw"), ("video_token_id", "video_grid_thw")):
+        # one pad per merged patch: t * h * w / merge_size**2
         expected = int(media[grid_key].prod(dim=-1).sum()) // merge if grid_key in media else 0
         found = int((input_ids == getattr(config, token_key)).sum())
         if found != expected:
@@ -249,6 +254,8 @@ def generate_with_media(
     finally:
         inner = getattr(model, "model", None)
         if inner is not None and hasattr(inner, "rope_deltas"):
+            # generate caches per-row rope offsets for its decode steps; a later pass with a KV cache or embeddings
+            # only would apply them to other rows
             inner.rope_deltas = None
 
 
@@ -267,7 +274,7 @@ def _suppress_media_tokens(config: Any, generate_kwargs: dict[str, Any]) -> dict
     kwargs = dict(generate_kwargs)
     gen_cfg = kwargs.get("generation_config")
     if gen_cfg is not None:
-        gen_cfg = copy.deepcopy(gen_cfg)
+        gen_cfg = copy.deepcopy(gen_cfg)  # the caller's config stays untouched
         gen_cfg.suppress_tokens = sorted(set(gen_cfg.suppress_tokens or []) | set(ids))
         kwargs["generation_config"] = gen_cfg
     else:

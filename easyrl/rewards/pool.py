@@ -126,7 +126,7 @@ class RewardWorkerPool:
                 slot.process.kill()
         for slot in slots:
             if slot.process is not None:
-                slot.process.join(timeout=5)
+                slot.process.join(timeout=5)  # reap it (no zombie)
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
@@ -149,7 +149,7 @@ class RewardWorkerPool:
             if late:
                 self.close()
                 raise WorkerStartError(f"a reward worker did not become ready within {_STARTUP_TIMEOUT_S:g} s")
-            self._wait_and_collect({}, deque(), _POLL_S)
+            self._wait_and_collect({}, deque(), _POLL_S)  # reads the workers' "ready" (or notices a death)
 
     def run(
         self,
@@ -177,8 +177,9 @@ class RewardWorkerPool:
                 break
             for slot in self._slots:
                 self._dispatch(slot, pending)
+            # Never past the deadline, nor longer than a poll: the stop event is checked between waits.
             self._wait_and_collect(results, pending, min(_POLL_S, max(0.0, deadline - time.monotonic())))
-            new = list(results)[seen:]
+            new = list(results)[seen:]  # dicts keep insertion order: the entries past `seen` came this round
             seen = len(results)
             if on_result is not None and any(on_result(task_id, results[task_id]) for task_id in new):
                 ended = "stopped"
@@ -207,6 +208,7 @@ class RewardWorkerPool:
     def _dispatch(self, slot: _Slot, pending: deque[PoolTask]) -> None:
         while pending and slot.ready and not slot.busy_alone() and len(slot.tasks) < self._max_in_flight:
             task = pending[0]
+            # A task that must run alone waits at the head of the queue for an idle worker.
             if task.alone and slot.tasks:
                 return
             pending.popleft()
@@ -218,14 +220,14 @@ class RewardWorkerPool:
                 self._on_death(slot, {}, pending)
                 return
             slot.tasks[task.task_id] = task
-            if task.alone:
+            if task.alone:  # nothing else joins it on this worker
                 return
 
     def _wait_and_collect(self, results: dict[int, Any], pending: deque[PoolTask], timeout: float) -> None:
         handles: dict[Any, _Slot] = {}
         for slot in self._slots:
             handles[slot.conn] = slot
-            handles[slot.process.sentinel] = slot
+            handles[slot.process.sentinel] = slot  # ready once the process exits, message or not
         for handle in connection.wait(list(handles), timeout=timeout):
             slot = handles[handle]
             if handle is not slot.conn and handle is not getattr(slot.process, "sentinel", None):
@@ -235,7 +237,7 @@ class RewardWorkerPool:
     def _service(self, slot: _Slot, results: dict[int, Any], pending: deque[PoolTask]) -> None:
         """Read everything the worker sent, or handle its death."""
         try:
-            while slot.conn.poll():
+            while slot.conn.poll():  # drain without blocking
                 message = slot.conn.recv()
                 kind = message[0]
                 if kind == "ready":
@@ -283,7 +285,7 @@ class RewardWorkerPool:
             if slot.conn is not None and not slot.tasks:
                 with contextlib.suppress(BrokenPipeError, EOFError, OSError):
                     slot.conn.send(("stop",))
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 2.0  # one grace for all the workers, not 2 s each
         for slot in self._slots:
             if slot.process is not None:
                 slot.process.join(timeout=max(0.0, deadline - time.monotonic()))
