@@ -200,9 +200,11 @@ class RewardWorkerPool:
         for slot in busy:
             for task_id in slot.tasks:
                 results[task_id] = running
-        if busy and ended == "timeout":
+        if busy:
             logger.info("replacing %d reward worker(s) that still run a call at the end of the batch", len(busy))
             # A sync call cannot be interrupted from outside; the only way to free the worker is a new process.
+            # Whether the batch timed out or was ended early: a call left running would hold its slot into the next
+            # batch, and its late result would arrive there under a task id that batch does not know.
             self._replace_all(busy)
 
     def _dispatch(self, slot: _Slot, pending: deque[PoolTask]) -> None:

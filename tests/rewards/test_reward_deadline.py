@@ -99,6 +99,22 @@ def test_error_ratio_applies_as_soon_as_exceeded(files: dict[str, str]) -> None:
         assert time.monotonic() - start < 10.0  # well before the 30 s deadline
 
 
+def test_a_stage_stopped_early_leaves_no_call_behind_for_the_next(files: dict[str, str]) -> None:
+    """The hung call of a stage that stopped early (error ratio) does not hold a worker into the next stage: that
+    stage scores its own samples at once, instead of waiting out the deadline for a call of the last one."""
+    cfg = RewardConfig(reward_function=files["sequential"], num_workers=2, timeout_s=30.0, max_error_ratio=0.25)
+    inputs = _batch(64, 1)
+    for item in inputs[1:40]:
+        item["raise"] = True
+    with RewardManager(cfg) as manager:
+        manager.score(_batch(4, 0))
+        with pytest.raises(RewardError, match="before scoring stopped early"):
+            manager.score(inputs)
+        elapsed, metrics = _timed(manager, _batch(8, 0))
+        assert elapsed < 10.0, elapsed  # not the 30 s deadline
+        assert metrics["reward/overall"] == 1.0 and metrics["reward/timeouts"] == 0
+
+
 def test_batch_function_hangs_cost_at_most_two_deadlines(files: dict[str, str]) -> None:
     cfg = RewardConfig(reward_function=files["batch"], num_workers=2, timeout_s=2.0, max_error_ratio=1.0)
     with RewardManager(cfg) as manager:
