@@ -208,8 +208,7 @@ class RLDataset:
             encoded = self.tokenizer([s.raw_prompt for s in chunk], add_special_tokens=False)["input_ids"]
             for sample, ids in zip(chunk, encoded):
                 sample.prompt_ids = list(ids)
-                # With media the length counts the media tokens as the model sees them (`media_token_counts`).
-                length = sample.media.prompt_tokens if sample.media is not None else len(ids)
+                length = _prompt_length(sample)
                 if length <= limit:
                     kept.append(sample)
                     continue
@@ -314,13 +313,20 @@ class RLDataset:
 
     def prompt_length_stats(self) -> dict[str, float]:
         """Token lengths of the kept prompts: ``min``, ``mean``, ``max`` and ``p95``."""
-        lengths = np.array([len(s.prompt_ids) for s in self._samples], dtype=np.float64)
+        # the length the overlong filter measured: media tokens counted as the model sees them
+        lengths = np.array([_prompt_length(s) for s in self._samples], dtype=np.float64)
         return {
             "min": float(lengths.min()),
             "mean": float(lengths.mean()),
             "max": float(lengths.max()),
             "p95": float(np.percentile(lengths, 95)),
         }
+
+
+def _prompt_length(sample: _Sample) -> int:
+    """The prompt's length in tokens as the model sees it: with media, the text's tokens plus each image's and
+    video's expanded tokens (`media_token_counts`; `prompt_ids` holds one pad per image there), else its ids."""
+    return sample.media.prompt_tokens if sample.media is not None else len(sample.prompt_ids)
 
 
 def _is_nan(value: Any) -> bool:

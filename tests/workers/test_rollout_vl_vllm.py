@@ -105,6 +105,8 @@ def test_vllm_requests_carry_the_actors_pixels(tmp_path: Path, arch: str) -> Non
     assert ds.media_per_row() == {"image": 2, "video": 0}
     batch = collate_prompts([ds[i] for i in range(len(ds))], processor.tokenizer.pad_token_id, 512)
     assert [len(m.get("multi_modal_data", {}).get("image", [])) for m in batch["rollout_prompt"]] == [2, 0, 1]
+    # `easyrl check`'s prompt lengths are the expanded ones the model sees (and the overlong filter measures)
+    assert ds.prompt_length_stats()["max"] == batch["attention_mask"].sum(dim=1).max().item()
     for i, (ids, mask) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
         prompt = ids[mask.bool()].tolist()
         media, processed = batch["rollout_prompt"][i], batch["multi_modal_inputs"][i]
