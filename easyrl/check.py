@@ -68,7 +68,8 @@ def validation_line(cfg: EasyRLConfig) -> str:
         return f"validation: greedy, {n} response(s) per prompt (val/reward/overall)"
     return (
         f"validation: {n} sample(s) per prompt at temperature {temperature} (val/reward/mean@{n}, "
-        f"val/reward/best@{n}, val/pass@{n}: a prompt passes when one of its samples scores full accuracy)"
+        f"val/reward/best@{n}, val/pass@{n}: a prompt passes when one of its samples has accuracy 1, or overall 1 "
+        "for a reward function without an accuracy score)"
     )
 
 
