@@ -275,10 +275,12 @@ def _check_files(cfg: EasyRLConfig) -> None:
     if not model:
         raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
     if not (Path(model) / "config.json").is_file():
-        raise ConfigError("worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {model}")
+        raise ConfigError(
+            "worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {_looked_for(model)}"
+        )
     tok = cfg.worker.actor.model.tokenizer_path
     if tok and not Path(tok).is_dir():
-        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
+        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
     _check_context_length(cfg, Path(model) / "config.json")
     _check_attention_heads(cfg)
     if not cfg.data.train_files:
@@ -288,18 +290,27 @@ def _check_files(cfg: EasyRLConfig) -> None:
         for part in filter(None, value.split(",")):
             path = part.rsplit("@", 1)[0] if "@" in part and not os.path.exists(part) else part
             if not os.path.exists(path):
-                raise ConfigError(key, f"not found: {path}")
+                raise ConfigError(key, f"not found: {_looked_for(path)}")
     if cfg.data.format_prompt and not Path(cfg.data.format_prompt).is_file():
-        raise ConfigError("data.format_prompt", f"template file not found: {cfg.data.format_prompt}")
+        raise ConfigError("data.format_prompt", f"template file not found: {_looked_for(cfg.data.format_prompt)}")
     chat = cfg.data.override_chat_template
     if chat and chat.endswith(".jinja") and not Path(chat).is_file():
-        raise ConfigError("data.override_chat_template", f"template file not found: {chat}")
+        raise ConfigError("data.override_chat_template", f"template file not found: {_looked_for(chat)}")
     for key in ("data.image_dir", "data.video_dir"):
         folder = _get(cfg, key)
         if folder and not Path(str(folder)).is_dir():
-            raise ConfigError(key, f"folder not found: {folder}")
+            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
     _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
     _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _looked_for(path: str) -> str:
+    """A path that was not found, and for a relative one where it was looked for: config paths are relative to the
+    working directory, as in EasyR1, which a config kept beside its data does not suggest."""
+    if os.path.isabs(path):
+        return path
+    where = os.getcwd()
+    return f"{path} (relative paths are read from the working directory, {where}, not from the config file's folder)"
 
 
 def _check_load_checkpoint(path: str | None) -> None:
@@ -358,7 +369,7 @@ def _check_reward_function(spec: str | None) -> None:
     if not file.endswith(".py"):
         raise ConfigError(key, f"expected path/to/file.py:function, got {spec!r}")
     if not Path(file).is_file():
-        raise ConfigError(key, f"reward file not found: {file}")
+        raise ConfigError(key, f"reward file not found: {_looked_for(file)}")
     try:
         tree = ast.parse(Path(file).read_text(encoding="utf-8"), filename=file)
     except SyntaxError as exc:

@@ -217,6 +217,14 @@ BAD = [
     ("model-required", {"worker.actor.model.model_path": None}, "worker.actor.model.model_path", "required"),
     ("train-missing", {"data.train_files": "/nonexistent/train.jsonl"}, "data.train_files", "not found"),
     ("val-missing", {"data.val_files": "/nonexistent/val.parquet"}, "data.val_files", "not found"),
+    # a relative path is read from the working directory, which a config kept beside its data does not suggest
+    ("train-relative", {"data.train_files": "mytask/train.jsonl"}, "data.train_files", "from the working directory"),
+    (
+        "reward-relative",
+        {"worker.reward.reward_function": "mytask/reward.py:main"},
+        "worker.reward.reward_function",
+        "from the working directory",
+    ),
     ("template-missing", {"data.format_prompt": "/nonexistent/t.jinja"}, "data.format_prompt", "not found"),
     (
         "reward-file-missing",
