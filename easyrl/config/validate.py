@@ -57,6 +57,7 @@ def validate(cfg: EasyRLConfig) -> None:
 
     check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
+    _check_tracker_packages(cfg.trainer.logger)
     _check_sapo_temperatures(cfg)
     _check_lora(cfg)
     _check_numbers(cfg)
@@ -76,6 +77,20 @@ def _check_enums(cfg: EasyRLConfig) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+
+
+def _check_tracker_packages(names: list[str]) -> None:
+    """A tracker whose package is missing is found now, not after Ray and the workers have started (`make demo`
+    installs none of them). Each tracker's package has its name; `find_spec` imports nothing."""
+    import importlib.util
+
+    for name in names:
+        if name not in ("console", "file") and importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                "trainer.logger",
+                f"has {name!r} but the {name} package is not installed: "
+                f"pip install 'easyrl[loggers]' or pip install {name}",
+            )
 
 
 def _check_sapo_temperatures(cfg: EasyRLConfig) -> None:

@@ -288,6 +288,23 @@ def test_bad_config_names_the_culprit(
     assert hint in message, message
 
 
+def test_a_tracker_not_installed_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    """`make demo` installs no tracker: naming one stops the config load (and `easyrl check`), not the trainer after
+    Ray and the workers have started, with a traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    path = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    assert load_config(path, ["trainer.logger=[console,file]"]).trainer.logger == ["console", "file"]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.logger=[console,wandb]"])
+    assert info.value.key == "trainer.logger"
+    assert "the wandb package is not installed: pip install 'easyrl[loggers]' or pip install wandb" in str(info.value)
+
+
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "nope.yaml")
