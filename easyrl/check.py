@@ -187,10 +187,9 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
-    from easyrl.data import RLDataset
+    from easyrl.config import ConfigError
     from easyrl.data.loading import DataError
-    from easyrl.models import load_tokenizer
-    from easyrl.rewards import RewardLoadError, RewardManager
+    from easyrl.trainer.worker_groups import build_data
 
     out = sys.stdout
     problem = rollout_problem(cfg)
@@ -206,19 +205,36 @@ def run_check(cfg: EasyRLConfig) -> int:
     noop = cpu_noop_warning(cfg)
     if noop is not None:
         print(f"easyrl: warning: {noop}", file=out)
-    mcfg = cfg.worker.actor.model
-    assert mcfg.tokenizer_path is not None
-    # the trainer's own loading (`build_data`), so the prompts checked are the prompts trained on
-    tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    try:
-        train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
+    try:  # the trainer's own loading, so the prompts checked are the prompts trained on (validation's too)
+        _, train, val, _ = build_data(cfg)
     except DataError as exc:
         print(f"easyrl: data error: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    _print_data(cfg, train, val)
+    print("== first prompt, rendered", file=out)
+    first = train[0]
+    print(first["raw_prompt"], file=out)
+    if _check_reward(cfg, first) != 0:
+        return 2
+    print("== plan", file=out)
+    for line in plan_lines(cfg):
+        print(line, file=out)
+    return print_memory_plan(cfg)
+
+
+def _print_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
+    """What was kept of the data, what was dropped and why, and the prompt lengths against the limit."""
+    out = sys.stdout
     print("== data", file=out)
     print(f"train: {len(train)} usable rows from {cfg.data.train_files}", file=out)
     dropped = {k: v for k, v in train.drop_counts.items() if v}
     print(f"dropped: {dropped or 'none'}", file=out)
+    if val is not None:
+        val_dropped = {k: v for k, v in val.drop_counts.items() if v}
+        print(f"val: {len(val)} usable rows from {cfg.data.val_files}; dropped: {val_dropped or 'none'}", file=out)
     stats = train.prompt_length_stats()
     print(
         "prompt tokens: "
@@ -235,10 +251,13 @@ def run_check(cfg: EasyRLConfig) -> int:
             " counted under overlong_prompt, the 'image features and image tokens do not match' failure)",
             file=out,
         )
-    print("== first prompt, rendered", file=out)
-    first = train[0]
-    print(first["raw_prompt"], file=out)
-    print("== reward function", file=out)
+
+
+def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
+    """Score the first row's ground truth as its response; 2, with one line, when the function cannot be loaded."""
+    from easyrl.rewards import RewardLoadError, RewardManager
+
+    print("== reward function", file=sys.stdout)
     sample = {
         **first["row"],
         "prompt": first["raw_prompt"],
@@ -253,8 +272,5 @@ def run_check(cfg: EasyRLConfig) -> int:
         return 2
     with manager:
         scores, _ = manager.score([sample])
-    print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)
-    print("== plan", file=out)
-    for line in plan_lines(cfg):
-        print(line, file=out)
-    return print_memory_plan(cfg)
+    print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
+    return 0
