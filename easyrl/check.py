@@ -254,8 +254,9 @@ def _print_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
 
 
 def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
-    """Score the first row's ground truth as its response; 2, with one line, when the function cannot be loaded."""
-    from easyrl.rewards import RewardLoadError, RewardManager
+    """Score the first row's ground truth as its response; 2, with one line, when the function cannot be loaded or
+    fails on it (a reward that cannot score the right answer would train on fallback scores)."""
+    from easyrl.rewards import RewardError, RewardLoadError, RewardManager
 
     print("== reward function", file=sys.stdout)
     sample = {
@@ -266,11 +267,10 @@ def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         "ground_truth": first["ground_truth"],
     }
     try:
-        manager = RewardManager(cfg.worker.reward)
-    except RewardLoadError as exc:
+        with RewardManager(cfg.worker.reward) as manager:
+            scores, _ = manager.score([sample])
+    except (RewardLoadError, RewardError) as exc:
         print(f"easyrl: reward error: {exc}", file=sys.stderr)
         return 2
-    with manager:
-        scores, _ = manager.score([sample])
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
     return 0

@@ -170,6 +170,19 @@ def test_check_loads_the_data_as_train_does(tmp_path, tiny_model_dir, digits_dat
     assert proc.returncode == 2 and "data.rollout_batch_size: 128 is larger than the 64 usable" in last, proc.stderr
 
 
+def test_check_names_a_reward_that_fails_on_the_right_answer(tmp_path, tiny_model_dir, digits_data) -> None:
+    """A reward function that raises on the ground truth (scored as the response) stops `easyrl check` with one line
+    naming the function and the error, not a traceback."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text('REWARD_TYPE = "sequential"\n\ndef score(x):\n    return {"overall": 1 / 0}\n')
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["worker"]["reward"]["reward_function"] = f"{reward}:score"
+    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("easyrl: reward error: reward function my_reward.py:score") and "ZeroDivisionError" in last
+
+
 def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path) -> None:
     """`easyrl merge --local_dir <ckpt>/actor` is EasyR1's spelling; naming two different folders, or none, stops."""
     proc = easyrl("merge", "--local_dir", str(tmp_path / "global_step_1" / "actor"))
