@@ -134,6 +134,17 @@ def cpu_noop_warning(cfg: EasyRLConfig) -> str | None:
     return f"running on CPU: GPU-only settings have no effect here (see docs/faq.md): {', '.join(found)}"
 
 
+def kl_noop_warning(cfg: EasyRLConfig) -> str | None:
+    """`algorithm.use_kl_loss: true` under `disable_kl: true` (as in configs/demo.yaml) trains without a KL, as in
+    EasyR1: said once, since the key was set to get one."""
+    if not (cfg.algorithm.disable_kl and cfg.algorithm.use_kl_loss):
+        return None
+    return (
+        "algorithm.use_kl_loss=true has no effect: algorithm.disable_kl=true turns the KL (and the reference model) "
+        "off; set algorithm.disable_kl=false to train with the KL loss"
+    )
+
+
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
     """What would stop the rollout engine from starting on this machine, found without starting it."""
     if cfg.worker.rollout.name != "vllm":
@@ -202,9 +213,9 @@ def run_check(cfg: EasyRLConfig) -> int:
     version = vllm_version_line(cfg)
     if version is not None:
         print(f"easyrl: warning: {version}", file=out)
-    noop = cpu_noop_warning(cfg)
-    if noop is not None:
-        print(f"easyrl: warning: {noop}", file=out)
+    for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):
+        if warning is not None:
+            print(f"easyrl: warning: {warning}", file=out)
     try:  # the trainer's own loading, so the prompts checked are the prompts trained on (validation's too)
         _, train, val, _ = build_data(cfg)
     except DataError as exc:

@@ -183,6 +183,17 @@ def test_check_names_a_reward_that_fails_on_the_right_answer(tmp_path, tiny_mode
     assert last.startswith("easyrl: reward error: reward function my_reward.py:score") and "ZeroDivisionError" in last
 
 
+def test_check_warns_when_disable_kl_turns_off_the_kl_loss_asked_for(tmp_path, tiny_model_dir, digits_data) -> None:
+    """configs/demo.yaml has `disable_kl: true`; `algorithm.use_kl_loss=true` on top of it trained without a KL and
+    said nothing."""
+    path = write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    warning = "easyrl: warning: algorithm.use_kl_loss=true has no effect: algorithm.disable_kl=true turns the KL"
+    proc = easyrl("check", path, "algorithm.use_kl_loss=true")
+    assert proc.returncode == 0 and warning in proc.stdout and "KL off" in proc.stdout, proc.stdout
+    proc = easyrl("check", path, "algorithm.use_kl_loss=true", "algorithm.disable_kl=false")
+    assert proc.returncode == 0 and "warning" not in proc.stdout and "in the loss" in proc.stdout, proc.stdout
+
+
 def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path) -> None:
     """`easyrl merge --local_dir <ckpt>/actor` is EasyR1's spelling; naming two different folders, or none, stops."""
     proc = easyrl("merge", "--local_dir", str(tmp_path / "global_step_1" / "actor"))
