@@ -264,7 +264,8 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
         per_device = gbs * n // dp
         micro = wcfg.micro_batch_size_per_device_for_update
-        if per_device % micro:
+        # token-budget micro-batches (`worker.actor.dynamic_batching`, which the critic follows) never read the count
+        if not cfg.worker.actor.dynamic_batching and per_device % micro:
             raise ConfigError(
                 f"worker.{role}.micro_batch_size_per_device_for_update",
                 f"{micro} must divide the per-worker mini-batch of {per_device} samples "

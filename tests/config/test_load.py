@@ -288,6 +288,18 @@ def test_bad_config_names_the_culprit(
     assert hint in message, message
 
 
+def test_micro_batch_count_is_checked_only_where_it_is_used(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    """configs/demo.yaml with a smaller batch (a newcomer's first edit) stopped on a micro-batch count that token-budget
+    micro-batches (`dynamic_batching`, the default) never read."""
+    path = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    odd = ["worker.actor.micro_batch_size_per_device_for_update=3"]  # 2 prompts x n=2 / 2 workers = 2 per worker
+    assert load_config(path, [*odd, "worker.actor.dynamic_batching=true"]).worker.actor.dynamic_batching
+    with pytest.raises(ConfigError, match="3 must divide the per-worker mini-batch of 2 samples"):
+        load_config(path, [*odd, "worker.actor.dynamic_batching=false"])
+
+
 def test_a_tracker_not_installed_is_a_config_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:
