@@ -57,6 +57,25 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     ]
 
 
+def rerun_line(cfg: EasyRLConfig) -> str:
+    """What running the same command again does after a stop (Ctrl-C, SIGTERM): resume, or start over and why."""
+    from easyrl.checkpoint.manager import newest_resumable
+
+    t = cfg.trainer
+    if t.load_checkpoint_path:
+        return f"the same command resumes from {t.load_checkpoint_path} (trainer.load_checkpoint_path)"
+    assert t.save_checkpoint_path is not None  # the loader sets it
+    newest = newest_resumable(t.save_checkpoint_path) if t.find_last_checkpoint else None
+    if newest is not None:
+        return f"the same command resumes from {newest}"
+    if not t.find_last_checkpoint:
+        return "the same command starts again from step 1 (trainer.find_last_checkpoint=false)"
+    return (
+        "no checkpoint to resume from, so the same command starts again from step 1 "
+        "(trainer.save_on_interrupt=true saves one when stopped; trainer.save_freq=N every N steps)"
+    )
+
+
 def validation_line(cfg: EasyRLConfig) -> str:
     """What validation measures: greedy decoding shows little of what training changed in a model that is already
     good at it; samples do (the demo: greedy 0.92 before and after, sampled 0.24 -> 0.79)."""
@@ -68,7 +87,8 @@ def validation_line(cfg: EasyRLConfig) -> str:
         return f"validation: greedy, {n} response(s) per prompt (val/reward/overall)"
     return (
         f"validation: {n} sample(s) per prompt at temperature {temperature} (val/reward/mean@{n}, "
-        f"val/reward/best@{n}, val/pass@{n}: a prompt passes when one of its samples scores full accuracy)"
+        f"val/reward/best@{n}, val/pass@{n}: a prompt passes when one of its samples has accuracy 1, or overall 1 "
+        "for a reward function without an accuracy score)"
     )
 
 
@@ -133,6 +153,17 @@ def cpu_noop_warning(cfg: EasyRLConfig) -> str | None:
     return f"running on CPU: GPU-only settings have no effect here (see docs/faq.md): {', '.join(found)}"
 
 
+def kl_noop_warning(cfg: EasyRLConfig) -> str | None:
+    """`algorithm.use_kl_loss: true` under `disable_kl: true` (as in configs/demo.yaml) trains without a KL, as in
+    EasyR1: said once, since the key was set to get one."""
+    if not (cfg.algorithm.disable_kl and cfg.algorithm.use_kl_loss):
+        return None
+    return (
+        "algorithm.use_kl_loss=true has no effect: algorithm.disable_kl=true turns the KL (and the reference model) "
+        "off; set algorithm.disable_kl=false to train with the KL loss"
+    )
+
+
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
     """What would stop the rollout engine from starting on this machine, found without starting it."""
     if cfg.worker.rollout.name != "vllm":
@@ -186,10 +217,9 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
 
 def run_check(cfg: EasyRLConfig) -> int:
     """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
-    from easyrl.data import RLDataset
+    from easyrl.config import ConfigError
     from easyrl.data.loading import DataError
-    from easyrl.models import load_tokenizer
-    from easyrl.rewards import RewardLoadError, RewardManager
+    from easyrl.trainer.worker_groups import build_data
 
     out = sys.stdout
     problem = rollout_problem(cfg)
@@ -202,22 +232,39 @@ def run_check(cfg: EasyRLConfig) -> int:
     version = vllm_version_line(cfg)
     if version is not None:
         print(f"easyrl: warning: {version}", file=out)
-    noop = cpu_noop_warning(cfg)
-    if noop is not None:
-        print(f"easyrl: warning: {noop}", file=out)
-    mcfg = cfg.worker.actor.model
-    assert mcfg.tokenizer_path is not None
-    # the trainer's own loading (`build_data`), so the prompts checked are the prompts trained on
-    tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
-    try:
-        train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor)
+    for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):
+        if warning is not None:
+            print(f"easyrl: warning: {warning}", file=out)
+    try:  # the trainer's own loading, so the prompts checked are the prompts trained on (validation's too)
+        _, train, val, _ = build_data(cfg)
     except DataError as exc:
         print(f"easyrl: data error: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    _print_data(cfg, train, val)
+    print("== first prompt, rendered", file=out)
+    first = train[0]
+    print(first["raw_prompt"], file=out)
+    if _check_reward(cfg, first) != 0:
+        return 2
+    print("== plan", file=out)
+    for line in plan_lines(cfg):
+        print(line, file=out)
+    return print_memory_plan(cfg)
+
+
+def _print_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
+    """What was kept of the data, what was dropped and why, and the prompt lengths against the limit."""
+    out = sys.stdout
     print("== data", file=out)
     print(f"train: {len(train)} usable rows from {cfg.data.train_files}", file=out)
     dropped = {k: v for k, v in train.drop_counts.items() if v}
     print(f"dropped: {dropped or 'none'}", file=out)
+    if val is not None:
+        val_dropped = {k: v for k, v in val.drop_counts.items() if v}
+        print(f"val: {len(val)} usable rows from {cfg.data.val_files}; dropped: {val_dropped or 'none'}", file=out)
     stats = train.prompt_length_stats()
     print(
         "prompt tokens: "
@@ -234,10 +281,14 @@ def run_check(cfg: EasyRLConfig) -> int:
             " counted under overlong_prompt, the 'image features and image tokens do not match' failure)",
             file=out,
         )
-    print("== first prompt, rendered", file=out)
-    first = train[0]
-    print(first["raw_prompt"], file=out)
-    print("== reward function", file=out)
+
+
+def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
+    """Score the first row's ground truth as its response; 2, with one line, when the function cannot be loaded or
+    fails on it (a reward that cannot score the right answer would train on fallback scores)."""
+    from easyrl.rewards import RewardError, RewardLoadError, RewardManager
+
+    print("== reward function", file=sys.stdout)
     sample = {
         **first["row"],
         "prompt": first["raw_prompt"],
@@ -246,14 +297,10 @@ def run_check(cfg: EasyRLConfig) -> int:
         "ground_truth": first["ground_truth"],
     }
     try:
-        manager = RewardManager(cfg.worker.reward)
-    except RewardLoadError as exc:
+        with RewardManager(cfg.worker.reward) as manager:
+            scores, _ = manager.score([sample])
+    except (RewardLoadError, RewardError) as exc:
         print(f"easyrl: reward error: {exc}", file=sys.stderr)
         return 2
-    with manager:
-        scores, _ = manager.score([sample])
-    print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=out)
-    print("== plan", file=out)
-    for line in plan_lines(cfg):
-        print(line, file=out)
-    return print_memory_plan(cfg)
+    print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
+    return 0

@@ -88,15 +88,16 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
-    from easyrl.check import cpu_noop_warning, plan_lines
+    from easyrl.check import cpu_noop_warning, kl_noop_warning, plan_lines, rerun_line
     from easyrl.config import ConfigError
     from easyrl.trainer.trainer import StopRequested, Trainer
 
     log = logging.getLogger("easyrl")
     for line in plan_lines(cfg):
         log.info(line)
-    if (noop := cpu_noop_warning(cfg)) is not None:
-        log.warning(noop)
+    for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):
+        if warning is not None:
+            log.warning(warning)
     trainer = None
     try:
         trainer = Trainer(cfg, secrets)
@@ -106,7 +107,7 @@ def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
     except StopRequested as exc:
-        _say(f"easyrl: {exc}")
+        _say(f"easyrl: {exc}; {rerun_line(cfg)}")
         stopped_by = trainer.stop_signal if trainer is not None else None
         return exit_code(signal.Signals[stopped_by or "SIGTERM"])
     except Exception as exc:

@@ -71,7 +71,9 @@ def merged_source(
             a, b = _pair(reader, module)
             weight.add_((b.float() @ a.float()).to(weight.dtype) * scale)
     names = list(tensors) + ([] if tied else [a for a in aliases if a not in tensors])
-    logger.info("folded %d adapters (scale %g) into %s", len(info["modules"]), scale, base_dir)
+    logger.info(
+        "folded %d adapters (scale %g) into the base model read from %s", len(info["modules"]), scale, base_dir
+    )
     return names, lambda name: tensors[aliases.get(name, name)].detach()
 
 

@@ -147,6 +147,53 @@ def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir,
     assert last.startswith("easyrl: data error:") and str(template) in last and "sandbox" in last, last
 
 
+def test_check_loads_the_data_as_train_does(tmp_path, tiny_model_dir, digits_data) -> None:
+    """`easyrl check` passed configs that `easyrl train` then refused: validation rows all unusable, or fewer
+    usable training rows than one step's prompts. It loads the data as train does and stops the same way."""
+    import json
+
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["data"]["val_files"] = digits_data["val"]
+    proc = easyrl("check", write_config(tmp_path / "good.yaml", conf))
+    assert proc.returncode == 0 and f"val: 8 usable rows from {digits_data['val']}; dropped: none" in proc.stdout
+    bad_val = tmp_path / "val.jsonl"
+    bad_val.write_text(json.dumps({"prompt": "Copy: 1 2", "solution": "12"}) + "\n")  # no `answer` column
+    conf["data"]["val_files"] = str(bad_val)
+    proc = easyrl("check", write_config(tmp_path / "bad_val.yaml", conf))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("easyrl: data error:") and str(bad_val) in last, proc.stderr
+    conf["data"]["val_files"] = ""
+    conf["data"]["rollout_batch_size"] = 128  # 64 training rows
+    conf["worker"]["actor"]["global_batch_size"] = 128
+    proc = easyrl("check", write_config(tmp_path / "few_rows.yaml", conf))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "data.rollout_batch_size: 128 is larger than the 64 usable" in last, proc.stderr
+
+
+def test_check_names_a_reward_that_fails_on_the_right_answer(tmp_path, tiny_model_dir, digits_data) -> None:
+    """A reward function that raises on the ground truth (scored as the response) stops `easyrl check` with one line
+    naming the function and the error, not a traceback."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text('REWARD_TYPE = "sequential"\n\ndef score(x):\n    return {"overall": 1 / 0}\n')
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["worker"]["reward"]["reward_function"] = f"{reward}:score"
+    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("easyrl: reward error: reward function my_reward.py:score") and "ZeroDivisionError" in last
+
+
+def test_check_warns_when_disable_kl_turns_off_the_kl_loss_asked_for(tmp_path, tiny_model_dir, digits_data) -> None:
+    """configs/demo.yaml has `disable_kl: true`; `algorithm.use_kl_loss=true` on top of it trained without a KL and
+    said nothing."""
+    path = write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    warning = "easyrl: warning: algorithm.use_kl_loss=true has no effect: algorithm.disable_kl=true turns the KL"
+    proc = easyrl("check", path, "algorithm.use_kl_loss=true")
+    assert proc.returncode == 0 and warning in proc.stdout and "KL off" in proc.stdout, proc.stdout
+    proc = easyrl("check", path, "algorithm.use_kl_loss=true", "algorithm.disable_kl=false")
+    assert proc.returncode == 0 and "warning" not in proc.stdout and "in the loss" in proc.stdout, proc.stdout
+
+
 def test_merge_takes_easyr1_local_dir_and_refuses_two_different_folders(tmp_path) -> None:
     """`easyrl merge --local_dir <ckpt>/actor` is EasyR1's spelling; naming two different folders, or none, stops."""
     proc = easyrl("merge", "--local_dir", str(tmp_path / "global_step_1" / "actor"))

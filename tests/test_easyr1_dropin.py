@@ -193,14 +193,15 @@ def _png(i: int) -> bytes:
 @pytest.fixture(scope="module")
 def easyr1_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Folders laid out like the hub repos hiyouga/math12k and hiyouga/geometry3k (data/<split>-*.parquet), with
-    their columns: `problem`, `answer`, and for geometry `images` as the {bytes, path} structs `datasets` writes."""
+    their columns: `problem`, `answer`, and for geometry `images` as the {bytes, path} structs `datasets` writes.
+    512 training rows: the recipes' data.rollout_batch_size, which `easyrl check` (as `train`) needs usable rows for."""
     root = tmp_path_factory.mktemp("easyr1_data")
-    math_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    math_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(32) for b in range(16)]
     geo_rows = [
         {"problem": f"<image>Find x if the angle is {10 * i} degrees.", "answer": str(i), "images": [
             {"bytes": _png(i), "path": None}
         ]}
-        for i in range(16)
+        for i in range(512)
     ]  # fmt: skip
     for name, rows in (("math12k", math_rows), ("geometry3k", geo_rows)):
         _write_parquet(root / name / "data" / "train-00000-of-00001.parquet", rows)

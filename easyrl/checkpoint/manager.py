@@ -119,6 +119,16 @@ def is_resumable(folder: str) -> bool:
     return bool(manifest and manifest.get("resumable")) and is_complete(folder)
 
 
+def newest_resumable(root: str) -> str | None:
+    """The newest resumable `global_step_<N>` folder under `root`, or None; reads only (unlike `CheckpointManager`,
+    which clears the leftovers of interrupted saves when it starts)."""
+    try:
+        steps = sorted((int(m.group(1)) for e in os.listdir(root) if (m := _STEP_RE.match(e))), reverse=True)
+    except OSError:
+        return None
+    return next((f for f in (os.path.join(root, f"{STEP_PREFIX}{s}") for s in steps) if is_resumable(f)), None)
+
+
 def folder_step(folder: str) -> int | None:
     """N of a `global_step_<N>` folder name, else None."""
     match = _STEP_RE.match(os.path.basename(os.path.abspath(folder)))

@@ -338,7 +338,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     rf = cfg.worker.reward.reward_function
     if rf:
         file, _, fn = rf.rpartition(":") if rf.rpartition(":")[0].endswith(".py") else (rf, "", "")
-        cfg.worker.reward.reward_function = f"{os.path.abspath(file)}:{fn or 'main'}"
+        cfg.worker.reward.reward_function = f"{absolute(file)}:{fn or 'main'}"
 
 
 def _schema_paths(schema: type, prefix: str = "") -> set[str]:

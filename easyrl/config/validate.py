@@ -57,6 +57,7 @@ def validate(cfg: EasyRLConfig) -> None:
 
     check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
+    _check_tracker_packages(cfg.trainer.logger)
     _check_sapo_temperatures(cfg)
     _check_lora(cfg)
     _check_numbers(cfg)
@@ -77,6 +78,20 @@ def _check_enums(cfg: EasyRLConfig) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, list(KL_PENALTY_KINDS))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+
+
+def _check_tracker_packages(names: list[str]) -> None:
+    """A tracker whose package is missing is found now, not after Ray and the workers have started (`make demo`
+    installs none of them). Each tracker's package has its name; `find_spec` imports nothing."""
+    import importlib.util
+
+    for name in names:
+        if name not in ("console", "file") and importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                "trainer.logger",
+                f"has {name!r} but the {name} package is not installed: "
+                f"pip install 'easyrl[loggers]' or pip install {name}",
+            )
 
 
 def _check_sapo_temperatures(cfg: EasyRLConfig) -> None:
@@ -250,7 +265,8 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
         per_device = gbs * n // dp
         micro = wcfg.micro_batch_size_per_device_for_update
-        if per_device % micro:
+        # token-budget micro-batches (`worker.actor.dynamic_batching`, which the critic follows) never read the count
+        if not cfg.worker.actor.dynamic_batching and per_device % micro:
             raise ConfigError(
                 f"worker.{role}.micro_batch_size_per_device_for_update",
                 f"{micro} must divide the per-worker mini-batch of {per_device} samples "
@@ -276,10 +292,12 @@ def _check_files(cfg: EasyRLConfig) -> None:
     if not model:
         raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
     if not (Path(model) / "config.json").is_file():
-        raise ConfigError("worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {model}")
+        raise ConfigError(
+            "worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {_looked_for(model)}"
+        )
     tok = cfg.worker.actor.model.tokenizer_path
     if tok and not Path(tok).is_dir():
-        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {tok}")
+        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
     _check_context_length(cfg, Path(model) / "config.json")
     _check_attention_heads(cfg)
     if not cfg.data.train_files:
@@ -289,18 +307,27 @@ def _check_files(cfg: EasyRLConfig) -> None:
         for part in filter(None, value.split(",")):
             path = part.rsplit("@", 1)[0] if "@" in part and not os.path.exists(part) else part
             if not os.path.exists(path):
-                raise ConfigError(key, f"not found: {path}")
+                raise ConfigError(key, f"not found: {_looked_for(path)}")
     if cfg.data.format_prompt and not Path(cfg.data.format_prompt).is_file():
-        raise ConfigError("data.format_prompt", f"template file not found: {cfg.data.format_prompt}")
+        raise ConfigError("data.format_prompt", f"template file not found: {_looked_for(cfg.data.format_prompt)}")
     chat = cfg.data.override_chat_template
     if chat and chat.endswith(".jinja") and not Path(chat).is_file():
-        raise ConfigError("data.override_chat_template", f"template file not found: {chat}")
+        raise ConfigError("data.override_chat_template", f"template file not found: {_looked_for(chat)}")
     for key in ("data.image_dir", "data.video_dir"):
         folder = _get(cfg, key)
         if folder and not Path(str(folder)).is_dir():
-            raise ConfigError(key, f"folder not found: {folder}")
+            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
     _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
     _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _looked_for(path: str) -> str:
+    """A path that was not found, and for a relative one where it was looked for: config paths are relative to the
+    working directory, as in EasyR1, which a config kept beside its data does not suggest."""
+    if os.path.isabs(path):
+        return path
+    where = os.getcwd()
+    return f"{path} (relative paths are read from the working directory, {where}, not from the config file's folder)"
 
 
 def _check_load_checkpoint(path: str | None) -> None:
@@ -359,7 +386,7 @@ def _check_reward_function(spec: str | None) -> None:
     if not file.endswith(".py"):
         raise ConfigError(key, f"expected path/to/file.py:function, got {spec!r}")
     if not Path(file).is_file():
-        raise ConfigError(key, f"reward file not found: {file}")
+        raise ConfigError(key, f"reward file not found: {_looked_for(file)}")
     try:
         tree = ast.parse(Path(file).read_text(encoding="utf-8"), filename=file)
     except SyntaxError as exc:

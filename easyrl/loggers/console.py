@@ -1,4 +1,6 @@
-"""Console output: a progress bar with step/total, ETA and the current reward, and a short line per step."""
+"""Console output: a short line per step and, on a terminal, a progress bar with step/total, ETA and the current
+reward. Written to a file or a pipe (nohup, a batch job), the lines are whole (never wrapped at 80 columns) and no
+bar is drawn."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ from easyrl.loggers.base import Logger
 
 
 logger = logging.getLogger("easyrl")
-_HEADLINE = (
-    "reward/overall",
-    "val/reward_score",
-    "response_length/mean",
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/grad_norm",
-    "timing_s/step",
-)
+# metric -> its label in the step line
+_HEADLINE = {
+    "reward/overall": "overall",
+    "val/reward_score": "val",
+    "response_length/mean": "length",
+    "actor/pg_loss": "pg_loss",
+    "actor/entropy": "entropy",
+    "actor/grad_norm": "grad_norm",
+    "timing_s/step": "s/step",
+}
 
 
 class ConsoleLogger(Logger):
@@ -44,15 +47,13 @@ class ConsoleLogger(Logger):
         del config  # printed by the CLI's plan, not again here
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        status = " ".join(f"{label}={metrics[key]:.4g}" for key, label in _HEADLINE.items() if key in metrics)
+        if not self.console.is_terminal:
+            self.console.print(f"step {step}: {status}", soft_wrap=True)
+            return
         if not self._started:
             self.progress.start()
             self._started = True
-        parts = [
-            f"{k.split('/')[-1] if k != 'val/reward_score' else 'val'}={metrics[k]:.4g}"
-            for k in _HEADLINE
-            if k in metrics
-        ]
-        status = " ".join(parts)
         self.progress.update(self.task, completed=step, status=status)
         self.progress.console.print(f"step {step}: {status}")
 

@@ -372,7 +372,13 @@ class RewardManager:
             return _Result(status, message=str(value))
         if not isinstance(value, list | tuple) or len(value) != len(call.indices):
             got = f"{len(value)} results" if isinstance(value, list | tuple) else f"a {type(value).__name__}"
-            return _Result("invalid", message=f"returned {got} for {len(call.indices)} inputs")
+            hint = ""
+            if isinstance(value, dict | int | float):  # written for one input, called as a batch function
+                hint = (
+                    " (a batch function returns a list with one result per input; for a function that scores one "
+                    'input, put REWARD_TYPE = "sequential" in its file)'
+                )
+            return _Result("invalid", message=f"returned {got} for {len(call.indices)} inputs{hint}")
         for i, item in zip(call.indices, value):
             results[i] = self._check(item)
         return None

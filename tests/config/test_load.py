@@ -217,6 +217,14 @@ BAD = [
     ("model-required", {"worker.actor.model.model_path": None}, "worker.actor.model.model_path", "required"),
     ("train-missing", {"data.train_files": "/nonexistent/train.jsonl"}, "data.train_files", "not found"),
     ("val-missing", {"data.val_files": "/nonexistent/val.parquet"}, "data.val_files", "not found"),
+    # a relative path is read from the working directory, which a config kept beside its data does not suggest
+    ("train-relative", {"data.train_files": "mytask/train.jsonl"}, "data.train_files", "from the working directory"),
+    (
+        "reward-relative",
+        {"worker.reward.reward_function": "mytask/reward.py:main"},
+        "worker.reward.reward_function",
+        "from the working directory",
+    ),
     ("template-missing", {"data.format_prompt": "/nonexistent/t.jinja"}, "data.format_prompt", "not found"),
     (
         "reward-file-missing",
@@ -278,6 +286,35 @@ def test_bad_config_names_the_culprit(
     assert info.value.key == key, message
     assert message.startswith(key), message
     assert hint in message, message
+
+
+def test_micro_batch_count_is_checked_only_where_it_is_used(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    """configs/demo.yaml with a smaller batch (a newcomer's first edit) stopped on a micro-batch count that token-budget
+    micro-batches (`dynamic_batching`, the default) never read."""
+    path = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    odd = ["worker.actor.micro_batch_size_per_device_for_update=3"]  # 2 prompts x n=2 / 2 workers = 2 per worker
+    assert load_config(path, [*odd, "worker.actor.dynamic_batching=true"]).worker.actor.dynamic_batching
+    with pytest.raises(ConfigError, match="3 must divide the per-worker mini-batch of 2 samples"):
+        load_config(path, [*odd, "worker.actor.dynamic_batching=false"])
+
+
+def test_a_tracker_not_installed_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    """`make demo` installs no tracker: naming one stops the config load (and `easyrl check`), not the trainer after
+    Ray and the workers have started, with a traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    path = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    assert load_config(path, ["trainer.logger=[console,file]"]).trainer.logger == ["console", "file"]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.logger=[console,wandb]"])
+    assert info.value.key == "trainer.logger"
+    assert "the wandb package is not installed: pip install 'easyrl[loggers]' or pip install wandb" in str(info.value)
 
 
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:

@@ -206,6 +206,16 @@ def test_max_error_ratio_with_workers(files: dict[str, str]) -> None:
         manager.score(_inputs(10, dict.fromkeys(range(6), "nan")))
 
 
+def test_one_input_function_without_reward_type_says_how_to_fix_it(tmp_path: Path) -> None:
+    """A newcomer's function written for one input, in a file without REWARD_TYPE, is called as a batch function
+    (the default) and returns a dict: the error (of the one-sample retry) names the fix, not just the mismatch."""
+    path = tmp_path / "one.py"
+    path.write_text("def score(x):\n    return {'overall': 1.0}\n", encoding="utf-8")
+    hint = r'returned a dict for 1 inputs .*REWARD_TYPE = "sequential"'
+    with RewardManager(_cfg(f"{path}:score", num_workers=0)) as manager, pytest.raises(RewardError, match=hint):
+        manager.score(_inputs(2, {}))
+
+
 def test_crashing_worker_is_replaced(files: dict[str, str]) -> None:
     cfg = _cfg(files["sequential"], reward_function_kwargs={"api_key": SECRET}, num_workers=2, timeout_s=5.0)
     with RewardManager(cfg) as manager:

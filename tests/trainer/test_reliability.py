@@ -110,3 +110,8 @@ def test_sigterm_stops_within_30s_and_saves(tmp_path: Path, tiny_model_dir, digi
     tracker = (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip()
     assert int(tracker) == last, (tracker, last)
     assert (tmp_path / "run" / f"global_step_{last}" / "COMPLETE").exists()
+    # the stop line says what running the command again does
+    assert (
+        f"stopped by SIGTERM after step {last}; the same command resumes from {tmp_path}/run/global_step_{last}\n"
+        in stderr
+    )

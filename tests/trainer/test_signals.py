@@ -73,7 +73,7 @@ def test_sigterm_during_a_hung_in_process_reward(tmp_path: Path, tiny_model_dir:
             proc.kill()
     stderr = proc.stderr.read() if proc.stderr else ""
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "stopped by SIGTERM after step 0" in stderr
+    assert "stopped by SIGTERM after step 0; no checkpoint to resume from, so the same command starts again" in stderr
     assert elapsed < 30.0, f"took {elapsed:.1f} s to stop"
 
 
