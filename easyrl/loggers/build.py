@@ -15,15 +15,22 @@ if TYPE_CHECKING:
 
 
 def build_tracker(
-    names: list[str], run_dir: str, project: str, experiment: str, total_steps: int, secrets: Secrets
+    names: list[str],
+    run_dir: str,
+    project: str,
+    experiment: str,
+    total_steps: int,
+    secrets: Secrets,
+    fresh: bool = False,
 ) -> Tracker:
-    """The loggers named in `trainer.logger`, behind a gate that scrubs `secrets` from all they receive."""
+    """The loggers named in `trainer.logger`, behind a gate that scrubs `secrets` from all they receive. `fresh`: the
+    run starts at step 1 (nothing resumed), so the file logger sets an earlier run's logs aside."""
     loggers: list[Logger] = []
     for name in names:
         if name == "console":
             loggers.append(ConsoleLogger(total_steps))
         elif name == "file":
-            loggers.append(FileLogger(run_dir))
+            loggers.append(FileLogger(run_dir, fresh))
         else:
             from easyrl.loggers.trackers import build_external
 

@@ -105,11 +105,8 @@ class Trainer:
             self.config_record = json.loads(json.dumps(to_masked_dict(cfg, secrets), default=str))
             if resume_from is not None:
                 self.check_resume_config(resume_from)  # before any process starts: a refused resume is quick
-            self.reward = RewardManager(cfg.worker.reward)
-            self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
-            self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
-            if resume_from is not None:
-                self.resume(resume_from)
+            # Before any process starts too: a tracker that cannot start (a package that fails to import, a bad
+            # folder) fails in a second, not after Ray and the workers.
             self.tracker = build_tracker(
                 cfg.trainer.logger,
                 run_dir,
@@ -117,8 +114,14 @@ class Trainer:
                 cfg.trainer.experiment_name,
                 self.total_steps,
                 secrets,
+                fresh=resume_from is None,
             )
             self.tracker.log_config(self.config_record)
+            self.reward = RewardManager(cfg.worker.reward)
+            self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
+            self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
+            if resume_from is not None:
+                self.resume(resume_from)
         except BaseException:
             self.close()  # release whatever started (processes, workers, the placement group)
             raise
@@ -128,7 +131,9 @@ class Trainer:
         """Run training to `total_steps`; returns the last step's metrics."""
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        if cfg.trainer.val_before_train or cfg.trainer.val_only:
+        # A resumed run with nothing left to train does not validate again (its last step's row has the figures)
+        finished = self.global_step >= self.total_steps and not cfg.trainer.val_only
+        if (cfg.trainer.val_before_train and not finished) or cfg.trainer.val_only:
             val = self.validate()
             self.tracker.log_metrics(val, self.global_step)
             if cfg.trainer.val_only:
