@@ -49,8 +49,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
             if w.actor.dynamic_batching
             else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
         ),
-        "old log-probs: "
-        + ("a forward pass before the update" if old_log_prob_pass(cfg) else "the update's own, detached (1 pass)"),
+        "old log-probs: " + old_log_probs_line(cfg),
         validation_line(cfg),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
@@ -74,6 +73,18 @@ def rerun_line(cfg: EasyRLConfig) -> str:
         "no checkpoint to resume from, so the same command starts again from step 1 "
         "(trainer.save_on_interrupt=true saves one when stopped; trainer.save_freq=N every N steps)"
     )
+
+
+def old_log_probs_line(cfg: EasyRLConfig) -> str:
+    """Where the update's old log-probs come from, and the rollout correction applied to them."""
+    corr = cfg.algorithm.correction
+    if corr.bypass_mode:
+        return "the rollout engine's (rollout_correction.bypass_mode: no forward pass)"
+    source = "a forward pass before the update" if old_log_prob_pass(cfg) else "the update's own, detached (1 pass)"
+    parts = [f"rollout_is: {corr.rollout_is}"] if corr.rollout_is is not None else []
+    parts += [f"rollout_rs: {corr.rollout_rs}"] if corr.rollout_rs is not None else []
+    parts += ["token veto"] if corr.rollout_token_veto_threshold is not None else []
+    return source + (f"; rollout correction: {', '.join(parts)}" if parts else "")
 
 
 def validation_line(cfg: EasyRLConfig) -> str:

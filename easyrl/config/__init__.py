@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from easyrl.config.algorithm import AlgorithmConfig
+from easyrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from easyrl.config.data import DataConfig
 from easyrl.config.errors import ConfigError
 from easyrl.config.loader import load_config, load_config_and_secrets, to_masked_dict
@@ -37,6 +37,7 @@ __all__ = [
     "RefConfig",
     "RewardConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "Secrets",
     "TrainerConfig",
     "WorkerConfig",

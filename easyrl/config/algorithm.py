@@ -1,8 +1,9 @@
-"""Configuration of the RL algorithm: advantage estimator, KL, entropy, online filtering (``algorithm.*``)."""
+"""Configuration of the RL algorithm: advantage estimator, KL, entropy, online filtering, rollout correction
+(``algorithm.*``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -15,6 +16,54 @@ class KLMode(str, Enum):
     """Subtracted from the token-level reward (fixed or adaptive coefficient)."""
     IN_LOSS = "in_loss"
     """Added to the actor loss."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Corrections for the gap between the policy that sampled (the rollout engine's per-token log-probs) and the
+    policy the update starts from (pi_old), with verl's option names (`algorithm.rollout_correction` there too).
+    All off by default. See docs/algorithms.md, "Rollout correction"."""
+
+    rollout_is: str | None = None
+    """Importance weights pi_old / pi_rollout multiplied into the policy loss: token (one weight per token),
+    sequence (the product over the sequence's trained tokens, on each of them) or null (none)."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the importance weights: truncated IS (weights above it are clamped to it), or with
+    `rollout_is_threshold_lower` the upper edge of the IcePop band."""
+    rollout_is_threshold_lower: float | None = None
+    """Masked IS (IcePop): weights outside [lower, rollout_is_threshold] are zeroed instead of clamped (the tokens
+    stay in the loss's denominator). Null: truncated IS. verl's newest versions write the band as one
+    `rollout_is_threshold: "lower_upper"` string (e.g. "0.5_5.0"); here it is the two keys."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the importance weights by their batch mean (over trained tokens for token weights, over sequences for
+    sequence weights), so they average 1."""
+    rollout_rs: str | None = None
+    """Rejection sampling: token (each token by its own ratio), sequence (each sequence by the product of its
+    ratios), geometric (by their geometric mean) or null (none). A token or sequence whose ratio is outside
+    [rollout_rs_threshold_lower, rollout_rs_threshold] leaves `loss_mask` (counted in the metrics)."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound of the rejection band; required with `rollout_rs` (verl's geo-RS preset uses 1.001)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound of the rejection band. Null: 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float | None = None
+    """Veto: a sequence holding any trained token whose ratio pi_old / pi_rollout is below this leaves `loss_mask`
+    whole (verl's presets use 1e-4). Null: off."""
+    bypass_mode: bool = False
+    """The rollout engine's per-token log-probs serve as the old policy: `old_log_probs = rollout_log_probs`, and
+    the actor's old-log-prob pass never runs. Excludes the options above (they compare against a pi_old that
+    bypass does not compute) and adaptive entropy (which reads that pass's entropy)."""
+
+    @property
+    def active(self) -> bool:
+        """Importance weights, rejection or veto is on: each compares pi_old with the engine's log-probs."""
+        return (
+            self.rollout_is is not None or self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+        )
+
+    @property
+    def reads_rollout_log_probs(self) -> bool:
+        """The engine must return the log-probs of every sample (a correction, or bypass mode)."""
+        return self.active or self.bypass_mode
 
 
 @dataclass
@@ -79,5 +128,16 @@ class AlgorithmConfig:
     """Python files imported in the driver and in every worker before the run: estimators and losses they
     register with `@register_advantage_estimator` / `@register_policy_loss` can then be selected by name."""
     tis_cap: float | None = None
-    """Truncated importance sampling against rollout/actor log-prob mismatch: weights capped at this value.
-    None: off."""
+    """A preset: `tis_cap: X` is `rollout_correction: {rollout_is: token, rollout_is_threshold: X}` (token-level
+    truncated importance sampling against the engine's log-probs). Null: off."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy corrections between the rollout engine and the trained policy (verl's names): importance
+    weights, rejection sampling, bypass mode."""
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """`rollout_correction` with the `tis_cap` preset applied: what the run does (validation refuses the preset
+        beside an explicit `rollout_is`)."""
+        if self.tis_cap is None:
+            return self.rollout_correction
+        return replace(self.rollout_correction, rollout_is="token", rollout_is_threshold=self.tis_cap)

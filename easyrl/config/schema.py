@@ -15,7 +15,7 @@ class EasyRLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset, prompt formatting and batch sizes."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimator, KL, entropy and online filtering."""
+    """Advantage estimator, KL, entropy, online filtering and rollout correction."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     """Actor, reference, critic, rollout and reward workers."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

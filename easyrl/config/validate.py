@@ -21,6 +21,7 @@ from easyrl.config.names import (
 
 
 if TYPE_CHECKING:
+    from easyrl.config.algorithm import RolloutCorrectionConfig
     from easyrl.config.schema import EasyRLConfig
 
 LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
@@ -61,6 +62,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_sapo_temperatures(cfg)
     _check_lora(cfg)
     _check_numbers(cfg)
+    _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
@@ -199,11 +201,6 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1] (or null: automatic)")
-    if cfg.algorithm.tis_cap is not None and ratio is not None and ratio < 1:
-        raise ConfigError(
-            "algorithm.tis_cap",
-            "truncated importance sampling needs every log-prob: set worker.rollout.logprob_sample_ratio to 1 or null",
-        )
     if cfg.worker.reward.timeout_s <= 0:
         raise ConfigError("worker.reward.timeout_s", "must be > 0 seconds")
     # Written into the float32 scores like any reward: beyond float32 it would overflow there (NaN fails too).
@@ -211,6 +208,88 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.reward.fallback_score", "must be a finite float32 value (|x| <= 3.4e38)")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
+
+
+# verl's newest rejection modes that are ours under another name (theirs judge -log r; the band is the same).
+_VERL_RS_NAMES = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+
+
+def _check_rollout_correction(cfg: EasyRLConfig) -> None:
+    """`algorithm.rollout_correction` with the `tis_cap` preset: known modes, no setting whose mode is off (it would
+    do nothing), bands that keep something, every log-prob asked for, and bypass mode alone."""
+    key, alg = "algorithm.rollout_correction", cfg.algorithm
+    if alg.tis_cap is not None and not alg.tis_cap > 0:
+        raise ConfigError("algorithm.tis_cap", f"must be > 0 (the truncation cap), got {alg.tis_cap}")
+    if alg.tis_cap is not None and alg.rollout_correction.rollout_is is not None:
+        raise ConfigError(
+            "algorithm.tis_cap",
+            f"is the preset rollout_is: token, rollout_is_threshold: tis_cap; {key}.rollout_is is set too: keep one",
+        )
+    corr = alg.correction
+    if corr.rollout_is is not None:
+        _one_of(f"{key}.rollout_is", corr.rollout_is, ["token", "sequence"])
+    if corr.rollout_rs in _VERL_RS_NAMES:
+        raise ConfigError(
+            f"{key}.rollout_rs", f"{corr.rollout_rs!r} is verl's newer name for {_VERL_RS_NAMES[corr.rollout_rs]!r}"
+        )
+    if corr.rollout_rs is not None:
+        _one_of(f"{key}.rollout_rs", corr.rollout_rs, ["token", "sequence", "geometric"])
+    settings = (
+        ("rollout_is_threshold_lower", corr.rollout_is_threshold_lower, "rollout_is", corr.rollout_is),
+        ("rollout_is_batch_normalize", corr.rollout_is_batch_normalize or None, "rollout_is", corr.rollout_is),
+        ("rollout_rs_threshold", corr.rollout_rs_threshold, "rollout_rs", corr.rollout_rs),
+        ("rollout_rs_threshold_lower", corr.rollout_rs_threshold_lower, "rollout_rs", corr.rollout_rs),
+    )
+    for name, value, mode_name, mode in settings:
+        if value is not None and mode is None:
+            raise ConfigError(f"{key}.{name}", f"does nothing while {mode_name} is null: set {mode_name} or drop it")
+    _check_correction_bands(corr, key)
+    ratio = cfg.worker.rollout.logprob_sample_ratio
+    if corr.reads_rollout_log_probs and ratio is not None and ratio < 1:
+        raise ConfigError(
+            "algorithm.tis_cap" if alg.tis_cap is not None else key,
+            "the rollout correction needs every log-prob: set worker.rollout.logprob_sample_ratio to 1 or null",
+        )
+    if corr.bypass_mode and corr.active:
+        raise ConfigError(
+            f"{key}.bypass_mode",
+            "uses the engine's log-probs as pi_old and computes none of its own, which rollout_is (or algorithm."
+            "tis_cap), rollout_rs and rollout_token_veto_threshold compare with the engine's: turn one side off",
+        )
+    if corr.bypass_mode and alg.adaptive_entropy:
+        raise ConfigError(
+            f"{key}.bypass_mode",
+            "skips the old-log-prob pass whose entropy algorithm.adaptive_entropy steers by: turn one of them off",
+        )
+
+
+def _check_correction_bands(corr: RolloutCorrectionConfig, key: str) -> None:
+    """Thresholds > 0, and each band [lower, upper] non-empty."""
+    upper = corr.rollout_is_threshold
+    if not upper > 0:
+        raise ConfigError(f"{key}.rollout_is_threshold", f"must be > 0, got {upper}")
+    lower = corr.rollout_is_threshold_lower
+    if lower is not None and not 0 <= lower < upper:
+        raise ConfigError(
+            f"{key}.rollout_is_threshold_lower", f"{lower} must be in [0, rollout_is_threshold = {upper}) (the band)"
+        )
+    if corr.rollout_rs is not None:
+        upper_rs = corr.rollout_rs_threshold
+        if upper_rs is None or not upper_rs > 0:
+            raise ConfigError(
+                f"{key}.rollout_rs_threshold",
+                f"must be > 0 with rollout_rs, got {upper_rs}: the upper edge of the band kept (verl's geo-RS: 1.001)",
+            )
+        low = 1.0 / upper_rs if corr.rollout_rs_threshold_lower is None else corr.rollout_rs_threshold_lower
+        if not 0 <= low < upper_rs:
+            raise ConfigError(
+                f"{key}.rollout_rs_threshold_lower",
+                f"the band [{low:g}, {upper_rs:g}] keeps nothing (a null lower edge is 1 / rollout_rs_threshold): "
+                "raise rollout_rs_threshold above 1 or set a lower edge below it",
+            )
+    veto = corr.rollout_token_veto_threshold
+    if veto is not None and not veto > 0:
+        raise ConfigError(f"{key}.rollout_token_veto_threshold", f"must be > 0 or null, got {veto}")
 
 
 def _check_sequence_parallel(cfg: EasyRLConfig) -> None:

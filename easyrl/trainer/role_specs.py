@@ -33,8 +33,8 @@ from easyrl.workers.specs import (
 
 
 DEFAULT_LOGPROB_RATIO = 0.125
-"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and TIS is
-off."""
+"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and no rollout
+correction reads them."""
 
 
 @dataclass(frozen=True)
@@ -208,11 +208,12 @@ def weight_sync(cfg: EasyRLConfig) -> WeightSync:
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
-    """`worker.rollout.logprob_sample_ratio`, or when null: 1 with truncated importance sampling, else 1/8."""
+    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them,
+    else 1/8."""
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None:
         return ratio
-    return 1.0 if cfg.algorithm.tis_cap is not None else DEFAULT_LOGPROB_RATIO
+    return 1.0 if cfg.algorithm.correction.reads_rollout_log_probs else DEFAULT_LOGPROB_RATIO
 
 
 def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
@@ -222,18 +223,20 @@ def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
         ppo_epochs=acfg.ppo_epochs,
         mini_batches=cfg.data.rollout_batch_size // acfg.global_batch_size,
         kl_in_reward=alg.kl_mode == KLMode.IN_REWARD,
-        tis=alg.tis_cap is not None,
+        correction=alg.correction.active,
         adaptive_entropy=alg.adaptive_entropy,
         logprob_diagnostics=ratio is not None and ratio > 0,
+        bypass=alg.correction.bypass_mode,
     )
 
 
 def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
     """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call. The
-    engine's log-probs are asked for only when the old-log-prob pass runs: without it nothing compares them."""
+    engine's log-probs are asked for when the old-log-prob pass runs (something compares them with it) and in bypass
+    mode (they are the old ones); otherwise nothing reads them."""
     rcfg = cfg.worker.rollout
     return SamplingParams(
-        logprobs=old_log_prob_pass(cfg),
+        logprobs=old_log_prob_pass(cfg) or cfg.algorithm.correction.bypass_mode,
         n=rcfg.n,
         temperature=rcfg.temperature,
         top_p=rcfg.top_p,

@@ -8,8 +8,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from easyrl.algorithms import KLController, agg_loss, get_advantage_estimator, kl_penalty, masked_mean
+from easyrl.algorithms.rollout_correction import correct_rollout
 from easyrl.batch import Batch
-from easyrl.config import AlgorithmConfig
+from easyrl.config import AlgorithmConfig, RolloutCorrectionConfig
 
 
 def token_level_scores(scores: Sequence[float], loss_mask: torch.Tensor) -> torch.Tensor:
@@ -93,20 +94,24 @@ def needs_old_log_prob_pass(
     ppo_epochs: int,
     mini_batches: int,
     kl_in_reward: bool,
-    tis: bool,
+    correction: bool,
     adaptive_entropy: bool,
     logprob_diagnostics: bool,
+    bypass: bool,
 ) -> bool:
     """Whether a step must run the actor's old-log-prob pass before the update (TRL skips it when it may).
 
     With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
     the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
     forward. The pass is still needed when something reads them (or the entropy it returns) before the update: KL in
-    the reward, truncated importance weights, the adaptive entropy controller, or the engine-vs-actor log-prob
-    diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly).
+    the reward, a rollout correction (importance weights, rejection, veto), the adaptive entropy controller, or the
+    engine-vs-actor log-prob diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly). Bypass mode never
+    runs it: the engine's log-probs are the old ones (config validation refuses what would read the pass there).
     """
+    if bypass:
+        return False
     reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
-    return reused or kl_in_reward or tis or adaptive_entropy or logprob_diagnostics
+    return reused or kl_in_reward or correction or adaptive_entropy or logprob_diagnostics
 
 
 def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:
@@ -133,10 +138,30 @@ def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     return None
 
 
-def rollout_tis_weights(batch: Batch, cap: float) -> torch.Tensor:
-    """Truncated importance weights min(pi_actor / pi_rollout, cap) per token (B, R), zero on padding."""
-    ratio = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]).clamp(max=cap)
-    return ratio * batch["loss_mask"]
+def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+    """The rollout-correction stage, before anything reads the old log-probs or the loss mask (KL in the reward, the
+    advantages). Bypass mode: the engine's log-probs become `old_log_probs`. Otherwise the engine-vs-actor
+    diagnostics, and with a correction on: `rollout_is_weights` (B, R) for the loss, and `loss_mask` less the
+    rejected tokens, with each score moved onto its row's last kept token."""
+    if "rollout_log_probs" not in batch:
+        if cfg.reads_rollout_log_probs:  # role_specs asks the engines for them: a rollout loop dropped them
+            raise ValueError("the rollout correction needs rollout_log_probs, and the rollout gave none")
+        return {}
+    if cfg.bypass_mode:
+        batch.set(old_log_probs=batch["rollout_log_probs"])
+        return {}  # the engine compared with itself: no diagnostics
+    metrics = logprob_consistency(batch)
+    if not cfg.active:
+        return metrics
+    out = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], batch["loss_mask"], cfg)
+    if out.weights is not None:
+        batch.set(rollout_is_weights=out.weights)
+    if cfg.rollout_rs is not None or cfg.rollout_token_veto_threshold is not None:
+        # A reward-to-go estimator drops a reward standing on an untrained token: move each score onto the last token
+        # still trained (a whole rejected row keeps its score for its group's baseline, and trains nothing).
+        scores = batch["token_level_scores"].sum(dim=1).tolist()
+        batch.set(loss_mask=out.loss_mask, token_level_scores=token_level_scores(scores, out.loss_mask))
+    return metrics | out.metrics
 
 
 def logprob_consistency(batch: Batch) -> dict[str, float]:

@@ -28,17 +28,16 @@ from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,
+    apply_rollout_correction,
     compute_advantages,
     data_metrics,
     first_nonfinite,
     keep_informative_groups,
-    logprob_consistency,
     mean_entropy,
     mini_batch_major_order,
     policy_version_metrics,
     pool_reward_metrics,
     resumed_policy_version,
-    rollout_tis_weights,
     sampled_validation_metrics,
     throughput_metrics,
     token_level_scores,
@@ -264,15 +263,12 @@ class Trainer:
 
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
-        metrics: dict[str, float] = {}
+        # First: bypass mode sets the old log-probs and rejection edits the loss mask, which everything below reads.
+        metrics = apply_rollout_correction(batch, alg.correction)
         if alg.kl_mode == KLMode.IN_REWARD:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
             batch.set(token_level_rewards=batch["token_level_scores"])
-        if "rollout_log_probs" in batch:
-            metrics |= logprob_consistency(batch)
-            if alg.tis_cap is not None:
-                batch.set(rollout_is_weights=rollout_tis_weights(batch, alg.tis_cap))
         compute_advantages(batch, alg)
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
             self.entropy_ctrl.update(mean_entropy(batch))

@@ -162,6 +162,7 @@ def _mutate(conf: dict, dotted: str, value: object) -> None:
     node[leaf] = value
 
 
+RC = "algorithm.rollout_correction"
 # (case id, YAML edits {dotted key: value} or CLI overrides, the key the message must name, a word of the fix)
 BAD = [
     ("unknown-section", {"datas": {"x": 1}}, "datas", "Did you mean data"),
@@ -181,6 +182,45 @@ BAD = [
         "every log-prob",
     ),
     ("enum-kl", {"algorithm.kl_penalty": "k5"}, "algorithm.kl_penalty", "low_var_kl"),
+    ("rc-is-level", {f"{RC}.rollout_is": "geometric"}, f"{RC}.rollout_is", "token, sequence"),
+    ("rc-rs-verl-name", {f"{RC}.rollout_rs": "seq_mean_k1"}, f"{RC}.rollout_rs", "'geometric'"),
+    ("rc-rs-needs-threshold", {f"{RC}.rollout_rs": "geometric"}, f"{RC}.rollout_rs_threshold", "1.001"),
+    (
+        "rc-rs-empty-band",
+        {f"{RC}.rollout_rs": "token", f"{RC}.rollout_rs_threshold": 0.9},
+        f"{RC}.rollout_rs_threshold_lower",
+        "keeps nothing",
+    ),
+    ("rc-orphan-lower", {f"{RC}.rollout_is_threshold_lower": 0.5}, f"{RC}.rollout_is_threshold_lower", "does nothing"),
+    ("rc-orphan-rs", {f"{RC}.rollout_rs_threshold": 1.01}, f"{RC}.rollout_rs_threshold", "does nothing"),
+    (
+        "rc-icepop-band",
+        {f"{RC}.rollout_is": "token", f"{RC}.rollout_is_threshold_lower": 3.0},
+        f"{RC}.rollout_is_threshold_lower",
+        "[0, rollout_is_threshold",
+    ),
+    ("rc-veto", {f"{RC}.rollout_token_veto_threshold": 0.0}, f"{RC}.rollout_token_veto_threshold", "> 0"),
+    ("rc-tis-cap-twice", {"algorithm.tis_cap": 2.0, f"{RC}.rollout_is": "token"}, "algorithm.tis_cap", "keep one"),
+    ("rc-tis-cap-positive", {"algorithm.tis_cap": 0.0}, "algorithm.tis_cap", "> 0"),
+    (
+        "rc-bypass-with-is",
+        {f"{RC}.bypass_mode": True, f"{RC}.rollout_is": "token"},
+        f"{RC}.bypass_mode",
+        "computes none of its own",
+    ),
+    ("rc-bypass-with-tis-cap", {f"{RC}.bypass_mode": True, "algorithm.tis_cap": 2.0}, f"{RC}.bypass_mode", "tis_cap"),
+    (
+        "rc-bypass-adaptive-entropy",
+        {f"{RC}.bypass_mode": True, "algorithm.adaptive_entropy": True},
+        f"{RC}.bypass_mode",
+        "adaptive_entropy",
+    ),
+    (
+        "rc-bypass-every-logprob",
+        {f"{RC}.bypass_mode": True, "worker.rollout.logprob_sample_ratio": 0.5},
+        RC,
+        "every log-prob",
+    ),
     ("enum-agg", {"worker.actor.loss_avg_mode": "sum"}, "worker.actor.loss_avg_mode", "token-mean"),
     ("enum-loss", {"worker.actor.loss_type": "ppo2"}, "worker.actor.loss_type", "gspo"),
     ("enum-logger", {"trainer.logger": ["console", "neptune"]}, "trainer.logger", "wandb"),

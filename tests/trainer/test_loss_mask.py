@@ -18,11 +18,10 @@ from easyrl.batch import Batch
 from easyrl.config import AlgorithmConfig
 from easyrl.trainer.step_math import (
     apply_kl_in_reward,
+    apply_rollout_correction,
     compute_advantages,
     data_metrics,
-    logprob_consistency,
     mean_entropy,
-    rollout_tis_weights,
     token_level_scores,
 )
 from easyrl.workers.actor import policy_objective
@@ -105,9 +104,8 @@ def _compressed(full: Batch) -> Batch:
 def _step_math(batch: Batch) -> dict[str, float]:
     """The driver's per-step math, in the trainer's order, with reinforce++ (returns and whitening read the mask)."""
     batch.set(token_level_scores=token_level_scores(SCORES, batch["loss_mask"]))
-    metrics = apply_kl_in_reward(batch, FixedKLController(0.3), "low_var_kl")
-    metrics |= logprob_consistency(batch)
-    batch.set(rollout_is_weights=rollout_tis_weights(batch, cap=2.0))
+    metrics = apply_rollout_correction(batch, AlgorithmConfig(tis_cap=2.0).correction)
+    metrics |= apply_kl_in_reward(batch, FixedKLController(0.3), "low_var_kl")
     compute_advantages(batch, AlgorithmConfig(adv_estimator="reinforce_plus_plus"))
     metrics |= data_metrics(batch, PROMPT, RESPONSE)
     metrics["entropy"] = mean_entropy(batch)

@@ -48,20 +48,24 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         "ppo_epochs": 1,
         "mini_batches": 1,
         "kl_in_reward": False,
-        "tis": False,
+        "correction": False,
         "adaptive_entropy": False,
         "logprob_diagnostics": False,
+        "bypass": False,
     }
     assert needs_old_log_prob_pass(**base) is False  # the update's forward runs the rollout policy's weights
     for key, value in (
         ("ppo_epochs", 2),  # the second epoch runs moved weights
         ("mini_batches", 2),  # so does the second mini-batch
         ("kl_in_reward", True),  # the reward reads KL(old || ref) before the update
-        ("tis", True),  # truncated IS weights are old / rollout
+        ("correction", True),  # importance weights, rejection and veto compare old with rollout
         ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
         ("logprob_diagnostics", True),  # rollout/logprob_diff_* compare old and rollout log-probs
     ):
         assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
+    # Bypass mode: the engine's log-probs are the old ones, whatever the epochs, mini-batches or KL in the reward.
+    reusing = {**base, "ppo_epochs": 2, "mini_batches": 2, "kl_in_reward": True, "logprob_diagnostics": True}
+    assert needs_old_log_prob_pass(**{**reusing, "bypass": True}) is False
 
 
 def test_sampled_validation_metrics_per_prompt_mean_best_and_pass() -> None:
