@@ -73,14 +73,21 @@ def _kind(key: str) -> str:
     return "training"
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any, str]]:
+def config_changes(
+    saved: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, Any, str]]:
     """`{dotted key: (saved value, current value, kind)}` for every leaf that differs (or exists in one only);
-    kind is "model", "run" or "training" (see the module docstring)."""
+    kind is "model", "run" or "training" (see the module docstring). With `defaults` (the schema's config, same
+    shape), a key the saved record lacks and the current config holds at its default is no change: the key came with
+    a newer easyrl, and its default is what the checkpoint was trained with (a feature off, as it did not exist)."""
     old, new = _flatten(saved), _flatten(current)
+    default = _flatten(defaults) if defaults is not None else {}
     missing = object()
     out: dict[str, tuple[Any, Any, str]] = {}
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, missing), new.get(key, missing)
+        if before is missing and key in default and after == default[key]:
+            continue
         if before != after:
             out[key] = (
                 "(absent)" if before is missing else before,
@@ -96,14 +103,19 @@ def _shown(value: Any) -> str:
 
 
 def resume_config_report(
-    saved: dict[str, Any], current: dict[str, Any], checkpoint: str, allow_model_change: bool
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    checkpoint: str,
+    allow_model_change: bool,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(info lines, warning lines) about resuming `checkpoint` (saved under `saved`) with `current`.
+    """(info lines, warning lines) about resuming `checkpoint` (saved under `saved`) with `current`; `defaults` as in
+    `config_changes`.
 
     Raises:
         ConfigError: the model changed and `trainer.allow_model_change_on_resume` is not set; names each key.
     """
-    changes = config_changes(saved, current)
+    changes = config_changes(saved, current, defaults)
     by_kind: dict[str, list[str]] = {"run": [], "training": [], "model": []}
     for key, (before, after, kind) in changes.items():
         by_kind[kind].append(f"{key}: {_shown(before)} -> {_shown(after)}")

@@ -116,6 +116,9 @@ class Trainer:
                 fresh=resume_from is None,
             )
             self.tracker.log_config(self.config_record)
+            self.trained_to = self.finished_at(resume_from)
+            if self.trained_to is not None:
+                return  # trained to the end already: no reward processes, no Ray, no workers to start
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
@@ -130,9 +133,16 @@ class Trainer:
         """Run training to `total_steps`; returns the last step's metrics."""
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        # A resumed run with nothing left to train does not validate again (its last step's row has the figures)
-        finished = self.global_step >= self.total_steps and not cfg.trainer.val_only
-        if (cfg.trainer.val_before_train and not finished) or cfg.trainer.val_only:
+        if self.trained_to is not None:
+            logger.info(
+                "already trained to step %d of %d (the checkpoint's): nothing to do; raise trainer.max_steps or "
+                "trainer.total_epochs to train on, or remove %s to train again",
+                self.trained_to,
+                self.total_steps,
+                cfg.trainer.save_checkpoint_path,
+            )
+            return metrics
+        if cfg.trainer.val_before_train or cfg.trainer.val_only:
             val = self.validate()
             self.tracker.log_metrics(val, self.global_step)
             if cfg.trainer.val_only:
@@ -421,6 +431,14 @@ class Trainer:
         self.actor.set_policy_version(resumed_policy_version(self.global_step, self.cfg.trainer.critic_warmup))
         rng.restore()
 
+    def finished_at(self, resume_from: str | None) -> int | None:
+        """The step of `resume_from` when it already reached `total_steps` (and the run is not `val_only`), read from
+        its trainer state alone; None when there is training left."""
+        if resume_from is None or self.cfg.trainer.val_only:
+            return None
+        done = int(read_trainer_state(resume_from)[0]["global_step"])
+        return done if done >= self.total_steps else None
+
     def check_resume_config(self, folder: str) -> None:
         """Compare the config with the one `folder` was saved under: name what changed, refuse a changed model
         unless `trainer.allow_model_change_on_resume` (see `easyrl.config.resume_diff`)."""
@@ -429,7 +447,9 @@ class Trainer:
             logger.info("%s was saved without its config (an older easyrl): changes cannot be named", folder)
             return
         allow = self.cfg.trainer.allow_model_change_on_resume
-        info, warnings = resume_config_report(saved, self.config_record, folder, allow)
+        # the schema's defaults, as the record writes them: a key newer than the checkpoint, at its default, is no change
+        defaults = json.loads(json.dumps(to_masked_dict(EasyRLConfig(), Secrets()), default=str))
+        info, warnings = resume_config_report(saved, self.config_record, folder, allow, defaults)
         for line in info:
             logger.info(line)
         for line in warnings:

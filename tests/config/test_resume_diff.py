@@ -83,3 +83,15 @@ def test_run_management_keys_are_real_config_keys() -> None:
 
     keys = set((Path(__file__).with_name("config_keys.txt")).read_text().split())
     assert keys >= _RUN_MANAGEMENT, sorted(_RUN_MANAGEMENT - keys)
+
+
+def test_a_key_newer_than_the_checkpoint_at_its_default_is_no_change() -> None:
+    """A checkpoint saved before a key existed: the key at its default is what it trained with; set otherwise, it is
+    a change like any other."""
+    current = copy.deepcopy(SAVED)
+    current["algorithm"]["new_feature"] = {"on": False}
+    defaults = {"algorithm": {"new_feature": {"on": False}}}
+    assert resume_config_report(SAVED, current, "ck", False, defaults) == ([], [])
+    current["algorithm"]["new_feature"]["on"] = True
+    _, warnings = resume_config_report(SAVED, current, "ck", False, defaults)
+    assert "algorithm.new_feature.on: '(absent)' -> True" in warnings[0]

@@ -86,15 +86,18 @@ def test_log_is_appended_not_rewritten_on_resume(
 
 
 def test_a_finished_run_resumes_to_nothing_and_a_fresh_start_sets_the_old_log_aside(
-    tmp_path: Path, tiny_model_dir, digits_data
+    tmp_path: Path, tiny_model_dir, digits_data, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Running a finished run's command again adds nothing to its log (no second validation of the last step); a
     run that starts over at step 1 in the folder (no checkpoint left) keeps the earlier log apart, not mixed in."""
     edits = {"data.val_files": digits_data["val"], "trainer.val_before_train": True}
     first, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
     assert [r["step"] for r in first] == [0, 1]
-    again, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
+    with caplog.at_level(logging.INFO, logger="easyrl"):
+        again, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
     assert again == first  # the log as it was: nothing trained, nothing validated
+    assert "already trained to step 1 of 1" in caplog.text
+    assert "starting Ray" not in caplog.text  # and nothing started for it
     for folder in (tmp_path / "run").glob("global_step_*"):
         shutil.rmtree(folder)
     fresh, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
