@@ -176,3 +176,49 @@ def train_steps(
     log = tmp_path / "run" / "experiment_log.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return rows, before, after
+
+
+def ppo_kl_loss() -> Any:
+    """The PPO loss with the low-variance KL as a loss term, as the worker-level tests train it."""
+    from easyrl.workers.specs import PolicyLossSpec
+
+    return PolicyLossSpec(
+        "ppo",
+        params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
+        kl_in_loss=True,
+        kl_penalty="low_var_kl",
+        kl_coef=0.1,
+    )
+
+
+def left_padded_prompts(tokenizer_dir: str, texts: list[str]) -> Any:
+    """`texts` tokenized and left-padded as the driver sends prompts to the engines (ids, mask, positions)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from easyrl.batch import Batch
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+
+
+def metric_mismatches(
+    got: list[dict[str, float]], want: list[dict[str, float]], rtol: float = 1e-5, atol: float = 1e-6
+) -> list[str]:
+    """The metrics of two runs' logged rows that differ beyond float noise, one line each (the same keys expected)."""
+    import math
+
+    if [sorted(r) for r in got] != [sorted(r) for r in want]:
+        return [f"metric keys differ: {[sorted(set(g) ^ set(w)) for g, w in zip(got, want, strict=False)]}"]
+    return [
+        f"step {g['step']} {k}: {g[k]!r} vs {w[k]!r}"
+        for g, w in zip(got, want, strict=True)
+        for k in w
+        if not math.isclose(g[k], w[k], rel_tol=rtol, abs_tol=atol)
+    ]

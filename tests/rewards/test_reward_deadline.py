@@ -44,6 +44,14 @@ def _batch(samples: int, hung: int, **extra: Any) -> list[dict[str, Any]]:
     return [{"i": i, "hang": (i * hung) // samples != ((i + 1) * hung) // samples, **extra} for i in range(samples)]
 
 
+def _mostly_raising() -> list[dict[str, Any]]:
+    """64 samples: one call hangs, 39 raise at once (past a 0.25 error ratio while the hung call still runs)."""
+    inputs = _batch(64, 1)
+    for item in inputs[1:40]:
+        item["raise"] = True
+    return inputs
+
+
 def _timed(manager: RewardManager, inputs: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
     start = time.monotonic()
     _, metrics = manager.score(inputs)
@@ -88,9 +96,7 @@ def test_all_hung_raises_within_the_timeout(files: dict[str, str]) -> None:
 def test_error_ratio_applies_as_soon_as_exceeded(files: dict[str, str]) -> None:
     """Half the batch raises at once while one call hangs: the stage stops without waiting for the hung call."""
     cfg = RewardConfig(reward_function=files["sequential"], num_workers=2, timeout_s=30.0, max_error_ratio=0.25)
-    inputs = _batch(64, 1)
-    for item in inputs[1:40]:
-        item["raise"] = True
+    inputs = _mostly_raising()
     with RewardManager(cfg) as manager:
         manager.score(_batch(4, 0))
         start = time.monotonic()
@@ -103,9 +109,7 @@ def test_a_stage_stopped_early_leaves_no_call_behind_for_the_next(files: dict[st
     """The hung call of a stage that stopped early (error ratio) does not hold a worker into the next stage: that
     stage scores its own samples at once, instead of waiting out the deadline for a call of the last one."""
     cfg = RewardConfig(reward_function=files["sequential"], num_workers=2, timeout_s=30.0, max_error_ratio=0.25)
-    inputs = _batch(64, 1)
-    for item in inputs[1:40]:
-        item["raise"] = True
+    inputs = _mostly_raising()
     with RewardManager(cfg) as manager:
         manager.score(_batch(4, 0))
         with pytest.raises(RewardError, match="before scoring stopped early"):

@@ -5,7 +5,6 @@ On CPU: Ray, 2 FSDP2 workers over gloo, the HF engine, the tiny model and the di
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from easyrl.batch import Batch
 from easyrl.rollout import EngineSession, SamplingParams
 from easyrl.rollout.loop import seeded_request, with_prompts
-from tests.conftest import train_steps
+from tests.conftest import metric_mismatches, train_steps
 
 
 pytestmark = pytest.mark.slow
@@ -69,14 +68,7 @@ def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 def _assert_same_training(got: list[dict[str, float]], want: list[dict[str, float]]) -> None:
     """Same metrics, step for step, up to float reduction order: the engines see other batch shapes, so the engine vs
     actor log-prob difference (float32 noise, ~1e-7) moves by an ulp or two."""
-    got, want = _stable(got), _stable(want)
-    assert [sorted(r) for r in got] == [sorted(r) for r in want]
-    bad = [
-        f"step {g['step']} {k}: {g[k]!r} vs {w[k]!r}"
-        for g, w in zip(got, want, strict=True)
-        for k in w
-        if not math.isclose(g[k], w[k], rel_tol=1e-5, abs_tol=1e-6)
-    ]
+    bad = metric_mismatches(_stable(got), _stable(want))
     assert not bad, "\n".join(bad)
 
 

@@ -9,27 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from easyrl.batch import Batch
 from easyrl.config import load_config
 from easyrl.rollout import SingleTurnLoop
 from easyrl.trainer.role_specs import build_role_specs, rollout_role_spec, sampling_params
-from tests.conftest import base_config, write_config
+from tests.conftest import base_config, left_padded_prompts, write_config
 
 
 pytestmark = pytest.mark.slow
-
-
-def _prompts(tokenizer_dir: str, texts: list[str]) -> Batch:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    rows = [tok(t)["input_ids"] for t in texts]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
-    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
 
 
 def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
@@ -51,7 +37,7 @@ def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
         for handle in [actor.call_async("init_model"), rollout.call_async("init_model")]:
             handle.result()
         loop, params = SingleTurnLoop(), sampling_params(cfg).override({"seed": 11, "n": 2})
-        prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3", "Copy: 2", "Copy: 3 1 0 2"])
+        prompts = left_padded_prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3", "Copy: 2", "Copy: 3 1 0 2"])
 
         def tokens(group: WorkerGroup) -> tuple[torch.Tensor, torch.Tensor]:
             rows, timings = loop.run(group, prompts, params)

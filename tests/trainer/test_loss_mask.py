@@ -28,8 +28,7 @@ from easyrl.workers.actor import policy_objective
 from easyrl.workers.batching import make_micro_batches
 from easyrl.workers.critic import value_objective
 from easyrl.workers.forward_backward import _backward_mini_batch, token_log_probs
-from easyrl.workers.specs import PolicyLossSpec
-from tests.conftest import padded_rows
+from tests.conftest import padded_rows, ppo_kl_loss
 from tests.workers.test_packing import tiny_lm
 
 
@@ -40,13 +39,7 @@ LENGTHS = [10, 6, 9, 4]
 TOOL = {0: range(3, 6), 2: range(6, 9)}
 """Tool output per row: row 0 in the middle of its response, row 2 at its very end (cut off mid-tool-call)."""
 SCORES = [1.0, 0.0, 0.5, 1.0]
-LOSS = PolicyLossSpec(
-    "ppo",
-    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
-    kl_in_loss=True,
-    kl_penalty="low_var_kl",
-    kl_coef=0.1,
-)
+LOSS = ppo_kl_loss()
 
 
 def _rows() -> Batch:

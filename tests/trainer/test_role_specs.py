@@ -16,7 +16,7 @@ from easyrl.config import EasyRLConfig, load_config
 from easyrl.rollout import WeightSync
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
-from tests.conftest import base_config, write_config
+from tests.conftest import base_config, left_padded_prompts, write_config
 
 
 def _free_port() -> int:
@@ -173,19 +173,6 @@ def _reaches_config(obj: object) -> bool:
     return False
 
 
-def _prompts(tokenizer_dir: str, texts: list[str]) -> Batch:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    rows = [tok(t)["input_ids"] for t in texts]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
-    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
-
-
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch):
     """This process as a world of one worker (the env Ray's worker group would set)."""
@@ -227,7 +214,7 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
 
     actor = ActorWorker(specs.actor)
     actor.init_model()
-    prompts = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
+    prompts = left_padded_prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
     # the driver seeds every prompt before the batch is split (Trainer.generate); the worker refuses unseeded ones
     prompts = prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
     out, timing = actor.generate_sequences(prompts, sampling)
@@ -271,8 +258,8 @@ def test_an_engine_session_generates_the_rows_of_generate_sequences(
     actor = ActorWorker(build_role_specs(cfg, optimizer_steps=4, world_size=1).actor)
     actor.init_model()
     sampling = sampling_params(cfg).override({"seed": 7})
-    first = _prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
-    second = _prompts(tiny_model_dir, ["Copy: 2", "Copy: 3 1 0 2"])
+    first = left_padded_prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
+    second = left_padded_prompts(tiny_model_dir, ["Copy: 2", "Copy: 3 1 0 2"])
     for prompts in (first, second):
         prompts.set(**{SEED_COLUMN: prompt_seeds(sampling.seed, len(prompts), sampling.n)})
     with pytest.raises(RuntimeError, match="call open_rollout first"):

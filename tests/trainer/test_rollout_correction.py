@@ -16,7 +16,7 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, RolloutCorrectionConfig, load_config
 from easyrl.trainer.role_specs import effective_logprob_ratio, old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import apply_rollout_correction, token_level_scores
-from tests.conftest import base_config, train_steps, write_config
+from tests.conftest import base_config, metric_mismatches, train_steps, write_config
 
 
 RC = "algorithm.rollout_correction"
@@ -142,13 +142,7 @@ def test_bypass_mode_trains_as_the_recomputed_mode_when_engine_and_trainer_agree
     assert all(any(k.startswith(diagnostics) for k in row) for row in recomputed)
     want = [{k: v for k, v in r.items() if not k.startswith(VOLATILE + diagnostics)} for r in recomputed]
     got = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in bypass]
-    assert [set(g) ^ set(w) for g, w in zip(got, want)] == [set(), set()]
-    bad = [
-        f"step {g['step']} {k}: {g[k]!r} vs {w[k]!r}"
-        for g, w in zip(got, want, strict=True)
-        for k in w
-        if not math.isclose(g[k], w[k], rel_tol=1e-5, abs_tol=1e-6)
-    ]
+    bad = metric_mismatches(got, want)
     assert not bad, "\n".join(bad)
     assert weights is not None and bypass_weights is not None
     for name, tensor in weights.items():

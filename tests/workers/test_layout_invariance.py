@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from easyrl.batch import Batch
-from easyrl.workers.specs import ForwardOptions, PolicyLossSpec
-from tests.conftest import padded_rows
+from easyrl.workers.specs import ForwardOptions
+from tests.conftest import padded_rows, ppo_kl_loss
 from tests.workers.test_batching import init_rank, run_ranks
 
 
@@ -28,13 +28,7 @@ PROMPT, RESPONSES = 4, [1, 2, 2, 3, 10, 10, 4, 2]
 """Rank 0's half of the batch has short responses, rank 1's long ones: per-rank token means weigh them wrongly."""
 BUDGET = 15
 """Token budget that cuts rank 1's rows (14, 14, 8, 6 tokens) into 3 micro-batches of 1, 1 and 2 rows."""
-LOSS = PolicyLossSpec(
-    "ppo",
-    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
-    kl_in_loss=True,
-    kl_penalty="low_var_kl",
-    kl_coef=0.1,
-)
+LOSS = ppo_kl_loss()
 ENTROPY_COEFF = 0.01
 
 

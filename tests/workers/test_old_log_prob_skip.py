@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from easyrl.batch import Batch
-from easyrl.workers.specs import ForwardOptions, PolicyLossSpec
-from tests.conftest import padded_rows
+from easyrl.workers.specs import ForwardOptions
+from tests.conftest import padded_rows, ppo_kl_loss
 
 
 CPU = torch.device("cpu")
 PROMPT, RESPONSES = 4, [1, 3, 6, 2, 5, 4]
-LOSS = PolicyLossSpec(
-    "ppo",
-    params=(("clip_ratio_low", 0.2), ("clip_ratio_high", 0.28), ("clip_ratio_dual", 3.0)),
-    kl_in_loss=True,
-    kl_penalty="low_var_kl",
-    kl_coef=0.1,
-)
+LOSS = ppo_kl_loss()
 
 
 def _batch(vocab: int = 90) -> Batch:
