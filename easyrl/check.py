@@ -22,7 +22,14 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     per_worker = w.actor.global_batch_size * w.rollout.n // dp
     sp = f"; sequence parallel {w.actor.ulysses_size} ({dp} data-parallel groups)" if w.actor.ulysses_size > 1 else ""
     tp = w.rollout.ranks_per_engine
-    engines = f"{workers // tp} (tensor parallel {tp})" if tp > 1 else str(workers)
+    separate = w.rollout.placement == "separate"
+    rollout_workers = w.rollout.n_gpus if separate else workers
+    engines = f"{rollout_workers // tp} (tensor parallel {tp})" if tp > 1 else str(rollout_workers)
+    where = (
+        f", on {w.rollout.n_gpus} rollout worker(s) of their own (resident, weights pushed after each update)"
+        if separate
+        else ", in the actor's processes (asleep while it trains)"
+    )
     if alg.kl_mode == KLMode.OFF:
         kl = "off (no reference model)"
     else:
@@ -37,8 +44,9 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"model: {w.actor.model.model_path}{adapters}",
         f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
-        f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens",
-        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor+rollout"
+        f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens{where}",
+        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor"
+        + ("" if separate else "+rollout")
         + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
         + sp,

@@ -351,9 +351,15 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
                 f"{micro} must divide the per-worker mini-batch of {per_device} samples "
                 f"(global_batch_size * n / {dp} workers{sp_note})",
             )
-    if cfg.worker.rollout.tensor_parallel_size > workers or workers % cfg.worker.rollout.tensor_parallel_size:
-        raise ConfigError("worker.rollout.tensor_parallel_size", f"must divide the number of workers ({workers})")
-    engines = workers // cfg.worker.rollout.ranks_per_engine
+    rollout_workers = _check_placement(cfg, workers)
+    if (
+        cfg.worker.rollout.tensor_parallel_size > rollout_workers
+        or rollout_workers % cfg.worker.rollout.tensor_parallel_size
+    ):
+        raise ConfigError(
+            "worker.rollout.tensor_parallel_size", f"must divide the number of rollout workers ({rollout_workers})"
+        )
+    engines = rollout_workers // cfg.worker.rollout.ranks_per_engine
     prompt_counts = {"data.rollout_batch_size": rollout}
     if cfg.algorithm.online_filtering and cfg.data.mini_rollout_batch_size:
         prompt_counts["data.mini_rollout_batch_size"] = cfg.data.mini_rollout_batch_size
@@ -476,3 +482,21 @@ def _check_reward_function(spec: str | None) -> None:
     if fn not in names:
         funcs = sorted(n for n in names if not n.isupper())
         raise ConfigError(key, f"no function {fn!r} in {file}; it defines: {', '.join(funcs) or 'nothing'}")
+
+
+def _check_placement(cfg: EasyRLConfig, workers: int) -> int:
+    """`worker.rollout.placement` and `n_gpus`; returns how many workers the engines span (the actor's when
+    colocated, `n_gpus` when separate)."""
+    rollout = cfg.worker.rollout
+    _one_of("worker.rollout.placement", rollout.placement, ["colocated", "separate"])
+    if rollout.placement == "colocated":
+        return workers
+    if rollout.n_gpus < 1:
+        raise ConfigError("worker.rollout.n_gpus", f"must be >= 1 with placement: separate, got {rollout.n_gpus}")
+    lora = cfg.worker.actor.model.lora
+    if lora.rank > 0 and lora.rollout_sync == "adapter":
+        raise ConfigError(
+            "worker.actor.model.lora.rollout_sync",
+            "adapter: separate rollout workers receive full (merged) weights; use merged with placement: separate",
+        )
+    return rollout.n_gpus

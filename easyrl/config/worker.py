@@ -233,6 +233,13 @@ class RolloutConfig:
     `algorithm.rollout_correction` (or `tis_cap`) reads them."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
+    placement: str = "colocated"
+    """Where the engines run: `colocated` (the HybridEngine: in the actor's processes, asleep while it trains) or
+    `separate` (workers of their own on `n_gpus` more GPUs: the engines stay resident and get the policy's weights
+    after each update)."""
+    n_gpus: int = 1
+    """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
+    `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""
 
     @property
     def ranks_per_engine(self) -> int:

@@ -74,9 +74,13 @@ class RolloutWorker:
         device: torch.device,
         ledger: MemoryLedger,
         media_per_prompt: dict[str, int] | None = None,
+        sleeps: bool = True,
     ) -> None:
+        """`sleeps`: the engine sleeps between sessions (it shares its device with training, the HybridEngine);
+        False keeps it resident (a device of its own): a session then only loads new weights."""
         self.spec = spec
         self.ledger = ledger
+        self.sleeps = sleeps
         with ledger.building_engine():  # its pools, kept apart from the training figures
             self.engine = build_engine(spec, device, media_per_prompt)
         self.stale = False  # the engine loaded the same checkpoint the policy did
@@ -91,6 +95,12 @@ class RolloutWorker:
         if self.session_open:
             raise RuntimeError("open_rollout called twice: close the engine session (close_rollout) first")
         self.session_open = True
+        if not self.sleeps:  # resident: nothing to wake, nothing to make room for; only new weights to load
+            if not self.stale:
+                return {}
+            start = time.perf_counter()
+            self.receive_weights(source, version)
+            return {"timing_s/update_weights": time.perf_counter() - start}
         if not self.stale:
             start = time.perf_counter()
             make_room()
@@ -140,6 +150,9 @@ class RolloutWorker:
         if not self.session_open:
             raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
         self.ledger.mark("after_generate")
+        if not self.sleeps:
+            self.session_open = False
+            return {}
         start = time.perf_counter()
         timing: dict[str, float] = {}
         self.ledger.sleep(self.engine)  # hands the allocator's cache back too

@@ -103,6 +103,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
         memory_levers=memory_levers(cfg),
         serves_reference=lora_on(cfg) and cfg.algorithm.kl_mode != KLMode.OFF,
+        colocated_engine=cfg.worker.rollout.placement == "colocated",
     )
 
 

@@ -241,7 +241,7 @@ class Trainer:
         """`n` responses for each of `prompts` (`n` and the rest of the sampling from `worker.rollout`, changed by
         `overrides`): the rollout loop returns the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
         params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
-        batch, timing = self.rollout_loop.run(self.actor, prompts, params)
+        batch, timing = self.rollout_loop.run(self.workers.engines, prompts, params)
         metrics |= timing
         return batch
 

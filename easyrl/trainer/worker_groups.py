@@ -10,6 +10,7 @@ import psutil
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
+from easyrl.trainer.engines import SeparateEngines
 from easyrl.trainer.role_specs import build_role_specs, use_gpu
 
 
@@ -57,7 +58,8 @@ class PaddedBatch:
 
 
 class Workers:
-    """The worker groups of a run: actor (+rollout), and the optional reference and critic."""
+    """The worker groups of a run: actor (+rollout engines when colocated), the optional reference and critic, and
+    rollout workers of their own with `worker.rollout.placement: separate`."""
 
     def __init__(
         self, cfg: EasyRLConfig, optimizer_steps: int, media_per_prompt: dict[str, int] | None = None
@@ -70,9 +72,13 @@ class Workers:
         gpu = use_gpu(cfg)
         self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         env = _engine_env(cfg)
+        separate = cfg.worker.rollout.placement == "separate"
+        rollout_workers = cfg.worker.rollout.n_gpus if separate else 0
         logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
-        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1), env_vars=env)
+        slots = self.world_size + rollout_workers  # a CPU run's logical CPUs: one per worker of either pool
+        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(slots, psutil.cpu_count() or 1), env_vars=env)
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
+        self.rollout_pool: Any = None
         specs = build_role_specs(cfg, optimizer_steps, self.world_size)
         roles = 1 + int(specs.ref is not None) + int(specs.critic is not None)
         share: dict[str, Any] = {
@@ -83,6 +89,7 @@ class Workers:
         self.actor: Any = None
         self.ref: Any = None
         self.critic: Any = None
+        self.rollout: Any = None
         try:
             tp = cfg.worker.rollout.ranks_per_engine
             sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
@@ -94,9 +101,26 @@ class Workers:
             if specs.critic is not None:
                 csp = cfg.worker.critic.ulysses_size
                 self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
+            if separate:  # rollout workers of their own, on `n_gpus` devices of their own (resident engines)
+                from easyrl.trainer.role_specs import rollout_role_spec
+                from easyrl.workers.rollout_role import RolloutRole
+
+                self.rollout_pool = ResourcePool(1, rollout_workers, gpu, name="easyrl-rollout")
+                self.rollout = WorkerGroup(
+                    RolloutRole,
+                    self.rollout_pool,
+                    "rollout",
+                    rollout_role_spec(specs.actor),
+                    ranks_per_engine=tp,
+                    num_cpus_per_worker=1.0,
+                    num_gpus_per_worker=1.0 if gpu else 0.0,
+                    call_timeout_s=cfg.trainer.worker_timeout_s,
+                )
             self._init_models(media_per_prompt or {})
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
+            # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
+            self.engines: Any = SeparateEngines(self.rollout, self.actor) if separate else self.actor
         except BaseException:
             self.shutdown()
             raise
@@ -106,6 +130,8 @@ class Workers:
         logger.info("loading models into the workers")
         pending = [self.actor.call_async("init_model", media_per_prompt)]
         pending += [group.call_async("init_model") for group in (self.ref, self.critic) if group is not None]
+        if self.rollout is not None:
+            pending.append(self.rollout.call_async("init_model", media_per_prompt))
         for handle in pending:
             handle.result()
 
@@ -122,7 +148,9 @@ class Workers:
         the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
         out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
         calls = [
-            group.call_async("memory_stats") for group in (self.actor, self.ref, self.critic) if group is not None
+            group.call_async("memory_stats")
+            for group in (self.actor, self.ref, self.critic, self.rollout)
+            if group is not None
         ]
         for call in calls:
             per_worker = call.result()
@@ -133,10 +161,12 @@ class Workers:
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
-        for group in (self.actor, self.ref, self.critic):
+        for group in (self.actor, self.ref, self.critic, self.rollout):
             if group is not None:
                 group.shutdown()
         self.pool.remove()
+        if self.rollout_pool is not None:
+            self.rollout_pool.remove()
 
 
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:

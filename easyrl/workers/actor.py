@@ -88,7 +88,10 @@ class ActorWorker(TrainedRole, MemoryReporting):
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
         self.build_trainable(self.spec.model, self.device)
-        self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+        # With separate placement the engines live in rollout workers of their own: this process only trains.
+        self.rollout: RolloutWorker | None = None
+        if self.spec.colocated_engine:
+            self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
         # The policy's version: the `update_actor` calls its weights reflect. The initial checkpoint is version 0:
         # step 1 samples with 0, step 2 with 1; the engine takes the version with each push.
         self._policy_version = 0
@@ -108,12 +111,20 @@ class ActorWorker(TrainedRole, MemoryReporting):
         timing |= self.close_rollout()
         return out, timing
 
+    @property
+    def engine_session(self) -> RolloutWorker:
+        if self.rollout is None:
+            raise RuntimeError(
+                "this actor has no rollout engine (worker.rollout.placement: separate): the rollout workers generate"
+            )
+        return self.rollout
+
     @register(dispatch=Dispatch.ALL_MERGED)
     def open_rollout(self) -> dict[str, float]:
         """Wake the engine and, when the policy changed since the engine last held it, push the new weights; the
         training state leaves the device (as `offload` says) before the engine's KV cache comes back. Returns
         `timing_s/wake` (and `timing_s/update_weights` after a push)."""
-        return self.rollout.open(self.trainable, self._policy_version, make_room=self.trainable.offload)
+        return self.engine_session.open(self.trainable, self._policy_version, make_room=self.trainable.offload)
 
     @register(dispatch=Dispatch.ENGINE_SPLIT)
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -124,7 +135,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
         Each prompt's seed comes in the `sample_seed` column the driver made for its whole batch, so a prompt samples
         alike on whichever engine draws it (and the ranks of one tensor-parallel engine, given the same prompts, alike).
         """
-        return self.rollout.generate(prompts, params)
+        return self.engine_session.generate(prompts, params)
 
     @register(dispatch=Dispatch.ALL)
     def set_policy_version(self, version: int) -> None:
@@ -136,7 +147,7 @@ class ActorWorker(TrainedRole, MemoryReporting):
     def close_rollout(self) -> dict[str, float]:
         """Put the engine to sleep and bring the training state back; returns `timing_s/sleep` (both) and, on CUDA,
         `perf/sleep_freed_gb`."""
-        timing = self.rollout.close()
+        timing = self.engine_session.close()
         start = time.perf_counter()
         self.trainable.reload()
         timing["timing_s/sleep"] += time.perf_counter() - start
@@ -144,7 +155,14 @@ class ActorWorker(TrainedRole, MemoryReporting):
 
     def after_load_checkpoint(self) -> None:
         """The engine still holds the weights of before the load: push the restored ones at the next session."""
-        self.rollout.stale = True
+        if self.rollout is not None:
+            self.rollout.stale = True
+
+    @register(dispatch=Dispatch.RANK0)
+    def policy_version(self) -> int:
+        """The `update_actor` calls the policy's weights reflect (a driver pushing weights to rollout workers of
+        their own compares it with the version they hold)."""
+        return self._policy_version
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT)
@@ -202,7 +220,8 @@ class ActorWorker(TrainedRole, MemoryReporting):
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
         self._policy_version += 1  # even when a non-finite step was skipped: versions count update calls
-        self.rollout.stale = True
+        if self.rollout is not None:
+            self.rollout.stale = True
         return metrics
 
     def _loss_fn(self, entropy_coeff: float) -> LossFn:

@@ -1,10 +1,8 @@
 """A worker that only generates: a `RolloutWorker` of its own, in a process (and, on GPUs, a device) apart from the
-policy. The shape asynchronous rollouts and separate rollout GPUs build on; today the HybridEngine keeps the engine in
-the actor's process instead (`easyrl.workers.actor`).
-
-The policy's weights come from the driver (`receive_weights`: full tensors by HF name, the actor's `full_weights`)
-and are loaded into the engine at the next `open_rollout`, when the engine is awake; every row it generates carries
-the version it was given. The driver drives it through the same `EngineSession` calls as the actor, so any
+policy: `worker.rollout.placement: separate`. Its engine is resident (it never sleeps: no training shares its
+device), and the policy's weights come from the driver (`receive_weights`: full tensors by HF name, the actor's
+`full_weights`), loaded at the next `open_rollout`; every row it generates carries the version it was given. The
+driver drives it through the same `EngineSession` calls as the actor's HybridEngine, so any
 `easyrl.rollout.RolloutLoop` runs on either.
 """
 
@@ -59,7 +57,8 @@ class RolloutRole(MemoryReporting):
     @register(dispatch=Dispatch.ALL)
     def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
         """Load the engine from the policy's checkpoint (policy version 0)."""
-        self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+        # resident: this process shares its device with no training, so the engine never sleeps
+        self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt, sleeps=False)
 
     @register(dispatch=Dispatch.ALL)
     def receive_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -71,14 +70,11 @@ class RolloutRole(MemoryReporting):
 
     @register(dispatch=Dispatch.ALL_MERGED)
     def open_rollout(self) -> dict[str, float]:
-        """Wake the engine, loading the weights received since the last session (then dropped: the engine has them)."""
-        if self.rollout.stale and self._weights is None:
-            raise RuntimeError("the engine dropped its weights in its sleep and none were received: receive_weights")
+        """Load the weights received since the last session into the engine (then dropped here: it holds them)."""
         # nothing to make room for: no training state lives in this process
         source = self._weights or ReceivedWeights({}, merged_lora=False)  # not read unless the engine is stale
         timing = self.rollout.open(source, self._version, make_room=lambda: None)
-        if not self.rollout.engine.discards_weights_on_sleep:
-            self._weights = None  # the engine keeps them across sleeps: no second copy in this process
+        self._weights = None  # the resident engine holds them now: no second copy in this process
         return timing
 
     @register(dispatch=Dispatch.ENGINE_SPLIT)
@@ -88,7 +84,7 @@ class RolloutRole(MemoryReporting):
 
     @register(dispatch=Dispatch.ALL_MERGED)
     def close_rollout(self) -> dict[str, float]:
-        """Put the engine to sleep."""
+        """End the session (the engine stays resident)."""
         return self.rollout.close()
 
     @register(dispatch=Dispatch.ENGINE_SPLIT)

@@ -117,6 +117,9 @@ class ActorSpec:
     """What the actor's engine names when it cannot wake for lack of GPU memory."""
     serves_reference: bool = False
     """LoRA with KL on: the actor computes the reference log-probs (its base, adapters off); no ref worker."""
+    colocated_engine: bool = True
+    """The rollout engine lives in this process (the HybridEngine); False with `worker.rollout.placement: separate`,
+    where rollout workers of their own generate and the actor only trains."""
 
 
 @dataclass(frozen=True)

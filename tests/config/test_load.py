@@ -174,6 +174,24 @@ BAD = [
     ("section-scalar", {"worker.actor": 3}, "worker.actor", "mapping"),
     ("enum-estimator", {"algorithm.adv_estimator": "grpoo"}, "algorithm.adv_estimator", "grpo"),
     ("enum-engine", {"worker.rollout.name": "sglang"}, "worker.rollout.name", "hf, vllm"),
+    ("placement", {"worker.rollout.placement": "remote"}, "worker.rollout.placement", "colocated, separate"),
+    (
+        "separate-no-workers",
+        {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 0},
+        "worker.rollout.n_gpus",
+        "must be >= 1 with placement: separate",
+    ),
+    (
+        "separate-adapters",
+        {
+            "worker.rollout.placement": "separate",
+            "worker.rollout.name": "vllm",
+            "worker.actor.model.lora.rank": 8,
+            "worker.actor.model.lora.rollout_sync": "adapter",
+        },
+        "worker.actor.model.lora.rollout_sync",
+        "use merged with placement: separate",
+    ),
     ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1, 2 or null"),
     (
         "tis-needs-every-logprob",

@@ -1,0 +1,53 @@
+"""`worker.rollout.placement: separate`: rollout workers of their own (resident engines, fed the policy's weights
+after each update) train exactly like the HybridEngine. On CPU: Ray, 2 actor workers over gloo and 1 rollout worker,
+the HF engine, the tiny model and the digits task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import metric_mismatches, train_steps
+
+
+pytestmark = pytest.mark.slow
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    from easyrl.distributed import init_ray
+
+    init_ray(num_cpus=4)
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def test_separate_rollout_workers_train_like_the_hybrid_engine(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    hybrid, _, hybrid_weights = train_steps(
+        tmp_path / "hybrid", tiny_model_dir, digits_data, {}, steps=3, weights=True
+    )
+    edits = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
+    separate, _, weights = train_steps(
+        tmp_path / "separate", tiny_model_dir, digits_data, edits, steps=3, weights=True
+    )
+    # One engine instead of two, and every sample seeded by its place in the whole batch: the same rollouts, so the
+    # same training (up to float noise: the engine sees the prompts in one batch instead of two).
+    stable = [
+        [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows] for rows in (separate, hybrid)
+    ]
+    bad = metric_mismatches(*stable)
+    assert not bad, "\n".join(bad)
+    assert [r["rollout/policy_version_max"] for r in separate] == [0.0, 1.0, 2.0]
+    # The weights moved to the rollout worker after each update, not before the first step (it loaded the checkpoint).
+    assert ["timing_s/weight_transfer" in r for r in separate] == [False, True, True]
+    assert all(r["perf/weight_transfer_gb"] > 0 for r in separate[1:])
+    assert "timing_s/sleep" not in separate[0]  # a resident engine never sleeps
+    assert weights is not None and hybrid_weights is not None
+    for name, tensor in hybrid_weights.items():
+        assert (weights[name] - tensor).abs().max() < 1e-5, name
