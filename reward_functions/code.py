@@ -11,7 +11,8 @@ The ground truth holds the tests, as a dict or as its JSON text, in one of three
 
 Each test runs in its own sandbox (:mod:`easyrl.sandbox`: no network, read-only filesystem but a scratch dir, no
 inherited environment, limits on CPU, memory, processes and output) with ``timeout_s`` seconds; once a row has
-used ``total_timeout_s`` its remaining tests fail without running. A ground truth in none of these forms raises an
+used ``total_timeout_s`` its remaining tests fail without running. With ``sandbox_url`` (a SandboxFusion server's
+base URL, e.g. ``http://sandbox:8080``) the tests run there (``POST /run_code``) instead, for scale. A ground truth in none of these forms raises an
 error naming what is wrong, which the reward manager counts as that sample's error.
 
 Scores: ``overall`` = ``pass_rate`` = the fraction of tests passed; ``accuracy`` = 1 only when all pass;
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from easyrl.sandbox import SandboxLimits, run_code
+from easyrl.sandbox import SandboxLimits, SandboxResult, run_code, run_code_remote
 
 
 REWARD_TYPE = "batch"
@@ -143,7 +144,12 @@ def _passed(test: _Test, stdout: str) -> bool:
 
 
 def score_one(
-    response: str, ground_truth: Any, limits: SandboxLimits, total_timeout_s: float, isolation: str | None = None
+    response: str,
+    ground_truth: Any,
+    limits: SandboxLimits,
+    total_timeout_s: float,
+    isolation: str | None = None,
+    sandbox_url: str | None = None,
 ) -> dict[str, float]:
     """Scores of one response (see the module docstring)."""
     code = last_code_block(response)
@@ -157,7 +163,11 @@ def score_one(
         if time.monotonic() >= deadline:
             scores["timeout"] = 1.0
             break  # the row's budget is spent: the tests left count as failed
-        result = run_code(test.source, test.stdin, limits, isolation)
+        result: SandboxResult = (
+            run_code_remote(sandbox_url, test.source, test.stdin, limits)
+            if sandbox_url
+            else run_code(test.source, test.stdin, limits, isolation)
+        )
         if result.status in _COUNTED:
             scores[result.status] = 1.0
         passed += result.status == "ok" and _passed(test, result.stdout)
@@ -175,6 +185,7 @@ def compute_score(
     max_output_bytes: int = 1 << 20,
     max_parallel: int | None = None,
     isolation: str | None = None,
+    sandbox_url: str | None = None,
 ) -> list[dict[str, float]]:
     """Batch reward: one dict of scores per input (``response``, ``ground_truth``), rows run in parallel."""
     limits = SandboxLimits(
@@ -183,7 +194,9 @@ def compute_score(
     workers = max_parallel or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [
-            pool.submit(score_one, item["response"], item["ground_truth"], limits, total_timeout_s, isolation)
+            pool.submit(
+                score_one, item["response"], item["ground_truth"], limits, total_timeout_s, isolation, sandbox_url
+            )
             for item in reward_inputs
         ]
         return [future.result() for future in futures]

@@ -9,6 +9,7 @@ from easyrl.sandbox.local import (
     process_limit_enforced,
     run_code,
 )
+from easyrl.sandbox.remote import run_code_remote
 
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "detect_isolation",
     "process_limit_enforced",
     "run_code",
+    "run_code_remote",
 ]

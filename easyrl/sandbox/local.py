@@ -118,7 +118,7 @@ class SandboxResult:
     """The program's exit code (128 + N when killed by signal N); ``None`` when it never ran or was killed by us."""
     wall_s: float
     isolation: str
-    """The mode it ran under (:data:`ISOLATION_MODES`)."""
+    """The mode it ran under (:data:`ISOLATION_MODES`), or ``"sandboxfusion"`` for a remote run."""
 
 
 def _python() -> str:

@@ -9,6 +9,7 @@ bwrap and unshare that works here, and are skipped for one that does not.
 from __future__ import annotations
 
 import functools
+import http.server
 import json
 import os
 import shutil
@@ -229,3 +230,58 @@ def test_limits_are_checked() -> None:
         SandboxLimits(timeout_s=0)
     with pytest.raises(ValueError, match="unknown isolation"):
         run_code("pass", isolation="docker")
+
+
+# ---------------------------------------------------------------- a SandboxFusion endpoint
+
+
+@pytest.fixture
+def sandboxfusion_url() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A stand-in server speaking SandboxFusion's documented ``POST /run_code``, running code in the local sandbox."""
+    requests: list[dict[str, Any]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append({"path": self.path, **body})
+            done = run_code(body["code"], body["stdin"], SandboxLimits(timeout_s=body["run_timeout"]))
+            status = {"ok": "Finished", "timeout": "TimeLimitExceeded"}.get(done.status, "Error")
+            reply = {
+                "status": "Success" if done.status == "ok" else "Failed",
+                "message": "",
+                "run_result": {"status": status, "return_code": done.exit_code, "stdout": done.stdout,
+                               "stderr": done.stderr, "execution_time": done.wall_s},
+            }  # fmt: skip
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/", requests
+    server.shutdown()
+    server.server_close()
+
+
+def test_sandboxfusion_endpoint_runs_the_tests(sandboxfusion_url: tuple[str, list[dict[str, Any]]]) -> None:
+    url, requests = sandboxfusion_url
+    reward = _reward(sandbox_url=url, timeout_s=1.0)
+    scores = reward(
+        [
+            {"response": ADD_STDIO, "ground_truth": TESTS},
+            {"response": "```python\nwhile 1: pass\n```", "ground_truth": ["assert 1"]},
+        ]
+    )
+    assert [s["overall"] for s in scores] == [1.0, 0.0] and scores[1]["timeout"] == 1.0
+    assert len(requests) == 4 and requests[0]["path"] == "/run_code" and requests[0]["language"] == "python"
+    assert sorted(r["stdin"] for r in requests) == ["", "0 0\n", "1 2\n", "5 7\n"]  # rows run in parallel
+    assert {r["run_timeout"] for r in requests} == {1.0}
+    down = _reward(sandbox_url="http://127.0.0.1:9/")([{"response": ADD_STDIO, "ground_truth": TESTS}])[0]
+    assert (down["overall"], down["sandbox_error"]) == (0.0, 1.0)
