@@ -33,12 +33,9 @@ class SeparateEngines:
         weights = self.actor.full_weights()  # rank 0's full copy on the host (every rank joins the gathers)
         self.rollout.receive_weights(weights, version)
         self.version = version
-        # tied names share one tensor: count each storage once
-        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights.values()}
-        return {
-            "timing_s/weight_transfer": time.perf_counter() - start,
-            "perf/weight_transfer_gb": sum(sizes.values()) / 2**30,
-        }
+        # the bytes that travel: a tied alias comes as a copy of its own (`full_weights` clones each name)
+        pushed = sum(t.numel() * t.element_size() for t in weights.values())
+        return {"timing_s/weight_transfer": time.perf_counter() - start, "perf/weight_transfer_gb": pushed / 2**30}
 
     def open_rollout(self) -> dict[str, float]:
         return self.push_if_moved() | self.rollout.open_rollout()
