@@ -27,6 +27,7 @@ from easyrl.workers.forward_backward import (
     update_model,
 )
 from easyrl.workers.model_setup import setup_process
+from easyrl.workers.session import OneCallSession
 from easyrl.workers.specs import ActorSpec, PolicyLossSpec
 from easyrl.workers.trainable import TrainedRole
 
@@ -76,7 +77,7 @@ def policy_objective(
     return MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
 
 
-class ActorWorker(TrainedRole, MemoryReporting):
+class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
     """Trains the policy (PPO-family losses) and generates rollouts with it."""
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -100,17 +101,6 @@ class ActorWorker(TrainedRole, MemoryReporting):
     # An engine session: `open_rollout`, any number of `generate` calls, `close_rollout`. The driver drives the
     # lifecycle (a `easyrl.rollout.RolloutLoop`); `generate` itself never wakes, syncs or sleeps, so several calls
     # share one wake and one push.
-    @register(dispatch=Dispatch.ENGINE_SPLIT)
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
-        """One whole session around one `generate`: open, generate, close (the driver's synchronous loop). Returns
-        the rows and the session's timings (`timing_s/wake`, `/update_weights`, `/generate_engine`, `/sleep`)."""
-        timing = self.open_rollout()
-        start = time.perf_counter()
-        out = self.generate(prompts, params)
-        timing["timing_s/generate_engine"] = time.perf_counter() - start
-        timing |= self.close_rollout()
-        return out, timing
-
     @property
     def engine_session(self) -> RolloutWorker:
         if self.rollout is None:

@@ -8,7 +8,6 @@ driver drives it through the same `EngineSession` calls as the actor's HybridEng
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from easyrl.distributed.memory import MemoryLedger, MemoryReporting
 from easyrl.rollout import SamplingParams, WeightSync
 from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.model_setup import setup_process
+from easyrl.workers.session import OneCallSession
 from easyrl.workers.specs import RolloutRoleSpec
 
 
@@ -40,7 +40,7 @@ class ReceivedWeights:
         raise NotImplementedError("a rollout worker of its own receives full (merged) weights, not adapters")
 
 
-class RolloutRole(MemoryReporting):
+class RolloutRole(MemoryReporting, OneCallSession):
     """Generates with the weights it was last given; never trains."""
 
     def __init__(self, spec: RolloutRoleSpec) -> None:
@@ -62,8 +62,8 @@ class RolloutRole(MemoryReporting):
 
     @register(dispatch=Dispatch.ALL)
     def receive_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Keep policy `version`'s full weights (HF names, tied aliases included) for the next session: the engine
-        may be asleep now, and an awake engine loads them without holding its KV cache beside them."""
+        """Keep policy `version`'s full weights (HF names, tied aliases included) for the next session, which loads
+        them: an update lands between generations, never inside one."""
         self._weights = ReceivedWeights(weights, self.spec.rollout.weight_sync is WeightSync.MERGED_LORA)
         self._version = version
         self.rollout.stale = True
@@ -86,12 +86,3 @@ class RolloutRole(MemoryReporting):
     def close_rollout(self) -> dict[str, float]:
         """End the session (the engine stays resident)."""
         return self.rollout.close()
-
-    @register(dispatch=Dispatch.ENGINE_SPLIT)
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
-        """Open, generate, close in one call."""
-        timing = self.open_rollout()
-        start = time.perf_counter()
-        out = self.generate(prompts, params)
-        timing["timing_s/generate_engine"] = time.perf_counter() - start
-        return out, timing | self.close_rollout()
