@@ -27,6 +27,7 @@ lets a bounded window overtake the oldest group instead, and its bound grows wit
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,7 +73,8 @@ class Group:
     finished_at: int = -1  # place in the order in which groups finished; -1 while any sample runs
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "samples": [s.__dict__ for s in self.samples]}
+        """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
+        return copy.deepcopy({**self.__dict__, "samples": [s.__dict__ for s in self.samples]})
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:

@@ -147,6 +147,7 @@ def _made_by_the_engine(prompt: list[int], tokens: list[int], lps: list[float], 
     return pieces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_engines(
     ray_session, tmp_path, tiny_model_dir, digits_data, staleness
@@ -208,3 +209,34 @@ def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_eng
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     assert max(r["async/version_span_max"] for r in rows) >= 1
     assert all(0.0 <= r["async/trainer_idle_ratio"] <= 1.0 for r in rows[1:])
+
+
+# wall-clock figures, and the wait window, which a resumed run starts afresh
+_VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "async/trainer_", "async/engine_wait", "async/engine_idle")
+
+
+def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in rows]
+
+
+@pytest.mark.slow
+def test_a_resumed_asynchronous_run_continues_every_response_in_flight(
+    ray_session, tmp_path, tiny_model_dir, digits_data
+) -> None:
+    """S = 1: stopping after step 2 and resuming from its checkpoint gives the uninterrupted run's steps 3 and 4 to the
+    bit: the checkpoint holds the groups in flight (partial responses with their log-probs and versions), none is
+    lost or sampled again."""
+    from tests.conftest import train_steps
+
+    edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "trainer.save_freq": 2}
+    full, _, _ = train_steps(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=4)
+    first, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=2)
+    saved = json.loads((tmp_path / "split" / "run" / "global_step_2" / "trainer_state.json").read_text())
+    in_flight = saved["state"]["rollout_loop"]["groups"]
+    assert any(len(s["tokens"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), "no partial response"
+    second, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=4)
+    resumed = [r for r in second if r["step"] > 2]
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert _stable(first) == _stable(full[:2])
+    assert _stable(resumed) == _stable(full[2:]), "the resumed run left the uninterrupted curve"
+    assert max(r["async/resumed_fraction"] for r in resumed) > 0
