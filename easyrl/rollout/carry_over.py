@@ -163,6 +163,7 @@ class CarryOverLoop:
         self.handed_over = 0
         self.finished = 0  # groups finished so far (orders `finished_at`)
         self.last_end: float | None = None  # when the previous call ended (the window of the wait metrics)
+        self.per_step: int | None = None  # groups a step trains on (the trainer's prompts per call)
 
     # ------------------------------------------------------------------ the step
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
@@ -170,6 +171,12 @@ class CarryOverLoop:
         step's timings and `async/*` metrics."""
         start = time.perf_counter()
         per_step = len(prompts)
+        if self.per_step not in (None, per_step):  # the admission counters and deadlines count in batches
+            raise ValueError(
+                f"the groups in flight were admitted for {self.per_step} prompts a step, this step has {per_step}: "
+                "keep data.rollout_batch_size when resuming with trainer.max_staleness >= 1"
+            )
+        self.per_step = per_step
         self.enqueue(prompts, params, offset=0)
         admitted = self.admit(per_step, params)
         metrics: dict[str, float] = {}
@@ -317,6 +324,8 @@ class CarryOverLoop:
     def state_dict(self) -> dict[str, Any]:
         """Everything in flight (JSON-able): a resumed run continues every partial response where it stopped."""
         return {
+            "max_staleness": self.max_staleness,
+            "per_step": self.per_step,
             "queue": [g.state_dict() for g in self.queue],
             "groups": [g.state_dict() for g in self.groups],
             "steps": self.steps,
@@ -326,6 +335,12 @@ class CarryOverLoop:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["max_staleness"] > self.max_staleness:  # a smaller bound than the groups in flight were admitted for
+            raise ValueError(
+                f"the checkpoint's groups in flight were admitted under trainer.max_staleness={state['max_staleness']}; "
+                f"resume with at least that (got {self.max_staleness}), or with 0 to leave them untrained"
+            )
+        self.per_step = state["per_step"]
         self.queue = deque(Group.from_state(g) for g in state["queue"])
         self.groups = [Group.from_state(g) for g in state["groups"]]
         self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
