@@ -147,8 +147,12 @@ class CarryOverLoop:
         stop_ids: list[int],
         pad_id: int,
         engines: int,
+        on_finished: Callable[[Batch], None] | None = None,
     ) -> None:
+        """`on_finished(rows)` gets the rows of the groups each engine call finished (as they will be handed over):
+        the trainer scores them while the engines go on generating."""
         self.draw = draw
+        self.on_finished = on_finished
         self.max_staleness = max_staleness
         self.active_groups = active_groups
         self.chunk_tokens = chunk_tokens
@@ -191,8 +195,11 @@ class CarryOverLoop:
                 work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
                 assert work, "no response left to generate, yet the step's groups are not finished"
                 call_start = time.perf_counter()
+                before = self.finished
                 tokens += self.generate(engines, work, params)
                 engine_s += time.perf_counter() - call_start
+                if self.on_finished is not None and self.finished > before:
+                    self.on_finished(self.rows_of([g for g in self.groups if g.finished_at >= before], params))
                 calls += 1
                 chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
             metrics |= engines.close_rollout()
@@ -281,11 +288,14 @@ class CarryOverLoop:
         return kept
 
     def hand_over(self, chosen: list[Group], params: SamplingParams) -> Batch:
-        """The rows of `chosen` (sample `j` of group `i` at row `i * n + j`) with their prompts' columns; they leave
-        flight, and the step count moves on."""
+        """The rows of `chosen`; they leave flight, and the step count moves on."""
         self.groups = [g for g in self.groups if not any(g is c for c in chosen)]
         self.handed_over += len(chosen)
         self.steps += 1
+        return self.rows_of(chosen, params)
+
+    def rows_of(self, chosen: list[Group], params: SamplingParams) -> Batch:
+        """The rows of finished groups (sample `j` of group `i` at row `i * n + j`) with their prompts' columns."""
         prompts = Batch(left_padded([g.prompt_ids for g in chosen], self.pad_id))
         for key in chosen[0].columns:
             prompts.set(**{key: [g.columns[key] for g in chosen]})

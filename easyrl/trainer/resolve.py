@@ -64,11 +64,17 @@ def rollout_engines(cfg: EasyRLConfig) -> int:
     return workers // rollout.ranks_per_engine
 
 
-def rollout_loop(cfg: EasyRLConfig, draw: Callable[[int], Batch], eos_id: int | None, pad_id: int) -> RolloutLoop:
+def rollout_loop(
+    cfg: EasyRLConfig,
+    draw: Callable[[int], Batch],
+    eos_id: int | None,
+    pad_id: int,
+    on_finished: Callable[[Batch], None] | None = None,
+) -> RolloutLoop:
     """How the trainer turns prompts into rows: one engine session per batch, one response per sample
     (`SingleTurnLoop`), or with `trainer.max_staleness` >= 1 groups kept in flight across steps
     (`CarryOverLoop`, which draws prompts of its own with `draw` to fill them, and ends responses at `eos_id` and
-    `worker.rollout.stop_token_ids` as the engines do). A new loop is chosen here from the config section that turns
+    `worker.rollout.stop_token_ids` as the engines do, handing each call's finished groups to `on_finished`). A new loop is chosen here from the config section that turns
     it on; `fit()` does not change (docs/architecture.md, "Adding a rollout loop")."""
     staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
     if staleness == 0:
@@ -84,4 +90,5 @@ def rollout_loop(cfg: EasyRLConfig, draw: Callable[[int], Batch], eos_id: int | 
         stop_ids=stop_ids,
         pad_id=pad_id,
         engines=rollout_engines(cfg),
+        on_finished=on_finished,
     )

@@ -26,6 +26,7 @@ from easyrl.config.resume_diff import resume_config_report
 from easyrl.rollout import RolloutLoop, SingleTurnLoop
 from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
+from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
 from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
@@ -71,7 +72,10 @@ class Trainer:
         # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad)
+        # asynchronous rollouts: finished groups are scored while the engines go on generating
+        self.early = EarlyRewards(self.score_rows) if cfg.trainer.max_staleness else None
+        on_finished = self.early.submit if self.early is not None else None
+        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, on_finished)
         self.single_turn = SingleTurnLoop()
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
@@ -267,7 +271,38 @@ class Trainer:
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
     def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`."""
+        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. Rows the
+        asynchronous loop's groups were scored early take those scores (`early_rewards`)."""
+        if self.early is not None:
+            self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
+        if self.early is not None and "uid" in batch:
+            scores, metrics, texts = self.take_early_scores(batch)
+        else:
+            scores, metrics, texts = self.score_rows(batch)
+        if store:
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
+            batch.set(response_text=texts)
+        return scores, metrics
+
+    def take_early_scores(self, batch: Batch) -> Scored:
+        """The early scores of `batch`'s rows, the rest scored now; `reward/<key>` over the batch, the failure
+        counters of every call since the last step."""
+        assert self.early is not None
+        early = self.early.take(row_keys(batch))
+        missing = [i for i, result in enumerate(early) if result is None]
+        scores = [result[0] if result is not None else {} for result in early]
+        texts = [result[1] if result is not None else "" for result in early]
+        counters = self.early.drain_counters()
+        if missing:  # not scored early: a resumed run's groups, or a step undone on a stop signal
+            late_scores, late_metrics, late_texts = self.score_rows(batch.index(missing))
+            for i, score, text in zip(missing, late_scores, late_texts):
+                scores[i], texts[i] = score, text
+            counters = {k: v + late_metrics.get(k, 0.0) for k, v in counters.items()}
+        early_share = 1.0 - len(missing) / max(1, len(batch))
+        return scores, score_means(scores) | counters | {"async/scored_early": early_share}, texts
+
+    def score_rows(self, batch: Batch) -> Scored:
+        """Decode the responses and call the reward function: per-sample scores, the manager's metrics, the texts."""
         lengths = batch["response_mask"].sum(dim=1).tolist()
         texts = self.tokenizer.batch_decode(
             [r[: int(n)] for r, n in zip(batch["responses"].tolist(), lengths)],
@@ -280,10 +315,7 @@ class Trainer:
             )
         ]
         scores, metrics = self.reward.score(inputs)
-        if store:
-            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
-            batch.set(response_text=texts)
-        return scores, metrics
+        return scores, metrics, texts
 
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -434,6 +466,8 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        if self.early is not None:
+            self.early.forget()
         in_flight = state.get("rollout_loop")
         if isinstance(self.rollout_loop, CarryOverLoop) and in_flight is not None:
             self.rollout_loop.load_state_dict(in_flight)
@@ -501,8 +535,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release everything this trainer started; safe on a partly built trainer."""
-        for name in ("tracker", "reward"):
-            if hasattr(self, name):
+        for name in ("early", "tracker", "reward"):
+            if getattr(self, name, None) is not None:
                 getattr(self, name).close()
         if hasattr(self, "workers"):
             self.workers.shutdown()

@@ -209,10 +209,21 @@ def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_eng
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     assert max(r["async/version_span_max"] for r in rows) >= 1
     assert all(0.0 <= r["async/trainer_idle_ratio"] <= 1.0 for r in rows[1:])
+    # finished groups were scored while the engines generated (each row once: the batch's scores are its own)
+    assert max(r["async/scored_early"] for r in rows) == 1.0
 
 
-# wall-clock figures, and the wait window, which a resumed run starts afresh
-_VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "async/trainer_", "async/engine_wait", "async/engine_idle")
+# wall-clock figures, the wait window, which a resumed run starts afresh, and the share of rows scored while the
+# engines generated (a resumed run scores the groups it did not see finish at the reward stage: the same scores)
+_VOLATILE = (
+    "timing_s/",
+    "timing_per_token_ms/",
+    "perf/",
+    "async/trainer_",
+    "async/engine_wait",
+    "async/engine_idle",
+    "async/scored_early",
+)
 
 
 def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
