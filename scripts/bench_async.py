@@ -65,10 +65,12 @@ def run(staleness: int, steps: int, reward: Path, folder: Path, extra: list[str]
         "staleness": staleness,
         "wall_s": round(wall, 1),
         "train_s": round(sum(r["timing_s/step"] for r in rows), 2),
+        # means over the steps past the fifth: what the runs' wall time is made of
         "s_per_step": round(statistics.mean(r["timing_s/step"] for r in steady), 3),
         "gen_s": round(statistics.mean(r["timing_s/gen"] for r in steady), 3),
         "reward_s": round(statistics.mean(r["timing_s/reward"] for r in steady), 3),
         "update_s": round(statistics.mean(r["timing_s/update_actor"] for r in steady), 3),
+        "median_s_per_step": round(statistics.median(r["timing_s/step"] for r in steady), 3),
         "first5": round(statistics.mean(rewards[:5]), 3),
         "last5": round(statistics.mean(rewards[-5:]), 3),
         "curve": [round(statistics.mean(rewards[i : i + 10]), 3) for i in range(0, len(rewards), 10)],
@@ -80,14 +82,15 @@ def run(staleness: int, steps: int, reward: Path, folder: Path, extra: list[str]
             "staleness_mean": round(statistics.mean(r["async/staleness_mean"] for r in rows), 3),
             "resumed": round(statistics.mean(r["async/resumed_fraction"] for r in rows), 3),
             "engine_calls": round(statistics.mean(r["async/engine_calls"] for r in rows), 2),
+            "scored_early": round(statistics.mean(r["async/scored_early"] for r in rows), 3),
         }
     return out
 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| max_staleness | wall (s) | s/step | gen s/step | reward s/step | update s/step | reward first 5 -> last 5 "
-        "| reward per 10 steps | trained tokens' mean staleness | rows resumed |",
+        "| max_staleness | wall (s) | s/step (median) | gen s/step | reward s/step | update s/step "
+        "| reward first 5 -> last 5 | reward per 10 steps | trained tokens' mean staleness | rows resumed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sorted({r["staleness"] for r in results}):
@@ -98,7 +101,8 @@ def table(results: list[dict]) -> str:
 
         curve = " ".join(f"{statistics.mean(c):.2f}" for c in zip(*(r["curve"] for r in runs)))
         lines.append(
-            f"| {s} | {mean('wall_s'):.1f} | {mean('s_per_step'):.3f} | {mean('gen_s'):.3f} | {mean('reward_s'):.3f} "
+            f"| {s} | {mean('wall_s'):.1f} | {mean('s_per_step'):.3f} ({mean('median_s_per_step'):.3f}) "
+            f"| {mean('gen_s'):.3f} | {mean('reward_s'):.3f} "
             f"| {mean('update_s'):.3f} | {mean('first5'):.3f} -> {mean('last5'):.3f} | {curve} "
             f"| {mean('staleness_mean') if s else 0:.2f} | {mean('resumed') if s else 0:.2f} |"
         )
