@@ -297,3 +297,46 @@ def test_the_vllm_engine_resumes_responses_across_steps(ray_session, tmp_path, t
     assert max(r["async/staleness_max"] for r in rows) == 1.0
     assert max(r["async/resumed_fraction"] for r in rows) > 0
     assert max(r["async/version_span_max"] for r in rows) == 1.0
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_asynchronous_run_then_resume_loses_nothing(
+    ray_session, tmp_path, tiny_model_dir, digits_data
+) -> None:
+    """`easyrl train` with S = 1 killed with SIGKILL (its whole process group) once step 2's checkpoint is committed;
+    the same command again resumes from it and ends with the uninterrupted run's steps 3 and 4."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO, train_steps
+
+    edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "trainer.save_freq": 2}
+    full, _, _ = train_steps(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=4)
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "killed" / "run")
+    for dotted, value in {**edits, "trainer.max_steps": 4}.items():
+        *parents, leaf = dotted.split(".")
+        node = conf
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    cmd = [sys.executable, "-m", "easyrl.cli", "train", write_config(tmp_path / "killed.yaml", conf)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tracker = tmp_path / "killed" / "run" / "latest_checkpointed_iteration.txt"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tracker.exists() and tracker.read_text().strip() == "2"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint at step 2"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    rows = _log(tmp_path / "killed")
+    steps = [r["step"] for r in rows]
+    assert steps[:2] == [1, 2] and steps.count(1) == 1 and steps[-2:] == [3, 4], steps  # resumed, not started over
+    last = {r["step"]: r for r in rows}  # a step the killed run logged is logged again by the resumed one
+    assert _stable([last[3], last[4]]) == _stable(full[2:]), "the resumed run lost or changed work in flight"
