@@ -489,6 +489,7 @@ def _check_placement(cfg: EasyRLConfig, workers: int) -> int:
     colocated, `n_gpus` when separate)."""
     rollout = cfg.worker.rollout
     _one_of("worker.rollout.placement", rollout.placement, ["colocated", "separate"])
+    _one_of("worker.rollout.weight_transfer", rollout.weight_transfer, ["broadcast", "driver"])
     if rollout.placement == "colocated":
         return workers
     if rollout.n_gpus < 1:

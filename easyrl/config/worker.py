@@ -240,6 +240,11 @@ class RolloutConfig:
     n_gpus: int = 1
     """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
     `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""
+    weight_transfer: str = "broadcast"
+    """With `placement: separate`, how the policy's weights reach the rollout workers after an update: `broadcast`
+    (a process group of their own between the policy's rank 0 and every rollout worker, NCCL on GPUs, gloo on CPU:
+    one tensor at a time, nothing through the driver) or `driver` (rank 0 gathers the whole policy on its host and
+    the driver hands it over through Ray's object store: simpler, a full copy in host memory)."""
 
     @property
     def ranks_per_engine(self) -> int:

@@ -120,7 +120,11 @@ class Workers:
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
             # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
-            self.engines: Any = SeparateEngines(self.rollout, self.actor) if separate else self.actor
+            self.engines: Any = (
+                SeparateEngines(self.rollout, self.actor, cfg.worker.rollout.weight_transfer)
+                if separate
+                else self.actor
+            )
         except BaseException:
             self.shutdown()
             raise
