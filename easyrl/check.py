@@ -7,7 +7,12 @@ from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.trainer.resolve import data_parallel_size, effective_padding_free, estimator_needs
+from easyrl.trainer.resolve import (
+    data_parallel_size,
+    effective_chunk_tokens,
+    effective_padding_free,
+    estimator_needs,
+)
 from easyrl.trainer.role_specs import old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
 
@@ -58,9 +63,28 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
             else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
         ),
         "old log-probs: " + old_log_probs_line(cfg),
+        *async_lines(cfg),
         validation_line(cfg),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
+    ]
+
+
+def async_lines(cfg: EasyRLConfig) -> list[str]:
+    """With `trainer.max_staleness` >= 1: the carry-over loop's settings, and whether the loss sees the staleness."""
+    staleness, rollout, per_step = cfg.trainer.max_staleness, cfg.worker.rollout, cfg.data.rollout_batch_size
+    if staleness == 0:
+        return []
+    corr = cfg.algorithm.correction
+    seen = (
+        "the loss corrects for it (algorithm.rollout_correction)"
+        if corr.reads_rollout_log_probs
+        else "the loss does not see it: rollout_correction.rollout_is: token or bypass_mode: true corrects for it"
+    )
+    return [
+        f"asynchronous: a trained token is at most {staleness} policy version(s) old; "
+        f"{rollout.active_groups or (staleness + 1) * per_step} prompt groups in flight for {per_step} a step, "
+        f"{effective_chunk_tokens(cfg)} tokens per engine call; {seen} (docs/async.md)"
     ]
 
 

@@ -105,6 +105,22 @@ def test_plan_counts_tensor_parallel_engines() -> None:
     assert any(line.startswith("rollout: 4 hf engine(s)") for line in plan_lines(cfg))
 
 
+def test_plan_names_the_asynchronous_loop_only_when_it_runs() -> None:
+    from easyrl.check import plan_lines
+    from easyrl.config import EasyRLConfig
+
+    cfg = EasyRLConfig()
+    assert not any(line.startswith("asynchronous") for line in plan_lines(cfg))
+    cfg.trainer.max_staleness, cfg.data.rollout_batch_size, cfg.data.max_response_length = 2, 16, 30
+    line = next(line for line in plan_lines(cfg) if line.startswith("asynchronous"))
+    assert (
+        "at most 2 policy version(s) old; 48 prompt groups in flight for 16 a step, 8 tokens per engine call" in line
+    )
+    assert "the loss does not see it" in line
+    cfg.algorithm.rollout_correction.bypass_mode = True
+    assert "the loss corrects for it" in next(line for line in plan_lines(cfg) if line.startswith("asynchronous"))
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, digits_data, capsys) -> None:

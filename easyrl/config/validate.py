@@ -65,6 +65,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
     _check_batch_arithmetic(cfg)
+    _check_async(cfg)
     _check_files(cfg)
 
 
@@ -370,6 +371,48 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
                 f"{prompts} prompts must divide evenly over the {engines} rollout engines "
                 "(each engine samples all rollout.n responses of its prompts)",
             )
+
+
+def _check_async(cfg: EasyRLConfig) -> None:
+    """`trainer.max_staleness` and the keys of the carry-over loop it turns on (`worker.rollout.active_groups`,
+    `chunk_tokens`); what that loop cannot do yet is refused by name."""
+    staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ConfigError("trainer.max_staleness", f"must be an integer >= 0 (0: synchronous), got {staleness!r}")
+    if staleness == 0:
+        for key in ("active_groups", "chunk_tokens"):
+            if getattr(rollout, key) is not None:
+                raise ConfigError(
+                    f"worker.rollout.{key}", "is read only by asynchronous rollouts: set trainer.max_staleness >= 1"
+                )
+        return
+    per_step = cfg.data.rollout_batch_size
+    groups = rollout.active_groups
+    if groups is not None and not per_step <= groups <= (staleness + 1) * per_step:
+        raise ConfigError(
+            "worker.rollout.active_groups",
+            f"{groups} must be between data.rollout_batch_size ({per_step}) and (trainer.max_staleness + 1) * "
+            f"rollout_batch_size ({(staleness + 1) * per_step}), or null for the largest",
+        )
+    if rollout.chunk_tokens is not None and not 1 <= rollout.chunk_tokens <= cfg.data.max_response_length:
+        raise ConfigError(
+            "worker.rollout.chunk_tokens",
+            f"must be between 1 and data.max_response_length ({cfg.data.max_response_length}), or null",
+        )
+    ratio = rollout.logprob_sample_ratio
+    if ratio is not None and ratio < 1:
+        raise ConfigError(
+            "worker.rollout.logprob_sample_ratio",
+            f"{ratio}: with trainer.max_staleness >= 1 every token keeps its behaviour log-prob; set null or 1",
+        )
+    if cfg.algorithm.online_filtering:
+        raise ConfigError("algorithm.online_filtering", "not with trainer.max_staleness >= 1 yet: set one of them off")
+    if declared_needs(cfg.algorithm.adv_estimator).needs_greedy_baseline:
+        raise ConfigError(
+            "algorithm.adv_estimator",
+            f"{cfg.algorithm.adv_estimator} scores a greedy response per prompt, which the asynchronous loop does "
+            "not make: use another estimator or trainer.max_staleness: 0",
+        )
 
 
 def _check_files(cfg: EasyRLConfig) -> None:

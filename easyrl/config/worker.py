@@ -237,6 +237,14 @@ class RolloutConfig:
     """Where the engines run: `colocated` (the HybridEngine: in the actor's processes, asleep while it trains) or
     `separate` (workers of their own on `n_gpus` more GPUs: the engines stay resident and get the policy's weights
     after each update)."""
+    active_groups: int | None = None
+    """With `trainer.max_staleness` S >= 1: prompt groups in flight at once (admitted, not yet trained on), between
+    `data.rollout_batch_size` B and (S + 1) * B; null: (S + 1) * B. A group is admitted only while every group
+    admitted so far fits in the next S + 1 steps, so no sample is born stale."""
+    chunk_tokens: int | None = None
+    """With `trainer.max_staleness` >= 1: tokens each engine call adds to a response. A step's session ends between
+    calls, so an unfinished response carries over in pieces of this size (the engines' abort granularity:
+    docs/async.md); null: a quarter of `data.max_response_length`, rounded up."""
     n_gpus: int = 1
     """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
     `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""

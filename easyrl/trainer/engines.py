@@ -68,6 +68,9 @@ class SeparateEngines:
     def open_rollout(self) -> dict[str, float]:
         return self.push_if_moved() | self.rollout.open_rollout()
 
+    def policy_version(self) -> int:
+        return self.actor.policy_version()  # type: ignore[no-any-return]
+
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.rollout.generate(prompts, params)  # type: ignore[no-any-return]
 

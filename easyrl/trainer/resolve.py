@@ -7,10 +7,14 @@ registry, which the config must not import (it sits below the algorithms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
+from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
 from easyrl.rollout import RolloutLoop, SingleTurnLoop, WeightSync
+from easyrl.rollout.carry_over import CarryOverLoop
 
 
 def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
@@ -46,9 +50,45 @@ def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
     return workers // int(getattr(cfg.worker, role).ulysses_size)
 
 
-def rollout_loop(cfg: EasyRLConfig) -> RolloutLoop:
-    """How the trainer turns prompts into rows: today one engine session per batch, one response per sample
-    (`SingleTurnLoop`). A new loop (multi-turn, asynchronous) is chosen here from the config section that turns it on;
-    `fit()` does not change (docs/architecture.md, "Adding a rollout loop")."""
-    del cfg  # one loop so far: the config has nothing to choose between yet
-    return SingleTurnLoop()
+def effective_chunk_tokens(cfg: EasyRLConfig) -> int:
+    """`worker.rollout.chunk_tokens`, or when null a quarter of `data.max_response_length` rounded up: each response
+    then takes up to four engine calls, and a step's session can end between any two of them."""
+    return cfg.worker.rollout.chunk_tokens or -(-cfg.data.max_response_length // 4)
+
+
+def rollout_engines(cfg: EasyRLConfig) -> int:
+    """How many engines a generate call is split over: the actor's workers (colocated) or the rollout workers
+    (separate), over the workers one engine spans."""
+    rollout = cfg.worker.rollout
+    workers = rollout.n_gpus if rollout.placement == "separate" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    return workers // rollout.ranks_per_engine
+
+
+def rollout_loop(
+    cfg: EasyRLConfig,
+    draw: Callable[[int], Batch],
+    eos_id: int | None,
+    pad_id: int,
+    on_finished: Callable[[Batch], None] | None = None,
+) -> RolloutLoop:
+    """How the trainer turns prompts into rows: one engine session per batch, one response per sample
+    (`SingleTurnLoop`), or with `trainer.max_staleness` >= 1 groups kept in flight across steps
+    (`CarryOverLoop`, which draws prompts of its own with `draw` to fill them, and ends responses at `eos_id` and
+    `worker.rollout.stop_token_ids` as the engines do, handing each call's finished groups to `on_finished`). A new loop is chosen here from the config section that turns
+    it on; `fit()` does not change (docs/architecture.md, "Adding a rollout loop")."""
+    staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
+    if staleness == 0:
+        return SingleTurnLoop()
+    per_step = cfg.data.rollout_batch_size
+    stop_ids = [] if rollout.ignore_eos else [*([eos_id] if eos_id is not None else []), *rollout.stop_token_ids]
+    return CarryOverLoop(
+        draw,
+        max_staleness=staleness,
+        active_groups=rollout.active_groups or (staleness + 1) * per_step,
+        chunk_tokens=effective_chunk_tokens(cfg),
+        max_response_length=cfg.data.max_response_length,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+        engines=rollout_engines(cfg),
+        on_finished=on_finished,
+    )

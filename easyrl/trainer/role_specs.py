@@ -17,7 +17,12 @@ from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.distributed.memory import MemoryLevers
 from easyrl.rollout import RolloutSpec, SamplingParams, WeightSync
-from easyrl.trainer.resolve import effective_padding_free, effective_sleep_level, estimator_needs
+from easyrl.trainer.resolve import (
+    effective_chunk_tokens,
+    effective_padding_free,
+    effective_sleep_level,
+    estimator_needs,
+)
 from easyrl.trainer.step_math import needs_old_log_prob_pass
 from easyrl.workers.specs import (
     ActorSpec,
@@ -195,7 +200,11 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
     return RolloutSpec(
         config=rcfg,
         model=cfg.worker.actor.model,
-        max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        # the carry-over loop's last call for a response may ask up to `chunk_tokens - 1` tokens past its end
+        max_model_len=rcfg.max_model_len
+        or cfg.data.max_prompt_length
+        + cfg.data.max_response_length
+        + (effective_chunk_tokens(cfg) - 1 if cfg.trainer.max_staleness else 0),
         logprob_ratio=effective_logprob_ratio(cfg),
         weight_sync=weight_sync(cfg),
         sleep_level=effective_sleep_level(cfg),  # an explicit level, else the one `weight_sync` implies
@@ -209,12 +218,14 @@ def weight_sync(cfg: EasyRLConfig) -> WeightSync:
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
-    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them,
-    else 1/8."""
+    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them or
+    rollouts are asynchronous (`trainer.max_staleness` >= 1), else 1/8."""
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None:
         return ratio
-    return 1.0 if cfg.algorithm.correction.reads_rollout_log_probs else DEFAULT_LOGPROB_RATIO
+    # asynchronous rollouts keep every token's behaviour log-prob (the versioned record)
+    reads = cfg.algorithm.correction.reads_rollout_log_probs or cfg.trainer.max_staleness > 0
+    return 1.0 if reads else DEFAULT_LOGPROB_RATIO
 
 
 def old_log_prob_pass(cfg: EasyRLConfig) -> bool:

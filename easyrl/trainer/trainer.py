@@ -23,7 +23,10 @@ from easyrl.checkpoint.lock import RunLock
 from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
 from easyrl.config.algorithm import KLMode
 from easyrl.config.resume_diff import resume_config_report
+from easyrl.rollout import RolloutLoop, SingleTurnLoop
+from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
+from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
 from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
@@ -66,7 +69,14 @@ class Trainer:
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
-        self.rollout_loop = rollout_loop(cfg)  # how prompts become rows (a RolloutLoop)
+        # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # asynchronous rollouts: finished groups are scored while the engines go on generating
+        self.early = EarlyRewards(self.score_rows) if cfg.trainer.max_staleness else None
+        on_finished = self.early.submit if self.early is not None else None
+        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, on_finished)
+        self.single_turn = SingleTurnLoop()
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
@@ -237,23 +247,62 @@ class Trainer:
         metrics["batch/num_gen_batches"] = float(tries)
         return batch, metrics
 
-    def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
+    def generate(
+        self,
+        prompts: Batch,
+        seed: int,
+        metrics: dict[str, float],
+        overrides: dict | None = None,
+        loop: RolloutLoop | None = None,
+    ) -> Batch:
         """`n` responses for each of `prompts` (`n` and the rest of the sampling from `worker.rollout`, changed by
-        `overrides`): the rollout loop returns the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
+        `overrides`): the rollout loop (the training one unless `loop` is given) returns the B*n rows, sample `j` of
+        prompt `i` at `i*n + j`."""
         params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
-        batch, timing = self.rollout_loop.run(self.workers.engines, prompts, params)
+        batch, timing = (loop or self.rollout_loop).run(self.workers.engines, prompts, params)
         metrics |= timing
         return batch
 
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
         seed = derive_seed(GREEDY_STREAM, tries, "attempt")
-        greedy = self.generate(prompts, seed, metrics={}, overrides={"temperature": 0.0, "n": 1})
+        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1}, self.single_turn)
         scores, _ = self.score(greedy, store=False)
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
     def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`."""
+        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. Rows the
+        asynchronous loop's groups were scored early take those scores (`early_rewards`)."""
+        if self.early is not None:
+            self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
+        if self.early is not None and "uid" in batch:
+            scores, metrics, texts = self.take_early_scores(batch)
+        else:
+            scores, metrics, texts = self.score_rows(batch)
+        if store:
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
+            batch.set(response_text=texts)
+        return scores, metrics
+
+    def take_early_scores(self, batch: Batch) -> Scored:
+        """The early scores of `batch`'s rows, the rest scored now; `reward/<key>` over the batch, the failure
+        counters of every call since the last step."""
+        assert self.early is not None
+        early = self.early.take(row_keys(batch))
+        missing = [i for i, result in enumerate(early) if result is None]
+        scores = [result[0] if result is not None else {} for result in early]
+        texts = [result[1] if result is not None else "" for result in early]
+        counters = self.early.drain_counters()
+        if missing:  # not scored early: a resumed run's groups, or a step undone on a stop signal
+            late_scores, late_metrics, late_texts = self.score_rows(batch.index(missing))
+            for i, score, text in zip(missing, late_scores, late_texts):
+                scores[i], texts[i] = score, text
+            counters = {k: v + late_metrics.get(k, 0.0) for k, v in counters.items()}
+        early_share = 1.0 - len(missing) / max(1, len(batch))
+        return scores, score_means(scores) | counters | {"async/scored_early": early_share}, texts
+
+    def score_rows(self, batch: Batch) -> Scored:
+        """Decode the responses and call the reward function: per-sample scores, the manager's metrics, the texts."""
         lengths = batch["response_mask"].sum(dim=1).tolist()
         texts = self.tokenizer.batch_decode(
             [r[: int(n)] for r, n in zip(batch["responses"].tolist(), lengths)],
@@ -266,10 +315,7 @@ class Trainer:
             )
         ]
         scores, metrics = self.reward.score(inputs)
-        if store:
-            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
-            batch.set(response_text=texts)
-        return scores, metrics
+        return scores, metrics, texts
 
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -337,7 +383,7 @@ class Trainer:
                 _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
             )
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
-            batch = self.generate(prompts.batch, seed, metrics={}, overrides=overrides)
+            batch = self.generate(prompts.batch, seed, {}, overrides, self.single_turn)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
             scores, reward_metrics = self.score(batch)
             reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
@@ -361,8 +407,9 @@ class Trainer:
         return (freq > 0 and self.global_step % freq == 0) or self.global_step == self.total_steps
 
     def trainer_state(self) -> dict[str, Any]:
-        """Everything of the driver a resumed run needs to continue on the same curve (JSON-able)."""
-        return {
+        """Everything of the driver a resumed run needs to continue on the same curve (JSON-able): with a rollout
+        loop that keeps work in flight across steps, that work too (`rollout_loop`)."""
+        state = {
             "global_step": self.global_step,
             "prompts_drawn": self.prompts_drawn,
             "consecutive_skips": self.consecutive_skips,
@@ -370,6 +417,9 @@ class Trainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "entropy_ctrl": self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None,
         }
+        if isinstance(self.rollout_loop, CarryOverLoop):
+            state["rollout_loop"] = self.rollout_loop.state_dict()
+        return state
 
     def save_checkpoint(self, val_score: float | None) -> None:
         """Write `global_step_<N>` atomically: workers' shards and the trainer state into a temporary folder,
@@ -416,6 +466,17 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        if self.early is not None:
+            self.early.forget()
+        in_flight = state.get("rollout_loop")
+        if isinstance(self.rollout_loop, CarryOverLoop) and in_flight is not None:
+            self.rollout_loop.load_state_dict(in_flight)
+        elif in_flight:  # saved by an asynchronous run, resumed synchronously: its prompts in flight are not trained
+            logger.warning(
+                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
+                "max_staleness: 0 does not carry them over",
+                len(in_flight["groups"]) + len(in_flight["queue"]),
+            )
 
     def resume(self, folder: str) -> None:
         """Continue from the checkpoint `folder` (chosen by `CheckpointManager.resolve_load`: the explicit
@@ -474,8 +535,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release everything this trainer started; safe on a partly built trainer."""
-        for name in ("tracker", "reward"):
-            if hasattr(self, name):
+        for name in ("early", "tracker", "reward"):
+            if getattr(self, name, None) is not None:
                 getattr(self, name).close()
         if hasattr(self, "workers"):
             self.workers.shutdown()
