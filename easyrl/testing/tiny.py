@@ -182,8 +182,9 @@ def make_config(
     if arch in ("qwen3", "qwen3_moe", "llama"):
         kwargs["head_dim"] = hidden_size // num_heads
     if arch == "qwen3_moe":
-        # every layer sparse: 4 experts of the dense MLP's width, 2 routed per token (top-k renormalised, as published)
-        kwargs |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate_size}
+        # every layer sparse: 4 experts of half the hidden size (no square expert matrix, which would load transposed
+        # without an error), 2 routed per token, top-k renormalised as published
+        kwargs |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size // 2}
         kwargs |= {"decoder_sparse_step": 1, "norm_topk_prob": True}
     return config_cls(**kwargs)
 

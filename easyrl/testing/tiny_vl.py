@@ -195,13 +195,7 @@ def make_vl_config(
         vision |= {"num_position_embeddings": 256}
     if arch in ("qwen3_vl", "qwen3_vl_moe"):
         vision |= {"deepstack_visual_indexes": [0]}
-    if arch in ("qwen3_5", "qwen3_5_moe"):
-        text |= _hybrid_text(head_dim, num_layers)
-    if arch in MOE_ARCHS:
-        # 4 experts, 2 routed per token: enough for a top-k whose choice can flip between two numerics
-        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size}
-        if arch == "qwen3_5_moe":
-            text |= {"shared_expert_intermediate_size": hidden_size}
+    text |= _newer_text(arch, hidden_size, head_dim, num_layers)
     text |= text_overrides or {}
     vision |= vision_overrides or {}
     config_cls = _ARCHS[arch][0]
@@ -214,6 +208,20 @@ def make_vl_config(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def _newer_text(arch: str, hidden_size: int, head_dim: int, num_layers: int) -> dict[str, Any]:
+    """The text settings of the MoE and hybrid families (none for the dense Qwen-VL ones)."""
+    text: dict[str, Any] = {}
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text |= _hybrid_text(head_dim, num_layers)
+    if arch in MOE_ARCHS:
+        # 4 experts, 2 routed per token: enough for a top-k whose choice can flip between two numerics. Expert width
+        # half the hidden size: a square expert matrix would load transposed without an error.
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size // 2}
+        if arch == "qwen3_5_moe":
+            text |= {"shared_expert_intermediate_size": hidden_size // 2}
+    return text
 
 
 def _hybrid_text(head_dim: int, num_layers: int) -> dict[str, Any]:
