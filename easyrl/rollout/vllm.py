@@ -31,9 +31,9 @@ from transformers import AutoConfig
 from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
+from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 from easyrl.rollout.spec import RolloutSpec, WeightSync
-from easyrl.rollout.weight_layout import checkpoint_layout
 
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder. The
-        # policy's in-memory layout differs for MoE experts (`rollout.weight_layout`): put back as in the files first.
+        # policy's in-memory layout differs for MoE experts (`models.weight_layout`): put back as in the files first.
         if self._to_checkpoint_layout is not None:
             weights = self._to_checkpoint_layout(weights)
         self.llm.collective_rpc(

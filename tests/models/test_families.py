@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from easyrl.config import ModelConfig
 from easyrl.memory_plan import ModelShape
 from easyrl.models import load_processor, model_class_for, vision_spec
-from easyrl.rollout.weight_layout import checkpoint_layout
+from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.testing.tiny import build_tiny_checkpoint
 from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 from easyrl.workers.lora import lora_layers, merged_weights
@@ -144,3 +144,31 @@ def test_memory_plan_counts_every_parameter(family: tuple[str, str]) -> None:
     assert shape.kv_layers == (1 if name.startswith("qwen3_5") else 2)
     if "moe" in name:  # a token's MLP work: its 2 experts of width 32 (and Qwen3.5's shared expert of 32)
         assert shape.intermediate_size == 2 * 32 + (32 if name == "qwen3_5_moe" else 0)
+
+
+def test_packed_rows_give_the_padded_log_probs_and_gradients(family: tuple[str, str], tmp_path: Path) -> None:
+    """The padding-free layout and the fused head against the padded rows: log-probs, entropies and every gradient
+    (routed experts and routers included), with images, a video and a text-only row for the VL families."""
+    from easyrl.workers.packing import packed_attn_implementation
+    from easyrl.workers.specs import ForwardOptions
+    from tests.workers.test_packing import make_batch
+    from tests.workers.test_packing_vl import _batch, _loss_grads, _write_video
+
+    name, path = family
+    if name == "qwen3_moe":
+        mb = make_batch(b=4, vocab=250)
+    else:
+        _write_video(tmp_path / "clip.mp4")
+        mb = _batch(load_processor(path), tmp_path / "clip.mp4")
+    padded = load_model(ModelConfig(model_path=path)).train()
+    packed = load_model(ModelConfig(model_path=path), attn_implementation=packed_attn_implementation()).train()
+    mask = mb["response_mask"].bool()
+    ref_lp, ref_ent, ref_grads = _loss_grads(padded, mb, None)
+    assert any(".experts." in n or "linear_attn" in n for n in ref_grads)
+    for opts in (ForwardOptions(padding_free=True), ForwardOptions(padding_free=True, fused=True, chunk_size=5)):
+        lp, ent, grads = _loss_grads(packed, mb, opts)
+        torch.testing.assert_close(lp[mask], ref_lp[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[mask], ref_ent[mask], atol=1e-5, rtol=0)
+        assert grads.keys() == ref_grads.keys()
+        for key, ref in ref_grads.items():
+            torch.testing.assert_close(grads[key], ref, atol=1e-5, rtol=1e-4, msg=key)

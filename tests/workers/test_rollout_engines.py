@@ -274,7 +274,7 @@ def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, 
 def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     """The other text architectures through the same engine: log-probs match transformers before and after an
     in-memory weight update (Qwen3's q/k norms, Llama's names, Qwen3 MoE's experts, sent one matrix per expert as in
-    its checkpoint files: `easyrl.rollout.weight_layout`)."""
+    its checkpoint files: `easyrl.models.weight_layout`)."""
     from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import build_tiny_checkpoint
 
