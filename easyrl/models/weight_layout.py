@@ -3,7 +3,8 @@
 transformers 5 converts some checkpoints as it loads them (`conversion_mapping.py`): routed experts stored one matrix
 per expert (Qwen3 MoE, Qwen3.5 MoE: ``mlp.experts.<e>.gate_proj.weight``, ...) become fused 3D tensors
 (``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I)), and Qwen3-VL MoE's fused tensors are
-transposed. The policy streams its parameters under their in-memory names and layouts; an engine that loads checkpoint
+transposed (and Qwen2.5-VL's names move: its files keep the text model under ``model.``, the tower under
+``visual.``). The policy streams its parameters under their in-memory names and layouts; an engine that loads checkpoint
 files (vLLM's ``reload_weights(is_checkpoint_format=True)``) guesses at fused layouts it was not written for: a
 Qwen3 MoE policy sent as is gave vLLM log-probs 11 nats off the policy's (tests/workers/test_rollout_engines.py). So
 each tensor is put back the way ``save_pretrained`` would write it, with transformers' own reverse conversion, run on
@@ -32,17 +33,19 @@ def checkpoint_layout(hf_config: Any, trust_remote_code: bool = False) -> Callab
     `hf_config`; None when transformers loads that model's checkpoints without converting a tensor."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: memory and files agree
         return None
     from easyrl.models import model_class_for
 
     with torch.device("meta"):
         meta = model_class_for(hf_config).from_config(hf_config, trust_remote_code=trust_remote_code)
-    converters = [c for c in get_model_conversion_mapping(meta, add_legacy=False) if isinstance(c, WeightConverter)]
-    if not converters:
+    # What `save_pretrained` reverts for a model it did not load (as `revert_weight_conversion` decides): the
+    # renamings (Qwen2.5-VL's text model under `model.`, its tower under `visual.`) and the tensor conversions
+    conversions = [c for c in get_model_conversion_mapping(meta, add_legacy=False) if not isinstance(c, PrefixChange)]
+    if not conversions:
         return None
-    logger.info("weights go to the engine in the checkpoint's layout (%d conversions reverted)", len(converters))
+    logger.info("weights are sent in the checkpoint's layout (%d conversions reverted)", len(conversions))
 
     def convert(weights: Stream) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

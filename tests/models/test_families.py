@@ -1,6 +1,7 @@
 """The newer model families through easyrl's model-side paths, in this process (docs/models.md): the tiny builders,
 the processor, LoRA's targets and merged stream, the weights sent to an engine in the checkpoint's layout, and the
-memory plan's parameter count. Tiny random Qwen3 MoE, Qwen3-VL MoE, Qwen3.5 and Qwen3.5 MoE."""
+memory plan's parameter count, the packed layout against the padded one. Tiny random Qwen3 and Qwen3 MoE (text),
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL MoE, Qwen3.5 and Qwen3.5 MoE."""
 
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ from easyrl.workers.lora import lora_layers, merged_weights
 from easyrl.workers.model_setup import load_model
 
 
-FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+TEXT = ("qwen3", "qwen3_moe")
+ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+MLP = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
 # What LoRA's `all-linear` adapts in layer 0 of each (routed experts and routers are left alone: default_exclude)
 ADAPTED = {
-    "qwen3_moe": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
-    "qwen3_vl_moe": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
-    "qwen3_5": {f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")}
-    | {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"},
+    "qwen3": ATTENTION | MLP,
+    "qwen2_5_vl": ATTENTION | MLP,
+    "qwen3_vl": ATTENTION | MLP,
+    "qwen3_moe": ATTENTION,
+    "qwen3_vl_moe": ATTENTION,
+    "qwen3_5": {f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")} | MLP,
     "qwen3_5_moe": {f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")}
     | {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"},
 }
@@ -39,8 +45,8 @@ ADAPTED = {
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp(request.param) / "model"
-    if request.param == "qwen3_moe":
-        return request.param, build_tiny_checkpoint(folder, "qwen3_moe", num_heads=2, num_kv_heads=1)
+    if request.param in TEXT:
+        return request.param, build_tiny_checkpoint(folder, request.param, num_heads=2, num_kv_heads=1)
     return request.param, build_tiny_vl_checkpoint(folder, request.param)
 
 
@@ -61,14 +67,14 @@ def test_tiny_model_has_the_familys_parts(family: tuple[str, str]) -> None:
     if name.startswith("qwen3_5"):  # the hybrid: a Gated DeltaNet layer, then a full-attention one
         assert text.layer_types == ["linear_attention", "full_attention"]
         assert any(".linear_attn." in n for n in names) and any(".self_attn." in n for n in names)
-    if name != "qwen3_moe":  # Qwen3-VL's processor, timestamps before video frames included
-        assert vision_spec(load_processor(path)).family == "qwen3_vl"
+    if name not in TEXT:  # Qwen3-VL's processor (timestamps before video frames) from Qwen3-VL on
+        assert vision_spec(load_processor(path)).family == ("qwen2_5_vl" if name == "qwen2_5_vl" else "qwen3_vl")
 
 
 def test_processor_class_from_the_model_type_alone(family: tuple[str, str], tmp_path: Path) -> None:
     """A folder that names no processor class (older exports) still loads: the model type says which."""
     name, path = family
-    if name == "qwen3_moe":
+    if name in TEXT:
         pytest.skip("a text model has no processor")
     bare = Path(shutil.copytree(path, tmp_path / "bare"))
     (bare / "processor_config.json").unlink()
@@ -76,7 +82,8 @@ def test_processor_class_from_the_model_type_alone(family: tuple[str, str], tmp_
         data = json.loads((bare / file).read_text())
         data.pop("processor_class", None)
         (bare / file).write_text(json.dumps(data))
-    assert type(load_processor(bare)).__name__.startswith("Qwen3VLProcessor")
+    expected = "Qwen2_5_VLProcessor" if name == "qwen2_5_vl" else "Qwen3VLProcessor"
+    assert type(load_processor(bare)).__name__.startswith(expected)
 
 
 def test_lora_adapts_the_language_layers_and_the_merged_stream_is_the_policy(family: tuple[str, str]) -> None:
@@ -100,7 +107,7 @@ def test_lora_adapts_the_language_layers_and_the_merged_stream_is_the_policy(fam
     assert not any(".visual." in n or ".experts" in n or n.endswith("mlp.gate") for n in lora_layers(model))
     ids = torch.randint(3, 250, (1, 24))
     positions = torch.cat([torch.arange(10), torch.arange(14)])[None]  # two samples back to back
-    if name != "qwen3_moe":  # a VL model's packed row: the text positions, then M-RoPE's (text tokens: the same)
+    if name not in TEXT:  # a VL model's packed row: the text positions, then M-RoPE's (text tokens: the same)
         positions = positions.expand(4, 1, -1)
     model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -115,12 +122,13 @@ def test_lora_adapts_the_language_layers_and_the_merged_stream_is_the_policy(fam
 
 def test_engine_stream_has_the_checkpoint_layout(family: tuple[str, str]) -> None:
     """What vLLM is sent is what `save_pretrained` wrote: one matrix per expert (Qwen3 / Qwen3.5 MoE), Qwen3-VL MoE's
-    fused experts transposed back, everything else as in memory."""
+    fused experts transposed back, Qwen2.5-VL's legacy names, everything else as in memory."""
     name, path = family
     config = AutoConfig.from_pretrained(path)
     model = model_class_for(config).from_pretrained(path)
     convert = checkpoint_layout(config)
-    assert (convert is None) == (name == "qwen3_5")  # a dense model is sent as it is held
+    # a model whose files transformers loads as they are is sent as it is held
+    assert (convert is None) == (name in ("qwen3", "qwen3_vl", "qwen3_5"))
     stream = list(model.named_parameters())
     sent = dict(convert(stream)) if convert is not None else dict(stream)
     files = load_file(str(Path(path) / "model.safetensors"))
@@ -155,7 +163,7 @@ def test_packed_rows_give_the_padded_log_probs_and_gradients(family: tuple[str, 
     from tests.workers.test_packing_vl import _batch, _loss_grads, _write_video
 
     name, path = family
-    if name == "qwen3_moe":
+    if name in TEXT:
         mb = make_batch(b=4, vocab=250)
     else:
         _write_video(tmp_path / "clip.mp4")
@@ -164,7 +172,6 @@ def test_packed_rows_give_the_padded_log_probs_and_gradients(family: tuple[str, 
     packed = load_model(ModelConfig(model_path=path), attn_implementation=packed_attn_implementation()).train()
     mask = mb["response_mask"].bool()
     ref_lp, ref_ent, ref_grads = _loss_grads(padded, mb, None)
-    assert any(".experts." in n or "linear_attn" in n for n in ref_grads)
     for opts in (ForwardOptions(padding_free=True), ForwardOptions(padding_free=True, fused=True, chunk_size=5)):
         lp, ent, grads = _loss_grads(packed, mb, opts)
         torch.testing.assert_close(lp[mask], ref_lp[mask], atol=1e-5, rtol=0)

