@@ -222,12 +222,12 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     if not use_gpu(cfg):
         from transformers import AutoConfig
 
-        from easyrl.rollout.vllm import check_cpu_head_size
+        from easyrl.rollout.vllm import check_cpu_model
 
         mcfg = cfg.worker.actor.model
         assert mcfg.model_path is not None
         try:
-            check_cpu_head_size(
+            check_cpu_model(
                 AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code), mcfg.model_path
             )
         except ValueError as exc:

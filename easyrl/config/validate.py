@@ -477,13 +477,20 @@ def _check_load_checkpoint(path: str | None) -> None:
 
 
 def _check_attention_heads(cfg: EasyRLConfig) -> None:
-    """Ulysses attention gives each rank of a group `heads / ulysses_size` query heads."""
+    """Ulysses attention gives each rank of a group `heads / ulysses_size` query heads, and needs every token mixer to
+    be attention: a linear-attention layer (Qwen3.5's Gated DeltaNet) carries a recurrent state along the whole row."""
     for role in ("actor", "critic"):
         size = getattr(cfg.worker, role).ulysses_size
         path = str(getattr(cfg.worker, role).model.model_path or cfg.worker.actor.model.model_path)
         if size == 1 or not (Path(path) / "config.json").is_file():
             continue
         hf = json.loads((Path(path) / "config.json").read_text())
+        if "linear_attention" in (hf.get("text_config", hf).get("layer_types") or []):
+            raise ConfigError(
+                f"worker.{role}.ulysses_size",
+                f"{size} splits each row over ranks, but the linear-attention (Gated DeltaNet) layers of {path} carry "
+                "a recurrent state along the whole row, which a slice cannot start from; set it to 1",
+            )
         heads = hf.get("text_config", hf).get("num_attention_heads") or hf.get("num_attention_heads")
         if heads and heads % size:
             raise ConfigError(
