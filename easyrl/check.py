@@ -43,9 +43,12 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     lora = w.actor.model.lora
     adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha})" if lora.rank else ""
     ref = "" if alg.kl_mode == KLMode.OFF else ", ref (the actor with its adapters off)" if lora.rank else ", ref"
+    dist = alg.distill
+    task = f"{alg.adv_estimator} advantages" if not dist.enabled or dist.with_task_reward else "no task advantage"
     return [
-        f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
-        + (", online filtering" if alg.online_filtering else ""),
+        f"algorithm: {task}, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
+        + (", online filtering" if alg.online_filtering else "")
+        + (f", distillation from {dist.teacher.model_path} ({dist.mode} x {dist.coef})" if dist.enabled else ""),
         f"model: {w.actor.model.model_path}{adapters}",
         f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
@@ -54,6 +57,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + ("" if separate else "+rollout")
         + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
+        + (", teacher" if dist.enabled else "")
         + sp,
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "

@@ -13,7 +13,13 @@ import pytest
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "easyrl"
-ROLE_MODULES = ("easyrl.workers.actor", "easyrl.workers.critic", "easyrl.workers.ref", "easyrl.workers.rollout_role")
+ROLE_MODULES = (
+    "easyrl.workers.actor",
+    "easyrl.workers.critic",
+    "easyrl.workers.ref",
+    "easyrl.workers.rollout_role",
+    "easyrl.workers.teacher",
+)
 MAX_FUNCTION_LINES = 80
 
 

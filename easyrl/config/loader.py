@@ -316,7 +316,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     def absolute(p: str | None) -> str | None:
         return os.path.abspath(p) if p and os.path.exists(p) else p
 
-    for model in (cfg.worker.actor.model, cfg.worker.critic.model):
+    for model in (cfg.worker.actor.model, cfg.worker.critic.model, cfg.algorithm.distill.teacher):
         model.model_path = absolute(model.model_path)
         model.tokenizer_path = absolute(model.tokenizer_path)
     if cfg.worker.critic.model.model_path is None:

@@ -55,6 +55,7 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
     from easyrl.config.limits import check_limits
+    from easyrl.config.validate_refs import check_distill
 
     check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
@@ -67,6 +68,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_batch_arithmetic(cfg)
     _check_async(cfg)
     _check_files(cfg)
+    check_distill(cfg)
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:
@@ -313,7 +315,9 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     n = cfg.worker.rollout.n
     needs = declared_needs(cfg.algorithm.adv_estimator)
-    if needs.grouped and n < 2:
+    distill = cfg.algorithm.distill
+    estimator_used = not (distill.enabled and not distill.with_task_reward)  # pure distillation computes none
+    if needs.grouped and n < 2 and estimator_used:
         raise ConfigError(
             "worker.rollout.n",
             f"{cfg.algorithm.adv_estimator} compares the responses of one prompt, so it needs n >= 2 (got {n})",

@@ -30,6 +30,7 @@ from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_m
 from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.step_math import (
+    apply_distillation,
     apply_kl_in_reward,
     apply_rollout_correction,
     compute_advantages,
@@ -132,6 +133,7 @@ class Trainer:
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
+            self.teacher = self.workers.teacher
             if resume_from is not None:
                 self.resume(resume_from)
         except BaseException:
@@ -174,6 +176,9 @@ class Trainer:
                 if self.ref is not None:
                     with timer("ref", timings):
                         batch = batch.union(self.ref.compute_ref_log_probs(for_workers(batch)))
+                if self.teacher is not None:
+                    with timer("teacher", timings):
+                        batch = batch.union(self.teacher.compute_teacher_log_probs(for_workers(batch)))
                 if self.critic is not None:
                     with timer("values", timings):
                         batch = batch.union(self.critic.compute_values(for_workers(batch)))
@@ -325,7 +330,10 @@ class Trainer:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
             batch.set(token_level_rewards=batch["token_level_scores"])
-        compute_advantages(batch, alg)
+        if not alg.distill.enabled or alg.distill.with_task_reward:  # pure distillation has no task advantage
+            compute_advantages(batch, alg)
+        if alg.distill.enabled:  # the teacher's per-token penalty on top of the task advantage
+            metrics |= apply_distillation(batch, alg.distill)
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
             self.entropy_ctrl.update(mean_entropy(batch))
         metrics["actor/entropy_coeff"] = self.entropy_coeff()

@@ -131,6 +131,19 @@ class RefSpec:
 
 
 @dataclass(frozen=True)
+class TeacherSpec:
+    """The distillation teacher (`algorithm.distill.teacher`): a frozen model run like the reference, on the
+    student's token ids."""
+
+    process: ProcessSpec
+    model: ModelSpec
+    """The teacher's checkpoint, with the reference's sharding and offload and the actor's forward settings."""
+    temperature: float
+    """Log-probs of logits / temperature: the same scaling as the student's, so the two distributions compare."""
+    micro_batch_size_for_experience: int
+
+
+@dataclass(frozen=True)
 class CriticSpec:
     process: ProcessSpec
     model: ModelSpec
