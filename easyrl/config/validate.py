@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.errors import ConfigError
+from easyrl.config.multi_turn import check_multi_turn
 from easyrl.config.names import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
@@ -66,6 +67,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_sequence_parallel(cfg)
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
+    check_multi_turn(cfg.worker.rollout.multi_turn, cfg.data.max_response_length)
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from easyrl.config.multi_turn import MultiTurnConfig
+
 
 @dataclass
 class LoraConfig:
@@ -240,6 +242,9 @@ class RolloutConfig:
     n_gpus: int = 1
     """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
     `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Several turns per trajectory with tools or an environment between them (off unless `env`, `envs` or `tools`
+    is set; docs/agentic.md)."""
 
     @property
     def ranks_per_engine(self) -> int:

@@ -47,8 +47,39 @@ def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
 
 
 def rollout_loop(cfg: EasyRLConfig) -> RolloutLoop:
-    """How the trainer turns prompts into rows: today one engine session per batch, one response per sample
-    (`SingleTurnLoop`). A new loop (multi-turn, asynchronous) is chosen here from the config section that turns it on;
-    `fit()` does not change (docs/architecture.md, "Adding a rollout loop")."""
-    del cfg  # one loop so far: the config has nothing to choose between yet
+    """How the trainer turns prompts into rows: one engine session per batch, one response per sample
+    (`SingleTurnLoop`), or several turns with tools between them when `worker.rollout.multi_turn` sets an environment
+    or tools (`MultiTurnLoop`). A new loop is chosen here from the config section that turns it on; `fit()` does not
+    change (docs/architecture.md, "Adding a rollout loop")."""
+    if cfg.worker.rollout.multi_turn.enabled:
+        return multi_turn_loop(cfg)
     return SingleTurnLoop()
+
+
+def engine_count(cfg: EasyRLConfig) -> int:
+    """Rollout engines a generate call is split over: the workers that hold engines (the actor's, or the rollout
+    workers of their own) over the workers one engine spans."""
+    rollout = cfg.worker.rollout
+    workers = rollout.n_gpus if rollout.placement == "separate" else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    return workers // rollout.ranks_per_engine
+
+
+def multi_turn_loop(cfg: EasyRLConfig) -> RolloutLoop:
+    """The multi-turn loop of `worker.rollout.multi_turn`: its environments and tools imported (a tool without type
+    hints or docstring stops the run here, before any worker starts), the policy's tokenizer and chat template."""
+    from easyrl.agent import load_environments
+    from easyrl.data.prompts import PromptRenderer, load_chat_template
+    from easyrl.models import load_tokenizer
+    from easyrl.rollout.multi_turn import ChatRenderer, MultiTurnLoop, ToolSettings, TurnBudget
+
+    mt, model = cfg.worker.rollout.multi_turn, cfg.worker.actor.model
+    assert model.tokenizer_path is not None
+    tokenizer, _ = load_tokenizer(model.tokenizer_path, trust_remote_code=model.trust_remote_code)
+    chat_template = load_chat_template(cfg.data.override_chat_template)
+    # without an environment a trajectory opens with the dataset's own prompt (the prompt template's message)
+    dataset = PromptRenderer(tokenizer, cfg.data.prompt_key, cfg.data.format_prompt, chat_template)
+    environments = load_environments(mt, dataset.messages)
+    total = mt.max_total_tokens or cfg.data.max_response_length
+    budget = TurnBudget(mt.max_turns, total, mt.max_tokens_per_turn or total, cfg.data.max_prompt_length)
+    tools = ToolSettings(mt.tool_timeout_s, mt.max_tool_output_chars, mt.max_parallel_tools)
+    return MultiTurnLoop(environments, ChatRenderer(tokenizer, chat_template), budget, tools, engine_count(cfg))
