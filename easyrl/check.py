@@ -294,10 +294,12 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== first prompt, rendered", file=out)
     first = train[0]
     print(first["raw_prompt"], file=out)
+    if cfg.worker.rollout.multi_turn.enabled and _check_multi_turn(cfg, first) != 0:
+        return 2
     if _check_reward(cfg, first) != 0:
         return 2
     print("== plan", file=out)
-    for line in plan_lines(cfg):
+    for line in plan_lines(cfg) + multi_turn_lines(cfg):
         print(line, file=out)
     return print_memory_plan(cfg)
 
@@ -350,4 +352,45 @@ def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         print(f"easyrl: reward error: {exc}", file=sys.stderr)
         return 2
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
+    return 0
+
+
+def multi_turn_lines(cfg: EasyRLConfig) -> list[str]:
+    """The plan's multi-turn line (none for a single-turn run)."""
+    mt = cfg.worker.rollout.multi_turn
+    if not mt.enabled:
+        return []
+    envs = ", ".join(f"{name}={spec}" for name, spec in mt.env_specs().items()) or "none (the dataset's prompts)"
+    budget = mt.max_total_tokens or cfg.data.max_response_length
+    tools = mt.tools or "the environment's methods"
+    return [
+        f"multi-turn: environment {envs}; tools {tools}; up to {mt.max_turns} turns, "
+        f"{budget} tokens per trajectory after the prompt, {mt.tool_timeout_s:g} s per tool call"
+    ]
+
+
+def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
+    """Import the environments and tools (every schema made), open the first row's episode and print its prompt as
+    the loop renders it, tools included; 2, with one line, when any of it fails."""
+    from easyrl.agent import AgentLoadError
+    from easyrl.trainer.resolve import multi_turn_loop
+
+    print("== first multi-turn prompt, rendered with the tools", file=sys.stdout)
+    try:
+        loop: Any = multi_turn_loop(cfg)
+        episode = loop.environments.start(first["row"])
+        text = loop.chat.render(episode.messages, episode.schemas)
+    except (AgentLoadError, ValueError) as exc:
+        print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)
+        return 2
+    tokens = len(loop.chat.encode(text))
+    print(text, file=sys.stdout)
+    names = [s["function"]["name"] for s in episode.schemas]
+    print(f"({tokens} tokens of data.max_prompt_length={cfg.data.max_prompt_length}; tools: {names})", file=sys.stdout)
+    if tokens > cfg.data.max_prompt_length:
+        print(
+            f"easyrl: multi-turn error: the prompt with its tools has {tokens} tokens > data.max_prompt_length",
+            file=sys.stderr,
+        )
+        return 2
     return 0

@@ -180,14 +180,16 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
 # throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
-# version, and the carry-over loop keeps the tokens an engine call produced. Everything that trains or scores reads
-# `loss_mask` (tool output is attended, never trained on).
+# version, the carry-over loop keeps the tokens an engine call produced, and the multi-turn loop reads the engine's
+# completion lengths and writes both masks of its rows. Everything that trains or scores reads `loss_mask` (tool
+# output is attended, never trained on).
 ATTENTION_MASK_READERS = {
     "easyrl.trainer.trainer",
     "easyrl.trainer.step_math",
     "easyrl.workers.head",
     "easyrl.rollout.worker",
     "easyrl.rollout.carry_over",
+    "easyrl.rollout.multi_turn",  # reads the engine's completion lengths, and writes both masks of its rows
 }
 
 
@@ -261,6 +263,11 @@ def _inside(module: str, room: str) -> bool:
         # the rollout room (engines, the rollout worker, the driver's loops) knows nothing of trainer or workers:
         # the actor composes it, the trainer drives it through a loop
         ("easyrl.rollout", ("easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.check", "easyrl.cli")),
+        # environments and tools are the user's side of a multi-turn rollout: no engine, loop, worker or trainer
+        (
+            "easyrl.agent",
+            ("easyrl.rollout", "easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.distributed"),
+        ),
         # processes, ranks and devices sit under everything: their errors are their own, not the config's
         ("easyrl.distributed", ("easyrl.config", "easyrl.workers", "easyrl.trainer", "easyrl.algorithms")),
     ],
@@ -303,3 +310,18 @@ def test_only_the_rollout_worker_drives_an_engine() -> None:
         if lifecycle.search(line)
     ]
     assert not offenders, "drive the engine through easyrl.rollout.RolloutWorker:\n" + "\n".join(offenders)
+
+
+def test_environments_and_tools_load_without_torch() -> None:
+    """`easyrl.agent` (environments, tool schemas, call parsing and running) imports no torch: what a user's
+    environment file needs stays light, and tokens live in the loop (`rollout.multi_turn`) alone."""
+    offenders = []
+    for module, path in MODULES.items():
+        if not _inside(module, "easyrl.agent"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not offenders, "keep torch out of easyrl.agent:\n" + "\n".join(offenders)

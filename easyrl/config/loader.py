@@ -335,6 +335,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     for name in ("format_prompt", "image_dir", "video_dir"):
         setattr(cfg.data, name, absolute(getattr(cfg.data, name)))
     cfg.algorithm.user_modules = [os.path.abspath(p) for p in cfg.algorithm.user_modules]
+    cfg.worker.rollout.multi_turn.resolve_paths()
     rf = cfg.worker.reward.reward_function
     if rf:
         file, _, fn = rf.rpartition(":") if rf.rpartition(":")[0].endswith(".py") else (rf, "", "")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.errors import ConfigError
+from easyrl.config.multi_turn import check_multi_turn
 from easyrl.config.names import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
@@ -69,6 +70,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_async(cfg)
     _check_files(cfg)
     check_distill(cfg)
+    check_multi_turn(cfg.worker.rollout.multi_turn, cfg.data.max_response_length)
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:
@@ -411,6 +413,10 @@ def _check_async(cfg: EasyRLConfig) -> None:
         )
     if cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.online_filtering", "not with trainer.max_staleness >= 1 yet: set one of them off")
+    if rollout.multi_turn.enabled:  # the carry-over loop resumes single responses, not conversations with tools
+        raise ConfigError(
+            "worker.rollout.multi_turn", "not with trainer.max_staleness >= 1 yet: set trainer.max_staleness: 0"
+        )
     if declared_needs(cfg.algorithm.adv_estimator).needs_greedy_baseline:
         raise ConfigError(
             "algorithm.adv_estimator",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from easyrl.config.multi_turn import MultiTurnConfig
+
 
 @dataclass
 class LoraConfig:
@@ -253,6 +255,9 @@ class RolloutConfig:
     (a process group of their own between the policy's rank 0 and every rollout worker, NCCL on GPUs, gloo on CPU:
     one tensor at a time, nothing through the driver) or `driver` (rank 0 gathers the whole policy on its host and
     the driver hands it over through Ray's object store: simpler, a full copy in host memory)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Several turns per trajectory with tools or an environment between them (off unless `env`, `envs` or `tools`
+    is set; docs/agentic.md)."""
 
     @property
     def ranks_per_engine(self) -> int:
