@@ -8,10 +8,12 @@ Two ways, both the template's own rendering, never a search for the message text
 * **Prefix by prefix** (any other template). For assistant message ``i``, the conversation up to it rendered with
   the generation prompt (``messages[:i]``, ``add_generation_prompt=True``) is what the model is shown; the
   conversation through it (``messages[:i + 1]``) ends where its answer ends. The tokens between the two lengths are
-  the answer. Both must be token prefixes of the whole conversation's rendering, which holds for templates that
-  render a turn the same whatever follows it (ChatML, Qwen2.5, Llama 3). A template that rewrites earlier turns once
-  later ones follow (Qwen3 drops the reasoning of turns before the last user message) fails that check, and the row
-  is refused with the fix: a template with generation marks, or one row per assistant turn.
+  the answer. Both must be prefixes of the whole conversation's rendering, which holds for templates that render a
+  turn the same whatever follows it (ChatML, Qwen2.5, Llama 3). A template that rewrites earlier turns once later ones
+  follow (Qwen3 drops the reasoning of turns before the last user message) fails that check, and the row is refused
+  with the fix: a template with generation marks, or one row per assistant turn. The conversation is tokenized once:
+  a prefix that is a text prefix ending on one of its token boundaries (by the fast tokenizer's offsets) takes its
+  token count from there; any other is tokenized on its own and must be a token prefix.
 
 Departure: on the prefix path the answer ends at its first end-of-sequence token. What the template renders after
 it (ChatML's newline after ``<|im_end|>``) is never generated (a rollout stops at EOS) and is not trained; the demo's
@@ -100,17 +102,38 @@ class ChatRenderer:
         """
         if self.generation_marks:
             return self._marked(conv)
-        turns = [i for i, m in enumerate(conv.messages) if m.get("role") == "assistant"]
-        texts = [self.render(conv)]
-        for i in turns:
-            texts += [self.render(conv, i, generation_prompt=True), self.render(conv, i + 1)]
-        # one tokenizer call for the row's texts (the Rust tokenizer batches them)
-        encoded = [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        full, mask = encoded[0], [0] * len(encoded[0])
-        for k, i in enumerate(turns):
-            start, end = self._span(full, encoded[1 + 2 * k], encoded[2 + 2 * k], i)
+        text = self.render(conv)
+        ids, starts = self._tokens(text)
+        mask = [0] * len(ids)
+        for turn, message in enumerate(conv.messages):
+            if message.get("role") != "assistant":
+                continue
+            before, through = self.render(conv, turn, generation_prompt=True), self.render(conv, turn + 1)
+            # Fast path: both renderings are text prefixes of the conversation and end where one of its tokens ends
+            # and the next starts; their token counts are then read off the conversation's own tokens.
+            aligned = text.startswith(through) and text.startswith(before) and len(before) < len(through)
+            start = starts.get(len(before))
+            stop = len(ids) if len(through) == len(text) else starts.get(len(through))
+            if not (aligned and start is not None and stop is not None):
+                # Otherwise the renderings' own tokens must be prefixes of the conversation's (or the row is refused).
+                b, t = (list(x) for x in self.tokenizer([before, through], add_special_tokens=False)["input_ids"])
+                start, stop = self._span(ids, b, t, turn)
+            end = self._answer_end(ids, start, stop)
             mask[start:end] = [1] * (end - start)
-        return full, mask
+        return ids, mask
+
+    def _tokens(self, text: str) -> tuple[list[int], dict[int, int]]:
+        """The text's token ids, and {character offset: token index} of the tokens that start exactly where the one
+        before ends (offsets a fast tokenizer reports; none from a slow one, which takes the exact path)."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow (Python) tokenizer has no offsets
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), {}
+        offsets = enc["offset_mapping"]
+        # A token whose start is not the previous token's end (trimmed whitespace, a byte split mid-character) is no
+        # boundary to trust: such a turn takes the exact path.
+        starts = {s: k for k, (s, _) in enumerate(offsets) if (offsets[k - 1][1] if k else 0) == s}
+        return list(enc["input_ids"]), starts
 
     def _marked(self, conv: Conversation) -> tuple[list[int], list[int]]:
         try:
@@ -134,8 +157,8 @@ class ChatRenderer:
         return ids, mask
 
     def _span(self, full: list[int], before: list[int], through: list[int], turn: int) -> tuple[int, int]:
-        """[start, end) of assistant message ``turn`` in ``full``: between the prompt up to it and the conversation
-        through it, cut after the first EOS (see the module docstring)."""
+        """[start, end) of assistant message ``turn`` in ``full``: the token counts of the prompt up to it and of the
+        conversation through it, each of which must be a token prefix of ``full``."""
         n, m = len(before), len(through)
         if full[:m] == through and m <= n:
             raise TemplateMaskError(
@@ -149,7 +172,10 @@ class ChatRenderer:
                 "conversation prefix by prefix: set data.override_chat_template to a template whose assistant "
                 "output sits in {% generation %} ... {% endgeneration %}, or give each assistant turn a row of its own"
             )
-        end = m
-        if self.eos_id is not None and self.eos_id in full[n:m]:
-            end = n + full[n:m].index(self.eos_id) + 1  # the EOS trains: it is how the model stops
-        return n, end
+        return n, m
+
+    def _answer_end(self, ids: list[int], start: int, end: int) -> int:
+        """The end of the answer in ``ids[start:end]``: just after its first EOS, if it has one (module docstring)."""
+        if self.eos_id is not None and self.eos_id in ids[start:end]:
+            return start + ids[start:end].index(self.eos_id) + 1  # the EOS trains: it is how the model stops
+        return end
