@@ -394,3 +394,82 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         )
         return 2
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- supervised fine-tuning
+def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
+    """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
+    a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
+    workers = t.nnodes * t.n_gpus_per_node
+    dp = data_parallel_size(cfg)
+    sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
+    adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
+    micro = (
+        f"micro-batches of up to {a.max_token_len_per_gpu} tokens per worker"
+        if a.dynamic_batching
+        else f"micro-batches of {a.micro_batch_size_per_device_for_update}"
+    )
+    every = f"every {t.val_freq} steps and at the end" if t.val_freq > 0 else "never during training"
+    validation = (
+        f"validation: val/loss, val/token_accuracy, val/perplexity on {d.val_files} ({every}"
+        + (", and before training)" if t.val_before_train else ")")
+        if d.val_files
+        else "validation: none (no data.val_files)"
+    )
+    return [
+        f"supervised fine-tuning: next-token loss on the assistant's tokens ({a.loss_avg_mode}), conversations of up "
+        f"to {cfg.sft.max_length} tokens",
+        f"model: {a.model.model_path}{adapters}",
+        f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
+        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers}{sp}",
+        f"batch: {a.global_batch_size} rows per step (one optimizer step, lr {a.optim.lr:g}, "
+        f"{a.optim.lr_scheduler_type}); {a.global_batch_size // dp} rows per worker in {micro}",
+        validation,
+        f"output: {t.save_checkpoint_path} (`easyrl merge` makes a Hugging Face folder of a global_step_<N>)",
+    ]
+
+
+def run_sft_check(cfg: EasyRLConfig) -> int:
+    """Load the tokenizer and the conversations as `easyrl sft` does, mark their assistant tokens with the chat
+    template, and print what was kept, the first conversation with its trained tokens between [[ and ]], and the
+    plan. 2, with one line, when the data or the template cannot be used."""
+    from easyrl.config import ConfigError
+    from easyrl.data.loading import DataError
+    from easyrl.trainer.sft_trainer import build_sft_data
+
+    out = sys.stdout
+    warning = cpu_noop_warning(cfg)
+    if warning is not None:
+        print(f"easyrl: warning: {warning}", file=out)
+    try:  # the trainer's own loading: the conversations checked are the ones trained on
+        _, train, val, _ = build_sft_data(cfg)
+    except DataError as exc:
+        print(f"easyrl: data error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    print("== data", file=out)
+    dropped = {k: v for k, v in train.drop_counts.items() if v}
+    print(
+        f"train: {len(train)} usable conversations from {cfg.data.train_files}; dropped: {dropped or 'none'}", file=out
+    )
+    if val is not None:
+        val_dropped = {k: v for k, v in val.drop_counts.items() if v}
+        print(f"val: {len(val)} usable conversations from {cfg.data.val_files}; dropped: {val_dropped or 'none'}")
+    stats = train.length_stats()
+    print("tokens per conversation: " + ", ".join(f"{k[7:]}={v:.1f}" for k, v in stats.items() if k[:7] == "tokens_"))
+    print(
+        "trained tokens per conversation: "
+        + ", ".join(f"{k[8:]}={v:.1f}" for k, v in stats.items() if k[:8] == "trained_")
+    )
+    how = (
+        "its {% generation %} marks" if train.chat.generation_marks else "rendering each conversation prefix by prefix"
+    )
+    print(f"assistant tokens: marked by the chat template, {how}", file=out)
+    print("== first conversation, trained tokens between [[ and ]]", file=out)
+    print(train.marked_text(0), file=out)
+    print("== plan", file=out)
+    for line in sft_plan_lines(cfg):
+        print(line, file=out)
+    return 0

@@ -21,7 +21,7 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"easyrl {__version__}"
 
 
-@pytest.mark.parametrize("command", ["train", "check", "merge", "report"])
+@pytest.mark.parametrize("command", ["train", "sft", "check", "merge", "report"])
 def test_help(command: str) -> None:
     proc = easyrl(command, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -76,6 +76,36 @@ def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "media: rows_with_media=" in proc.stdout and "media_tokens_max=" in proc.stdout, proc.stdout
     assert "'overlong_prompt': " in proc.stdout, proc.stdout
+
+
+def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_model_dir) -> None:
+    """A config with an `sft` section is checked as SFT (the first conversation with its trained tokens marked, the
+    plan) and `easyrl train` stops on it naming `easyrl sft`."""
+    import json
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"Copy: {a} {b}"}, {"role": "assistant", "content": f"{a}{b}"}]}
+        for a in range(4)
+        for b in range(4)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conf = {
+        "data": {"train_files": str(tmp_path / "chat.jsonl")},
+        "sft": {"max_length": 64},
+        "worker": {"actor": {"global_batch_size": 8, "model": {"model_path": tiny_model_dir}}},
+        "trainer": {"n_gpus_per_node": 2, "device": "cpu", "save_checkpoint_path": str(tmp_path / "run")},
+    }
+    path = write_config(tmp_path / "sft.yaml", conf)
+    proc = easyrl("check", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "train: 16 usable conversations" in out and "rendering each conversation prefix by prefix" in out
+    assert "<|im_start|>assistant\n[[00<|im_end|>]]" in out, out
+    assert "== plan" in out and "supervised fine-tuning: next-token loss on the assistant's tokens" in out
+    assert "8 rows per step" in out and "== reward function" not in out
+    assert not (tmp_path / "run").exists(), "check must not start training"
+    proc = easyrl("train", path)
+    assert proc.returncode == 2 and "run `easyrl sft CONFIG`" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ ROLE_MODULES = (
     "easyrl.workers.ref",
     "easyrl.workers.rollout_role",
     "easyrl.workers.teacher",
+    "easyrl.workers.sft",
 )
 MAX_FUNCTION_LINES = 80
 
@@ -270,6 +271,12 @@ def _inside(module: str, room: str) -> bool:
         ),
         # processes, ranks and devices sit under everything: their errors are their own, not the config's
         ("easyrl.distributed", ("easyrl.config", "easyrl.workers", "easyrl.trainer", "easyrl.algorithms")),
+        # the data (prompts, SFT conversations) is read by the driver and hands it plain tensors: no worker, no
+        # algorithm, no rollout, no checkpoint knows it, and it knows none of them
+        (
+            "easyrl.data",
+            ("easyrl.trainer", "easyrl.workers", "easyrl.rollout", "easyrl.algorithms", "easyrl.checkpoint"),
+        ),
     ],
 )
 def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> None:
@@ -325,3 +332,29 @@ def test_environments_and_tools_load_without_torch() -> None:
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] == "torch"]
     assert not offenders, "keep torch out of easyrl.agent:\n" + "\n".join(offenders)
+
+
+# The FSDP2 sharding, the optimizer and the backward pass have one home each: every role (the SFT policy too) trains
+# through `TrainableModel` and `forward_backward.optimize`, never a copy of them.
+TRAINING_MACHINERY = re.compile(r"\bfully_shard\(|\bclip_grad_norm_\(|\.backward\(|optim\.AdamW\(")
+TRAINING_HOMES = {
+    "easyrl.workers.model_setup",  # sharding and the optimizer
+    "easyrl.workers.forward_backward",  # the backward passes and the optimizer steps
+    "easyrl.workers.varlen",  # a one-off probe of the attention kernel's backward
+}
+
+
+def test_training_machinery_rule_catches_a_fork() -> None:
+    source = "fully_shard(layer)\nloss.backward()\ntorch.nn.utils.clip_grad_norm_(p, 1)\nok = backward_hook\n"
+    assert sum(bool(TRAINING_MACHINERY.search(line)) for line in source.splitlines()) == 3
+
+
+def test_no_role_forks_the_training_machinery() -> None:
+    offenders = [
+        f"{m}:{n}: {line.strip()}"
+        for m, path in MODULES.items()
+        if m not in TRAINING_HOMES
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if TRAINING_MACHINERY.search(line.split("#", 1)[0])
+    ]
+    assert not offenders, "train through TrainableModel and forward_backward.update_model:\n" + "\n".join(offenders)

@@ -53,8 +53,9 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
         raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
-def validate(cfg: EasyRLConfig) -> None:
-    """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
+def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
+    """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files). `task` `sft`
+    checks what `easyrl sft` reads: the shared sections and `sft`, not the rollout, reward or RL batch arithmetic."""
     from easyrl.config.limits import check_limits
     from easyrl.config.validate_refs import check_distill
 
@@ -66,6 +67,15 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
+    if task == "sft":
+        from easyrl.config.sft import check_sft
+
+        check_sft(cfg)
+        _check_model_and_data(cfg, cfg.sft.max_length, "sft.max_length")
+        _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
+        return
+    if not cfg.worker.reward.reward_function:  # before the RL arithmetic: an SFT config lacks it first of all
+        _check_reward_function(None)
     _check_batch_arithmetic(cfg)
     _check_async(cfg)
     _check_files(cfg)
@@ -426,6 +436,19 @@ def _check_async(cfg: EasyRLConfig) -> None:
 
 
 def _check_files(cfg: EasyRLConfig) -> None:
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    _check_model_and_data(cfg, total, "data.max_response_length")
+    for key in ("data.image_dir", "data.video_dir"):
+        folder = _get(cfg, key)
+        if folder and not Path(str(folder)).is_dir():
+            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
+    _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
+    _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> None:
+    """The model folder (its context holds `length` tokens, set by `length_key`), tokenizer, data files and
+    templates exist."""
     model = cfg.worker.actor.model.model_path
     if not model:
         raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
@@ -436,7 +459,7 @@ def _check_files(cfg: EasyRLConfig) -> None:
     tok = cfg.worker.actor.model.tokenizer_path
     if tok and not Path(tok).is_dir():
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
-    _check_context_length(cfg, Path(model) / "config.json")
+    _check_context_length(Path(model) / "config.json", length, length_key)
     _check_attention_heads(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
@@ -451,12 +474,6 @@ def _check_files(cfg: EasyRLConfig) -> None:
     chat = cfg.data.override_chat_template
     if chat and chat.endswith(".jinja") and not Path(chat).is_file():
         raise ConfigError("data.override_chat_template", f"template file not found: {_looked_for(chat)}")
-    for key in ("data.image_dir", "data.video_dir"):
-        folder = _get(cfg, key)
-        if folder and not Path(str(folder)).is_dir():
-            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
-    _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
-    _check_reward_function(cfg.worker.reward.reward_function)
 
 
 def _looked_for(path: str) -> str:
@@ -508,25 +525,26 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
             )
 
 
-def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:
+def _check_context_length(config_json: Path, total: int, key: str) -> None:
     try:
         hf = json.loads(config_json.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError("worker.actor.model.model_path", f"cannot read {config_json}: {exc}") from None
     text = hf.get("text_config", hf)
     limit = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
-    total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if limit and total > limit:
-        raise ConfigError(
-            "data.max_response_length",
-            f"max_prompt_length + max_response_length = {total} exceeds the model's context ({limit})",
-        )
+        what = "max_prompt_length + max_response_length = " if key == "data.max_response_length" else ""
+        raise ConfigError(key, f"{what}{total} exceeds the model's context ({limit})")
 
 
 def _check_reward_function(spec: str | None) -> None:
     key = "worker.reward.reward_function"
     if not spec:
-        raise ConfigError(key, "is required: path/to/file.py:function")
+        raise ConfigError(
+            key,
+            "is required: path/to/file.py:function (a supervised fine-tuning config? give it an `sft:` section and "
+            "run `easyrl sft`)",
+        )
     file, _, fn = spec.rpartition(":")
     if not file.endswith(".py"):
         raise ConfigError(key, f"expected path/to/file.py:function, got {spec!r}")

@@ -33,6 +33,7 @@ from easyrl.workers.specs import (
     ProcessSpec,
     RefSpec,
     RolloutRoleSpec,
+    SFTSpec,
     TeacherSpec,
     UpdateSpec,
 )
@@ -139,6 +140,27 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         memory_levers=memory_levers(cfg),
         serves_reference=lora_on(cfg) and cfg.algorithm.kl_mode != KLMode.OFF,
         colocated_engine=cfg.worker.rollout.placement == "colocated",
+    )
+
+
+def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpec:
+    """The spec of `easyrl sft`'s one role: the actor's model, optimizer, FSDP and forward settings, one response
+    per row (`global_batch_size` rows an optimizer step)."""
+    acfg = cfg.worker.actor
+    return SFTSpec(
+        process=ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules)),
+        model=ModelSpec(
+            model=acfg.model,
+            torch_dtype=acfg.fsdp.torch_dtype,
+            fsdp=acfg.fsdp,
+            optim=acfg.optim,
+            offload=acfg.offload,
+            forward=forward_options(cfg),
+            total_optimizer_steps=optimizer_steps,
+            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+        ),
+        update=_update_spec(acfg, 1, world_size),
+        micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
     )
 
 
