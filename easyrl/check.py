@@ -92,6 +92,13 @@ def async_lines(cfg: EasyRLConfig) -> list[str]:
     ]
 
 
+def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
+    """(the plan, the warnings) a run logs before it starts: `task` `rl` (`easyrl train`) or `sft`."""
+    if task == "sft":
+        return sft_plan_lines(cfg), [w for w in (cpu_noop_warning(cfg),) if w is not None]
+    return plan_lines(cfg), [w for w in (cpu_noop_warning(cfg), kl_noop_warning(cfg)) if w is not None]
+
+
 def rerun_line(cfg: EasyRLConfig) -> str:
     """What running the same command again does after a stop (Ctrl-C, SIGTERM): resume, or start over and why."""
     from easyrl.checkpoint.manager import newest_resumable
@@ -449,27 +456,28 @@ def run_sft_check(cfg: EasyRLConfig) -> int:
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
-    print("== data", file=out)
-    dropped = {k: v for k, v in train.drop_counts.items() if v}
-    print(
-        f"train: {len(train)} usable conversations from {cfg.data.train_files}; dropped: {dropped or 'none'}", file=out
-    )
-    if val is not None:
-        val_dropped = {k: v for k, v in val.drop_counts.items() if v}
-        print(f"val: {len(val)} usable conversations from {cfg.data.val_files}; dropped: {val_dropped or 'none'}")
-    stats = train.length_stats()
-    print("tokens per conversation: " + ", ".join(f"{k[7:]}={v:.1f}" for k, v in stats.items() if k[:7] == "tokens_"))
-    print(
-        "trained tokens per conversation: "
-        + ", ".join(f"{k[8:]}={v:.1f}" for k, v in stats.items() if k[:8] == "trained_")
-    )
-    how = (
-        "its {% generation %} marks" if train.chat.generation_marks else "rendering each conversation prefix by prefix"
-    )
-    print(f"assistant tokens: marked by the chat template, {how}", file=out)
+    _print_sft_data(cfg, train, val)
     print("== first conversation, trained tokens between [[ and ]]", file=out)
     print(train.marked_text(0), file=out)
     print("== plan", file=out)
     for line in sft_plan_lines(cfg):
         print(line, file=out)
     return 0
+
+
+def _print_sft_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
+    """What was kept of the conversations and why the rest was not, their lengths, and how the tokens are marked."""
+    lines = ["== data"]
+    for name, data, files in (("train", train, cfg.data.train_files), ("val", val, cfg.data.val_files)):
+        if data is not None:
+            dropped = {k: v for k, v in data.drop_counts.items() if v}
+            lines.append(f"{name}: {len(data)} usable conversations from {files}; dropped: {dropped or 'none'}")
+    stats = train.length_stats()
+    for prefix, what in (("tokens_", "tokens"), ("trained_", "trained tokens")):
+        values = ", ".join(f"{k[len(prefix) :]}={v:.1f}" for k, v in stats.items() if k.startswith(prefix))
+        lines.append(f"{what} per conversation: {values}")
+    how = (
+        "its {% generation %} marks" if train.chat.generation_marks else "rendering each conversation prefix by prefix"
+    )
+    lines.append(f"assistant tokens: marked by the chat template, {how}")
+    print("\n".join(lines), file=sys.stdout)

@@ -98,16 +98,16 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
-    from easyrl.check import cpu_noop_warning, kl_noop_warning, plan_lines, rerun_line, sft_plan_lines
+    from easyrl.check import rerun_line, start_lines
     from easyrl.config import ConfigError
     from easyrl.trainer.run import StopRequested
 
     log = logging.getLogger("easyrl")
-    for line in sft_plan_lines(cfg) if task == "sft" else plan_lines(cfg):
+    plan, warnings = start_lines(cfg, task)
+    for line in plan:
         log.info(line)
-    for warning in (cpu_noop_warning(cfg), None if task == "sft" else kl_noop_warning(cfg)):
-        if warning is not None:
-            log.warning(warning)
+    for line in warnings:
+        log.warning(line)
     trainer: RunFolder | None = None
     try:
         if task == "sft":
