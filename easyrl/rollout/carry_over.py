@@ -61,7 +61,7 @@ class Sample:
 
 @dataclass
 class Group:
-    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `derive_seed(seed + j, c, "attempt")`:
+    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `derive_seed(seed + j, c, "row")`:
     fixed by the group, whatever else shares the call (and the same after a resume)."""
 
     prompt_ids: list[int]
@@ -198,10 +198,9 @@ class CarryOverLoop:
                 before = self.finished
                 tokens += self.generate(engines, work, params)
                 engine_s += time.perf_counter() - call_start
-                if self.on_finished is not None and self.finished > before:
-                    self.on_finished(self.rows_of([g for g in self.groups if g.finished_at >= before], params))
                 calls += 1
                 chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
+                self.report_finished([g for g in self.groups if g.finished_at >= before], chosen, params)
             metrics |= engines.close_rollout()
         session_s = time.perf_counter() - session_start
         version = engines.policy_version()  # the policy this step trains: every row's staleness is counted from it
@@ -257,7 +256,8 @@ class CarryOverLoop:
         """One engine call: `chunk_tokens` more tokens for each unfinished response of `work` (group, sample), with
         the weights the engines hold; returns the tokens kept."""
         rows = [g.prompt_ids + g.samples[j].tokens for g, j in work]
-        seeds = [derive_seed(g.seed + j, g.calls, "attempt") for g, j in work]
+        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
+        seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
         extra = (-len(rows)) % self.engines  # the call splits evenly over the engines: repeat the last row
         request = Batch(left_padded(rows + [rows[-1]] * extra, self.pad_id))
         request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
@@ -286,6 +286,18 @@ class CarryOverLoop:
                 group.finished_at = self.finished
                 self.finished += 1
         return kept
+
+    def report_finished(self, finished: list[Group], chosen: list[Group] | None, params: SamplingParams) -> None:
+        """Hand the groups an engine call finished to `on_finished`; after the step's last call, the ones it trains on
+        first (the trainer waits for their scores, while those of the groups carried over can run during the
+        update)."""
+        if self.on_finished is None or not finished:
+            return
+        first = [g for g in finished if chosen is None or any(g is c for c in chosen)]
+        later = [g for g in finished if not any(g is f for f in first)]
+        for part in (first, later):
+            if part:
+                self.on_finished(self.rows_of(part, params))
 
     def hand_over(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of `chosen`; they leave flight, and the step count moves on."""

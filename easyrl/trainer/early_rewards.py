@@ -5,11 +5,12 @@ on one thread beside the engines, and the step's reward stage takes their scores
 function again, scoring on the spot only what was not scored early (after a resume, say). A slow reward then runs
 while the engines generate rather than after them. The reward manager runs one batch at a time (its deadline and
 error ratio are per batch), so every reward call on the driver first waits for the early ones (`settle`): two
-batches never run at once.
+batches never run at once. The step's reward stage waits only for the calls holding its rows, and the loop submits the
+groups a step trains on before those it carries over, whose scoring then runs during the update.
 
 What changes against scoring the handed-over batch: `reward/<key>` are the same means over the step's samples; the
-failure counters (`reward/errors`, `timeouts`, `invalid`, `retried_chunks`) count the calls that completed since the
-previous step, which may include groups that train later; the error ratio applies to each early call's groups.
+failure counters (`reward/errors`, `timeouts`, `invalid`, `retried_chunks`) count the calls the step collected, which
+may include groups that train later; the error ratio applies to each early call's groups.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class EarlyRewards:
     def __init__(self, score_rows: Callable[[Batch], Scored]) -> None:
         self.score_rows = score_rows
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="easyrl-early-reward")
-        self.calls: list[tuple[Future[Scored], list[tuple[str, int]]]] = []
+        self.calls: list[tuple[Future[Scored], list[tuple[str, int]]]] = []  # in submission order
         self.ready: dict[tuple[str, int], tuple[dict[str, float], str]] = {}
         self.counters: Counter[str] = Counter()
 
@@ -63,16 +64,21 @@ class EarlyRewards:
         """Score `rows` (whole finished groups, with their prompts' columns) in the background."""
         self.calls.append((self.pool.submit(self.score_rows, rows), row_keys(rows)))
 
-    def settle(self) -> None:
-        """Wait for every call submitted and keep their results; a reward error raised there surfaces here."""
-        calls, self.calls = self.calls, []
-        for future, keys in calls:
+    def settle(self, keys: list[tuple[str, int]] | None = None) -> None:
+        """Wait for the calls submitted (those up to the last one holding one of `keys`, or all) and keep their
+        results; a reward error raised there surfaces here."""
+        wanted = set(keys) if keys is not None else None
+        last = max((i for i, (_, held) in enumerate(self.calls) if wanted is None or wanted & set(held)), default=-1)
+        done, self.calls = self.calls[: last + 1], self.calls[last + 1 :]
+        for future, held in done:
             scores, metrics, texts = future.result()
-            self.ready |= {key: (score, text) for key, score, text in zip(keys, scores, texts)}
+            self.ready |= {key: (score, text) for key, score, text in zip(held, scores, texts)}
             self.counters.update({k: metrics.get(k, 0.0) for k in COUNTERS})
 
     def take(self, keys: list[tuple[str, int]]) -> list[tuple[dict[str, float], str] | None]:
-        """The early result of each row (None where there is none); they leave the store."""
+        """The early result of each row (None where there is none), once the calls holding them are done; they leave
+        the store. Calls submitted after those may still run (the next step's groups)."""
+        self.settle(keys)
         return [self.ready.pop(key, None) for key in keys]
 
     def drain_counters(self) -> dict[str, float]:

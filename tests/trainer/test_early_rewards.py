@@ -69,3 +69,26 @@ def test_a_reward_error_in_the_background_surfaces_when_the_driver_settles() -> 
         assert early.take([("g", 0)]) == [None]
     finally:
         early.close()
+
+
+def test_a_step_waits_only_for_the_calls_holding_its_rows() -> None:
+    """The groups a step carries over are scored after the ones it trains on, during its update: taking the first
+    call's rows does not wait for the second call."""
+    release, later_done = threading.Event(), threading.Event()
+
+    def score(rows: Batch) -> Scored:
+        if rows["uid"][0] == "later":
+            release.wait(timeout=5)
+            later_done.set()
+        return [{"overall": 1.0}] * len(rows), {}, [""] * len(rows)
+
+    early = EarlyRewards(score)
+    try:
+        early.submit(_rows(["now"], [1]))
+        early.submit(_rows(["later"], [1]))
+        assert early.take([("now", 0)]) == [({"overall": 1.0}, "")]
+        assert not later_done.is_set()  # taken while the second call still ran
+        release.set()
+        assert early.take([("later", 0)]) == [({"overall": 1.0}, "")]
+    finally:
+        early.close()
