@@ -55,7 +55,7 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
 def validate(cfg: EasyRLConfig) -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
     from easyrl.config.limits import check_limits
-    from easyrl.config.validate_refs import check_distill
+    from easyrl.config.validate_refs import check_distill, check_reward_scorers
 
     check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
@@ -68,6 +68,7 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_batch_arithmetic(cfg)
     _check_files(cfg)
     check_distill(cfg)
+    check_reward_scorers(cfg.worker.reward, _check_reward_function)
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:
@@ -467,8 +468,7 @@ def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:
         )
 
 
-def _check_reward_function(spec: str | None) -> None:
-    key = "worker.reward.reward_function"
+def _check_reward_function(spec: str | None, key: str = "worker.reward.reward_function") -> None:
     if not spec:
         raise ConfigError(key, "is required: path/to/file.py:function")
     file, _, fn = spec.rpartition(":")
