@@ -25,6 +25,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_KEY = "val/reward/mean@4"
+RUNS = {"grpo": [], "distill+task": [], "distill_only": ["algorithm.distill.with_task_reward=false"]}
+"""Each run's overrides beyond the learning rate (and, for the distillation runs, the teacher)."""
 
 
 def train(run: Path, *overrides: str, steps: int, val_every: int) -> tuple[list[dict[str, Any]], float]:
@@ -49,13 +51,17 @@ def train(run: Path, *overrides: str, steps: int, val_every: int) -> tuple[list[
 
 
 def make_teacher(workdir: Path, steps: int) -> tuple[Path, float]:
-    """Train the demo, merge its last checkpoint; the teacher's folder and its sampled validation reward."""
+    """Train the demo, merge its last checkpoint; the teacher's folder and its sampled validation reward (made once
+    per workdir: a second call reads them back)."""
+    out, record = workdir / "teacher", workdir / "teacher.json"
+    if record.is_file() and out.is_dir():
+        return out, json.loads(record.read_text())[TARGET_KEY]
     run = workdir / "teacher_run"
     rows, _ = train(run, steps=steps, val_every=steps)
     target = [r[TARGET_KEY] for r in rows if TARGET_KEY in r][-1]
-    out = workdir / "teacher"
     merge = [sys.executable, "-m", "easyrl.cli", "merge", str(run / f"global_step_{steps}"), "--output", str(out)]
     subprocess.run([*merge, "--overwrite"] if out.exists() else merge, check=True, stdout=subprocess.DEVNULL)
+    record.write_text(json.dumps({TARGET_KEY: target}))
     return out, target
 
 
@@ -73,21 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=80, help="steps of each run from the fresh student")
     p.add_argument("--val-every", type=int, default=5)
     p.add_argument("--coef", type=float, default=1.0)
+    p.add_argument("--mode", default="k1", choices=("k1", "k3"))
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3], help="learning rates, each run at each")
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     teacher, target = make_teacher(args.workdir, args.teacher_steps)
     print(json.dumps({"teacher": str(teacher), "target": {TARGET_KEY: round(target, 4)}}), flush=True)
-    distill = [f"algorithm.distill.teacher.model_path={teacher}", f"algorithm.distill.coef={args.coef}"]
-    runs = {
-        "grpo": [],
-        "distill+task": distill,
-        "distill_only": [*distill, "algorithm.distill.with_task_reward=false"],
-    }
+    distill = [
+        f"algorithm.distill.teacher.model_path={teacher}",
+        f"algorithm.distill.coef={args.coef}",
+        f"algorithm.distill.mode={args.mode}",
+    ]
     results = []
-    for name, overrides in runs.items():
-        rows, wall = train(args.workdir / name, *overrides, steps=args.steps, val_every=args.val_every)
-        results.append(summarize(name, rows, target, wall))
-        print(json.dumps(results[-1]), flush=True)
+    for lr in args.lrs:
+        for name in args.runs:
+            overrides = [f"worker.actor.optim.lr={lr}", *(distill if name != "grpo" else []), *RUNS[name]]
+            label = f"{name}@lr={lr:g}" + (f",{args.mode}x{args.coef:g}" if name != "grpo" else "")
+            rows, wall = train(args.workdir / label, *overrides, steps=args.steps, val_every=args.val_every)
+            results.append(summarize(label, rows, target, wall))
+            print(json.dumps(results[-1]), flush=True)
     print(json.dumps({r["run"]: r["reached_at_step"] for r in results}))
     return 0
 

@@ -277,6 +277,21 @@ def _inside(module: str, room: str) -> bool:
             "easyrl.data",
             ("easyrl.trainer", "easyrl.workers", "easyrl.rollout", "easyrl.algorithms", "easyrl.checkpoint"),
         ),
+        # the second models that score samples (judge, reward model) serve the reward room, which hands them to reward
+        # functions: they know nothing of rewards, training or the policy's engines
+        (
+            "easyrl.scorers",
+            (
+                "easyrl.rewards",
+                "easyrl.trainer",
+                "easyrl.workers",
+                "easyrl.rollout",
+                "easyrl.algorithms",
+                "easyrl.cli",
+            ),
+        ),
+        # the reward room runs user code in processes of its own: no trainer, worker or engine in it
+        ("easyrl.rewards", ("easyrl.trainer", "easyrl.workers", "easyrl.rollout", "easyrl.algorithms")),
     ],
 )
 def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> None:

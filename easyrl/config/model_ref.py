@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 ON_ERROR = ("zero", "raise")
@@ -59,3 +59,50 @@ class ModelRefConfig:
     def declared(self) -> bool:
         """Either kind is set: the feature that holds this reference is on."""
         return self.local or self.remote
+
+
+@dataclass
+class JudgeSamplingConfig:
+    """How the judge answers (the request's sampling fields)."""
+
+    temperature: float = 0.0
+    """0: the most likely verdict."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_tokens: int = 256
+    """Longest reply; room for reasoning before the score, if the template asks for it."""
+    seed: int | None = 0
+    """Per-request seed, so the same input gets the same verdict at any temperature; null: the server's choice."""
+
+
+@dataclass
+class JudgeConfig:
+    """A generative judge (LLM-as-judge): a reward function that takes a `judge` argument gets it ready to call.
+    Off while `model` is unset. See docs/judges_and_distillation.md."""
+
+    model: ModelRefConfig = field(default_factory=ModelRefConfig)
+    """The judge model: an OpenAI-compatible server (`base_url`), with its limits and `on_error`."""
+    template: str | None = None
+    """A `.jinja` file rendering the judge's message from one reward input: `{{ response }}`, `{{ prompt }}`,
+    `{{ ground_truth }}` and every column of the row. Required with a model."""
+    parse: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    """How the score is read from the reply: a regular expression (its first group, or the whole match without a
+    group, as a number; the first match wins) or `path/to/file.py:function` taking the reply text and returning a
+    number (None: unreadable). An unreadable reply counts as `<name>/parse_errors` and follows `on_error`."""
+    sampling: JudgeSamplingConfig = field(default_factory=JudgeSamplingConfig)
+    """The judge's sampling."""
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward model: a sequence-classification model with one output, read as the score of (prompt, response). A
+    reward function that takes a `reward_model` argument gets it ready to call. Off while `model` is unset."""
+
+    model: ModelRefConfig = field(default_factory=ModelRefConfig)
+    """Local (`model_path`: loaded by the process that scores, on CPU) or remote (`base_url`: a server's `/pooling`
+    endpoint, e.g. `vllm serve --runner pooling`; the raw output, no sigmoid)."""
+    template: str | None = None
+    """A `.jinja` file rendering the text the model reads from one reward input (the keys of a judge template); null:
+    the reward model's own chat template over a user turn (`prompt`) and an assistant turn (`response`)."""
+    batch_size: int = 8
+    """Local: samples per forward pass."""

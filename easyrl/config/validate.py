@@ -57,7 +57,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files). `task` `sft`
     checks what `easyrl sft` reads: the shared sections and `sft`, not the rollout, reward or RL batch arithmetic."""
     from easyrl.config.limits import check_limits
-    from easyrl.config.validate_refs import check_distill
+    from easyrl.config.validate_refs import check_distill, check_reward_scorers
 
     check_limits(cfg)  # non-finite numbers first: every comparison below is False for a NaN
     _check_enums(cfg)
@@ -81,6 +81,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_files(cfg)
     check_distill(cfg)
     check_multi_turn(cfg.worker.rollout.multi_turn, cfg.data.max_response_length)
+    check_reward_scorers(cfg.worker.reward, _check_reward_function)
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:
@@ -537,8 +538,7 @@ def _check_context_length(config_json: Path, total: int, key: str) -> None:
         raise ConfigError(key, f"{what}{total} exceeds the model's context ({limit})")
 
 
-def _check_reward_function(spec: str | None) -> None:
-    key = "worker.reward.reward_function"
+def _check_reward_function(spec: str | None, key: str = "worker.reward.reward_function") -> None:
     if not spec:
         raise ConfigError(
             key,

@@ -3,6 +3,9 @@ key and the fix. Called by `easyrl.config.validate.validate`."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +17,7 @@ from easyrl.config.names import declared_needs
 
 if TYPE_CHECKING:
     from easyrl.config.schema import EasyRLConfig
+    from easyrl.config.worker import RewardConfig
 
 
 def check_model_ref(ref: ModelRefConfig, key: str) -> None:
@@ -64,3 +68,59 @@ def check_distill(cfg: EasyRLConfig) -> None:
             f"false trains on the teacher alone, but {cfg.algorithm.adv_estimator} trains a critic on the task "
             "reward: use an estimator without a critic (grpo, rloo, ...) or keep the task reward",
         )
+
+
+def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | None, str], None]) -> None:
+    """`worker.reward.judge`, `reward_model` and the per-domain routes (`check_function(spec, key)` checks one
+    `file.py:function`)."""
+    judge, rm = reward.judge, reward.reward_model
+    if judge.model.declared:
+        _check_scorer_ref(judge.model, "worker.reward.judge.model", "judge")
+        if not judge.template:
+            raise ConfigError("worker.reward.judge.template", "is required with a judge model: a .jinja file")
+        if not Path(judge.template).is_file():
+            raise ConfigError("worker.reward.judge.template", f"template file not found: {judge.template}")
+        _check_parse(judge.parse)
+        if judge.sampling.temperature < 0 or judge.sampling.max_tokens < 1:
+            raise ConfigError("worker.reward.judge.sampling", "needs temperature >= 0 and max_tokens >= 1")
+    if rm.model.declared:
+        _check_scorer_ref(rm.model, "worker.reward.reward_model.model", "reward_model")
+        if rm.template and not Path(rm.template).is_file():
+            raise ConfigError("worker.reward.reward_model.template", f"template file not found: {rm.template}")
+        if rm.batch_size < 1:
+            raise ConfigError("worker.reward.reward_model.batch_size", f"must be >= 1, got {rm.batch_size}")
+    if reward.routes and not reward.route_key:
+        raise ConfigError("worker.reward.routes", "are set but route_key is not: name the column that picks the route")
+    if reward.route_key and not reward.routes:
+        raise ConfigError("worker.reward.route_key", "is set but routes is empty: map column values to functions")
+    for value, spec in reward.routes.items():
+        check_function(spec, f"worker.reward.routes.{value}")
+    stray = sorted(set(reward.route_kwargs) - set(reward.routes))
+    if stray:
+        raise ConfigError(f"worker.reward.route_kwargs.{stray[0]}", "names no route: keys must be keys of routes")
+
+
+def _check_scorer_ref(ref: ModelRefConfig, key: str, role: str) -> None:
+    check_model_ref(ref, key)
+    if ref.remote and importlib.util.find_spec("openai") is None:
+        raise ConfigError(f"{key}.base_url", "a remote model needs the openai client: pip install 'easyrl[judge]'")
+    if role == "judge" and ref.local:
+        raise ConfigError(
+            f"{key}.model_path",
+            "a local judge is not started by easyrl: serve it (`vllm serve <model_path>`) and give its base_url",
+        )
+
+
+def _check_parse(parse: str) -> None:
+    key = "worker.reward.judge.parse"
+    path = parse.rpartition(":")[0]
+    if path.endswith(".py"):
+        if not Path(path).is_file():
+            raise ConfigError(key, f"parse file not found: {path}")
+        return
+    try:
+        re.compile(parse)
+    except re.error as exc:
+        raise ConfigError(
+            key, f"{parse!r} is neither a regular expression ({exc}) nor path/to/file.py:function"
+        ) from None

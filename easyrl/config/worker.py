@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from easyrl.config.model_ref import JudgeConfig, RewardModelConfig
 from easyrl.config.multi_turn import MultiTurnConfig
 
 
@@ -289,6 +290,21 @@ class RewardConfig:
     max_concurrency: int = 32
     """Calls one reward worker (or the driver, with `num_workers: 0`) runs at once, on threads or, for an async
     function, on one event loop; a sync function must therefore be thread-safe."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative judge handed to every reward function that takes a `judge` argument (off unless
+    `judge.model` is set)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model handed to every reward function that takes a `reward_model` argument (off unless
+    `reward_model.model` is set)."""
+    route_key: str | None = None
+    """Per-domain routing: the dataset column whose value picks the reward function of a row from `routes`; rows
+    with a value not in `routes` go to `reward_function`. Null: every row goes to `reward_function`."""
+    routes: dict[str, str] = field(default_factory=dict)
+    """Column value -> `path/to/file.py:function`, e.g. {math: reward_functions/math.py:compute_score, code:
+    reward_functions/code.py:compute_score, open: reward_functions/judge.py:compute_score}."""
+    route_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Column value -> keyword arguments bound to that route's function (`reward_function_kwargs` go to
+    `reward_function` only)."""
 
 
 @dataclass

@@ -261,3 +261,20 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved by `build_tokenizer` (a thin wrapper over `AutoTokenizer.from_pretrained`)."""
     tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
     return tokenizer
+
+
+def build_reward_model(
+    path: str | os.PathLike[str], seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None, **kwargs: Any
+) -> str:
+    """A random-init Qwen2 sequence classifier with one output (a reward model's shape), with the tokenizer, saved to
+    `path` (`kwargs` go to `make_config`). Returns `path` as a string."""
+    from transformers import Qwen2ForSequenceClassification
+
+    tokenizer = tokenizer or make_tokenizer()
+    config = make_config(tokenizer, arch="qwen2", **kwargs)
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+    save_checkpoint(model, tokenizer, path)
+    return str(path)
