@@ -43,9 +43,12 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     lora = w.actor.model.lora
     adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha})" if lora.rank else ""
     ref = "" if alg.kl_mode == KLMode.OFF else ", ref (the actor with its adapters off)" if lora.rank else ", ref"
+    dist = alg.distill
+    task = f"{alg.adv_estimator} advantages" if not dist.enabled or dist.with_task_reward else "no task advantage"
     return [
-        f"algorithm: {alg.adv_estimator} advantages, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
-        + (", online filtering" if alg.online_filtering else ""),
+        f"algorithm: {task}, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
+        + (", online filtering" if alg.online_filtering else "")
+        + (f", distillation from {dist.teacher.model_path} ({dist.mode} x {dist.coef})" if dist.enabled else ""),
         f"model: {w.actor.model.model_path}{adapters}",
         f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
@@ -54,6 +57,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + ("" if separate else "+rollout")
         + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
+        + (", teacher" if dist.enabled else "")
         + sp,
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
@@ -86,6 +90,13 @@ def async_lines(cfg: EasyRLConfig) -> list[str]:
         f"{rollout.active_groups or (staleness + 1) * per_step} prompt groups in flight for {per_step} a step, "
         f"{effective_chunk_tokens(cfg)} tokens per engine call; {seen} (docs/async.md)"
     ]
+
+
+def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
+    """(the plan, the warnings) a run logs before it starts: `task` `rl` (`easyrl train`) or `sft`."""
+    if task == "sft":
+        return sft_plan_lines(cfg), [w for w in (cpu_noop_warning(cfg),) if w is not None]
+    return plan_lines(cfg), [w for w in (cpu_noop_warning(cfg), kl_noop_warning(cfg)) if w is not None]
 
 
 def rerun_line(cfg: EasyRLConfig) -> str:
@@ -222,12 +233,12 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     if not use_gpu(cfg):
         from transformers import AutoConfig
 
-        from easyrl.rollout.vllm import check_cpu_head_size
+        from easyrl.rollout.vllm import check_cpu_model
 
         mcfg = cfg.worker.actor.model
         assert mcfg.model_path is not None
         try:
-            check_cpu_head_size(
+            check_cpu_model(
                 AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code), mcfg.model_path
             )
         except ValueError as exc:
@@ -290,10 +301,12 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== first prompt, rendered", file=out)
     first = train[0]
     print(first["raw_prompt"], file=out)
+    if cfg.worker.rollout.multi_turn.enabled and _check_multi_turn(cfg, first) != 0:
+        return 2
     if _check_reward(cfg, first) != 0:
         return 2
     print("== plan", file=out)
-    for line in plan_lines(cfg):
+    for line in plan_lines(cfg) + multi_turn_lines(cfg):
         print(line, file=out)
     return print_memory_plan(cfg)
 
@@ -347,3 +360,124 @@ def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         return 2
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
     return 0
+
+
+def multi_turn_lines(cfg: EasyRLConfig) -> list[str]:
+    """The plan's multi-turn line (none for a single-turn run)."""
+    mt = cfg.worker.rollout.multi_turn
+    if not mt.enabled:
+        return []
+    envs = ", ".join(f"{name}={spec}" for name, spec in mt.env_specs().items()) or "none (the dataset's prompts)"
+    budget = mt.max_total_tokens or cfg.data.max_response_length
+    tools = mt.tools or "the environment's methods"
+    return [
+        f"multi-turn: environment {envs}; tools {tools}; up to {mt.max_turns} turns, "
+        f"{budget} tokens per trajectory after the prompt, {mt.tool_timeout_s:g} s per tool call"
+    ]
+
+
+def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
+    """Import the environments and tools (every schema made), open the first row's episode and print its prompt as
+    the loop renders it, tools included; 2, with one line, when any of it fails."""
+    from easyrl.agent import AgentLoadError
+    from easyrl.trainer.resolve import multi_turn_loop
+
+    print("== first multi-turn prompt, rendered with the tools", file=sys.stdout)
+    try:
+        loop: Any = multi_turn_loop(cfg)
+        episode = loop.environments.start(first["row"])
+        text = loop.chat.render(episode.messages, episode.schemas)
+    except (AgentLoadError, ValueError) as exc:
+        print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)
+        return 2
+    tokens = len(loop.chat.encode(text))
+    print(text, file=sys.stdout)
+    names = [s["function"]["name"] for s in episode.schemas]
+    print(f"({tokens} tokens of data.max_prompt_length={cfg.data.max_prompt_length}; tools: {names})", file=sys.stdout)
+    if tokens > cfg.data.max_prompt_length:
+        print(
+            f"easyrl: multi-turn error: the prompt with its tools has {tokens} tokens > data.max_prompt_length",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- supervised fine-tuning
+def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
+    """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
+    a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
+    workers = t.nnodes * t.n_gpus_per_node
+    dp = data_parallel_size(cfg)
+    sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
+    adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
+    micro = (
+        f"micro-batches of up to {a.max_token_len_per_gpu} tokens per worker"
+        if a.dynamic_batching
+        else f"micro-batches of {a.micro_batch_size_per_device_for_update}"
+    )
+    every = f"every {t.val_freq} steps and at the end" if t.val_freq > 0 else "never during training"
+    validation = (
+        f"validation: val/loss, val/token_accuracy, val/perplexity on {d.val_files} ({every}"
+        + (", and before training)" if t.val_before_train else ")")
+        if d.val_files
+        else "validation: none (no data.val_files)"
+    )
+    return [
+        f"supervised fine-tuning: next-token loss on the assistant's tokens ({a.loss_avg_mode}), conversations of up "
+        f"to {cfg.sft.max_length} tokens",
+        f"model: {a.model.model_path}{adapters}",
+        f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
+        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers}{sp}",
+        f"batch: {a.global_batch_size} rows per step (one optimizer step, lr {a.optim.lr:g}, "
+        f"{a.optim.lr_scheduler_type}); {a.global_batch_size // dp} rows per worker in {micro}",
+        validation,
+        f"output: {t.save_checkpoint_path} (`easyrl merge` makes a Hugging Face folder of a global_step_<N>)",
+    ]
+
+
+def run_sft_check(cfg: EasyRLConfig) -> int:
+    """Load the tokenizer and the conversations as `easyrl sft` does, mark their assistant tokens with the chat
+    template, and print what was kept, the first conversation with its trained tokens between [[ and ]], and the
+    plan. 2, with one line, when the data or the template cannot be used."""
+    from easyrl.config import ConfigError
+    from easyrl.data.loading import DataError
+    from easyrl.trainer.sft_trainer import build_sft_data
+
+    out = sys.stdout
+    warning = cpu_noop_warning(cfg)
+    if warning is not None:
+        print(f"easyrl: warning: {warning}", file=out)
+    try:  # the trainer's own loading: the conversations checked are the ones trained on
+        _, train, val, _ = build_sft_data(cfg)
+    except DataError as exc:
+        print(f"easyrl: data error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    _print_sft_data(cfg, train, val)
+    print("== first conversation, trained tokens between [[ and ]]", file=out)
+    print(train.marked_text(0), file=out)
+    print("== plan", file=out)
+    for line in sft_plan_lines(cfg):
+        print(line, file=out)
+    return 0
+
+
+def _print_sft_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
+    """What was kept of the conversations and why the rest was not, their lengths, and how the tokens are marked."""
+    lines = ["== data"]
+    for name, data, files in (("train", train, cfg.data.train_files), ("val", val, cfg.data.val_files)):
+        if data is not None:
+            dropped = {k: v for k, v in data.drop_counts.items() if v}
+            lines.append(f"{name}: {len(data)} usable conversations from {files}; dropped: {dropped or 'none'}")
+    stats = train.length_stats()
+    for prefix, what in (("tokens_", "tokens"), ("trained_", "trained tokens")):
+        values = ", ".join(f"{k[len(prefix) :]}={v:.1f}" for k, v in stats.items() if k.startswith(prefix))
+        lines.append(f"{what} per conversation: {values}")
+    how = (
+        "its {% generation %} marks" if train.chat.generation_marks else "rendering each conversation prefix by prefix"
+    )
+    lines.append(f"assistant tokens: marked by the chat template, {how}")
+    print("\n".join(lines), file=sys.stdout)

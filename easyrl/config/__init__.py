@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from easyrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+from easyrl.config.algorithm import AlgorithmConfig, DistillConfig, RolloutCorrectionConfig
 from easyrl.config.data import DataConfig
 from easyrl.config.errors import ConfigError
 from easyrl.config.loader import load_config, load_config_and_secrets, to_masked_dict
+from easyrl.config.model_ref import ModelRefConfig
 from easyrl.config.schema import EasyRLConfig
 from easyrl.config.secrets import Secrets
 from easyrl.config.trainer import TrainerConfig
@@ -29,9 +30,11 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DataConfig",
+    "DistillConfig",
     "EasyRLConfig",
     "FSDPConfig",
     "ModelConfig",
+    "ModelRefConfig",
     "OffloadConfig",
     "OptimConfig",
     "RefConfig",

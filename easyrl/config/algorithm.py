@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from easyrl.config.model_ref import ModelRefConfig
+
 
 class KLMode(str, Enum):
     """Where the KL to the reference policy goes, derived once from `disable_kl` and `use_kl_loss`."""
@@ -64,6 +66,36 @@ class RolloutCorrectionConfig:
     def reads_rollout_log_probs(self) -> bool:
         """The engine must return the log-probs of every sample (a correction, or bypass mode)."""
         return self.active or self.bypass_mode
+
+
+DISTILL_MODES = ("k1", "k3")
+"""`algorithm.distill.mode`: the per-token penalty of the student's sampled tokens against the teacher."""
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation: a teacher scores exactly the tokens the student sampled, and each token's advantage
+    becomes `A - coef * penalty(log pi - log pi_teacher)`. Off while `teacher` is unset. See docs/algorithms.md,
+    "On-policy distillation"."""
+
+    teacher: ModelRefConfig = field(default_factory=ModelRefConfig)
+    """The teacher: a local checkpoint (`model_path`) that shares the student's tokenizer (checked at start). It runs
+    forward passes in an FSDP role of its own, sharded, offloaded and micro-batched as the reference (`worker.ref`)
+    and with the actor's forward settings. A remote teacher (`base_url`) is refused."""
+    coef: float = 1.0
+    """Weight of the teacher's penalty in each token's advantage."""
+    mode: str = "k1"
+    """The penalty, with `d = log pi(a) - log pi_teacher(a)` for the sampled token `a`: `k1` is `d` (the per-token
+    reverse KL, as in Thinking Machines' on-policy distillation), `k3` is `exp(-d) + d - 1` (never negative, lower
+    variance, clamped to [-10, 10])."""
+    with_task_reward: bool = True
+    """Add the penalty to the advantage of the task reward from `algorithm.adv_estimator` (true), or train on the
+    teacher alone (false: the task reward is still scored and logged, and validation reads it)."""
+
+    @property
+    def enabled(self) -> bool:
+        """A teacher is declared."""
+        return self.teacher.declared
 
 
 @dataclass
@@ -133,6 +165,8 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Off-policy corrections between the rollout engine and the trained policy (verl's names): importance
     weights, rejection sampling, bypass mode."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off unless `distill.teacher` is set)."""
 
     @property
     def correction(self) -> RolloutCorrectionConfig:

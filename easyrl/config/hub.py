@@ -32,6 +32,8 @@ MODEL_KEYS = (
     "worker.actor.model.tokenizer_path",
     "worker.critic.model.model_path",
     "worker.critic.model.tokenizer_path",
+    "algorithm.distill.teacher.model_path",
+    "algorithm.distill.teacher.tokenizer_path",
 )
 DATA_KEYS = ("data.train_files", "data.val_files")
 

@@ -3,7 +3,8 @@
 A value is secret when it sits under a secret-looking key (at any depth of a free-form mapping, list items and
 nested mappings included: `api_keys: [...]`, `headers: {Authorization: ...}`) or when it came from the environment
 (`${oc.env:X}`, however it is spaced, alone or inside a longer string) or from `${oc.decode:...}` (whatever it
-decodes to: a string, a number or a whole mapping). Our own dataclass fields are never secret by their name
+decodes to: a string, a number or a whole mapping). The value of the variable an `api_key_env` key names (a second
+model's API key, read from the environment where the model is called) is scrubbed too. Our own dataclass fields are never secret by their name
 (`data.prompt_key`, `worker.actor.model.tokenizer_path`), only by such a value. Credentials inside a URL
 (`https://user:pass@host`) are masked wherever a URL is written, whatever key it sits under: `https://***@host`.
 
@@ -117,6 +118,9 @@ def find_secrets(raw: dict[Any, Any], resolved: dict[str, Any], schema: set[str]
                 values.add(leaf)
             elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
                 values.add(str(leaf))  # found as text in logs; a copy of the number itself is masked by scrub_tree
+        if path.endswith(".api_key_env") and isinstance(leaf, str) and leaf in os.environ:
+            # A second model's key is read from the environment where it is called; its value must never show here.
+            values.add(os.environ[leaf])
         if isinstance(leaf, str):
             for match in _URL_USERINFO.finditer(leaf):  # a URL's password may also be written on its own
                 _user, colon, password = match.group(2).partition(":")

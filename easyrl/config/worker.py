@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from easyrl.config.model_ref import JudgeConfig, RewardModelConfig
+from easyrl.config.multi_turn import MultiTurnConfig
+
 
 @dataclass
 class LoraConfig:
@@ -18,7 +21,7 @@ class LoraConfig:
     of linear-layer names (e.g. `q_proj,v_proj`)."""
     exclude_modules: str | None = None
     """Regular expression of module names left without adapters; null: the vision tower of a vision-language
-    model (nothing for a text model)."""
+    model and the routed experts and routers of a mixture-of-experts model (nothing for a dense text model)."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
     rollout_sync: str = "merged"
@@ -248,6 +251,14 @@ class RolloutConfig:
     n_gpus: int = 1
     """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
     `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""
+    weight_transfer: str = "broadcast"
+    """With `placement: separate`, how the policy's weights reach the rollout workers after an update: `broadcast`
+    (a process group of their own between the policy's rank 0 and every rollout worker, NCCL on GPUs, gloo on CPU:
+    one tensor at a time, nothing through the driver) or `driver` (rank 0 gathers the whole policy on its host and
+    the driver hands it over through Ray's object store: simpler, a full copy in host memory)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Several turns per trajectory with tools or an environment between them (off unless `env`, `envs` or `tools`
+    is set; docs/agentic.md)."""
 
     @property
     def ranks_per_engine(self) -> int:
@@ -279,6 +290,21 @@ class RewardConfig:
     max_concurrency: int = 32
     """Calls one reward worker (or the driver, with `num_workers: 0`) runs at once, on threads or, for an async
     function, on one event loop; a sync function must therefore be thread-safe."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative judge handed to every reward function that takes a `judge` argument (off unless
+    `judge.model` is set)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model handed to every reward function that takes a `reward_model` argument (off unless
+    `reward_model.model` is set)."""
+    route_key: str | None = None
+    """Per-domain routing: the dataset column whose value picks the reward function of a row from `routes`; rows
+    with a value not in `routes` go to `reward_function`. Null: every row goes to `reward_function`."""
+    routes: dict[str, str] = field(default_factory=dict)
+    """Column value -> `path/to/file.py:function`, e.g. {math: reward_functions/math.py:compute_score, code:
+    reward_functions/code.py:compute_score, open: reward_functions/judge.py:compute_score}."""
+    route_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Column value -> keyword arguments bound to that route's function (`reward_function_kwargs` go to
+    `reward_function` only)."""
 
 
 @dataclass

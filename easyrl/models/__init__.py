@@ -1,6 +1,13 @@
 """Model-side helpers for vision-language policies: processor loading, 3D positions, media in forward passes."""
 
-from easyrl.models.processor import VisionSpec, build_processor, load_processor, load_tokenizer, vision_spec
+from easyrl.models.processor import (
+    VisionSpec,
+    build_processor,
+    load_processor,
+    load_tokenizer,
+    vision_spec,
+    vocabulary_difference,
+)
 from easyrl.models.vision import (
     MEDIA_KEYS,
     freeze_vision_tower,
@@ -33,4 +40,5 @@ __all__ = [
     "stack_media",
     "vision_spec",
     "vision_tower",
+    "vocabulary_difference",
 ]

@@ -25,10 +25,15 @@ _FAMILIES = {
     "Qwen2_5_VLProcessor": "qwen2_5_vl",
     "Qwen3VLProcessor": "qwen3_vl",
 }
+# The Qwen3-VL MoE and Qwen3.5 families ship Qwen3-VL's processor (as transformers' processing_auto maps them); the
+# family is the processor's, so their videos get Qwen3-VL's per-frame timestamps.
 _MODEL_TYPE_TO_PROCESSOR = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_vl_moe": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
+    "qwen3_5_moe": "Qwen3VLProcessor",
 }
 
 
@@ -163,3 +168,23 @@ def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False
     if tokenizer.pad_token_id is None:  # batches are padded; the end token is never trained on as padding
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, processor
+
+
+def vocabulary_difference(ours: Any, theirs: Any) -> str | None:
+    """How the vocabularies of two tokenizers differ (`None` when every token has the same id in both): token ids
+    only, so a teacher whose end-of-turn token or chat template differs but whose ids agree (an instruct model over
+    its base) passes."""
+    a, b = ours.get_vocab(), theirs.get_vocab()
+    if a == b:
+        return None
+    moved = sorted(t for t in a.keys() & b.keys() if a[t] != b[t])
+    only_ours, only_theirs = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    parts = [f"{len(a)} vs {len(b)} tokens"]
+    if moved:
+        shown = ", ".join(f"{t!r} {a[t]} vs {b[t]}" for t in moved[:3])
+        parts.append(f"{len(moved)} with other ids (e.g. {shown})")
+    if only_ours:
+        parts.append(f"{len(only_ours)} only in the first (e.g. {', '.join(map(repr, only_ours[:3]))})")
+    if only_theirs:
+        parts.append(f"{len(only_theirs)} only in the second (e.g. {', '.join(map(repr, only_theirs[:3]))})")
+    return "; ".join(parts)

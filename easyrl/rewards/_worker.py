@@ -13,7 +13,8 @@ Protocol over the worker's pipe (all tuples):
 
 * parent -> worker: ``("task", task_id, mode, inputs)`` (several may be in flight) or ``("stop",)``;
 * worker -> parent: ``("ready", pid)`` once the reward file is imported, ``("load_error", message)`` if it cannot
-  be, and ``("result", task_id, payload)`` per task, in completion order.
+  be, and ``("result", task_id, payload, stats)`` per task, in completion order, where ``stats`` are the scorers'
+  call counters since the last result (`easyrl.scorers.Scorers.drain`; empty without scorers).
 
 ``mode`` is ``"batch"`` (one call with the whole list; payload ``(status, value)``) or ``"each"`` (one call per
 input; payload a list of ``(status, value)``). ``status`` is ``ok`` or ``error``; for ``error`` the value is a
@@ -155,16 +156,19 @@ def _future_payload(future: Any, mode: str, inputs: list[Any]) -> Any:
         return error if mode == "batch" else [error] * len(inputs)
 
 
-def worker_main(conn: Any, spec: str, kwargs: dict[str, Any], reward_type: str) -> None:
-    """Entry point of a reward worker process: import the reward file, then serve tasks until told to stop."""
+def worker_main(conn: Any, reward_cfg: Any) -> None:
+    """Entry point of a reward worker process: import the reward (`worker.reward`, a `RewardConfig`) and build its
+    scorers, then serve tasks until told to stop."""
     # Ctrl-C and a terminal's hang-up go to the whole process group; the parent decides when workers stop (and
     # kills hung ones), so the stop it makes (a checkpoint) is not cut short by its reward workers dying.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from easyrl.rewards.loader import load_reward_function
+    from easyrl.rewards.compose import load_configured_reward
+    from easyrl.scorers import Scorers
 
     try:
-        reward = load_reward_function(spec, kwargs, reward_type)
+        scorers = Scorers(reward_cfg)
+        reward = load_configured_reward(reward_cfg, scorers)
     except Exception as exc:
         conn.send(("load_error", str(exc)))
         return
@@ -173,13 +177,14 @@ def worker_main(conn: Any, spec: str, kwargs: dict[str, Any], reward_type: str) 
     def send_result(task_id: int, payload: Any) -> None:
         with send_lock:
             try:
-                conn.send(("result", task_id, payload))
+                conn.send(("result", task_id, payload, scorers.drain()))
             except (BrokenPipeError, EOFError, OSError):
                 return  # the parent is gone or killed us
             except Exception as exc:
                 # Typically an unpicklable return value; pickling fails before anything is written to the pipe.
                 error = ("error", f"result cannot be sent back: {describe_exception(exc)}")
-                conn.send(("result", task_id, error if isinstance(payload, tuple) else [error] * len(payload)))
+                failed = error if isinstance(payload, tuple) else [error] * len(payload)
+                conn.send(("result", task_id, failed, scorers.drain()))
 
     runner = CallRunner(reward.fn, reward.is_async, send_result)
     conn.send(("ready", os.getpid()))

@@ -39,8 +39,10 @@ from typing import Any
 
 from easyrl.config.worker import RewardConfig
 from easyrl.rewards._worker import CallRunner
-from easyrl.rewards.loader import RewardFunction, load_reward_function
+from easyrl.rewards.compose import load_configured_reward
+from easyrl.rewards.loader import RewardFunction
 from easyrl.rewards.pool import PoolTask, RewardWorkerPool, TaskFailure
+from easyrl.scorers import Scorers, declared_scorers, finish_stats
 
 
 __all__ = ["RewardError", "RewardManager", "make_reward_input"]
@@ -177,10 +179,11 @@ class RewardManager:
         if reward_cfg.num_workers < 0:
             raise RewardError(f"worker.reward.num_workers must be >= 0, got {reward_cfg.num_workers}")
         self.cfg = reward_cfg
+        # Scorers (a judge, a reward model) live where the calls run: built here only for in-process calls.
+        self._scorers = Scorers(reward_cfg) if reward_cfg.num_workers == 0 else None
+        self._scorer_names = list(declared_scorers(reward_cfg).values())
         # Imported in the driver too: a broken file fails here, before any worker starts, and REWARD_TYPE is known.
-        self.reward: RewardFunction = load_reward_function(
-            reward_cfg.reward_function, reward_cfg.reward_function_kwargs, reward_cfg.reward_type
-        )
+        self.reward: RewardFunction = load_configured_reward(reward_cfg, self._scorers)
         self.totals: Counter[str] = Counter()
         """Failures per kind (``error``, ``timeout``, ``invalid``) over the whole run."""
         self._logged: set[str] = set()
@@ -192,8 +195,7 @@ class RewardManager:
         self._done: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._abandoned = 0
         if reward_cfg.num_workers > 0:
-            spec = f"{self.reward.path}:{self.reward.function_name}"
-            args = (spec, self.reward.kwargs, self.reward.reward_type)
+            args = (reward_cfg,)  # each worker loads the same reward and builds its own scorers
             self._pool = RewardWorkerPool(reward_cfg.num_workers, args, max_in_flight=reward_cfg.max_concurrency)
         else:
             self._runner = CallRunner(
@@ -431,6 +433,11 @@ class RewardManager:
         for kind in _FAILURE_KINDS:
             metrics[_COUNTER_NAMES[kind]] = float(counts[kind])
         metrics["reward/retried_chunks"] = float(retried_chunks)
+        if self._scorer_names:  # the judge's and reward model's calls of this batch, from wherever they ran
+            calls = self._pool.drain_stats() if self._pool is not None else {}
+            if self._scorers is not None:
+                calls = self._scorers.drain()
+            metrics |= finish_stats(calls, self._scorer_names)
         failed = sum(counts.values())
         if self._stop.is_set():
             self._log_once("interrupted", "scoring was cut short by a stop request (%d samples unscored)", unscored)

@@ -101,8 +101,14 @@ class RewardWorkerPool:
         self._slots = [_Slot() for _ in range(num_workers)]
         self._start_failures = 0
         self._closed = False
+        self._stats: dict[str, float] = {}
         for slot in self._slots:
             self._start(slot)
+
+    def drain_stats(self) -> dict[str, float]:
+        """The scorers' call counters the workers sent with their results since the last drain (summed)."""
+        stats, self._stats = self._stats, {}
+        return stats
 
     # ------------------------------------------------------------------ process management
 
@@ -251,6 +257,8 @@ class RewardWorkerPool:
                 elif kind == "result" and message[1] in slot.tasks:
                     del slot.tasks[message[1]]
                     results[message[1]] = message[2]
+                    for key, value in message[3].items():  # the scorers' calls made for this task
+                        self._stats[key] = self._stats.get(key, 0.0) + value
             if slot.process.is_alive():
                 return
         except (EOFError, OSError):

@@ -33,6 +33,8 @@ from easyrl.workers.specs import (
     ProcessSpec,
     RefSpec,
     RolloutRoleSpec,
+    SFTSpec,
+    TeacherSpec,
     UpdateSpec,
 )
 
@@ -49,6 +51,8 @@ class RoleSpecs:
     """None when KL is off (no reference model), or with LoRA (the actor's base, adapters off, is the reference)."""
     critic: CriticSpec | None
     """None unless the advantage estimator needs a critic."""
+    teacher: TeacherSpec | None = None
+    """None unless `algorithm.distill.teacher` is set."""
 
 
 def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
@@ -73,7 +77,34 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
             micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
         )
     critic = _critic_spec(cfg, process, optimizer_steps, world_size) if need_critic else None
-    return RoleSpecs(actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic)
+    teacher = _teacher_spec(cfg, process) if cfg.algorithm.distill.enabled else None
+    return RoleSpecs(
+        actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic, teacher=teacher
+    )
+
+
+def _teacher_spec(cfg: EasyRLConfig, process: ProcessSpec) -> TeacherSpec:
+    """The teacher: its own checkpoint, frozen, sharded and offloaded as the reference, with the actor's forward
+    settings (the same layout of the same token ids) and the rollout's temperature (as the student's log-probs)."""
+    ref_cfg, teacher = cfg.worker.ref, cfg.algorithm.distill.teacher
+    micro = ref_cfg.micro_batch_size_per_device_for_experience
+    return TeacherSpec(
+        process=process,
+        model=ModelSpec(
+            model=ModelConfig(
+                model_path=teacher.model_path,
+                tokenizer_path=teacher.tokenizer_path,
+                trust_remote_code=teacher.trust_remote_code,
+                enable_gradient_checkpointing=False,  # no backward pass
+            ),
+            torch_dtype=ref_cfg.fsdp.torch_dtype,
+            fsdp=ref_cfg.fsdp,
+            offload=ref_cfg.offload,
+            forward=forward_options(cfg),
+        ),
+        temperature=cfg.worker.rollout.temperature,
+        micro_batch_size_for_experience=micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
+    )
 
 
 def lora_on(cfg: EasyRLConfig) -> bool:
@@ -109,6 +140,27 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
         memory_levers=memory_levers(cfg),
         serves_reference=lora_on(cfg) and cfg.algorithm.kl_mode != KLMode.OFF,
         colocated_engine=cfg.worker.rollout.placement == "colocated",
+    )
+
+
+def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpec:
+    """The spec of `easyrl sft`'s one role: the actor's model, optimizer, FSDP and forward settings, one response
+    per row (`global_batch_size` rows an optimizer step)."""
+    acfg = cfg.worker.actor
+    return SFTSpec(
+        process=ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules)),
+        model=ModelSpec(
+            model=acfg.model,
+            torch_dtype=acfg.fsdp.torch_dtype,
+            fsdp=acfg.fsdp,
+            optim=acfg.optim,
+            offload=acfg.offload,
+            forward=forward_options(cfg),
+            total_optimizer_steps=optimizer_steps,
+            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+        ),
+        update=_update_spec(acfg, 1, world_size),
+        micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
     )
 
 
@@ -232,6 +284,7 @@ def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
     """Whether each step runs the actor's old-log-prob pass (`step_math.needs_old_log_prob_pass` on this config)."""
     acfg, alg, ratio = cfg.worker.actor, cfg.algorithm, cfg.worker.rollout.logprob_sample_ratio
     return needs_old_log_prob_pass(
+        distill=alg.distill.enabled,
         ppo_epochs=acfg.ppo_epochs,
         mini_batches=cfg.data.rollout_batch_size // acfg.global_batch_size,
         kl_in_reward=alg.kl_mode == KLMode.IN_REWARD,

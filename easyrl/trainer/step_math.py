@@ -7,10 +7,17 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from easyrl.algorithms import KLController, agg_loss, get_advantage_estimator, kl_penalty, masked_mean
+from easyrl.algorithms import (
+    KLController,
+    agg_loss,
+    distill_advantages,
+    get_advantage_estimator,
+    kl_penalty,
+    masked_mean,
+)
 from easyrl.algorithms.rollout_correction import correct_rollout
 from easyrl.batch import Batch
-from easyrl.config import AlgorithmConfig, RolloutCorrectionConfig
+from easyrl.config import AlgorithmConfig, DistillConfig, RolloutCorrectionConfig
 
 
 def token_level_scores(scores: Sequence[float], loss_mask: torch.Tensor) -> torch.Tensor:
@@ -55,6 +62,26 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
     batch.set(advantages=adv, returns=ret)
 
 
+def apply_distillation(batch: Batch, cfg: DistillConfig) -> dict[str, float]:
+    """On-policy distillation, after the task advantages: `advantages` (B, R) less `coef` times the teacher's
+    per-token penalty on the student's sampled tokens (without the task reward, the penalty alone). The student's
+    log-probs are those of the policy that sampled (`old_log_probs`: the pass, or the engine's in bypass mode)."""
+    mask = batch["loss_mask"].float()
+    task = batch["advantages"] if cfg.with_task_reward else torch.zeros_like(mask)
+    student, teacher = batch["old_log_probs"], batch["teacher_log_probs"]
+    adv, penalty = distill_advantages(task, student, teacher, mask, cfg.coef, cfg.mode)
+    batch.set(advantages=adv)
+    if not cfg.with_task_reward:
+        batch.set(returns=adv)  # nothing else is returned: the teacher's signal is the whole return
+    # The reverse KL (k1) is logged whatever the mode: it is what distillation drives to 0.
+    return {
+        "distill/reverse_kl": float(masked_mean(student - teacher, mask)),
+        "distill/penalty": float(masked_mean(penalty, mask)),
+        "distill/teacher_log_prob": float(masked_mean(teacher, mask)),
+        "distill/coef": cfg.coef,
+    }
+
+
 def keep_informative_groups(uids: Sequence[Hashable], scores: Sequence[float], low: float, high: float) -> list[int]:
     """DAPO dynamic sampling: indices of samples whose group's mean score lies strictly in (low, high).
 
@@ -91,6 +118,7 @@ def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[s
 
 def needs_old_log_prob_pass(
     *,
+    distill: bool = False,
     ppo_epochs: int,
     mini_batches: int,
     kl_in_reward: bool,
@@ -104,14 +132,15 @@ def needs_old_log_prob_pass(
     With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
     the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
     forward. The pass is still needed when something reads them (or the entropy it returns) before the update: KL in
-    the reward, a rollout correction (importance weights, rejection, veto), the adaptive entropy controller, or the
-    engine-vs-actor log-prob diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly). Bypass mode never
-    runs it: the engine's log-probs are the old ones (config validation refuses what would read the pass there).
+    the reward, a rollout correction (importance weights, rejection, veto), the adaptive entropy controller, the
+    engine-vs-actor log-prob diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly), or on-policy
+    distillation (the student's log-probs against the teacher's, in the advantages). Bypass mode never runs it: the
+    engine's log-probs are the old ones (config validation refuses what would read the pass there).
     """
     if bypass:
         return False
     reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
-    return reused or kl_in_reward or correction or adaptive_entropy or logprob_diagnostics
+    return reused or kl_in_reward or correction or adaptive_entropy or logprob_diagnostics or distill
 
 
 def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:

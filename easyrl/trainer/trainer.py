@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.batch import Batch
-from easyrl.checkpoint import (
-    RUN_CONFIG,
-    CheckpointManager,
-    fsio,
-    read_run_config,
-    read_trainer_state,
-    write_trainer_state,
-)
-from easyrl.checkpoint.lock import RunLock
-from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
+from easyrl.config import EasyRLConfig, Secrets
 from easyrl.config.algorithm import KLMode
-from easyrl.config.resume_diff import resume_config_report
 from easyrl.rollout import RolloutLoop, SingleTurnLoop
 from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
 from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
+from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
+    apply_distillation,
     apply_kl_in_reward,
     apply_rollout_correction,
     compute_advantages,
@@ -49,20 +39,13 @@ from easyrl.trainer.timer import timer
 from easyrl.trainer.worker_groups import build_data, build_workers, count_steps
 
 
+__all__ = ["StopRequested", "Trainer", "TrainingError", "for_workers"]
+
 logger = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite updates in a row, online-filtering budget spent, ...)."""
-
-
-class StopRequested(RuntimeError):
-    """A SIGTERM/SIGINT/SIGHUP asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
-
-
-class Trainer:
+class Trainer(RunFolder):
     def __init__(self, cfg: EasyRLConfig, secrets: Secrets) -> None:
-        from easyrl.loggers import build_tracker
         from easyrl.rewards import RewardManager
 
         self.cfg = cfg
@@ -97,41 +80,14 @@ class Trainer:
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
         self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT/SIGHUP handler; honoured between stages
         self.consecutive_skips = 0
-        run_dir = cfg.trainer.save_checkpoint_path or "."
-        # First, before anything touches the folder (the manager below removes leftovers of interrupted saves):
-        # a second run on the same folder stops here.
-        self.run_lock = RunLock(run_dir).acquire()
         try:
-            self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
-            # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
-            resume_from = self.ckpt.resolve_load(
-                cfg.trainer.load_checkpoint_path,
-                cfg.trainer.find_last_checkpoint,
-                verify=cfg.trainer.verify_checkpoint,
-                fallback=cfg.trainer.fallback_to_older_checkpoint,
-            )
-            # The masked config as JSON data (tuples as lists): saved with each checkpoint, compared on resume.
-            self.config_record = json.loads(json.dumps(to_masked_dict(cfg, secrets), default=str))
-            if resume_from is not None:
-                self.check_resume_config(resume_from)  # before any process starts: a refused resume is quick
-            # Before any process starts too: a tracker that cannot start (a package that fails to import, a bad
-            # folder) fails in a second, not after Ray and the workers.
-            self.tracker = build_tracker(
-                cfg.trainer.logger,
-                run_dir,
-                cfg.trainer.project_name,
-                cfg.trainer.experiment_name,
-                self.total_steps,
-                secrets,
-                fresh=resume_from is None,
-            )
-            self.tracker.log_config(self.config_record)
-            self.trained_to = self.finished_at(resume_from)
+            resume_from = self.open_run(cfg, secrets)  # the lock, the checkpoint to resume, the loggers
             if self.trained_to is not None:
                 return  # trained to the end already: no reward processes, no Ray, no workers to start
             self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
+            self.teacher = self.workers.teacher
             if resume_from is not None:
                 self.resume(resume_from)
         except BaseException:
@@ -144,13 +100,7 @@ class Trainer:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         if self.trained_to is not None:
-            logger.info(
-                "already trained to step %d of %d (the checkpoint's): nothing to do; raise trainer.max_steps or "
-                "trainer.total_epochs to train on, or remove %s to train again",
-                self.trained_to,
-                self.total_steps,
-                cfg.trainer.save_checkpoint_path,
-            )
+            self.log_already_trained()
             return metrics
         if cfg.trainer.val_before_train or cfg.trainer.val_only:
             val = self.validate()
@@ -174,6 +124,9 @@ class Trainer:
                 if self.ref is not None:
                     with timer("ref", timings):
                         batch = batch.union(self.ref.compute_ref_log_probs(for_workers(batch)))
+                if self.teacher is not None:
+                    with timer("teacher", timings):
+                        batch = batch.union(self.teacher.compute_teacher_log_probs(for_workers(batch)))
                 if self.critic is not None:
                     with timer("values", timings):
                         batch = batch.union(self.critic.compute_values(for_workers(batch)))
@@ -327,7 +280,10 @@ class Trainer:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:
             batch.set(token_level_rewards=batch["token_level_scores"])
-        compute_advantages(batch, alg)
+        if not alg.distill.enabled or alg.distill.with_task_reward:  # pure distillation has no task advantage
+            compute_advantages(batch, alg)
+        if alg.distill.enabled:  # the teacher's per-token penalty on top of the task advantage
+            metrics |= apply_distillation(batch, alg.distill)
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
             self.entropy_ctrl.update(mean_entropy(batch))
         metrics["actor/entropy_coeff"] = self.entropy_coeff()
@@ -404,10 +360,6 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def should_save(self) -> bool:
-        freq = self.cfg.trainer.save_freq
-        return (freq > 0 and self.global_step % freq == 0) or self.global_step == self.total_steps
-
     def trainer_state(self) -> dict[str, Any]:
         """Everything of the driver a resumed run needs to continue on the same curve (JSON-able): with a rollout
         loop that keeps work in flight across steps, that work too (`rollout_loop`)."""
@@ -423,41 +375,13 @@ class Trainer:
             state["rollout_loop"] = self.rollout_loop.state_dict()
         return state
 
-    def save_checkpoint(self, val_score: float | None) -> None:
-        """Write `global_step_<N>` atomically: workers' shards and the trainer state into a temporary folder,
-        then rename; the previous checkpoints stay until this one is complete."""
-        model_only = self.cfg.trainer.save_model_only
-        tmp = self.ckpt.begin(self.global_step)
-        try:
-            calls = [
-                group.call_async("save_checkpoint", os.path.join(tmp, role), model_only)
-                for role, group in self.trained_groups()
-            ]
-            for call in calls:
-                call.result()
-            if not model_only:
-                write_trainer_state(tmp, self.trainer_state())
-            fsio.write_json(os.path.join(tmp, RUN_CONFIG), self.config_record)
-            self.ckpt.commit(tmp, self.global_step, val_score)
-        except BaseException:
-            self.ckpt.abort(tmp)
-            raise
-
     def request_stop(self, signal_name: str) -> None:
         """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
         `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`. A reward stage in progress returns
         at once (its batch is discarded with the unfinished step)."""
-        self.stop_signal = signal_name
+        super().request_stop(signal_name)
         if hasattr(self, "reward"):
             self.reward.interrupt()
-
-    def stop_cleanly(self) -> None:
-        logger.warning("%s: stopping after step %d", self.stop_signal, self.global_step)
-        if self.cfg.trainer.save_on_interrupt and self.global_step > 0:
-            latest = self.ckpt.latest()
-            if latest is None or not latest.endswith(f"global_step_{self.global_step}"):
-                self.save_checkpoint(None)
-        raise StopRequested(f"stopped by {self.stop_signal} after step {self.global_step}")
 
     def restore_driver_state(self, state: dict[str, Any]) -> None:
         """Put the driver back to `state` (from `trainer_state()`): used to undo an unfinished step."""
@@ -480,43 +404,9 @@ class Trainer:
                 len(in_flight["groups"]) + len(in_flight["queue"]),
             )
 
-    def resume(self, folder: str) -> None:
-        """Continue from the checkpoint `folder` (chosen by `CheckpointManager.resolve_load`: the explicit
-        `trainer.load_checkpoint_path`, or the newest complete one with `trainer.find_last_checkpoint`)."""
-        logger.info("resuming from %s", folder)
-        calls = [
-            group.call_async("load_checkpoint", os.path.join(folder, role)) for role, group in self.trained_groups()
-        ]
-        for call in calls:
-            call.result()
-        state, rng = read_trainer_state(folder)
-        self.restore_driver_state(state)
+    def after_resume(self) -> None:
+        """The policy version of the resumed weights (checkpoints do not record it)."""
         self.actor.set_policy_version(resumed_policy_version(self.global_step, self.cfg.trainer.critic_warmup))
-        rng.restore()
-
-    def finished_at(self, resume_from: str | None) -> int | None:
-        """The step of `resume_from` when it already reached `total_steps` (and the run is not `val_only`), read from
-        its trainer state alone; None when there is training left."""
-        if resume_from is None or self.cfg.trainer.val_only:
-            return None
-        done = int(read_trainer_state(resume_from)[0]["global_step"])
-        return done if done >= self.total_steps else None
-
-    def check_resume_config(self, folder: str) -> None:
-        """Compare the config with the one `folder` was saved under: name what changed, refuse a changed model
-        unless `trainer.allow_model_change_on_resume` (see `easyrl.config.resume_diff`)."""
-        saved = read_run_config(folder)
-        if saved is None:
-            logger.info("%s was saved without its config (an older easyrl): changes cannot be named", folder)
-            return
-        allow = self.cfg.trainer.allow_model_change_on_resume
-        # the schema's defaults, as the record writes them: a key newer than the checkpoint, at its default, is no change
-        defaults = json.loads(json.dumps(to_masked_dict(EasyRLConfig(), Secrets()), default=str))
-        info, warnings = resume_config_report(saved, self.config_record, folder, allow, defaults)
-        for line in info:
-            logger.info(line)
-        for line in warnings:
-            logger.warning(line)
 
     def trained_groups(self) -> list[tuple[str, Any]]:
         groups = [("actor", self.actor)]
@@ -537,13 +427,10 @@ class Trainer:
 
     def close(self) -> None:
         """Release everything this trainer started; safe on a partly built trainer."""
-        for name in ("early", "tracker", "reward"):
+        for name in ("early", "reward"):  # the background scorer first: it calls into the reward pool
             if getattr(self, name, None) is not None:
                 getattr(self, name).close()
-        if hasattr(self, "workers"):
-            self.workers.shutdown()
-        if hasattr(self, "run_lock"):
-            self.run_lock.release()
+        super().close()  # the loggers, the workers, the run folder's lock
 
 
 def for_workers(batch: Batch, *extra: str) -> Batch:

@@ -26,6 +26,8 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     logger.info("loading tokenizer from %s", mcfg.tokenizer_path)
     assert mcfg.tokenizer_path is not None
     tokenizer, processor = load_tokenizer(mcfg.tokenizer_path, trust_remote_code=mcfg.trust_remote_code)
+    if cfg.algorithm.distill.enabled:
+        check_teacher_tokenizer(cfg, tokenizer)
     logger.info("loading and checking training data %s", cfg.data.train_files)
     rollout_media = processor is not None and cfg.worker.rollout.name == "vllm"
     train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_media)
@@ -39,6 +41,26 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
         )
     sampler = PromptSampler(len(train), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
     return tokenizer, train, val, sampler
+
+
+def check_teacher_tokenizer(cfg: EasyRLConfig, student: Any) -> None:
+    """The teacher scores the student's token ids as they are: both must map every token to the same id. One
+    `ConfigError` naming the two tokenizers and how they differ otherwise (before any worker starts)."""
+    from easyrl.config import ConfigError
+    from easyrl.models import load_tokenizer, vocabulary_difference
+
+    teacher = cfg.algorithm.distill.teacher
+    path = teacher.tokenizer_path or teacher.model_path
+    assert path is not None
+    theirs, _ = load_tokenizer(path, trust_remote_code=teacher.trust_remote_code)
+    difference = vocabulary_difference(student, theirs)
+    if difference is not None:
+        raise ConfigError(
+            "algorithm.distill.teacher",
+            f"the teacher's tokenizer ({path}) is not the student's ({cfg.worker.actor.model.tokenizer_path}): "
+            f"{difference}. On-policy distillation scores the student's token ids under the teacher, so both must "
+            "share one vocabulary: pick a teacher of the student's model family",
+        )
 
 
 def count_steps(cfg: EasyRLConfig, steps_per_epoch: int) -> tuple[int, int]:
@@ -68,6 +90,7 @@ class Workers:
         from easyrl.workers.actor import ActorWorker
         from easyrl.workers.critic import CriticWorker
         from easyrl.workers.ref import RefWorker
+        from easyrl.workers.teacher import TeacherWorker
 
         gpu = use_gpu(cfg)
         self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -80,7 +103,7 @@ class Workers:
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
         self.rollout_pool: Any = None
         specs = build_role_specs(cfg, optimizer_steps, self.world_size)
-        roles = 1 + int(specs.ref is not None) + int(specs.critic is not None)
+        roles = 1 + sum(spec is not None for spec in (specs.ref, specs.critic, specs.teacher))
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles,
             "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,
@@ -89,6 +112,7 @@ class Workers:
         self.actor: Any = None
         self.ref: Any = None
         self.critic: Any = None
+        self.teacher: Any = None
         self.rollout: Any = None
         try:
             tp = cfg.worker.rollout.ranks_per_engine
@@ -101,6 +125,10 @@ class Workers:
             if specs.critic is not None:
                 csp = cfg.worker.critic.ulysses_size
                 self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
+            if specs.teacher is not None:  # the teacher follows the actor's split, as the reference does
+                self.teacher = WorkerGroup(
+                    TeacherWorker, self.pool, "teacher", specs.teacher, ranks_per_dp=sp, **share
+                )
             if separate:  # rollout workers of their own, on `n_gpus` devices of their own (resident engines)
                 from easyrl.trainer.role_specs import rollout_role_spec
                 from easyrl.workers.rollout_role import RolloutRole
@@ -120,7 +148,11 @@ class Workers:
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
             # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
-            self.engines: Any = SeparateEngines(self.rollout, self.actor) if separate else self.actor
+            self.engines: Any = (
+                SeparateEngines(self.rollout, self.actor, cfg.worker.rollout.weight_transfer)
+                if separate
+                else self.actor
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -129,7 +161,8 @@ class Workers:
         assert self.actor is not None
         logger.info("loading models into the workers")
         pending = [self.actor.call_async("init_model", media_per_prompt)]
-        pending += [group.call_async("init_model") for group in (self.ref, self.critic) if group is not None]
+        frozen_or_critic = (self.ref, self.critic, self.teacher)
+        pending += [group.call_async("init_model") for group in frozen_or_critic if group is not None]
         if self.rollout is not None:
             pending.append(self.rollout.call_async("init_model", media_per_prompt))
         for handle in pending:
@@ -146,27 +179,74 @@ class Workers:
     def memory_metrics(self) -> dict[str, float]:
         """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
         the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
-        out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
-        calls = [
-            group.call_async("memory_stats")
-            for group in (self.actor, self.ref, self.critic, self.rollout)
-            if group is not None
-        ]
-        for call in calls:
-            per_worker = call.result()
-            for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
-                for key, value in stats.items():
-                    out[key] = max(out.get(key, 0.0), value)
-        return out
+        return memory_metrics(self.actor, self.ref, self.critic, self.teacher, self.rollout)
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
-        for group in (self.actor, self.ref, self.critic, self.rollout):
+        for group in (self.actor, self.ref, self.critic, self.teacher, self.rollout):
             if group is not None:
                 group.shutdown()
         self.pool.remove()
         if self.rollout_pool is not None:
             self.rollout_pool.remove()
+
+
+def memory_metrics(*groups: Any) -> dict[str, float]:
+    """The host's memory in use and the largest of each memory figure over the ranks of `groups` (None skipped)."""
+    out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+    calls = [group.call_async("memory_stats") for group in groups if group is not None]
+    for call in calls:
+        per_worker = call.result()
+        for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
+            for key, value in stats.items():
+                out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
+class SFTWorkers:
+    """`easyrl sft`'s one worker group: the policy (`SFTWorker`), one worker per GPU (or CPU slot), named `actor`
+    as the RL policy is (its checkpoints are the actor's)."""
+
+    def __init__(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+        from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+        from easyrl.trainer.role_specs import sft_spec
+        from easyrl.workers.sft import SFTWorker
+
+        if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
+            from easyrl.workers.lora import check_targets
+
+            check_targets(cfg.worker.actor.model)
+        gpu = use_gpu(cfg)
+        self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        logger.info("starting Ray and %d SFT worker(s) (%s)", self.world_size, "GPU" if gpu else "CPU")
+        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1))
+        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
+        self.actor: Any = None
+        try:
+            self.actor = WorkerGroup(
+                SFTWorker,
+                self.pool,
+                "actor",
+                sft_spec(cfg, optimizer_steps, self.world_size),
+                ranks_per_dp=cfg.worker.actor.ulysses_size,
+                num_cpus_per_worker=1.0,
+                num_gpus_per_worker=1.0 if gpu else 0.0,
+                call_timeout_s=cfg.trainer.worker_timeout_s,
+            )
+            logger.info("loading the model into the workers")
+            self.actor.call_async("init_model").result()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def memory_metrics(self) -> dict[str, float]:
+        return memory_metrics(self.actor)
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the placement group."""
+        if self.actor is not None:
+            self.actor.shutdown()
+        self.pool.remove()
 
 
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:

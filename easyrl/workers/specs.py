@@ -131,6 +131,19 @@ class RefSpec:
 
 
 @dataclass(frozen=True)
+class TeacherSpec:
+    """The distillation teacher (`algorithm.distill.teacher`): a frozen model run like the reference, on the
+    student's token ids."""
+
+    process: ProcessSpec
+    model: ModelSpec
+    """The teacher's checkpoint, with the reference's sharding and offload and the actor's forward settings."""
+    temperature: float
+    """Log-probs of logits / temperature: the same scaling as the student's, so the two distributions compare."""
+    micro_batch_size_for_experience: int
+
+
+@dataclass(frozen=True)
 class CriticSpec:
     process: ProcessSpec
     model: ModelSpec
@@ -147,3 +160,16 @@ class RolloutRoleSpec:
     process: ProcessSpec
     rollout: RolloutSpec
     memory_levers: MemoryLevers
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    """The policy trained by supervised fine-tuning (`easyrl sft`): the actor's model, optimizer and forward settings,
+    one optimizer step per call, the next-token loss over the trained tokens."""
+
+    process: ProcessSpec
+    model: ModelSpec
+    update: UpdateSpec
+    """`mini_batch_size`: this rank's rows of one optimizer step (global_batch_size / data-parallel size)."""
+    micro_batch_size_for_experience: int
+    """Rows per forward pass of validation (a fixed count; dynamic batching uses the token budget instead)."""

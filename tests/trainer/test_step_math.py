@@ -61,6 +61,7 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         ("correction", True),  # importance weights, rejection and veto compare old with rollout
         ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
         ("logprob_diagnostics", True),  # rollout/logprob_diff_* compare old and rollout log-probs
+        ("distill", True),  # the student's log-probs meet the teacher's in the advantages
     ):
         assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
     # Bypass mode: the engine's log-probs are the old ones, whatever the epochs, mini-batches or KL in the reward.

@@ -1,0 +1,122 @@
+"""A reward model: a sequence classifier with one output, read as the score of a (prompt, response) pair.
+
+Local (`model_path`): loaded by the process that scores (a reward worker, or the driver), on CPU, and run in
+batches of `batch_size` under a lock (one forward at a time per process). Remote (`base_url`): a server's
+`/pooling` endpoint without activation (`vllm serve --runner pooling`: the raw output, as the local model's),
+under the model's limits. Either way the text it reads is the
+template rendered from the reward input, or the model's own chat template over the prompt and the response.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jinja2
+
+from easyrl.config.model_ref import RewardModelConfig
+from easyrl.scorers.client import CallStats, ModelCallError, RemoteModel
+
+
+__all__ = ["RewardModel"]
+
+
+class RewardModel:
+    """`RewardModelConfig` made ready: `score(sample)` and `score_batch(samples)` (a float each)."""
+
+    def __init__(self, cfg: RewardModelConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.model.name or "reward_model"
+        self.template: jinja2.Template | None = None
+        if cfg.template:
+            from easyrl.data.template_guard import GuardedEnvironment
+
+            with open(cfg.template, encoding="utf-8") as f:
+                env = GuardedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
+                self.template = env.from_string(f.read())
+        self.remote: RemoteModel | None = None
+        self.model: Any = None
+        if cfg.model.remote:
+            self.remote = RemoteModel(cfg.model, self.name)
+            self.stats = self.remote.stats
+            self.tokenizer: Any = None
+        else:
+            self.stats = CallStats(self.name)
+            self._load_local()
+
+    def _load_local(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        ref = self.cfg.model
+        assert ref.model_path is not None
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            ref.tokenizer_path or ref.model_path, trust_remote_code=ref.trust_remote_code
+        )
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            ref.model_path, trust_remote_code=ref.trust_remote_code
+        ).eval()
+        if self.model.config.num_labels != 1:
+            raise ModelCallError(
+                f"{self.name}: {ref.model_path} has {self.model.config.num_labels} labels; a reward model has one output"
+            )
+        # The head reads the last token that is not padding: the model must know the pad id.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self._lock = threading.Lock()
+
+    def text(self, sample: dict[str, Any]) -> str:
+        """What the reward model reads for one reward input."""
+        if self.template is not None:
+            from easyrl.data.template_guard import render_with_deadline
+
+            return render_with_deadline(self.template, dict(sample))
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            turns = [
+                {"role": "user", "content": str(sample.get("prompt", ""))},
+                {"role": "assistant", "content": str(sample["response"])},
+            ]
+            return self.tokenizer.apply_chat_template(turns, tokenize=False)
+        return f"{sample.get('prompt', '')}{sample['response']}"
+
+    def score_batch(self, samples: list[dict[str, Any]]) -> list[float]:
+        """One score per sample, in order; a failed batch scores 0 (`on_error: zero`) or raises (`raise`)."""
+        texts = [self.text(s) for s in samples]
+        out: list[float] = []
+        for start in range(0, len(texts), self.cfg.batch_size):
+            chunk = texts[start : start + self.cfg.batch_size]
+            scores = self._remote(chunk) if self.remote is not None else self._local(chunk)
+            out += scores if scores is not None else [0.0] * len(chunk)
+        return out
+
+    def score(self, sample: dict[str, Any]) -> float:
+        return self.score_batch([sample])[0]
+
+    def _local(self, texts: list[str]) -> list[float] | None:
+        import torch
+
+        self.stats.add("requests")
+        start = time.perf_counter()
+        try:
+            with self._lock, torch.no_grad():
+                enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                logits = self.model(**enc).logits  # (b, 1)
+        except Exception as exc:  # a forward that fails (too long an input, out of memory) follows on_error
+            self.stats.add("errors")
+            if self.cfg.model.on_error == "zero":
+                return None
+            raise ModelCallError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        self.stats.add("_ok")
+        self.stats.add("_latency_sum", time.perf_counter() - start)
+        return [float(v) for v in logits[:, 0]]
+
+    def _remote(self, texts: list[str]) -> list[float] | None:
+        assert self.remote is not None
+        # The raw output, as the local model gives it: `/classify` would put a one-label score through a sigmoid.
+        body = {"input": texts, "use_activation": False}
+        reply = self.remote.post("/pooling", body)
+        if reply is None:
+            return None
+        data = sorted(reply["data"], key=lambda d: d["index"])
+        return [float(d["data"][0]) for d in data]

@@ -1,0 +1,163 @@
+"""The judge without a server: reading scores, rendering its message, failing requests under `on_error`, and the
+config checks. The server-backed behaviour is tests/scorers/test_judge_server.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from easyrl.config.model_ref import JudgeConfig, ModelRefConfig
+from easyrl.scorers.client import ModelCallError
+from easyrl.scorers.judge import Judge, _parser
+from easyrl.testing.vllm_server import free_port
+from tests.conftest import REPO, base_config, write_config
+
+
+TEMPLATE = str(REPO / "tests" / "assets" / "judge.jinja")
+SAMPLE = {"prompt": "Copy: 1 2", "response": "12", "ground_truth": "12", "level": 3}
+
+
+def dead_judge(on_error: str = "zero", retries: int = 1, **extra: object) -> Judge:
+    """A judge whose server is a port nothing listens on (connection refused at once)."""
+    ref = ModelRefConfig(
+        base_url=f"http://127.0.0.1:{free_port()}/v1",
+        served_model_name="judge",
+        max_retries=retries,
+        on_error=on_error,
+        timeout_s=5,
+    )
+    return Judge(JudgeConfig(model=ref, template=TEMPLATE, **extra))  # type: ignore[arg-type]
+
+
+def test_the_default_regex_reads_the_number_after_score() -> None:
+    read = _parser(JudgeConfig().parse, "parse")
+    assert read("Reasoning...\nScore: 7") == 7.0
+    assert read("score = -2.5 then Score: 9") == -2.5  # the first match wins
+    assert read("no verdict here") is None
+    whole = _parser(r"\d+", "parse")  # no group: the whole match
+    assert whole("rated 8/10") == 8.0
+
+
+def test_a_parse_function_from_a_file_reads_the_reply() -> None:
+    read = _parser(str(REPO / "tests" / "assets" / "judge_parse.py") + ":length_score", "parse")
+    assert read("abc") == 0.3 and read("x" * 50) == 1.0 and read("") is None
+
+
+def test_the_template_renders_the_reward_input_and_names_itself_on_a_missing_column(tmp_path) -> None:
+    judge = dead_judge()
+    (message,) = judge.messages(SAMPLE)
+    assert message["role"] == "user" and "Answer to grade: 12" in message["content"]
+    assert "Reference answer: 12" in message["content"]
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ rubric }} {{ response }}")
+    judge = Judge(JudgeConfig(model=judge.cfg.model, template=str(bad)))
+    with pytest.raises(ValueError, match=r"judge template .*bad.jinja: 'rubric' is undefined"):
+        judge.messages(SAMPLE)
+
+
+def test_a_refused_connection_is_retried_then_scored_zero_and_counted() -> None:
+    judge = dead_judge(on_error="zero", retries=1)
+    verdict = judge.verdict(SAMPLE)
+    assert (verdict.score, verdict.text, verdict.ok) == (0.0, None, False)
+    stats = judge.stats.drain()
+    assert stats == {"judge/requests": 1.0, "judge/retries": 1.0, "judge/errors": 1.0}
+
+
+def test_with_on_error_raise_the_call_fails_naming_the_judge_and_the_error() -> None:
+    judge = dead_judge(on_error="raise", retries=0)
+    with pytest.raises(ModelCallError, match=r"judge at http://127.0.0.1:\d+/v1: APIConnectionError: .* 1 time"):
+        judge.score(SAMPLE)
+
+
+def test_a_missing_key_variable_is_named_before_any_request(monkeypatch) -> None:
+    monkeypatch.delenv("EASYRL_TEST_NO_SUCH_KEY", raising=False)
+    ref = ModelRefConfig(base_url="http://127.0.0.1:9/v1", api_key_env="EASYRL_TEST_NO_SUCH_KEY")
+    with pytest.raises(ModelCallError, match=r"EASYRL_TEST_NO_SUCH_KEY .* is not set"):
+        Judge(JudgeConfig(model=ref, template=TEMPLATE))
+
+
+def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
+    tmp_path, tiny_model_dir, digits_data, monkeypatch
+) -> None:
+    from easyrl.config import load_config_and_secrets, to_masked_dict
+
+    monkeypatch.setenv("EASYRL_TEST_JUDGE_KEY", "sk-judge-0123456789")
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["worker"]["reward"]["reward_function"] = str(REPO / "reward_functions" / "judge.py") + ":compute_score"
+    conf["worker"]["reward"]["judge"] = {
+        "model": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "EASYRL_TEST_JUDGE_KEY"},
+        "template": TEMPLATE,
+    }
+    cfg, secrets = load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf))
+    assert "sk-judge-0123456789" not in secrets.scrub("the judge said sk-judge-0123456789")
+    dump = str(to_masked_dict(cfg, secrets))
+    assert "EASYRL_TEST_JUDGE_KEY" in dump and "sk-judge" not in dump  # the variable's name, never its value
+    assert os.environ["EASYRL_TEST_JUDGE_KEY"] == "sk-judge-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("reward", "match"),
+    [
+        ({"judge": {"model": {"base_url": "http://h/v1"}}}, "worker.reward.judge.template: is required"),
+        (
+            {"judge": {"model": {"model_path": "MODEL"}, "template": "TEMPLATE"}},
+            "a local judge is not started by easyrl",
+        ),
+        (
+            {"judge": {"model": {"base_url": "http://h/v1"}, "template": "TEMPLATE", "parse": "(["}},
+            "judge.parse: '\\(\\[' is neither",
+        ),
+        ({"judge": {"model": {"base_url": "h:8000"}, "template": "TEMPLATE"}}, "base_url: 'h:8000' is not an http"),
+        (
+            {"judge": {"model": {"base_url": "http://h/v1", "on_error": "skip"}, "template": "TEMPLATE"}},
+            "on_error: 'skip' is not allowed",
+        ),
+        (
+            {"reward_model": {"model": {"model_path": "/nowhere"}}},
+            "reward_model.model.model_path: no Hugging Face model",
+        ),
+        ({"routes": {"math": "REWARD"}}, "worker.reward.routes: are set but route_key is not"),
+        ({"route_key": "domain"}, "worker.reward.route_key: is set but routes is empty"),
+        ({"route_key": "d", "routes": {"a": "/nowhere.py:f"}}, "worker.reward.routes.a: reward file not found"),
+    ],
+    ids=[
+        "no_template",
+        "local_judge",
+        "bad_regex",
+        "bad_url",
+        "on_error",
+        "rm_missing",
+        "routes",
+        "route_key",
+        "route_file",
+    ],
+)
+def test_bad_scorer_settings_name_the_key(tmp_path, tiny_model_dir, digits_data, reward, match) -> None:
+    import json
+
+    from easyrl.config import ConfigError, load_config
+
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    text = json.dumps(reward).replace("MODEL", tiny_model_dir).replace("TEMPLATE", TEMPLATE)
+    text = text.replace("REWARD", conf["worker"]["reward"]["reward_function"])
+    conf["worker"]["reward"].update(json.loads(text))
+    with pytest.raises(ConfigError, match=match):
+        load_config(write_config(tmp_path / "cfg.yaml", conf))
+
+
+def test_a_judge_nobody_takes_and_a_judge_nobody_declared_are_refused(tmp_path) -> None:
+    from easyrl.config.worker import RewardConfig
+    from easyrl.rewards import RewardLoadError, RewardManager
+
+    rule = str(REPO / "reward_functions" / "digits.py") + ":compute_score"
+    judged = str(REPO / "reward_functions" / "judge.py") + ":compute_score"
+    judge = JudgeConfig(
+        model=ModelRefConfig(base_url="http://127.0.0.1:9/v1", served_model_name="j"), template=TEMPLATE
+    )
+    with pytest.raises(RewardLoadError, match=r"worker\.reward\.judge is set, but no reward function takes a 'judge'"):
+        RewardManager(RewardConfig(reward_function=rule, num_workers=0, judge=judge))
+    with pytest.raises(
+        RewardLoadError, match=r"takes a 'judge' argument, but worker\.reward\.judge\.model is not set"
+    ):
+        RewardManager(RewardConfig(reward_function=judged, num_workers=0))
