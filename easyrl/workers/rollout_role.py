@@ -80,6 +80,9 @@ class RolloutRole(MemoryReporting, OneCallSession):
     def receive_broadcast(self, manifest: list[TensorEntry], version: int) -> None:
         """`receive_weights` over the bus: the tensors of `manifest`, in its order, as the policy's rank 0 sends them
         (its `broadcast_weights` runs meanwhile)."""
+        # Held on the bus's device until the next `open_rollout` loads them: on a GPU that is a second copy of the
+        # weights beside the engine's for that moment (the push comes right before the session opens). A GPU check
+        # owed: whether it fits beside an engine at a high gpu_memory_utilization (else: load as they arrive).
         weights = {entry.name: self._bus.receive(entry) for entry in manifest}
         self.receive_weights(weights, version)
 
