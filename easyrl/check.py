@@ -269,10 +269,25 @@ def print_memory_plan(cfg: EasyRLConfig) -> int:
     return 2 if problems else 0
 
 
-def run_check(cfg: EasyRLConfig) -> int:
-    """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
+def _load_data(build: Any, cfg: EasyRLConfig) -> tuple[Any, Any] | None:
+    """(train, val) as `build` (the trainer's loader) makes them; None, after one line naming the problem, when the
+    data or the config cannot be used."""
     from easyrl.config import ConfigError
     from easyrl.data.loading import DataError
+
+    try:
+        _, train, val, _ = build(cfg)
+    except DataError as exc:
+        print(f"easyrl: data error: {exc}", file=sys.stderr)
+        return None
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return None
+    return train, val
+
+
+def run_check(cfg: EasyRLConfig) -> int:
+    """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
     from easyrl.trainer.worker_groups import build_data
 
     out = sys.stdout
@@ -289,14 +304,10 @@ def run_check(cfg: EasyRLConfig) -> int:
     for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):
         if warning is not None:
             print(f"easyrl: warning: {warning}", file=out)
-    try:  # the trainer's own loading, so the prompts checked are the prompts trained on (validation's too)
-        _, train, val, _ = build_data(cfg)
-    except DataError as exc:
-        print(f"easyrl: data error: {exc}", file=sys.stderr)
+    loaded = _load_data(build_data, cfg)  # the trainer's own loading: the prompts checked are the ones trained on
+    if loaded is None:
         return 2
-    except ConfigError as exc:
-        print(f"easyrl: config error: {exc}", file=sys.stderr)
-        return 2
+    train, val = loaded
     _print_data(cfg, train, val)
     print("== first prompt, rendered", file=out)
     first = train[0]
@@ -440,22 +451,16 @@ def run_sft_check(cfg: EasyRLConfig) -> int:
     """Load the tokenizer and the conversations as `easyrl sft` does, mark their assistant tokens with the chat
     template, and print what was kept, the first conversation with its trained tokens between [[ and ]], and the
     plan. 2, with one line, when the data or the template cannot be used."""
-    from easyrl.config import ConfigError
-    from easyrl.data.loading import DataError
     from easyrl.trainer.sft_trainer import build_sft_data
 
     out = sys.stdout
     warning = cpu_noop_warning(cfg)
     if warning is not None:
         print(f"easyrl: warning: {warning}", file=out)
-    try:  # the trainer's own loading: the conversations checked are the ones trained on
-        _, train, val, _ = build_sft_data(cfg)
-    except DataError as exc:
-        print(f"easyrl: data error: {exc}", file=sys.stderr)
+    loaded = _load_data(build_sft_data, cfg)  # the trainer's own loading: the conversations checked are trained on
+    if loaded is None:
         return 2
-    except ConfigError as exc:
-        print(f"easyrl: config error: {exc}", file=sys.stderr)
-        return 2
+    train, val = loaded
     _print_sft_data(cfg, train, val)
     print("== first conversation, trained tokens between [[ and ]]", file=out)
     print(train.marked_text(0), file=out)

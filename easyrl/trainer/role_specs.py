@@ -112,20 +112,27 @@ def lora_on(cfg: EasyRLConfig) -> bool:
     return cfg.worker.actor.model.lora.rank > 0
 
 
+def _policy_model_spec(cfg: EasyRLConfig, optimizer_steps: int) -> ModelSpec:
+    """The policy's model as the actor (RL) and the SFT worker train it: its checkpoint, FSDP, optimizer, offload and
+    forward settings."""
+    acfg = cfg.worker.actor
+    return ModelSpec(
+        model=acfg.model,
+        torch_dtype=acfg.fsdp.torch_dtype,
+        fsdp=acfg.fsdp,
+        optim=acfg.optim,
+        offload=acfg.offload,
+        forward=forward_options(cfg),
+        total_optimizer_steps=optimizer_steps,
+        checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+    )
+
+
 def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> ActorSpec:
     acfg, alg = cfg.worker.actor, cfg.algorithm
     return ActorSpec(
         process=process,
-        model=ModelSpec(
-            model=acfg.model,
-            torch_dtype=acfg.fsdp.torch_dtype,
-            fsdp=acfg.fsdp,
-            optim=acfg.optim,
-            offload=acfg.offload,
-            forward=forward_options(cfg),
-            total_optimizer_steps=optimizer_steps,
-            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
-        ),
+        model=_policy_model_spec(cfg, optimizer_steps),
         update=_update_spec(acfg, cfg.worker.rollout.n, world_size),
         loss=PolicyLossSpec(
             loss_type=acfg.loss_type,
@@ -149,16 +156,7 @@ def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpe
     acfg = cfg.worker.actor
     return SFTSpec(
         process=ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules)),
-        model=ModelSpec(
-            model=acfg.model,
-            torch_dtype=acfg.fsdp.torch_dtype,
-            fsdp=acfg.fsdp,
-            optim=acfg.optim,
-            offload=acfg.offload,
-            forward=forward_options(cfg),
-            total_optimizer_steps=optimizer_steps,
-            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
-        ),
+        model=_policy_model_spec(cfg, optimizer_steps),
         update=_update_spec(acfg, 1, world_size),
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
     )
