@@ -156,9 +156,17 @@ def _future_payload(future: Any, mode: str, inputs: list[Any]) -> Any:
         return error if mode == "batch" else [error] * len(inputs)
 
 
-def worker_main(conn: Any, reward_cfg: Any) -> None:
-    """Entry point of a reward worker process: import the reward (`worker.reward`, a `RewardConfig`) and build its
-    scorers, then serve tasks until told to stop."""
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment exactly `environ`: the parent's, as it was when it started this worker."""
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
+
+
+def worker_main(conn: Any, environ: dict[str, str], reward_cfg: Any) -> None:
+    """Entry point of a reward worker process: take the parent's environment (`environ`), import the reward
+    (`worker.reward`, a `RewardConfig`) and build its scorers, then serve tasks until told to stop."""
+    adopt_environment(environ)
     # Ctrl-C and a terminal's hang-up go to the whole process group; the parent decides when workers stop (and
     # kills hung ones), so the stop it makes (a checkpoint) is not cut short by its reward workers dying.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

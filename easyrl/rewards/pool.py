@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import deque
@@ -88,7 +89,7 @@ class RewardWorkerPool:
 
     Args:
         num_workers: worker processes (>= 1).
-        worker_args: arguments of :func:`easyrl.rewards._worker.worker_main` after the connection.
+        worker_args: arguments of :func:`easyrl.rewards._worker.worker_main` after the connection and the environment.
         max_in_flight: tasks a worker runs at once.
     """
 
@@ -116,8 +117,14 @@ class RewardWorkerPool:
         from easyrl.rewards._worker import worker_main
 
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        # A forkserver child inherits the environment of the server, frozen when the first pool started it; send
+        # this process's environment now, so a variable set since (a judge's key, a sandbox URL) reaches the worker.
+        environ = dict(os.environ)
         process = self._ctx.Process(
-            target=worker_main, args=(child_conn, *self._worker_args), daemon=True, name="easyrl-reward-worker"
+            target=worker_main,
+            args=(child_conn, environ, *self._worker_args),
+            daemon=True,
+            name="easyrl-reward-worker",
         )
         process.start()
         child_conn.close()  # the parent keeps only its end, so EOF is seen when the worker dies

@@ -263,3 +263,27 @@ def test_values_beyond_float32_are_invalid_not_a_crash(files: dict[str, str]) ->
     assert [s["overall"] for s in scores] == [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
     # What reaches the step is representable: the float32 scores tensor is written without overflow.
     token_level_scores([s["overall"] for s in scores], torch.ones(6, 3))
+
+
+def test_workers_see_a_variable_set_after_the_first_pool_started(tmp_path: Path, monkeypatch) -> None:
+    """Workers are forked from a server started with the first pool, and its environment is frozen then; a variable
+    set afterwards (a judge's key exported by a notebook cell, a test's monkeypatch) must still reach them, and one
+    removed since must be gone."""
+    path = tmp_path / "env_reward.py"
+    path.write_text(
+        "import os\nREWARD_TYPE = 'sequential'\n\n"
+        "def score(x):\n"
+        "    return {'overall': float(os.environ.get('EASYRL_TEST_LATE_VAR', '-1')),\n"
+        "            'accuracy': float('EASYRL_TEST_GONE_VAR' in os.environ)}\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("EASYRL_TEST_GONE_VAR", "1")
+    monkeypatch.delenv("EASYRL_TEST_LATE_VAR", raising=False)
+    with RewardManager(_cfg(f"{path}:score", num_workers=1)) as manager:  # starts the forkserver, if not yet
+        scores, _ = manager.score(_inputs(1, {}))
+        assert scores[0]["overall"] == -1.0 and scores[0]["accuracy"] == 1.0
+    monkeypatch.setenv("EASYRL_TEST_LATE_VAR", "0.75")
+    monkeypatch.delenv("EASYRL_TEST_GONE_VAR")
+    with RewardManager(_cfg(f"{path}:score", num_workers=1)) as manager:
+        scores, _ = manager.score(_inputs(1, {}))
+        assert scores[0]["overall"] == 0.75 and scores[0]["accuracy"] == 0.0
