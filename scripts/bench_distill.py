@@ -65,6 +65,32 @@ def make_teacher(workdir: Path, steps: int) -> tuple[Path, float]:
     return out, target
 
 
+def make_student(workdir: Path, target_reward: float) -> Path:
+    """A fresh student from the demo asset script's supervised warm start, stopped as soon as its sampled reward
+    reaches `target_reward` (no baked-in temperature): a model caught mid-way through learning the task, where the
+    asset script notes that RL's weak signal does not finish the job in a few dozen steps. Made once per workdir."""
+    out = workdir / f"student_warm{target_reward:g}"
+    if (out / "model.safetensors").is_file():
+        return out
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_demo_assets as assets
+
+    torch.set_num_threads(2)
+    args = assets.parse_args(["--target-reward", str(target_reward), "--eval-every", "25"])
+    tokenizer = assets.make_tokenizer()
+    assets.build_model(out, arch="qwen2", seed=args.seed, tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    eval_rows = assets.make_rows(random.Random(args.seed + 2), 128)
+    assets.warm_start(model, tokenizer, eval_rows, assets.load_reward(), args)
+    assets.save_checkpoint(model, tokenizer, out)
+    return out
+
+
 def summarize(name: str, rows: list[dict[str, Any]], target: float, wall: float) -> dict[str, Any]:
     """The validation curve and the first step at or above the target (None: not reached)."""
     curve = {int(r["step"]): round(r[TARGET_KEY], 4) for r in rows if TARGET_KEY in r}
@@ -82,10 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="k1", choices=("k1", "k3"))
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3], help="learning rates, each run at each")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument(
+        "--student-warm-start",
+        type=float,
+        default=None,
+        help="a fresh student from the asset script's warm start, stopped at this sampled reward (default: the "
+        "demo's own starting model, assets/demo/model)",
+    )
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     teacher, target = make_teacher(args.workdir, args.teacher_steps)
-    print(json.dumps({"teacher": str(teacher), "target": {TARGET_KEY: round(target, 4)}}), flush=True)
+    student = []
+    if args.student_warm_start is not None:
+        student = [f"worker.actor.model.model_path={make_student(args.workdir, args.student_warm_start)}"]
+    print(json.dumps({"teacher": str(teacher), "target": {TARGET_KEY: round(target, 4)}, "student": student}))
     distill = [
         f"algorithm.distill.teacher.model_path={teacher}",
         f"algorithm.distill.coef={args.coef}",
@@ -94,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for lr in args.lrs:
         for name in args.runs:
-            overrides = [f"worker.actor.optim.lr={lr}", *(distill if name != "grpo" else []), *RUNS[name]]
+            overrides = [f"worker.actor.optim.lr={lr}", *student, *(distill if name != "grpo" else []), *RUNS[name]]
             label = f"{name}@lr={lr:g}" + (f",{args.mode}x{args.coef:g}" if name != "grpo" else "")
+            if args.student_warm_start is not None:
+                label += f",student=warm{args.student_warm_start:g}"
             rows, wall = train(args.workdir / label, *overrides, steps=args.steps, val_every=args.val_every)
             results.append(summarize(label, rows, target, wall))
             print(json.dumps(results[-1]), flush=True)

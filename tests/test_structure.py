@@ -179,9 +179,15 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
-# throughput figures count every response token by it. Everything that trains or scores reads `loss_mask` (tool
-# output is attended, never trained on).
-ATTENTION_MASK_READERS = {"easyrl.trainer.trainer", "easyrl.trainer.step_math", "easyrl.workers.head"}
+# throughput figures count every response token by it; a remote distillation teacher rebuilds the sequence as it
+# was attended to ask for its log-probs. Everything that trains or scores reads `loss_mask` (tool output is
+# attended, never trained on).
+ATTENTION_MASK_READERS = {
+    "easyrl.trainer.trainer",
+    "easyrl.trainer.step_math",
+    "easyrl.workers.head",
+    "easyrl.scorers.teacher",
+}
 
 
 def _field_reads(source: str, name: str) -> list[int]:

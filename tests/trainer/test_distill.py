@@ -104,7 +104,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_anything_starts(
 @pytest.mark.parametrize(
     ("distill", "match"),
     [
-        ({"teacher": {"base_url": "http://localhost:8000/v1"}}, "teacher.base_url: a remote teacher is not supported"),
+        ({"teacher": {"base_url": "http://localhost:8000/v1"}}, "teacher.tokenizer_path: is required with a remote"),
         (
             {"teacher": {"model_path": "MODEL"}, "mode": "fkl"},
             "distill.mode: 'fkl' is not allowed; choose one of: k1, k3",
