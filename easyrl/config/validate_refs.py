@@ -49,6 +49,12 @@ def check_distill(cfg: EasyRLConfig) -> None:
     only where one is computed."""
     dist = cfg.algorithm.distill
     key = "algorithm.distill"
+    if dist.mode == "topk_fkl":
+        raise ConfigError(
+            f"{key}.mode",
+            "topk_fkl (forward KL over the teacher's top-k tokens) is not built yet: it needs the teacher's top-k "
+            "log-probs per token and a loss term through the student's logits at those tokens; use k1 or k3",
+        )
     if dist.mode not in DISTILL_MODES:
         raise ConfigError(f"{key}.mode", f"{dist.mode!r} is not allowed; choose one of: {', '.join(DISTILL_MODES)}")
     if dist.coef < 0:
