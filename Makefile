@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install test quality style demo clean
+.PHONY: install test test-extended quality style demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,10 @@ $(DEMO_STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -rfs --durations=25 tests
+	$(BIN)/python -m pytest -q -rfs --durations=25 -m "not extended" tests
+
+test-extended: install  # the multi-minute runs `make test` leaves out (pyproject's `extended` marker)
+	$(BIN)/python -m pytest -q -rfs --durations=25 -m extended tests
 
 quality: install
 	$(BIN)/ruff check easyrl tests scripts reward_functions

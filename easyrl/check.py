@@ -7,7 +7,12 @@ from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
-from easyrl.trainer.resolve import data_parallel_size, effective_padding_free, estimator_needs
+from easyrl.trainer.resolve import (
+    data_parallel_size,
+    effective_chunk_tokens,
+    effective_padding_free,
+    estimator_needs,
+)
 from easyrl.trainer.role_specs import old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
 
@@ -66,10 +71,36 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
             else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
         ),
         "old log-probs: " + old_log_probs_line(cfg),
+        *async_lines(cfg),
         validation_line(cfg),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
     ]
+
+
+def async_lines(cfg: EasyRLConfig) -> list[str]:
+    """With `trainer.max_staleness` >= 1: the carry-over loop's settings, and whether the loss sees the staleness."""
+    staleness, rollout, per_step = cfg.trainer.max_staleness, cfg.worker.rollout, cfg.data.rollout_batch_size
+    if staleness == 0:
+        return []
+    corr = cfg.algorithm.correction
+    seen = (
+        "the loss corrects for it (algorithm.rollout_correction)"
+        if corr.reads_rollout_log_probs
+        else "the loss does not see it: rollout_correction.rollout_is: token or bypass_mode: true corrects for it"
+    )
+    return [
+        f"asynchronous: a trained token is at most {staleness} policy version(s) old; "
+        f"{rollout.active_groups or (staleness + 1) * per_step} prompt groups in flight for {per_step} a step, "
+        f"{effective_chunk_tokens(cfg)} tokens per engine call; {seen} (docs/async.md)"
+    ]
+
+
+def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
+    """(the plan, the warnings) a run logs before it starts: `task` `rl` (`easyrl train`) or `sft`."""
+    if task == "sft":
+        return sft_plan_lines(cfg), [w for w in (cpu_noop_warning(cfg),) if w is not None]
+    return plan_lines(cfg), [w for w in (cpu_noop_warning(cfg), kl_noop_warning(cfg)) if w is not None]
 
 
 def rerun_line(cfg: EasyRLConfig) -> str:
@@ -206,12 +237,12 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
     if not use_gpu(cfg):
         from transformers import AutoConfig
 
-        from easyrl.rollout.vllm import check_cpu_head_size
+        from easyrl.rollout.vllm import check_cpu_model
 
         mcfg = cfg.worker.actor.model
         assert mcfg.model_path is not None
         try:
-            check_cpu_head_size(
+            check_cpu_model(
                 AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code), mcfg.model_path
             )
         except ValueError as exc:
@@ -274,10 +305,12 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== first prompt, rendered", file=out)
     first = train[0]
     print(first["raw_prompt"], file=out)
+    if cfg.worker.rollout.multi_turn.enabled and _check_multi_turn(cfg, first) != 0:
+        return 2
     if _check_reward(cfg, first) != 0:
         return 2
     print("== plan", file=out)
-    for line in plan_lines(cfg):
+    for line in plan_lines(cfg) + multi_turn_lines(cfg):
         print(line, file=out)
     return print_memory_plan(cfg)
 
@@ -331,3 +364,124 @@ def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         return 2
     print(f"{cfg.worker.reward.reward_function} on the ground truth as response: {scores[0]}", file=sys.stdout)
     return 0
+
+
+def multi_turn_lines(cfg: EasyRLConfig) -> list[str]:
+    """The plan's multi-turn line (none for a single-turn run)."""
+    mt = cfg.worker.rollout.multi_turn
+    if not mt.enabled:
+        return []
+    envs = ", ".join(f"{name}={spec}" for name, spec in mt.env_specs().items()) or "none (the dataset's prompts)"
+    budget = mt.max_total_tokens or cfg.data.max_response_length
+    tools = mt.tools or "the environment's methods"
+    return [
+        f"multi-turn: environment {envs}; tools {tools}; up to {mt.max_turns} turns, "
+        f"{budget} tokens per trajectory after the prompt, {mt.tool_timeout_s:g} s per tool call"
+    ]
+
+
+def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
+    """Import the environments and tools (every schema made), open the first row's episode and print its prompt as
+    the loop renders it, tools included; 2, with one line, when any of it fails."""
+    from easyrl.agent import AgentLoadError
+    from easyrl.trainer.resolve import multi_turn_loop
+
+    print("== first multi-turn prompt, rendered with the tools", file=sys.stdout)
+    try:
+        loop: Any = multi_turn_loop(cfg)
+        episode = loop.environments.start(first["row"])
+        text = loop.chat.render(episode.messages, episode.schemas)
+    except (AgentLoadError, ValueError) as exc:
+        print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)
+        return 2
+    tokens = len(loop.chat.encode(text))
+    print(text, file=sys.stdout)
+    names = [s["function"]["name"] for s in episode.schemas]
+    print(f"({tokens} tokens of data.max_prompt_length={cfg.data.max_prompt_length}; tools: {names})", file=sys.stdout)
+    if tokens > cfg.data.max_prompt_length:
+        print(
+            f"easyrl: multi-turn error: the prompt with its tools has {tokens} tokens > data.max_prompt_length",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- supervised fine-tuning
+def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
+    """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
+    a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
+    workers = t.nnodes * t.n_gpus_per_node
+    dp = data_parallel_size(cfg)
+    sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
+    adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
+    micro = (
+        f"micro-batches of up to {a.max_token_len_per_gpu} tokens per worker"
+        if a.dynamic_batching
+        else f"micro-batches of {a.micro_batch_size_per_device_for_update}"
+    )
+    every = f"every {t.val_freq} steps and at the end" if t.val_freq > 0 else "never during training"
+    validation = (
+        f"validation: val/loss, val/token_accuracy, val/perplexity on {d.val_files} ({every}"
+        + (", and before training)" if t.val_before_train else ")")
+        if d.val_files
+        else "validation: none (no data.val_files)"
+    )
+    return [
+        f"supervised fine-tuning: next-token loss on the assistant's tokens ({a.loss_avg_mode}), conversations of up "
+        f"to {cfg.sft.max_length} tokens",
+        f"model: {a.model.model_path}{adapters}",
+        f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
+        f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers}{sp}",
+        f"batch: {a.global_batch_size} rows per step (one optimizer step, lr {a.optim.lr:g}, "
+        f"{a.optim.lr_scheduler_type}); {a.global_batch_size // dp} rows per worker in {micro}",
+        validation,
+        f"output: {t.save_checkpoint_path} (`easyrl merge` makes a Hugging Face folder of a global_step_<N>)",
+    ]
+
+
+def run_sft_check(cfg: EasyRLConfig) -> int:
+    """Load the tokenizer and the conversations as `easyrl sft` does, mark their assistant tokens with the chat
+    template, and print what was kept, the first conversation with its trained tokens between [[ and ]], and the
+    plan. 2, with one line, when the data or the template cannot be used."""
+    from easyrl.config import ConfigError
+    from easyrl.data.loading import DataError
+    from easyrl.trainer.sft_trainer import build_sft_data
+
+    out = sys.stdout
+    warning = cpu_noop_warning(cfg)
+    if warning is not None:
+        print(f"easyrl: warning: {warning}", file=out)
+    try:  # the trainer's own loading: the conversations checked are the ones trained on
+        _, train, val, _ = build_sft_data(cfg)
+    except DataError as exc:
+        print(f"easyrl: data error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"easyrl: config error: {exc}", file=sys.stderr)
+        return 2
+    _print_sft_data(cfg, train, val)
+    print("== first conversation, trained tokens between [[ and ]]", file=out)
+    print(train.marked_text(0), file=out)
+    print("== plan", file=out)
+    for line in sft_plan_lines(cfg):
+        print(line, file=out)
+    return 0
+
+
+def _print_sft_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
+    """What was kept of the conversations and why the rest was not, their lengths, and how the tokens are marked."""
+    lines = ["== data"]
+    for name, data, files in (("train", train, cfg.data.train_files), ("val", val, cfg.data.val_files)):
+        if data is not None:
+            dropped = {k: v for k, v in data.drop_counts.items() if v}
+            lines.append(f"{name}: {len(data)} usable conversations from {files}; dropped: {dropped or 'none'}")
+    stats = train.length_stats()
+    for prefix, what in (("tokens_", "tokens"), ("trained_", "trained tokens")):
+        values = ", ".join(f"{k[len(prefix) :]}={v:.1f}" for k, v in stats.items() if k.startswith(prefix))
+        lines.append(f"{what} per conversation: {values}")
+    how = (
+        "its {% generation %} marks" if train.chat.generation_marks else "rendering each conversation prefix by prefix"
+    )
+    lines.append(f"assistant tokens: marked by the chat template, {how}")
+    print("\n".join(lines), file=sys.stdout)

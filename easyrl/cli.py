@@ -1,4 +1,4 @@
-"""`easyrl train|check CONFIG [key=value ...]`: parse, build, run, close."""
+"""`easyrl train|sft|check CONFIG [key=value ...]`: parse, build, run, close."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import contextlib
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from easyrl import __version__
 from easyrl.signals import StartupInterrupted, exit_code, exit_promptly, install_early_handlers, install_stop_handlers
+
+
+if TYPE_CHECKING:
+    from easyrl.config import EasyRLConfig, Secrets
+    from easyrl.trainer.run import RunFolder
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("train", "train with a YAML config; `key=value` arguments override it"),
-        ("check", "validate a config, its data, template and reward function; runs no training, needs no GPU"),
+        ("sft", "supervised fine-tuning with a YAML config (its `sft` section); `key=value` arguments override it"),
+        ("check", "validate a config, its data, templates and reward function (SFT configs too); no training, no GPU"),
     ):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="path to the YAML config")
@@ -69,11 +76,14 @@ def _main(argv: list[str] | None) -> int:
             return 2
         return 0
     from easyrl.config import ConfigError, load_config_and_secrets
+    from easyrl.config.loader import config_task
     from easyrl.config.secrets import guard_console
 
     notes: list[str] = []
     try:
-        cfg, secrets = load_config_and_secrets(args.config, args.overrides, notes)
+        # `check` checks a config as what it is: an SFT config has an `sft` section
+        task = {"train": "rl", "sft": "sft"}.get(args.command) or config_task(args.config, args.overrides)
+        cfg, secrets = load_config_and_secrets(args.config, args.overrides, notes, task)
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
@@ -81,26 +91,33 @@ def _main(argv: list[str] | None) -> int:
     for note in notes:
         logging.getLogger("easyrl").info(note)
     if args.command == "check":
-        from easyrl.check import run_check
+        from easyrl.check import run_check, run_sft_check
 
-        return run_check(cfg)
-    return _train(cfg, secrets)
+        return run_sft_check(cfg) if task == "sft" else run_check(cfg)
+    return _train(cfg, secrets, task)
 
 
-def _train(cfg, secrets) -> int:  # type: ignore[no-untyped-def]
-    from easyrl.check import cpu_noop_warning, kl_noop_warning, plan_lines, rerun_line
+def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
+    from easyrl.check import rerun_line, start_lines
     from easyrl.config import ConfigError
-    from easyrl.trainer.trainer import StopRequested, Trainer
+    from easyrl.trainer.run import StopRequested
 
     log = logging.getLogger("easyrl")
-    for line in plan_lines(cfg):
+    plan, warnings = start_lines(cfg, task)
+    for line in plan:
         log.info(line)
-    for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):
-        if warning is not None:
-            log.warning(warning)
-    trainer = None
+    for line in warnings:
+        log.warning(line)
+    trainer: RunFolder | None = None
     try:
-        trainer = Trainer(cfg, secrets)
+        if task == "sft":
+            from easyrl.trainer.sft_trainer import SFTTrainer
+
+            trainer = SFTTrainer(cfg, secrets)
+        else:
+            from easyrl.trainer.trainer import Trainer
+
+            trainer = Trainer(cfg, secrets)
         install_stop_handlers(trainer.request_stop, lambda: trainer.stop_signal is not None)
         trainer.fit()
     except ConfigError as exc:

@@ -8,7 +8,7 @@ def is_user_facing(exc: BaseException) -> bool:
     from easyrl.checkpoint import CheckpointError
     from easyrl.data.loading import DataError
     from easyrl.distributed.errors import ResourceUnavailableError, WorkerGroupError
-    from easyrl.trainer.trainer import StopRequested, TrainingError
+    from easyrl.trainer.run import StopRequested, TrainingError
 
     user_facing: tuple[type[BaseException], ...] = (
         DataError,

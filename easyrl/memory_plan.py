@@ -65,6 +65,12 @@ class ModelShape:
     qk_norm: bool = False
     vision_parameters: int = 0
     """Parameters of a vision-language model's vision tower and merger (`vision_parameter_count`); 0 for text."""
+    attention_layers: int | None = None
+    """Layers that keep a KV cache (full attention); None: all of them. Qwen3.5's linear-attention layers keep a
+    fixed-size recurrent state per sequence instead, which the plan leaves out (a few MiB per sequence)."""
+    counted_parameters: int = 0
+    """The whole model's parameters counted on the meta device (`counted_parameter_count`), for the families the
+    dense formula of `parameter_count` does not describe (routed experts, linear attention); 0: use the formula."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -73,6 +79,17 @@ class ModelShape:
         heads = text.num_attention_heads
         model_type = str(getattr(text, "model_type", ""))
         bias = getattr(text, "attention_bias", None)
+        layer_types = list(getattr(text, "layer_types", None) or [])
+        experts = int(getattr(text, "num_experts", 0) or 0)
+        if experts:
+            # A token passes its top-k experts (and a shared expert where there is one): that is its MLP working set
+            routed = int(text.num_experts_per_tok) * int(text.moe_intermediate_size)
+            mlp = routed + int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+        else:
+            mlp = int(text.intermediate_size)
+        # Linear-attention layers have their own projections and the MoE layers hold every expert: counted on the meta
+        # device rather than by a formula per family
+        irregular = experts > 0 or "linear_attention" in layer_types
         return cls(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
@@ -80,11 +97,13 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=mlp,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type.startswith("qwen2") if bias is None else bool(bias),  # Qwen2 always has q/k/v biases
             qk_norm=model_type.startswith("qwen3"),
             vision_parameters=vision_parameter_count(config),
+            attention_layers=sum(t == "full_attention" for t in layer_types) if layer_types else None,
+            counted_parameters=counted_parameter_count(config) if irregular else 0,
         )
 
     @property
@@ -95,14 +114,34 @@ class ModelShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose keys and values the engine caches."""
+        return self.num_layers if self.attention_layers is None else self.attention_layers
+
     def parameter_count(self) -> int:
-        """Embedding, layers (attention, SwiGLU MLP, two RMSNorms), final norm, and the head unless tied."""
+        """Embedding, layers (attention, SwiGLU MLP, two RMSNorms), final norm, and the head unless tied (or the
+        meta-device count of a MoE or hybrid model)."""
+        if self.counted_parameters:
+            return self.counted_parameters
         h, q, kv = self.hidden_size, self.q_size, self.kv_size
         attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embedding = self.vocab_size * h
         text = self.num_layers * layer + embedding + h + (0 if self.tie_word_embeddings else embedding)
         return text + self.vision_parameters
+
+
+def counted_parameter_count(config: Any) -> int:
+    """Parameters of the whole model of a HF config (vision tower included), counted on a model built on the meta
+    device (no memory, no download)."""
+    import torch
+
+    from easyrl.models.vision import model_class_for
+
+    with torch.device("meta"):
+        model = model_class_for(config).from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def vision_parameter_count(config: Any) -> int:
@@ -236,7 +275,7 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
     graphs = CUDA_GRAPH_BYTES if vllm and not rollout.enforce_eager else 0
-    kv_per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
+    kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
     kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
     processes = 1 + int(ref_process) + int(critic is not None)
     per_process = processes * (CUDA_CONTEXT_BYTES + (NCCL_BYTES if ranks > 1 else 0))

@@ -9,7 +9,8 @@ saved `config.json`), and written as safetensors (split into several files with 
 `--max-shard-size-gb`) next to the saved config, generation config and tokenizer. The default output is
 `<role folder>/huggingface_merged` (EasyR1's merger writes into `<role folder>/huggingface`, which here keeps the
 config and tokenizer the merge starts from); the last line printed names the folder. Only JSON and safetensors are
-read.
+read. Tensors are written in the layout of the model's own checkpoints (a MoE model's experts one matrix each, not
+the fused tensors transformers holds in memory: `easyrl.models.weight_layout`).
 
 The output may not be the checkpoint, hold it, or sit anywhere else in the run folder (the folder holding the
 `global_step_*` folders): a merge must never replace or mix with what training wrote. Every merge output carries an
@@ -27,7 +28,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -148,8 +149,7 @@ def merge_checkpoint(
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = total = 0
-        for name in names:
-            tensor = tensor_of(name)
+        for name, tensor in _in_checkpoint_layout(hf_src, ((n, tensor_of(n)) for n in names)):
             if target is not None and tensor.is_floating_point():
                 tensor = tensor.to(target)
             size = tensor.numel() * tensor.element_size()
@@ -179,6 +179,26 @@ def merge_checkpoint(
         out,
     )
     return out
+
+
+def _in_checkpoint_layout(
+    hf_src: str, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors under the names and layouts the model's own checkpoints use: a checkpoint holds what training held
+    (transformers 5 fuses MoE experts into 3D tensors when it loads), and the merge writes what the hub's checkpoint of
+    the model looks like (one matrix per expert), which vLLM and other readers load without guessing a layout
+    (`easyrl.models.weight_layout`). Read from the saved config.json alone; the model is built on the meta device."""
+    from transformers import AutoConfig
+
+    from easyrl.models.weight_layout import checkpoint_layout
+
+    try:
+        config = AutoConfig.from_pretrained(hf_src)
+    except ValueError as exc:  # a model type this transformers does not know (remote code): written as held
+        logger.info("%s: tensors written as training held them (%s)", hf_src, exc)
+        return tensors
+    convert = checkpoint_layout(config)
+    return tensors if convert is None else convert(tensors)
 
 
 def _tensor_source(

@@ -12,8 +12,9 @@ and optimizer) at the last step. easyrl uses its two CPU workers (one thread eac
 
 Measured for every run, from the launching process: whole-command wall time; start to the end of step 1 (the
 moment the step's line reaches stdout); seconds per step after `--warmup` steps; last step to process exit; peak RSS
-summed over the process tree (psutil, sampled every `--sample-s`) and the most processes seen at once; the mean
-training reward of the first and of the last 5 steps.
+and peak PSS summed over the process tree (psutil, sampled every `--sample-s`; RSS counts a shared library once per
+process, PSS shares it out) and the most processes seen at once; the mean training reward of the first and of the
+last 5 steps.
 
 TRL lives in its own virtual environment (it may pin another transformers than easyrl's); create it once with
 
@@ -127,23 +128,27 @@ def trl_run(seed: int, steps: int, out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def _tree_rss(pid: int) -> tuple[float, int]:
-    """(MiB resident summed over `pid` and its descendants, number of processes)."""
+def _tree_memory(pid: int) -> tuple[float, float, int]:
+    """(MiB resident summed over `pid` and its descendants, the same in PSS, number of processes). RSS counts a
+    shared page (torch's libraries, mapped by every process that imports it) once per process; PSS splits it among
+    them, so the PSS sum is what the tree takes from the machine."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0, 0
-    total, count = 0, 0
+        return 0.0, 0.0, 0
+    rss, pss, count = 0, 0, 0
     for proc in procs:
         try:
-            total += proc.memory_info().rss
+            info = proc.memory_full_info()  # reads /proc/<pid>/smaps_rollup on Linux
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
             count += 1
         except psutil.Error:
             continue
-    return total / 2**20, count
+    return rss / 2**20, pss / 2**20, count
 
 
 def measure(cmd: list[str], cwd: str, env: dict[str, str], log_path: str, sample_s: float) -> dict[str, Any]:
@@ -152,13 +157,14 @@ def measure(cmd: list[str], cwd: str, env: dict[str, str], log_path: str, sample
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    peak = {"rss_mib": 0.0, "procs": 0}
+    peak = {"rss_mib": 0.0, "pss_mib": 0.0, "procs": 0}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            rss, count = _tree_rss(proc.pid)
+            rss, pss, count = _tree_memory(proc.pid)
             peak["rss_mib"] = max(peak["rss_mib"], rss)
+            peak["pss_mib"] = max(peak["pss_mib"], pss)
             peak["procs"] = max(peak["procs"], count)
             done.wait(sample_s)
 
@@ -196,6 +202,7 @@ def summarize(run: dict[str, Any], warmup: int) -> dict[str, Any]:
         "s_per_step": round(per_step, 3),
         "last_step_to_exit_s": round(run["wall_s"] - steps[last][0], 2),
         "peak_rss_mib": round(run["rss_mib"]),
+        "peak_pss_mib": round(run["pss_mib"]),
         "max_procs": run["procs"],
         "steps": len(order),
         "reward_first5": round(statistics.fmean(rewards[:5]), 3),
@@ -276,6 +283,7 @@ def main(argv: list[str]) -> int:
         "s_per_step",
         "last_step_to_exit_s",
         "peak_rss_mib",
+        "peak_pss_mib",
         "reward_first5",
         "reward_last5",
     )

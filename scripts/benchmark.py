@@ -352,8 +352,11 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
     measured = rows[args.warmup :] or rows
     summary: dict[str, Any] = {}
     keys = sorted(
-        {k for r in measured for k in r if k.startswith(("timing_s/", "rollout/logprob_diff"))}
+        # perf/mem/*: the device in use at each lifecycle boundary and each phase's peak, so that a GPU run's
+        # summary.json says where the device peak falls (the first H100 run peaked 4.4 GiB over the plan, unnamed)
+        {k for r in measured for k in r if k.startswith(("timing_s/", "rollout/logprob_diff", "perf/mem/"))}
         | {"perf/throughput", "perf/sleep_freed_gb", "perf/optimizer_state_gb", "perf/trainable_params"}
+        | {"perf/device_memory_used_gb"}
     )
     for key in keys:
         vals = [r[key] for r in measured if key in r]

@@ -40,7 +40,8 @@ LORA_SHAPE="--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864
 # the acceptance first (tests, 1.5B with raw vLLM, 3B, VL-3B), then the runs nothing else covers, then the extras.
 TABLE="
 tests|gpu_varlen_gqa|30|-|$PY -m pytest -q -rfs -m gpu tests/workers/test_packing.py
-tests|gpu_tests|360|-|$PY -m pytest -q -rfs -m gpu tests
+tests|gpu_tests|360|-|$PY -m pytest -q -rfs -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
+families|gpu_families|390|-|$PY -m pytest -q -rfs -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
 mid|bench_1.5b|390|$BENCH|$B --model 1.5b
 large|bench_3b_adamw_bf16|390|$BENCH|$B --model 3b --optim adamw_bf16 --no-raw-vllm
 vl|vl_3b_images_packed|390|$VLB|$V --media image

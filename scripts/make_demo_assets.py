@@ -27,6 +27,15 @@ Outputs (under `--out`, default `assets/demo`):
 Everything is seeded; on the same machine and thread count the outputs are byte-identical. Runtime: about a minute
 on 2 CPU cores (the warm start's length depends on the seed: the task is learnt in a sudden transition).
 Usage: `python scripts/make_demo_assets.py [--out assets/demo] [--seed 1]`.
+
+The same warm start with `easyrl sft` (configs/demo_sft.yaml; docs/sft.md has the figures):
+
+- `--sft-data DIR` writes what the warm start starts from and trains on, and trains nothing: `DIR/init_model/` (the
+  same random init), `DIR/train.jsonl` (the very rows the warm start draws, batch after batch, for `--sft-steps`
+  steps, as `messages` conversations: in order, 64 rows a step, they replay its batches) and `DIR/val.jsonl` (the
+  demo's validation rows);
+- `--soften MODEL --out DIR` bakes the temperature into a trained model (`easyrl merge`'s output) as above and writes
+  it to `DIR`, ready for `easyrl train configs/demo.yaml worker.actor.model.model_path=DIR`.
 """
 
 from __future__ import annotations
@@ -193,7 +202,46 @@ def soften(model: Any, tokenizer: Any, eval_rows: list[dict[str, str]], reward: 
     return tau
 
 
-def write_jsonl(path: str, rows: list[dict[str, str]]) -> None:
+def as_conversation(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    """A task row as an SFT conversation: the prompt as the user's message, the answer as the assistant's."""
+    return {"messages": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["answer"]}]}
+
+
+def write_sft_data(args: argparse.Namespace) -> None:
+    """`--sft-data`: the warm start's initial model, its stream of training rows (`warm_start` draws them with the
+    same generator, `--batch-size` a step) and the demo's validation rows, as conversations."""
+    out = args.sft_data
+    os.makedirs(out, exist_ok=True)
+    rows = make_rows(random.Random(args.seed), args.train_rows + args.val_rows)
+    build_model(os.path.join(out, "init_model"), arch="qwen2", seed=args.seed, tokenizer=make_tokenizer())
+    rng = random.Random(args.seed + 1)
+    stream = [make_row(rng) for _ in range(args.sft_steps * args.batch_size)]
+    write_jsonl(os.path.join(out, "train.jsonl"), [as_conversation(r) for r in stream])
+    write_jsonl(os.path.join(out, "val.jsonl"), [as_conversation(r) for r in rows[args.train_rows :]])
+    logger.info("wrote %s: init_model/, train.jsonl (%d rows = %d steps), val.jsonl", out, len(stream), args.sft_steps)
+
+
+def soften_model(args: argparse.Namespace) -> None:
+    """`--soften MODEL --out DIR`: the trained model's rewards, then the baked-in temperature, as after the warm start."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reward = load_reward()
+    tokenizer = AutoTokenizer.from_pretrained(args.soften)
+    model = AutoModelForCausalLM.from_pretrained(args.soften, dtype=torch.float32)
+    rows = make_rows(random.Random(args.seed), args.train_rows + args.val_rows)
+    val_rows = rows[args.train_rows :]
+    for name, sample in (("sampled (T=1.0, n=8)", True), ("greedy", False)):
+        scores = evaluate(model, tokenizer, val_rows, reward, sample=sample, n=8, seed=12345)
+        logger.info("trained model: val mean reward, %s: %s", name, {k: round(v, 3) for k, v in scores.items()})
+    tau = soften(model, tokenizer, make_rows(random.Random(args.seed + 2), 128), reward, args.soft_reward)
+    save_checkpoint(model, tokenizer, args.out)
+    sampled = evaluate(model, tokenizer, val_rows, reward, sample=True, n=8, seed=12345)
+    logger.info(
+        "baked-in temperature %.2f; val mean reward, sampled: %s", tau, {k: round(v, 3) for k, v in sampled.items()}
+    )
+
+
+def write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
     """Write rows as JSON lines."""
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -203,7 +251,7 @@ def write_jsonl(path: str, rows: list[dict[str, str]]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "assets", "demo"))
+    p.add_argument("--out", default=None, help="output folder (default assets/demo; required with --soften)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--train-rows", type=int, default=2000)
     p.add_argument("--val-rows", type=int, default=64)
@@ -214,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=2, help="torch threads (fixed, for reproducible bytes)")
+    p.add_argument("--sft-data", default=None, help="write the warm start's model and rows for `easyrl sft` here")
+    p.add_argument("--sft-steps", type=int, default=550, help="warm-start steps the --sft-data rows replay")
+    p.add_argument("--soften", default=None, help="a trained model folder to bake the temperature into (to --out)")
     return p.parse_args(argv)
 
 
@@ -222,6 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
+    if args.sft_data is not None:
+        return write_sft_data(args)
+    if args.soften is not None:
+        if args.out is None:  # never overwrite the shipped demo model by default
+            raise SystemExit("--soften needs --out: the folder to write the softened model to")
+        return soften_model(args)
+    args.out = args.out or os.path.join(ROOT, "assets", "demo")
     reward = load_reward()
     rng = random.Random(args.seed)
     rows = make_rows(rng, args.train_rows + args.val_rows)

@@ -21,7 +21,7 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"easyrl {__version__}"
 
 
-@pytest.mark.parametrize("command", ["train", "check", "merge", "report"])
+@pytest.mark.parametrize("command", ["train", "sft", "check", "merge", "report"])
 def test_help(command: str) -> None:
     proc = easyrl(command, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -78,6 +78,36 @@ def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> 
     assert "'overlong_prompt': " in proc.stdout, proc.stdout
 
 
+def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_model_dir) -> None:
+    """A config with an `sft` section is checked as SFT (the first conversation with its trained tokens marked, the
+    plan) and `easyrl train` stops on it naming `easyrl sft`."""
+    import json
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"Copy: {a} {b}"}, {"role": "assistant", "content": f"{a}{b}"}]}
+        for a in range(4)
+        for b in range(4)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conf = {
+        "data": {"train_files": str(tmp_path / "chat.jsonl")},
+        "sft": {"max_length": 64},
+        "worker": {"actor": {"global_batch_size": 8, "model": {"model_path": tiny_model_dir}}},
+        "trainer": {"n_gpus_per_node": 2, "device": "cpu", "save_checkpoint_path": str(tmp_path / "run")},
+    }
+    path = write_config(tmp_path / "sft.yaml", conf)
+    proc = easyrl("check", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "train: 16 usable conversations" in out and "rendering each conversation prefix by prefix" in out
+    assert "<|im_start|>assistant\n[[00<|im_end|>]]" in out, out
+    assert "== plan" in out and "supervised fine-tuning: next-token loss on the assistant's tokens" in out
+    assert "8 rows per step" in out and "== reward function" not in out
+    assert not (tmp_path / "run").exists(), "check must not start training"
+    proc = easyrl("train", path)
+    assert proc.returncode == 2 and "run `easyrl sft CONFIG`" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.gpu
 def test_check_prints_a_memory_plan_on_a_gpu(tmp_path, tiny_model_dir, digits_data) -> None:
     """On a GPU `easyrl check` prints the memory plan, and refuses a run whose update cannot fit (a token budget of a
@@ -103,6 +133,22 @@ def test_plan_counts_tensor_parallel_engines() -> None:
     assert any(line.startswith("rollout: 2 (tensor parallel 2) vllm engine(s)") for line in plan_lines(cfg))
     cfg.worker.rollout.name = "hf"  # the HF engine has no tensor parallelism: one per worker
     assert any(line.startswith("rollout: 4 hf engine(s)") for line in plan_lines(cfg))
+
+
+def test_plan_names_the_asynchronous_loop_only_when_it_runs() -> None:
+    from easyrl.check import plan_lines
+    from easyrl.config import EasyRLConfig
+
+    cfg = EasyRLConfig()
+    assert not any(line.startswith("asynchronous") for line in plan_lines(cfg))
+    cfg.trainer.max_staleness, cfg.data.rollout_batch_size, cfg.data.max_response_length = 2, 16, 30
+    line = next(line for line in plan_lines(cfg) if line.startswith("asynchronous"))
+    assert (
+        "at most 2 policy version(s) old; 48 prompt groups in flight for 16 a step, 8 tokens per engine call" in line
+    )
+    assert "the loss does not see it" in line
+    cfg.algorithm.rollout_correction.bypass_mode = True
+    assert "the loss corrects for it" in next(line for line in plan_lines(cfg) if line.startswith("asynchronous"))
 
 
 @pytest.mark.vllm
@@ -257,3 +303,50 @@ def test_train_exits_with_its_final_checkpoint_and_logs(tmp_path, tiny_model_dir
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (run / "global_step_2" / "actor").is_dir()
     assert sessions == [], f"Ray session folders left behind: {sessions}"
+
+
+# Qwen3.5 ships Qwen3-VL's processor: its run is the same path again, kept with the slow tests
+@pytest.mark.parametrize("arch", ["qwen3_vl", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_check_counts_video_tokens_at_the_configured_fps_and_pixels(tmp_path, arch: str) -> None:
+    """Qwen3-VL's processor (Qwen3-VL dense and MoE, Qwen3.5) writes a timestamp before every temporal patch of a
+    video: `easyrl check` counts those and the pads at the configured fps and pixels, so a clip that fits at 1 fps
+    is over max_prompt_length at 4 fps, and with `filter_overlong_prompts=false` the check stops before any run."""
+    import json
+
+    from easyrl.data.multimodal import encode_multimodal_prompt
+    from easyrl.models import load_processor
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+    from tests.workers.test_packing_vl import _write_video
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
+    _write_video(tmp_path / "clip.mp4")  # 8 frames at 4 fps, 32x32
+    row = {"prompt": "What moves in <video>?", "answer": "bar", "videos": ["clip.mp4"]}
+    (tmp_path / "train.jsonl").write_text(2 * (json.dumps(row) + "\n"))
+    conf = base_config(model, {"train": str(tmp_path / "train.jsonl")}, tmp_path / "run")
+    conf["data"].update({"video_dir": str(tmp_path), "min_pixels": 16 * 16, "max_pixels": 32 * 32})
+    conf["data"].update({"rollout_batch_size": 2, "format_prompt": None, "max_prompt_length": 512})
+    conf["worker"]["actor"]["global_batch_size"] = 2
+
+    def tokens(fps: float) -> int:
+        # what the model would be given: the processor's expansion of the clip, timestamps included
+        cfg = type("D", (), {"min_pixels": 16 * 16, "max_pixels": 32 * 32, "video_fps": fps, "max_frames": 64})
+        messages = [{"role": "user", "content": row["prompt"]}]
+        processor = load_processor(model)
+        out = encode_multimodal_prompt(processor, messages, [], [str(tmp_path / "clip.mp4")], cfg)
+        # Qwen3-VL's per-frame timestamps are part of the prompt the model sees
+        assert "seconds>" in processor.tokenizer.decode(out["input_ids"])
+        return len(out["input_ids"])
+
+    slow, fast = tokens(1.0), tokens(4.0)
+    assert fast > slow
+    conf["data"]["max_prompt_length"] = slow  # fits at 1 fps, exactly
+    fits = easyrl("check", write_config(tmp_path / "a.yaml", conf), "data.video_fps=1.0")
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    assert f"prompt tokens: min={slow:.1f}" in fits.stdout and "'overlong_prompt'" not in fits.stdout, fits.stdout
+    strict = easyrl(
+        "check", write_config(tmp_path / "b.yaml", conf), "data.video_fps=4.0", "data.filter_overlong_prompts=false"
+    )
+    assert strict.returncode == 2, strict.stdout
+    assert (
+        f"overlong_prompt: prompt has {fast} tokens (media included) > data.max_prompt_length={slow}" in strict.stderr
+    )

@@ -22,7 +22,8 @@ from easyrl.config import load_config
 from tests.conftest import REPO
 
 
-RECIPES = sorted((REPO / "configs" / "easyr1").glob("*.yaml"))
+RECIPES = sorted((REPO / "configs" / "easyr1").glob("*.yaml")) + sorted((REPO / "configs" / "agentic").glob("*.yaml"))
+"""The EasyR1 recipes, and the agentic ones (docs/agentic.md) on the same stand-ins."""
 
 # EasyR1's config layout and spellings (its examples/config.yaml schema), with easyrl's reward and template files.
 EASYR1_LAYOUT: dict[str, Any] = {
@@ -265,6 +266,9 @@ def test_recipe_passes_check_with_local_stand_ins(
     cfg = load_config(recipe, _stand_in_overrides(recipe.stem, stand_ins, easyr1_data))
     out = _check(cfg)
     assert "== plan" in out and f"{cfg.worker.actor.loss_type} policy loss" in out
+    if cfg.worker.rollout.multi_turn.enabled:  # its tools were imported and the first prompt rendered with them
+        assert "== first multi-turn prompt, rendered with the tools" in out and "tools: ['python']" in out
+        assert "multi-turn: environment none (the dataset's prompts); tools python; up to 8 turns" in out
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_OVERRIDES))

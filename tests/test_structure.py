@@ -19,6 +19,7 @@ ROLE_MODULES = (
     "easyrl.workers.ref",
     "easyrl.workers.rollout_role",
     "easyrl.workers.teacher",
+    "easyrl.workers.sft",
 )
 MAX_FUNCTION_LINES = 80
 
@@ -179,13 +180,18 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
-# throughput figures count every response token by it; a remote distillation teacher rebuilds the sequence as it
+# throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
+# version, the carry-over loop keeps the tokens an engine call produced, the multi-turn loop reads the engine's
+# completion lengths and writes both masks of its rows, and a remote distillation teacher rebuilds the sequence as it
 # was attended to ask for its log-probs. Everything that trains or scores reads `loss_mask` (tool output is
 # attended, never trained on).
 ATTENTION_MASK_READERS = {
     "easyrl.trainer.trainer",
     "easyrl.trainer.step_math",
     "easyrl.workers.head",
+    "easyrl.rollout.worker",
+    "easyrl.rollout.carry_over",
+    "easyrl.rollout.multi_turn",  # reads the engine's completion lengths, and writes both masks of its rows
     "easyrl.scorers.teacher",
 }
 
@@ -260,8 +266,19 @@ def _inside(module: str, room: str) -> bool:
         # the rollout room (engines, the rollout worker, the driver's loops) knows nothing of trainer or workers:
         # the actor composes it, the trainer drives it through a loop
         ("easyrl.rollout", ("easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.check", "easyrl.cli")),
+        # environments and tools are the user's side of a multi-turn rollout: no engine, loop, worker or trainer
+        (
+            "easyrl.agent",
+            ("easyrl.rollout", "easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.distributed"),
+        ),
         # processes, ranks and devices sit under everything: their errors are their own, not the config's
         ("easyrl.distributed", ("easyrl.config", "easyrl.workers", "easyrl.trainer", "easyrl.algorithms")),
+        # the data (prompts, SFT conversations) is read by the driver and hands it plain tensors: no worker, no
+        # algorithm, no rollout, no checkpoint knows it, and it knows none of them
+        (
+            "easyrl.data",
+            ("easyrl.trainer", "easyrl.workers", "easyrl.rollout", "easyrl.algorithms", "easyrl.checkpoint"),
+        ),
         # the second models that score samples (judge, reward model) serve the reward room, which hands them to reward
         # functions: they know nothing of rewards, training or the policy's engines
         (
@@ -317,3 +334,44 @@ def test_only_the_rollout_worker_drives_an_engine() -> None:
         if lifecycle.search(line)
     ]
     assert not offenders, "drive the engine through easyrl.rollout.RolloutWorker:\n" + "\n".join(offenders)
+
+
+def test_environments_and_tools_load_without_torch() -> None:
+    """`easyrl.agent` (environments, tool schemas, call parsing and running) imports no torch: what a user's
+    environment file needs stays light, and tokens live in the loop (`rollout.multi_turn`) alone."""
+    offenders = []
+    for module, path in MODULES.items():
+        if not _inside(module, "easyrl.agent"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not offenders, "keep torch out of easyrl.agent:\n" + "\n".join(offenders)
+
+
+# The FSDP2 sharding, the optimizer and the backward pass have one home each: every role (the SFT policy too) trains
+# through `TrainableModel` and `forward_backward.optimize`, never a copy of them.
+TRAINING_MACHINERY = re.compile(r"\bfully_shard\(|\bclip_grad_norm_\(|\.backward\(|optim\.AdamW\(")
+TRAINING_HOMES = {
+    "easyrl.workers.model_setup",  # sharding and the optimizer
+    "easyrl.workers.forward_backward",  # the backward passes and the optimizer steps
+    "easyrl.workers.varlen",  # a one-off probe of the attention kernel's backward
+}
+
+
+def test_training_machinery_rule_catches_a_fork() -> None:
+    source = "fully_shard(layer)\nloss.backward()\ntorch.nn.utils.clip_grad_norm_(p, 1)\nok = backward_hook\n"
+    assert sum(bool(TRAINING_MACHINERY.search(line)) for line in source.splitlines()) == 3
+
+
+def test_no_role_forks_the_training_machinery() -> None:
+    offenders = [
+        f"{m}:{n}: {line.strip()}"
+        for m, path in MODULES.items()
+        if m not in TRAINING_HOMES
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if TRAINING_MACHINERY.search(line.split("#", 1)[0])
+    ]
+    assert not offenders, "train through TrainableModel and forward_backward.update_model:\n" + "\n".join(offenders)

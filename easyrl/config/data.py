@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -41,6 +42,9 @@ class DataConfig:
     column of the row is available too. None: the prompt column is used as is."""
     override_chat_template: str | None = None
     """A jinja chat template (inline text or a path to a .jinja file) replacing the tokenizer's own."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables every rendering of the chat template gets, e.g. `{enable_thinking: false}` for Qwen3's
+    template: RL prompts and SFT conversations alike."""
     shuffle: bool = True
     """Shuffle the training data every epoch (seeded by `seed`)."""
     seed: int = 1

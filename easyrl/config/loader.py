@@ -64,24 +64,30 @@ _EASYR1_VALUES: dict[str, dict[Any, Any]] = {
 _EASYR1_NULL_IS_DEFAULT = {f"worker.{role}.optim.min_lr_ratio" for role in ("actor", "critic")}
 
 
+TASKS = ("rl", "sft")
+"""What a config trains: `rl` (`easyrl train`) or `sft` (`easyrl sft`; a config with an `sft` section)."""
+
+
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
+    path: str | os.PathLike[str] | None = None,
+    overrides: list[str] | None = None,
+    notes: list[str] | None = None,
+    task: str = "rl",
 ) -> EasyRLConfig:
-    """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated, paths made absolute. `notes`,
-    when given, receives what the caller should tell the user (EasyR1 keys renamed or ignored)."""
-    return load_config_and_secrets(path, overrides, notes)[0]
+    """Defaults <- YAML file at `path` <- `overrides` (`a.b=c` strings); validated for `task`, paths made absolute.
+    `notes`, when given, receives what the caller should tell the user (EasyR1 keys renamed or ignored)."""
+    return load_config_and_secrets(path, overrides, notes, task)[0]
 
 
-def load_config_and_secrets(
-    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None, notes: list[str] | None = None
-) -> tuple[EasyRLConfig, Secrets]:
-    """`load_config`, and the config's secrets (what a run must scrub from every file and line it writes)."""
-    from easyrl.config.hub import resolve_hub_ids
-    from easyrl.config.schema import EasyRLConfig
-    from easyrl.config.validate import validate
+def config_task(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> str:
+    """`sft` when the config (file and overrides) sets the `sft` section, else `rl`: what `easyrl check` checks it
+    as."""
+    return "sft" if "sft" in _user_config(path, overrides) else "rl"
 
+
+def _user_config(path: str | os.PathLike[str] | None, overrides: list[str] | None) -> DictConfig:
+    """The YAML file at `path` with the command-line `overrides` merged in, before any default."""
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
-    notes = [] if notes is None else notes
     if overrides:
         _check_dotlist_form(overrides)
         # Hydra's `+key=value` (add a key) is accepted: free-form mappings take new keys without it anyway.
@@ -90,6 +96,30 @@ def load_config_and_secrets(
         merged_cli = OmegaConf.merge(user, cli)
         assert isinstance(merged_cli, DictConfig)
         user = merged_cli
+    return user
+
+
+def load_config_and_secrets(
+    path: str | os.PathLike[str] | None = None,
+    overrides: list[str] | None = None,
+    notes: list[str] | None = None,
+    task: str = "rl",
+) -> tuple[EasyRLConfig, Secrets]:
+    """`load_config`, and the config's secrets (what a run must scrub from every file and line it writes)."""
+    from easyrl.config.hub import resolve_hub_ids
+    from easyrl.config.schema import EasyRLConfig
+    from easyrl.config.validate import validate
+
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    user = _user_config(path, overrides)
+    if task == "rl" and "sft" in user:
+        raise ConfigError(
+            "sft",
+            "this config has an sft section: it is a supervised fine-tuning config; run `easyrl sft CONFIG` "
+            "(or remove the section to train it with RL)",
+        )
+    notes = [] if notes is None else notes
     user = _apply_easyr1_compat(user, notes)
     _check_unknown_keys(user, EasyRLConfig, "")
     base = OmegaConf.structured(EasyRLConfig)
@@ -102,7 +132,7 @@ def load_config_and_secrets(
     _resolve_paths(cfg, base_dir=Path(path).parent if path is not None else Path.cwd())
     resolve_hub_ids(cfg)  # the driver downloads; workers get local folders
     import_user_modules(cfg.algorithm.user_modules)
-    validate(cfg)
+    validate(cfg, task)
     raw = OmegaConf.to_container(user, resolve=False)
     assert isinstance(raw, dict)
     secrets = find_secrets(raw, dataclasses.asdict(cfg), _schema_paths(EasyRLConfig))
@@ -249,7 +279,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Fields whose value is a free-form mapping (their contents are not config keys).
-_FREEFORM = ("override_config", "val_override_config", "reward_function_kwargs")
+_FREEFORM = ("override_config", "val_override_config", "reward_function_kwargs", "chat_template_kwargs")
 
 
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
@@ -335,6 +365,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     for name in ("format_prompt", "image_dir", "video_dir"):
         setattr(cfg.data, name, absolute(getattr(cfg.data, name)))
     cfg.algorithm.user_modules = [os.path.abspath(p) for p in cfg.algorithm.user_modules]
+    cfg.worker.rollout.multi_turn.resolve_paths()
     rf = cfg.worker.reward.reward_function
     if rf:
         file, _, fn = rf.rpartition(":") if rf.rpartition(":")[0].endswith(".py") else (rf, "", "")

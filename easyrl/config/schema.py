@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from easyrl.config.algorithm import AlgorithmConfig
 from easyrl.config.data import DataConfig
+from easyrl.config.sft import SFTConfig
 from easyrl.config.trainer import TrainerConfig
 from easyrl.config.worker import WorkerConfig
 
@@ -20,3 +21,6 @@ class EasyRLConfig:
     """Actor, reference, critic, rollout and reward workers."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length, resources, logging, validation and checkpoints."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning (`easyrl sft`): the conversation columns and length. A config that sets this section
+    is an SFT config."""

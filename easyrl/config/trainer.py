@@ -27,6 +27,11 @@ class TrainerConfig:
     """Seed of model init, dropout and sampling helpers."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts updating."""
+    max_staleness: int = 0
+    """Asynchronous rollouts with carry-over (colocated): a trained token may come from a policy up to this many
+    updates older than the one it trains. 0 is the synchronous loop. With S >= 1 more prompt groups are in flight
+    than a step trains on (`worker.rollout.active_groups`), each step trains on the groups that finish first, and
+    unfinished responses carry over to the next step, resumed with the new weights (docs/async.md)."""
     val_freq: int = -1
     """Validate every N steps; -1: never (except before training/at the end when asked)."""
     val_before_train: bool = True

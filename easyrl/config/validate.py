@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.errors import ConfigError
+from easyrl.config.multi_turn import check_multi_turn
 from easyrl.config.names import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
@@ -52,8 +53,9 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...] | list[str]) -> No
         raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
-def validate(cfg: EasyRLConfig) -> None:
-    """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files)."""
+def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
+    """Raise `ConfigError` for the first problem found (enums, numbers, batch arithmetic, files). `task` `sft`
+    checks what `easyrl sft` reads: the shared sections and `sft`, not the rollout, reward or RL batch arithmetic."""
     from easyrl.config.limits import check_limits
     from easyrl.config.validate_refs import check_distill, check_reward_scorers
 
@@ -65,9 +67,20 @@ def validate(cfg: EasyRLConfig) -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
+    if task == "sft":
+        from easyrl.config.sft import check_sft
+
+        check_sft(cfg)
+        _check_model_and_data(cfg, cfg.sft.max_length, "sft.max_length")
+        _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
+        return
+    if not cfg.worker.reward.reward_function:  # before the RL arithmetic: an SFT config lacks it first of all
+        _check_reward_function(None)
     _check_batch_arithmetic(cfg)
+    _check_async(cfg)
     _check_files(cfg)
     check_distill(cfg)
+    check_multi_turn(cfg.worker.rollout.multi_turn, cfg.data.max_response_length)
     check_reward_scorers(cfg.worker.reward, _check_reward_function)
 
 
@@ -377,7 +390,66 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
 
 
+def _check_async(cfg: EasyRLConfig) -> None:
+    """`trainer.max_staleness` and the keys of the carry-over loop it turns on (`worker.rollout.active_groups`,
+    `chunk_tokens`); what that loop cannot do yet is refused by name."""
+    staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ConfigError("trainer.max_staleness", f"must be an integer >= 0 (0: synchronous), got {staleness!r}")
+    if staleness == 0:
+        for key in ("active_groups", "chunk_tokens"):
+            if getattr(rollout, key) is not None:
+                raise ConfigError(
+                    f"worker.rollout.{key}", "is read only by asynchronous rollouts: set trainer.max_staleness >= 1"
+                )
+        return
+    per_step = cfg.data.rollout_batch_size
+    groups = rollout.active_groups
+    if groups is not None and not per_step <= groups <= (staleness + 1) * per_step:
+        raise ConfigError(
+            "worker.rollout.active_groups",
+            f"{groups} must be between data.rollout_batch_size ({per_step}) and (trainer.max_staleness + 1) * "
+            f"rollout_batch_size ({(staleness + 1) * per_step}), or null for the largest",
+        )
+    if rollout.chunk_tokens is not None and not 1 <= rollout.chunk_tokens <= cfg.data.max_response_length:
+        raise ConfigError(
+            "worker.rollout.chunk_tokens",
+            f"must be between 1 and data.max_response_length ({cfg.data.max_response_length}), or null",
+        )
+    ratio = rollout.logprob_sample_ratio
+    if ratio is not None and ratio < 1:
+        raise ConfigError(
+            "worker.rollout.logprob_sample_ratio",
+            f"{ratio}: with trainer.max_staleness >= 1 every token keeps its behaviour log-prob; set null or 1",
+        )
+    if cfg.algorithm.online_filtering:
+        raise ConfigError("algorithm.online_filtering", "not with trainer.max_staleness >= 1 yet: set one of them off")
+    if rollout.multi_turn.enabled:  # the carry-over loop resumes single responses, not conversations with tools
+        raise ConfigError(
+            "worker.rollout.multi_turn", "not with trainer.max_staleness >= 1 yet: set trainer.max_staleness: 0"
+        )
+    if declared_needs(cfg.algorithm.adv_estimator).needs_greedy_baseline:
+        raise ConfigError(
+            "algorithm.adv_estimator",
+            f"{cfg.algorithm.adv_estimator} scores a greedy response per prompt, which the asynchronous loop does "
+            "not make: use another estimator or trainer.max_staleness: 0",
+        )
+
+
 def _check_files(cfg: EasyRLConfig) -> None:
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    _check_model_and_data(cfg, total, "data.max_response_length")
+    for key in ("data.image_dir", "data.video_dir"):
+        folder = _get(cfg, key)
+        if folder and not Path(str(folder)).is_dir():
+            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
+    _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
+    _check_reward_function(cfg.worker.reward.reward_function)
+
+
+def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> None:
+    """The model folder (its context holds `length` tokens, set by `length_key`), tokenizer, data files and
+    templates exist."""
     model = cfg.worker.actor.model.model_path
     if not model:
         raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
@@ -388,7 +460,7 @@ def _check_files(cfg: EasyRLConfig) -> None:
     tok = cfg.worker.actor.model.tokenizer_path
     if tok and not Path(tok).is_dir():
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
-    _check_context_length(cfg, Path(model) / "config.json")
+    _check_context_length(Path(model) / "config.json", length, length_key)
     _check_attention_heads(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
@@ -403,12 +475,6 @@ def _check_files(cfg: EasyRLConfig) -> None:
     chat = cfg.data.override_chat_template
     if chat and chat.endswith(".jinja") and not Path(chat).is_file():
         raise ConfigError("data.override_chat_template", f"template file not found: {_looked_for(chat)}")
-    for key in ("data.image_dir", "data.video_dir"):
-        folder = _get(cfg, key)
-        if folder and not Path(str(folder)).is_dir():
-            raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
-    _check_load_checkpoint(cfg.trainer.load_checkpoint_path)
-    _check_reward_function(cfg.worker.reward.reward_function)
 
 
 def _looked_for(path: str) -> str:
@@ -439,13 +505,20 @@ def _check_load_checkpoint(path: str | None) -> None:
 
 
 def _check_attention_heads(cfg: EasyRLConfig) -> None:
-    """Ulysses attention gives each rank of a group `heads / ulysses_size` query heads."""
+    """Ulysses attention gives each rank of a group `heads / ulysses_size` query heads, and needs every token mixer to
+    be attention: a linear-attention layer (Qwen3.5's Gated DeltaNet) carries a recurrent state along the whole row."""
     for role in ("actor", "critic"):
         size = getattr(cfg.worker, role).ulysses_size
         path = str(getattr(cfg.worker, role).model.model_path or cfg.worker.actor.model.model_path)
         if size == 1 or not (Path(path) / "config.json").is_file():
             continue
         hf = json.loads((Path(path) / "config.json").read_text())
+        if "linear_attention" in (hf.get("text_config", hf).get("layer_types") or []):
+            raise ConfigError(
+                f"worker.{role}.ulysses_size",
+                f"{size} splits each row over ranks, but the linear-attention (Gated DeltaNet) layers of {path} carry "
+                "a recurrent state along the whole row, which a slice cannot start from; set it to 1",
+            )
         heads = hf.get("text_config", hf).get("num_attention_heads") or hf.get("num_attention_heads")
         if heads and heads % size:
             raise ConfigError(
@@ -453,24 +526,25 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
             )
 
 
-def _check_context_length(cfg: EasyRLConfig, config_json: Path) -> None:
+def _check_context_length(config_json: Path, total: int, key: str) -> None:
     try:
         hf = json.loads(config_json.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError("worker.actor.model.model_path", f"cannot read {config_json}: {exc}") from None
     text = hf.get("text_config", hf)
     limit = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
-    total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if limit and total > limit:
-        raise ConfigError(
-            "data.max_response_length",
-            f"max_prompt_length + max_response_length = {total} exceeds the model's context ({limit})",
-        )
+        what = "max_prompt_length + max_response_length = " if key == "data.max_response_length" else ""
+        raise ConfigError(key, f"{what}{total} exceeds the model's context ({limit})")
 
 
 def _check_reward_function(spec: str | None, key: str = "worker.reward.reward_function") -> None:
     if not spec:
-        raise ConfigError(key, "is required: path/to/file.py:function")
+        raise ConfigError(
+            key,
+            "is required: path/to/file.py:function (a supervised fine-tuning config? give it an `sft:` section and "
+            "run `easyrl sft`)",
+        )
     file, _, fn = spec.rpartition(":")
     if not file.endswith(".py"):
         raise ConfigError(key, f"expected path/to/file.py:function, got {spec!r}")
@@ -493,6 +567,7 @@ def _check_placement(cfg: EasyRLConfig, workers: int) -> int:
     colocated, `n_gpus` when separate)."""
     rollout = cfg.worker.rollout
     _one_of("worker.rollout.placement", rollout.placement, ["colocated", "separate"])
+    _one_of("worker.rollout.weight_transfer", rollout.weight_transfer, ["broadcast", "driver"])
     if rollout.placement == "colocated":
         return workers
     if rollout.n_gpus < 1:

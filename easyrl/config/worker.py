@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easyrl.config.model_ref import JudgeConfig, RewardModelConfig
+from easyrl.config.multi_turn import MultiTurnConfig
 
 
 @dataclass
@@ -20,7 +21,7 @@ class LoraConfig:
     of linear-layer names (e.g. `q_proj,v_proj`)."""
     exclude_modules: str | None = None
     """Regular expression of module names left without adapters; null: the vision tower of a vision-language
-    model (nothing for a text model)."""
+    model and the routed experts and routers of a mixture-of-experts model (nothing for a dense text model)."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
     rollout_sync: str = "merged"
@@ -239,9 +240,25 @@ class RolloutConfig:
     """Where the engines run: `colocated` (the HybridEngine: in the actor's processes, asleep while it trains) or
     `separate` (workers of their own on `n_gpus` more GPUs: the engines stay resident and get the policy's weights
     after each update)."""
+    active_groups: int | None = None
+    """With `trainer.max_staleness` S >= 1: prompt groups in flight at once (admitted, not yet trained on), between
+    `data.rollout_batch_size` B and (S + 1) * B; null: (S + 1) * B. A group is admitted only while every group
+    admitted so far fits in the next S + 1 steps, so no sample is born stale."""
+    chunk_tokens: int | None = None
+    """With `trainer.max_staleness` >= 1: tokens each engine call adds to a response. A step's session ends between
+    calls, so an unfinished response carries over in pieces of this size (the engines' abort granularity:
+    docs/async.md); null: a quarter of `data.max_response_length`, rounded up."""
     n_gpus: int = 1
     """With `placement: separate`: rollout workers (GPUs, or CPU slots on CPU) beside the trainer's
     `trainer.nnodes * trainer.n_gpus_per_node`, on the first node; `tensor_parallel_size` must divide it."""
+    weight_transfer: str = "broadcast"
+    """With `placement: separate`, how the policy's weights reach the rollout workers after an update: `broadcast`
+    (a process group of their own between the policy's rank 0 and every rollout worker, NCCL on GPUs, gloo on CPU:
+    one tensor at a time, nothing through the driver) or `driver` (rank 0 gathers the whole policy on its host and
+    the driver hands it over through Ray's object store: simpler, a full copy in host memory)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Several turns per trajectory with tools or an environment between them (off unless `env`, `envs` or `tools`
+    is set; docs/agentic.md)."""
 
     @property
     def ranks_per_engine(self) -> int:

@@ -108,7 +108,9 @@ class RLDataset:
             chat_template = load_chat_template(data_cfg.override_chat_template)
             # The processor's template if it has one (a VL template renders image / video parts), else the tokenizer's.
             templater = processor if getattr(processor, "chat_template", None) else self.tokenizer
-            self._renderer = PromptRenderer(templater, data_cfg.prompt_key, data_cfg.format_prompt, chat_template)
+            self._renderer = PromptRenderer(
+                templater, data_cfg.prompt_key, data_cfg.format_prompt, chat_template, data_cfg.chat_template_kwargs
+            )
         except (OSError, ValueError) as exc:
             raise DataError(str(exc)) from exc
         self.drop_counts: dict[str, int] = {}
@@ -193,7 +195,13 @@ class RLDataset:
         if self.processor is not None and (images or videos):
             try:
                 sample.media = media_token_counts(
-                    self.processor, self._renderer.messages(row), images, videos, cfg, self._renderer.chat_template
+                    self.processor,
+                    self._renderer.messages(row),
+                    images,
+                    videos,
+                    cfg,
+                    self._renderer.chat_template,
+                    self._renderer.template_kwargs,
                 )
             except (MultimodalError, MediaError, OSError) as exc:
                 raise _BadRow("bad_media", str(exc)) from exc
@@ -274,6 +282,7 @@ class RLDataset:
                     sample.videos,
                     self.cfg,
                     self._renderer.chat_template,
+                    self._renderer.template_kwargs,
                 )
                 item["prompt_ids"] = encoded["input_ids"]  # media expanded: the pads the actor's patches fill
                 item["multi_modal_inputs"] = encoded["multi_modal_inputs"]

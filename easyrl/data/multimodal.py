@@ -290,9 +290,11 @@ def media_messages(messages: list[dict[str, Any]], num_images: int, num_videos: 
     return out
 
 
-def _render(processor: Any, messages: list[dict[str, Any]], chat_template: str | None) -> str:
+def _render(
+    processor: Any, messages: list[dict[str, Any]], chat_template: str | None, template_kwargs: dict[str, Any] | None
+) -> str:
     text = processor.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+        messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template, **(template_kwargs or {})
     )
     if not isinstance(text, str):
         raise MultimodalError(f"chat template returned {type(text).__name__}, expected text")
@@ -323,6 +325,7 @@ def encode_multimodal_prompt(
     videos: Sequence[MediaRef],
     data_cfg: Any,
     chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Model inputs for one prompt with media.
 
@@ -334,7 +337,7 @@ def encode_multimodal_prompt(
         videos: the row's videos (paths or bytes), in placeholder order.
         data_cfg: the ``data`` config (``min_pixels``, ``max_pixels``, ``video_fps``, ``max_frames``,
             ``limit_images``).
-        chat_template: overrides the processor's chat template.
+        chat_template, template_kwargs: the processor's chat template's override and extra variables.
 
     Returns:
         ``input_ids`` (list of ints, media pads expanded), ``prompt`` (the templated text before expansion),
@@ -349,7 +352,7 @@ def encode_multimodal_prompt(
     """
     spec = vision_spec(processor)
     _check_limit(images, data_cfg)
-    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template)
+    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template, template_kwargs)
     mm: dict[str, torch.Tensor] = {}
     expanded = text
     video_tokens = 0
@@ -422,12 +425,13 @@ def media_token_counts(
     videos: Sequence[MediaRef],
     data_cfg: Any,
     chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> MediaTokenCounts:
     """The token counts :func:`encode_multimodal_prompt` would produce, from image sizes and video metadata only
     (no pixels are decoded, except to count a video's frames when the container does not say)."""
     spec = vision_spec(processor)
     _check_limit(images, data_cfg)
-    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template)
+    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template, template_kwargs)
     per_merge = spec.merge_size**2
     image_tokens = 0
     for ref in images:

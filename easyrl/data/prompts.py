@@ -101,6 +101,8 @@ class PromptRenderer:
         prompt_key: the column holding the prompt.
         format_prompt: path to the jinja prompt template, or ``None`` to use the prompt column as the message.
         chat_template: a chat template overriding the tokenizer's (text, see :func:`load_chat_template`).
+        template_kwargs: extra variables every rendering of the chat template gets (`data.chat_template_kwargs`,
+            e.g. ``enable_thinking``).
     """
 
     def __init__(
@@ -109,8 +111,10 @@ class PromptRenderer:
         prompt_key: str = "prompt",
         format_prompt: str | None = None,
         chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.prompt_key = prompt_key
         self.template = load_prompt_template(format_prompt) if format_prompt else None
         self.template_path = format_prompt
@@ -152,7 +156,11 @@ class PromptRenderer:
         messages = self.messages(row)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                chat_template=self.chat_template,
+                **self.template_kwargs,
             )
         except Exception as exc:
             raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from exc

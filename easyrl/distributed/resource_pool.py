@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from typing import Any
 
 from easyrl.distributed.errors import ResourceUnavailableError
+from easyrl.distributed.torch_dist import is_loopback
 
 
 __all__ = ["ResourcePool", "rendezvous_host"]
@@ -167,19 +167,12 @@ def rendezvous_host(node_ips: list[str]) -> str:
     """
     host = node_ips[0]
     others = sorted(set(node_ips) - {host})
-    if _is_loopback(host) and others:
+    if is_loopback(host) and others:
         raise ResourceUnavailableError(
             f"rank 0's Ray node has the address {host}, which the ranks on {', '.join(others)} cannot reach: "
             "start that node's Ray with --node-ip-address=<an address the other nodes reach>"
         )
     return host
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _summary(resources: dict[str, float], bundle: dict[str, float]) -> dict[str, float]:

@@ -41,28 +41,28 @@ def dist_info() -> DistInfo:
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
-def _loopback_store(info: DistInfo, port: int, timeout: datetime.timedelta) -> Any:
+def loopback_store(rank: int, world_size: int, port: int, timeout: datetime.timedelta) -> Any:
     """The rendezvous store of a single-node group; rank 0 hosts it on a socket bound to 127.0.0.1 (TCPStore
     itself would listen on every interface)."""
     from torch.distributed import TCPStore
 
-    if info.rank != 0:
-        return TCPStore("127.0.0.1", port, info.world_size, False, timeout=timeout)
+    if rank != 0:
+        return TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))
-    listener.listen(max(128, info.world_size))
+    listener.listen(max(128, world_size))
     return TCPStore(
         "127.0.0.1",
         port,
-        info.world_size,
+        world_size,
         True,
         timeout=timeout,
         wait_for_workers=False,
@@ -105,8 +105,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         os.environ["MASTER_PORT"],
     )
     timeout = datetime.timedelta(seconds=timeout_s)
-    if _is_loopback(os.environ["MASTER_ADDR"]):
-        store = _loopback_store(info, int(os.environ["MASTER_PORT"]), timeout)
+    if is_loopback(os.environ["MASTER_ADDR"]):
+        store = loopback_store(info.rank, info.world_size, int(os.environ["MASTER_PORT"]), timeout)
         dist.init_process_group(
             backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
         )

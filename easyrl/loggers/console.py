@@ -22,6 +22,9 @@ _HEADLINE = {
     "actor/pg_loss": "pg_loss",
     "actor/entropy": "entropy",
     "actor/grad_norm": "grad_norm",
+    "train/loss": "loss",  # supervised fine-tuning (`easyrl sft`)
+    "train/token_accuracy": "acc",
+    "val/loss": "val_loss",
     "timing_s/step": "s/step",
 }
 

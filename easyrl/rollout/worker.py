@@ -136,13 +136,17 @@ class RolloutWorker:
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the weights the engine
-        holds; each row carries the `policy_version` (B*n,) int64 of those weights. No wake, push or sleep here."""
+        holds; each row carries the `policy_version` (B*n,) int64 of those weights, and each response token its own in
+        `token_policy_version` (B*n, R) int64 (-1 past the response). No wake, push or sleep here."""
         if not self.session_open:
             raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
         assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
         out = self.engine.generate(prompts, params)
         # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
-        return out.set(policy_version=torch.full((len(out),), self.version, dtype=torch.int64))
+        version = torch.full((len(out),), self.version, dtype=torch.int64)
+        # per token: a response resumed after a weight update (the carry-over loop) spans versions
+        tokens = torch.where(out["response_mask"].bool(), self.version, -1).to(torch.int64)
+        return out.set(policy_version=version, token_policy_version=tokens)
 
     def close(self) -> dict[str, float]:
         """Put the engine to sleep; returns `timing_s/sleep` (the caller adds bringing its training state back) and,

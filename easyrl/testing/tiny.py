@@ -1,7 +1,7 @@
 """Tiny, real, locally built models for tests and demos (nothing is downloaded).
 
 A character-level tokenizer (byte-level BPE without merges: every ASCII character is one token) with a ChatML chat template, and
-random-init Qwen2 / Qwen3 / Llama causal LMs small enough to build in well under a second. Everything is
+random-init Qwen2 / Qwen3 / Qwen3-MoE / Llama causal LMs small enough to build in well under a second. Everything is
 saved as ordinary Hugging Face folders, so the code under test loads them through `AutoTokenizer` /
 `AutoModelForCausalLM` exactly like a hub checkpoint.
 """
@@ -26,6 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 
@@ -66,6 +68,7 @@ List contents (multimodal messages) render text parts as is and image/video part
 _ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
 }
 ARCHS = tuple(_ARCHS)
@@ -176,8 +179,13 @@ def make_config(
         "rms_norm_eps": 1e-6,
         "dtype": dtype,
     }
-    if arch in ("qwen3", "llama"):
+    if arch in ("qwen3", "qwen3_moe", "llama"):
         kwargs["head_dim"] = hidden_size // num_heads
+    if arch == "qwen3_moe":
+        # every layer sparse: 4 experts of half the hidden size (no square expert matrix, which would load transposed
+        # without an error), 2 routed per token, top-k renormalised as published
+        kwargs |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size // 2}
+        kwargs |= {"decoder_sparse_step": 1, "norm_topk_prob": True}
     return config_cls(**kwargs)
 
 
@@ -198,7 +206,7 @@ def build_model(
 ) -> str:
     """Build a random-init causal LM and save it, with the tokenizer and a generation config, to `path`.
 
-    `arch` is one of `qwen2`, `qwen3`, `llama`. `vocab_size` defaults to the tokenizer's size rounded up to a
+    `arch` is one of `qwen2`, `qwen3`, `qwen3_moe`, `llama`. `vocab_size` defaults to the tokenizer's size rounded up to a
     multiple of 16. The weights depend only on `seed` (same seed, same safetensors bytes). `tokenizer` defaults
     to `make_tokenizer()`. Returns `path` as a string.
     """

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from easyrl.batch import Batch
+from easyrl.distributed.weight_bus import manifest_bytes
 from easyrl.rollout import SamplingParams
 
 
@@ -15,14 +16,18 @@ class SeparateEngines:
     weights they hold (its version, the `update_actor` calls), the policy's full weights are gathered from the actor
     and handed to every rollout worker; they load them as the session opens.
 
-    The weights travel through the driver and Ray's object store (one copy, shared by the rollout workers): simple and
-    exact, and the cost is logged (`timing_s/weight_transfer`, `perf/weight_transfer_gb`). A broadcast group between
-    the actor and the rollout workers would skip the driver; that is the next step for models of several GB."""
+    How the weights travel (`worker.rollout.weight_transfer`): `broadcast`, over a process group of their own between
+    the policy's rank 0 and every rollout worker (`easyrl.distributed.weight_bus`), one tensor at a time, set up at
+    the first push; or `driver`, the whole policy gathered on rank 0's host and handed over through the driver and
+    Ray's object store (one copy, shared by the rollout workers). Both are exact; the cost is logged
+    (`timing_s/weight_transfer`, `perf/weight_transfer_gb`)."""
 
-    def __init__(self, rollout: Any, actor: Any) -> None:
+    def __init__(self, rollout: Any, actor: Any, transfer: str = "broadcast") -> None:
         self.rollout = rollout
         self.actor = actor
+        self.transfer = transfer
         self.version = 0  # both loaded the initial checkpoint: policy version 0
+        self.manifest: list[Any] | None = None  # the broadcasts' names, shapes and dtypes, once the bus is up
 
     def push_if_moved(self) -> dict[str, float]:
         """Hand the policy's weights to the rollout workers when it moved since their last ones."""
@@ -30,15 +35,41 @@ class SeparateEngines:
         if version == self.version:
             return {}
         start = time.perf_counter()
-        weights = self.actor.full_weights()  # rank 0's full copy on the host (every rank joins the gathers)
-        self.rollout.receive_weights(weights, version)
+        if self.transfer == "broadcast":
+            pushed = self._broadcast(version)
+        else:
+            weights = self.actor.full_weights()  # rank 0's full copy on the host (every rank joins the gathers)
+            self.rollout.receive_weights(weights, version)
+            # the bytes that travel: a tied alias comes as a copy of its own (`full_weights` clones each name)
+            pushed = sum(t.numel() * t.element_size() for t in weights.values())
         self.version = version
-        # the bytes that travel: a tied alias comes as a copy of its own (`full_weights` clones each name)
-        pushed = sum(t.numel() * t.element_size() for t in weights.values())
         return {"timing_s/weight_transfer": time.perf_counter() - start, "perf/weight_transfer_gb": pushed / 2**30}
+
+    def _broadcast(self, version: int) -> int:
+        """Send the policy over the weight bus (joined at the first push); returns the bytes sent."""
+        if self.manifest is None:
+            self.manifest = self.actor.weight_manifest()
+            address = self.actor.weight_bus_address(1 + self.rollout.world_size)
+            # Both sides at once: joining blocks until the whole group has connected.
+            calls = [
+                self.actor.call_async("join_weight_bus", address),
+                self.rollout.call_async("join_weight_bus", address),
+            ]
+            for call in calls:
+                call.result()
+        calls = [
+            self.actor.call_async("broadcast_weights"),
+            self.rollout.call_async("receive_broadcast", self.manifest, version),
+        ]
+        for call in calls:
+            call.result()
+        return manifest_bytes(self.manifest)
 
     def open_rollout(self) -> dict[str, float]:
         return self.push_if_moved() | self.rollout.open_rollout()
+
+    def policy_version(self) -> int:
+        return self.actor.policy_version()  # type: ignore[no-any-return]
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.rollout.generate(prompts, params)  # type: ignore[no-any-return]

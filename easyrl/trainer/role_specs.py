@@ -17,7 +17,12 @@ from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.distributed.memory import MemoryLevers
 from easyrl.rollout import RolloutSpec, SamplingParams, WeightSync
-from easyrl.trainer.resolve import effective_padding_free, effective_sleep_level, estimator_needs
+from easyrl.trainer.resolve import (
+    effective_chunk_tokens,
+    effective_padding_free,
+    effective_sleep_level,
+    estimator_needs,
+)
 from easyrl.trainer.step_math import needs_old_log_prob_pass
 from easyrl.workers.specs import (
     ActorSpec,
@@ -28,6 +33,7 @@ from easyrl.workers.specs import (
     ProcessSpec,
     RefSpec,
     RolloutRoleSpec,
+    SFTSpec,
     TeacherSpec,
     UpdateSpec,
 )
@@ -137,6 +143,27 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
     )
 
 
+def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpec:
+    """The spec of `easyrl sft`'s one role: the actor's model, optimizer, FSDP and forward settings, one response
+    per row (`global_batch_size` rows an optimizer step)."""
+    acfg = cfg.worker.actor
+    return SFTSpec(
+        process=ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules)),
+        model=ModelSpec(
+            model=acfg.model,
+            torch_dtype=acfg.fsdp.torch_dtype,
+            fsdp=acfg.fsdp,
+            optim=acfg.optim,
+            offload=acfg.offload,
+            forward=forward_options(cfg),
+            total_optimizer_steps=optimizer_steps,
+            checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+        ),
+        update=_update_spec(acfg, 1, world_size),
+        micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
+    )
+
+
 def memory_levers(cfg: EasyRLConfig) -> MemoryLevers:
     """The settings a failed engine wake names as the ways to make room, with this run's values."""
     acfg = cfg.worker.actor
@@ -225,7 +252,11 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
     return RolloutSpec(
         config=rcfg,
         model=cfg.worker.actor.model,
-        max_model_len=rcfg.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        # the carry-over loop's last call for a response may ask up to `chunk_tokens - 1` tokens past its end
+        max_model_len=rcfg.max_model_len
+        or cfg.data.max_prompt_length
+        + cfg.data.max_response_length
+        + (effective_chunk_tokens(cfg) - 1 if cfg.trainer.max_staleness else 0),
         logprob_ratio=effective_logprob_ratio(cfg),
         weight_sync=weight_sync(cfg),
         sleep_level=effective_sleep_level(cfg),  # an explicit level, else the one `weight_sync` implies
@@ -239,12 +270,14 @@ def weight_sync(cfg: EasyRLConfig) -> WeightSync:
 
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
-    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them,
-    else 1/8."""
+    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them or
+    rollouts are asynchronous (`trainer.max_staleness` >= 1), else 1/8."""
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None:
         return ratio
-    return 1.0 if cfg.algorithm.correction.reads_rollout_log_probs else DEFAULT_LOGPROB_RATIO
+    # asynchronous rollouts keep every token's behaviour log-prob (the versioned record)
+    reads = cfg.algorithm.correction.reads_rollout_log_probs or cfg.trainer.max_staleness > 0
+    return 1.0 if reads else DEFAULT_LOGPROB_RATIO
 
 
 def old_log_prob_pass(cfg: EasyRLConfig) -> bool:

@@ -179,7 +179,8 @@ def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict
     if cfg.bypass_mode:
         batch.set(old_log_probs=batch["rollout_log_probs"])
         return {}  # the engine compared with itself: no diagnostics
-    metrics = logprob_consistency(batch)
+    # the diagnostics need the old-log-prob pass; asynchronous rollouts keep the engine's log-probs without it
+    metrics = logprob_consistency(batch) if "old_log_probs" in batch else {}
     if not cfg.active:
         return metrics
     out = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], batch["loss_mask"], cfg)

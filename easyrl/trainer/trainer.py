@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import torch
 
 from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.batch import Batch
-from easyrl.checkpoint import (
-    RUN_CONFIG,
-    CheckpointManager,
-    fsio,
-    read_run_config,
-    read_trainer_state,
-    write_trainer_state,
-)
-from easyrl.checkpoint.lock import RunLock
-from easyrl.config import EasyRLConfig, Secrets, to_masked_dict
+from easyrl.config import EasyRLConfig, Secrets
 from easyrl.config.algorithm import KLMode
-from easyrl.config.resume_diff import resume_config_report
+from easyrl.rollout import RolloutLoop, SingleTurnLoop
+from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
+from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
 from easyrl.trainer.resolve import estimator_needs, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
+from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
     apply_distillation,
     apply_kl_in_reward,
@@ -47,27 +39,27 @@ from easyrl.trainer.timer import timer
 from easyrl.trainer.worker_groups import build_data, build_workers, count_steps
 
 
+__all__ = ["StopRequested", "Trainer", "TrainingError", "for_workers"]
+
 logger = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite updates in a row, online-filtering budget spent, ...)."""
-
-
-class StopRequested(RuntimeError):
-    """A SIGTERM/SIGINT/SIGHUP asked the run to stop; it stopped at a stage boundary (after saving, if asked)."""
-
-
-class Trainer:
+class Trainer(RunFolder):
     def __init__(self, cfg: EasyRLConfig, secrets: Secrets) -> None:
-        from easyrl.loggers import build_tracker
         from easyrl.rewards import RewardManager
 
         self.cfg = cfg
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg)
-        self.rollout_loop = rollout_loop(cfg)  # how prompts become rows (a RolloutLoop)
+        # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # asynchronous rollouts: finished groups are scored while the engines go on generating
+        self.early = EarlyRewards(self.score_rows) if cfg.trainer.max_staleness else None
+        on_finished = self.early.submit if self.early is not None else None
+        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, on_finished)
+        self.single_turn = SingleTurnLoop()
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
@@ -88,36 +80,8 @@ class Trainer:
         self.prompts_drawn = 0  # numbers group ids; part of the resumable state
         self.stop_signal: str | None = None  # set by a SIGTERM/SIGINT/SIGHUP handler; honoured between stages
         self.consecutive_skips = 0
-        run_dir = cfg.trainer.save_checkpoint_path or "."
-        # First, before anything touches the folder (the manager below removes leftovers of interrupted saves):
-        # a second run on the same folder stops here.
-        self.run_lock = RunLock(run_dir).acquire()
         try:
-            self.ckpt = CheckpointManager(run_dir, cfg.trainer.save_limit)
-            # Before any process starts: an explicit checkpoint that is missing or incomplete fails right here.
-            resume_from = self.ckpt.resolve_load(
-                cfg.trainer.load_checkpoint_path,
-                cfg.trainer.find_last_checkpoint,
-                verify=cfg.trainer.verify_checkpoint,
-                fallback=cfg.trainer.fallback_to_older_checkpoint,
-            )
-            # The masked config as JSON data (tuples as lists): saved with each checkpoint, compared on resume.
-            self.config_record = json.loads(json.dumps(to_masked_dict(cfg, secrets), default=str))
-            if resume_from is not None:
-                self.check_resume_config(resume_from)  # before any process starts: a refused resume is quick
-            # Before any process starts too: a tracker that cannot start (a package that fails to import, a bad
-            # folder) fails in a second, not after Ray and the workers.
-            self.tracker = build_tracker(
-                cfg.trainer.logger,
-                run_dir,
-                cfg.trainer.project_name,
-                cfg.trainer.experiment_name,
-                self.total_steps,
-                secrets,
-                fresh=resume_from is None,
-            )
-            self.tracker.log_config(self.config_record)
-            self.trained_to = self.finished_at(resume_from)
+            resume_from = self.open_run(cfg, secrets)  # the lock, the checkpoint to resume, the loggers
             if self.trained_to is not None:
                 return  # trained to the end already: no reward processes, no Ray, no workers to start
             self.reward = RewardManager(cfg.worker.reward)
@@ -136,13 +100,7 @@ class Trainer:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         if self.trained_to is not None:
-            logger.info(
-                "already trained to step %d of %d (the checkpoint's): nothing to do; raise trainer.max_steps or "
-                "trainer.total_epochs to train on, or remove %s to train again",
-                self.trained_to,
-                self.total_steps,
-                cfg.trainer.save_checkpoint_path,
-            )
+            self.log_already_trained()
             return metrics
         if cfg.trainer.val_before_train or cfg.trainer.val_only:
             val = self.validate()
@@ -242,23 +200,64 @@ class Trainer:
         metrics["batch/num_gen_batches"] = float(tries)
         return batch, metrics
 
-    def generate(self, prompts: Batch, seed: int, metrics: dict[str, float], overrides: dict | None = None) -> Batch:
+    def generate(
+        self,
+        prompts: Batch,
+        seed: int,
+        metrics: dict[str, float],
+        overrides: dict | None = None,
+        loop: RolloutLoop | None = None,
+    ) -> Batch:
         """`n` responses for each of `prompts` (`n` and the rest of the sampling from `worker.rollout`, changed by
-        `overrides`): the rollout loop returns the B*n rows, sample `j` of prompt `i` at `i*n + j`."""
+        `overrides`): the rollout loop (the training one unless `loop` is given) returns the B*n rows, sample `j` of
+        prompt `i` at `i*n + j`."""
         params = self.sampling.override({**(overrides or {}), "seed": derive_seed(self.rollout_seed, seed, "call")})
-        batch, timing = self.rollout_loop.run(self.workers.engines, prompts, params)
+        batch, timing = (loop or self.rollout_loop).run(self.workers.engines, prompts, params)
         metrics |= timing
         return batch
 
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
         seed = derive_seed(GREEDY_STREAM, tries, "attempt")
-        greedy = self.generate(prompts, seed, metrics={}, overrides={"temperature": 0.0, "n": 1})
+        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1}, self.single_turn)
         scores, _ = self.score(greedy, store=False)
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
     def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`."""
+        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. Rows the
+        asynchronous loop's groups were scored early take those scores (`early_rewards`)."""
+        if self.early is not None and "uid" in batch:
+            scores, metrics, texts = self.take_early_scores(batch)
+        else:
+            if self.early is not None:
+                self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
+            scores, metrics, texts = self.score_rows(batch)
+        if store:
+            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
+            batch.set(response_text=texts)
+        return scores, metrics
+
+    def take_early_scores(self, batch: Batch) -> Scored:
+        """The early scores of `batch`'s rows, the rest scored now; `reward/<key>` over the batch, the failure
+        counters of the calls collected."""
+        assert self.early is not None
+        early = self.early.take(row_keys(batch))
+        missing = [i for i, result in enumerate(early) if result is None]
+        scores = [result[0] if result is not None else {} for result in early]
+        texts = [result[1] if result is not None else "" for result in early]
+        counters = self.early.drain_counters()
+        if missing:  # not scored early: a resumed run's groups, or a step undone on a stop signal
+            self.early.settle()  # the reward manager runs one batch at a time
+            counters = {k: v + self.early.drain_counters()[k] for k, v in counters.items()}
+            late_scores, late_metrics, late_texts = self.score_rows(batch.index(missing))
+            for i, score, text in zip(missing, late_scores, late_texts):
+                scores[i], texts[i] = score, text
+            counters = {k: v + late_metrics.get(k, 0.0) for k, v in counters.items()}
+        early_share = 1.0 - len(missing) / max(1, len(batch))
+        return scores, score_means(scores) | counters | {"async/scored_early": early_share}, texts
+
+    def score_rows(self, batch: Batch) -> Scored:
+        """Decode the responses and call the reward function: per-sample scores, the manager's metrics, the texts."""
         lengths = batch["response_mask"].sum(dim=1).tolist()
         texts = self.tokenizer.batch_decode(
             [r[: int(n)] for r, n in zip(batch["responses"].tolist(), lengths)],
@@ -271,10 +270,7 @@ class Trainer:
             )
         ]
         scores, metrics = self.reward.score(inputs)
-        if store:
-            batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
-            batch.set(response_text=texts)
-        return scores, metrics
+        return scores, metrics, texts
 
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -345,7 +341,7 @@ class Trainer:
                 _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
             )
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
-            batch = self.generate(prompts.batch, seed, metrics={}, overrides=overrides)
+            batch = self.generate(prompts.batch, seed, {}, overrides, self.single_turn)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
             scores, reward_metrics = self.score(batch)
             reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
@@ -364,13 +360,10 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def should_save(self) -> bool:
-        freq = self.cfg.trainer.save_freq
-        return (freq > 0 and self.global_step % freq == 0) or self.global_step == self.total_steps
-
     def trainer_state(self) -> dict[str, Any]:
-        """Everything of the driver a resumed run needs to continue on the same curve (JSON-able)."""
-        return {
+        """Everything of the driver a resumed run needs to continue on the same curve (JSON-able): with a rollout
+        loop that keeps work in flight across steps, that work too (`rollout_loop`)."""
+        state = {
             "global_step": self.global_step,
             "prompts_drawn": self.prompts_drawn,
             "consecutive_skips": self.consecutive_skips,
@@ -378,42 +371,17 @@ class Trainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "entropy_ctrl": self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None,
         }
-
-    def save_checkpoint(self, val_score: float | None) -> None:
-        """Write `global_step_<N>` atomically: workers' shards and the trainer state into a temporary folder,
-        then rename; the previous checkpoints stay until this one is complete."""
-        model_only = self.cfg.trainer.save_model_only
-        tmp = self.ckpt.begin(self.global_step)
-        try:
-            calls = [
-                group.call_async("save_checkpoint", os.path.join(tmp, role), model_only)
-                for role, group in self.trained_groups()
-            ]
-            for call in calls:
-                call.result()
-            if not model_only:
-                write_trainer_state(tmp, self.trainer_state())
-            fsio.write_json(os.path.join(tmp, RUN_CONFIG), self.config_record)
-            self.ckpt.commit(tmp, self.global_step, val_score)
-        except BaseException:
-            self.ckpt.abort(tmp)
-            raise
+        if isinstance(self.rollout_loop, CarryOverLoop):
+            state["rollout_loop"] = self.rollout_loop.state_dict()
+        return state
 
     def request_stop(self, signal_name: str) -> None:
         """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
         `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`. A reward stage in progress returns
         at once (its batch is discarded with the unfinished step)."""
-        self.stop_signal = signal_name
+        super().request_stop(signal_name)
         if hasattr(self, "reward"):
             self.reward.interrupt()
-
-    def stop_cleanly(self) -> None:
-        logger.warning("%s: stopping after step %d", self.stop_signal, self.global_step)
-        if self.cfg.trainer.save_on_interrupt and self.global_step > 0:
-            latest = self.ckpt.latest()
-            if latest is None or not latest.endswith(f"global_step_{self.global_step}"):
-                self.save_checkpoint(None)
-        raise StopRequested(f"stopped by {self.stop_signal} after step {self.global_step}")
 
     def restore_driver_state(self, state: dict[str, Any]) -> None:
         """Put the driver back to `state` (from `trainer_state()`): used to undo an unfinished step."""
@@ -424,44 +392,21 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        if self.early is not None:
+            self.early.forget()
+        in_flight = state.get("rollout_loop")
+        if isinstance(self.rollout_loop, CarryOverLoop) and in_flight is not None:
+            self.rollout_loop.load_state_dict(in_flight)
+        elif in_flight:  # saved by an asynchronous run, resumed synchronously: its prompts in flight are not trained
+            logger.warning(
+                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
+                "max_staleness: 0 does not carry them over",
+                len(in_flight["groups"]) + len(in_flight["queue"]),
+            )
 
-    def resume(self, folder: str) -> None:
-        """Continue from the checkpoint `folder` (chosen by `CheckpointManager.resolve_load`: the explicit
-        `trainer.load_checkpoint_path`, or the newest complete one with `trainer.find_last_checkpoint`)."""
-        logger.info("resuming from %s", folder)
-        calls = [
-            group.call_async("load_checkpoint", os.path.join(folder, role)) for role, group in self.trained_groups()
-        ]
-        for call in calls:
-            call.result()
-        state, rng = read_trainer_state(folder)
-        self.restore_driver_state(state)
+    def after_resume(self) -> None:
+        """The policy version of the resumed weights (checkpoints do not record it)."""
         self.actor.set_policy_version(resumed_policy_version(self.global_step, self.cfg.trainer.critic_warmup))
-        rng.restore()
-
-    def finished_at(self, resume_from: str | None) -> int | None:
-        """The step of `resume_from` when it already reached `total_steps` (and the run is not `val_only`), read from
-        its trainer state alone; None when there is training left."""
-        if resume_from is None or self.cfg.trainer.val_only:
-            return None
-        done = int(read_trainer_state(resume_from)[0]["global_step"])
-        return done if done >= self.total_steps else None
-
-    def check_resume_config(self, folder: str) -> None:
-        """Compare the config with the one `folder` was saved under: name what changed, refuse a changed model
-        unless `trainer.allow_model_change_on_resume` (see `easyrl.config.resume_diff`)."""
-        saved = read_run_config(folder)
-        if saved is None:
-            logger.info("%s was saved without its config (an older easyrl): changes cannot be named", folder)
-            return
-        allow = self.cfg.trainer.allow_model_change_on_resume
-        # the schema's defaults, as the record writes them: a key newer than the checkpoint, at its default, is no change
-        defaults = json.loads(json.dumps(to_masked_dict(EasyRLConfig(), Secrets()), default=str))
-        info, warnings = resume_config_report(saved, self.config_record, folder, allow, defaults)
-        for line in info:
-            logger.info(line)
-        for line in warnings:
-            logger.warning(line)
 
     def trained_groups(self) -> list[tuple[str, Any]]:
         groups = [("actor", self.actor)]
@@ -482,13 +427,10 @@ class Trainer:
 
     def close(self) -> None:
         """Release everything this trainer started; safe on a partly built trainer."""
-        for name in ("tracker", "reward"):
-            if hasattr(self, name):
+        for name in ("early", "reward"):  # the background scorer first: it calls into the reward pool
+            if getattr(self, name, None) is not None:
                 getattr(self, name).close()
-        if hasattr(self, "workers"):
-            self.workers.shutdown()
-        if hasattr(self, "run_lock"):
-            self.run_lock.release()
+        super().close()  # the loggers, the workers, the run folder's lock
 
 
 def for_workers(batch: Batch, *extra: str) -> Batch:

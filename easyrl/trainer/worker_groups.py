@@ -152,7 +152,11 @@ class Workers:
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
             # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
-            self.engines: Any = SeparateEngines(self.rollout, self.actor) if separate else self.actor
+            self.engines: Any = (
+                SeparateEngines(self.rollout, self.actor, cfg.worker.rollout.weight_transfer)
+                if separate
+                else self.actor
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -196,14 +200,7 @@ class Workers:
     def memory_metrics(self) -> dict[str, float]:
         """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
         the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
-        out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
-        calls = [group.call_async("memory_stats") for group in self._groups()]
-        for call in calls:
-            per_worker = call.result()
-            for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
-                for key, value in stats.items():
-                    out[key] = max(out.get(key, 0.0), value)
-        return out
+        return memory_metrics(*self._groups())  # a remote teacher is a client: no memory to report
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
@@ -212,6 +209,64 @@ class Workers:
         self.pool.remove()
         if self.rollout_pool is not None:
             self.rollout_pool.remove()
+
+
+def memory_metrics(*groups: Any) -> dict[str, float]:
+    """The host's memory in use and the largest of each memory figure over the ranks of `groups` (None skipped)."""
+    out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+    calls = [group.call_async("memory_stats") for group in groups if group is not None]
+    for call in calls:
+        per_worker = call.result()
+        for stats in per_worker if isinstance(per_worker, list) else [per_worker]:
+            for key, value in stats.items():
+                out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
+class SFTWorkers:
+    """`easyrl sft`'s one worker group: the policy (`SFTWorker`), one worker per GPU (or CPU slot), named `actor`
+    as the RL policy is (its checkpoints are the actor's)."""
+
+    def __init__(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+        from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+        from easyrl.trainer.role_specs import sft_spec
+        from easyrl.workers.sft import SFTWorker
+
+        if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
+            from easyrl.workers.lora import check_targets
+
+            check_targets(cfg.worker.actor.model)
+        gpu = use_gpu(cfg)
+        self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        logger.info("starting Ray and %d SFT worker(s) (%s)", self.world_size, "GPU" if gpu else "CPU")
+        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1))
+        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
+        self.actor: Any = None
+        try:
+            self.actor = WorkerGroup(
+                SFTWorker,
+                self.pool,
+                "actor",
+                sft_spec(cfg, optimizer_steps, self.world_size),
+                ranks_per_dp=cfg.worker.actor.ulysses_size,
+                num_cpus_per_worker=1.0,
+                num_gpus_per_worker=1.0 if gpu else 0.0,
+                call_timeout_s=cfg.trainer.worker_timeout_s,
+            )
+            logger.info("loading the model into the workers")
+            self.actor.call_async("init_model").result()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def memory_metrics(self) -> dict[str, float]:
+        return memory_metrics(self.actor)
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the placement group."""
+        if self.actor is not None:
+            self.actor.shutdown()
+        self.pool.remove()
 
 
 def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:

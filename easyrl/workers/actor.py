@@ -17,6 +17,7 @@ from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
+from easyrl.distributed.weight_bus import BusAddress, TensorEntry, WeightBus, manifest_of, sender_address
 from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.forward_backward import (
@@ -234,3 +235,31 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         """The whole policy as CPU tensors on rank 0 (every rank joins the gathers); for tests and small models."""
         weights = {name: t.cpu().clone() for name, t in self.trainable.full_weights(aliases=True)}
         return weights if self.rank == 0 else None
+
+    # ---------------------------------------------------------------- weights to rollout workers of their own
+    # `worker.rollout.weight_transfer: broadcast`: rank 0 broadcasts each full tensor to the rollout workers over a
+    # group of their own (easyrl.distributed.weight_bus); the other ranks only join the gathers.
+    @register(dispatch=Dispatch.RANK0)
+    def weight_manifest(self) -> list[TensorEntry]:
+        """The names, shapes and dtypes the broadcasts will carry (one gather of the whole policy; every rank joins)."""
+        manifest = manifest_of(list(self.trainable.full_weights(aliases=True)))
+        return manifest if self.rank == 0 else []
+
+    @register(dispatch=Dispatch.RANK0)
+    def weight_bus_address(self, world_size: int) -> BusAddress:
+        """Rank 0's host and a port free there: where the bus's rendezvous will listen."""
+        return sender_address(world_size)
+
+    @register(dispatch=Dispatch.ALL)
+    def join_weight_bus(self, address: BusAddress) -> None:
+        """Rank 0 joins the bus as its sender (returns once every rollout worker has joined too)."""
+        if self.rank == 0:
+            self._bus = WeightBus(address, 0, self.device)
+
+    @register(dispatch=Dispatch.ALL)
+    def broadcast_weights(self) -> None:
+        """Send the policy's full weights to every rollout worker, one tensor at a time: no whole copy anywhere on
+        this side (each gathered tensor is freed once sent). The receivers run `receive_broadcast` meanwhile."""
+        for _, tensor in self.trainable.full_weights(aliases=True):
+            if self.rank == 0:
+                self._bus.send(tensor)

@@ -29,7 +29,7 @@ from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.ulysses import sequence_parallel_of, split_forward
 
 
-__all__ = ["response_values", "token_log_probs"]
+__all__ = ["response_values", "token_log_probs", "token_log_probs_and_top1"]
 
 
 def _run_head(
@@ -37,18 +37,19 @@ def _run_head(
     inputs: ModelInputs,
     *,
     temperature: float | None,
-    with_entropy: bool,
+    second: str | None,
     fused: bool,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward on the layout `inputs`: (N,) at its selected positions, and (N,) entropy or None.
+    """One forward on the layout `inputs`: (N,) at its selected positions, and (N,) of the `second` statistic
+    (`entropy`, or `top1`: 1.0 where the label is the argmax, for SFT's token accuracy) or None.
 
     `temperature` None: the value head (a one-output token classifier), read as is. Otherwise the sampled tokens'
     log-probs under logits / temperature.
     """
     if temperature is not None and fused:
-        lp, ent = fused_forward(model, inputs, temperature, chunk_size)
-        return lp, (ent if with_entropy else None)
+        lp, stat = fused_forward(model, inputs, temperature, chunk_size, second or "entropy")
+        return lp, (stat if second is not None else None)
     packed = inputs.attention_mask is None  # only the packed layout passes no mask
     # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
     # (A value model has no such argument, and its head is one output wide anyway.)
@@ -68,7 +69,10 @@ def _run_head(
     if temperature is None:
         return logits[:, 0].float(), None  # the value head's one output (num_labels=1)
     z = scale_logits(logits, temperature)
-    return logprobs_from_logits(z, inputs.labels), (entropy_from_logits(z) if with_entropy else None)
+    lp = logprobs_from_logits(z, inputs.labels)
+    if second == "top1":
+        return lp, (z.argmax(dim=-1) == inputs.labels).float()
+    return lp, (entropy_from_logits(z) if second == "entropy" else None)
 
 
 def _forward(
@@ -77,7 +81,7 @@ def _forward(
     device: torch.device,
     opts: ForwardOptions | None,
     temperature: float | None,
-    with_entropy: bool,
+    second: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layout, head (split over the sequence-parallel group when there is one), scatter: (b, R) each."""
     opts = opts or ForwardOptions()
@@ -91,7 +95,7 @@ def _forward(
             model,
             layout,
             temperature=temperature,
-            with_entropy=with_entropy,
+            second=second,
             fused=opts.fused,
             chunk_size=opts.chunk_size,
         )
@@ -120,13 +124,24 @@ def token_log_probs(
     logits or fused chunks); every path gives the same values at valid response tokens, for text and
     vision-language rows alike. The non-plain paths give 0 at padding.
     """
-    return _forward(model, mb, device, opts, temperature, with_entropy)
+    return _forward(model, mb, device, opts, temperature, "entropy" if with_entropy else None)
+
+
+def token_log_probs_and_top1(
+    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each response token under `model` (temperature 1): (b, R), and (b, R) 1.0 where the token is the
+    model's first choice (its logits' argmax), 0.0 elsewhere and at padding: what SFT trains and its token accuracy.
+    The same layouts and heads as `token_log_probs`."""
+    lp, top1 = _forward(model, mb, device, opts, 1.0, "top1")
+    assert top1 is not None
+    return lp, top1
 
 
 def response_values(
     model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None = None
 ) -> torch.Tensor:
     """A value model's estimate of the state before each response token: (b, R), zeros at padding."""
-    values, _ = _forward(model, mb, device, opts, None, False)
+    values, _ = _forward(model, mb, device, opts, None, None)
     # Zero at padding on every layout (the plain one computes it there); which tokens train is `loss_mask`'s call.
     return values * mb["response_mask"].to(device)

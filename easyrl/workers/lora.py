@@ -48,16 +48,38 @@ def linear_layer_names(model: nn.Module) -> list[str]:
 
 
 def default_exclude(model: nn.Module) -> str | None:
-    """The vision tower of a vision-language model (its encoder is not adapted unless `exclude_modules` says
-    otherwise); None for a text model."""
+    """What `all-linear` leaves alone unless `exclude_modules` says otherwise: the vision tower of a vision-language
+    model, and a mixture-of-experts model's routed experts and routers; None when nothing is left out.
+
+    Routed experts are fused (experts, out, in) tensors in transformers 5, not linear layers: neither merged into the
+    engine's weights nor checkpointed by easyrl's adapter path. The routers stay frozen so that the adapters never move
+    which experts a token goes to (the engine and the trainer already disagree on near ties; docs/models.md)."""
     from easyrl.models import vision_tower
 
+    parts = []
     visual = vision_tower(model)
-    if visual is None:
-        return None
-    prefix = next(name for name, m in model.named_modules() if m is visual)
-    # peft full-matches a string exclude_modules as a regex: the tower and all below it
-    return rf"{re.escape(prefix)}(\..*)?"
+    if visual is not None:
+        prefix = next(name for name, m in model.named_modules() if m is visual)
+        parts.append(rf"{re.escape(prefix)}(\..*)?")  # the tower and all below it
+    if _has_routed_experts(model):
+        parts += [r".*\.mlp\.experts(\..*)?", r".*\.mlp\.gate", r".*\.mlp\.shared_expert_gate"]
+    # peft full-matches a string exclude_modules as a regex: any one of the parts, whole
+    return "|".join(f"(?:{part})" for part in parts) or None
+
+
+def _has_routed_experts(model: nn.Module) -> bool:
+    return any(name.endswith(".experts") for name, _ in model.named_modules())
+
+
+def _linear_layers_outside(model: nn.Module, exclude: str | None) -> list[str]:
+    """The full names of `model`'s linear layers that `exclude` (a full-match regex) leaves, less the output head."""
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and not (exclude and re.fullmatch(exclude, name))
+    ]
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model.lora") -> int:
@@ -69,11 +91,16 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
     from peft import inject_adapter_in_model
 
     exclude = cfg.exclude_modules if cfg.exclude_modules is not None else default_exclude(model)
+    targets = target_modules(cfg)
+    if targets == "all-linear" and _has_routed_experts(model):
+        # peft (0.21, transformers 5) resolves `all-linear` on a MoE model into the fused experts and the router, past
+        # exclude_modules: name the linear layers it is to adapt instead
+        targets = _linear_layers_outside(model, exclude)
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=target_modules(cfg),
+        target_modules=targets,
         exclude_modules=exclude,
         bias="none",
     )

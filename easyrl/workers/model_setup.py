@@ -19,6 +19,7 @@ from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.distributed.device import process_device
 from easyrl.models import is_vision_language
 from easyrl.models.dtypes import DTYPES
+from easyrl.models.linear_attention import keep_samples_apart
 from easyrl.models.vl_tower import keep_vision_tower_in_step
 from easyrl.workers.specs import ProcessSpec
 
@@ -74,6 +75,8 @@ def load_model(
         logger.info("froze %d vision-tower parameters (%s)", freeze_vision_tower(model), kind)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    # Packed rows keep each sample's recurrent state apart in linear-attention layers (a no-op for other models)
+    keep_samples_apart(model)
     return model
 
 

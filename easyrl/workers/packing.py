@@ -180,7 +180,9 @@ def _chunk_stats(
 
 
 class FusedLinearLogProbs(torch.autograd.Function):
-    """(N, H) hidden, (V, H) head weight, (N,) labels -> (N,) log-probs and (N,) entropy, fp32, by token chunks.
+    """(N, H) hidden, (V, H) head weight, (N,) labels -> (N,) log-probs and (N,) second statistic, fp32, by token
+    chunks. The second is the entropy, or with `second="top1"` 1.0 where the label is the argmax (SFT's token
+    accuracy; no gradient).
 
     Memory: one (chunk, V) fp32 block at a time in forward and backward (the backward recomputes it).
     Gradients: d logp/dz = onehot - p and d H/dz = -p (z - E_p[z]) for z = logits / temperature.
@@ -188,16 +190,22 @@ class FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        second: str = "entropy",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logps, ents = [], []
         for h, lab in zip(hidden.split(chunk), labels.split(chunk)):
-            _, _, logp, ent = _chunk_stats(h, weight, lab, temperature)
+            z, _, logp, ent = _chunk_stats(h, weight, lab, temperature)
             logps.append(logp)
-            ents.append(ent)
+            ents.append(ent if second == "entropy" else (z.argmax(dim=-1) == lab).float())
         # Only the inputs are kept, never a (chunk, V) block: the backward recomputes each chunk's logits.
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.second = temperature, chunk, second
         # No selected token (a micro-batch of empty responses): torch.cat refuses an empty list.
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
@@ -220,7 +228,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
                 # d logp / dz = onehot(label) - p, times the incoming gradient
                 grad_z -= probs * gl[:, None]
                 grad_z.scatter_add_(1, lab[:, None], gl[:, None])
-            if grad_ent is not None:
+            if grad_ent is not None and ctx.second == "entropy":  # a top-1 flag has no gradient
                 # dH / dz = -p (z - E_p[z])
                 mean_z = (probs * z).sum(dim=-1, keepdim=True)
                 grad_z -= probs * (z - mean_z) * grad_ent[sl].float()[:, None]
@@ -232,21 +240,31 @@ class FusedLinearLogProbs(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight += (grad_z.T @ h).float()  # (V, H)
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_w, None, None, None  # labels, temperature and chunk take no gradient
+        return grad_hidden, grad_w, None, None, None, None  # labels, temperature, chunk, second: no gradient
 
 
 def fused_linear_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    second: str = "entropy",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `labels` and entropy under `hidden @ weight.T / temperature`, without full logits."""
+    """Log-probs of `labels` and entropy (or with `second="top1"` whether the label is the argmax) under
+    `hidden @ weight.T / temperature`, without full logits."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if second not in ("entropy", "top1"):
+        raise ValueError(f"second must be 'entropy' or 'top1', got {second!r}")
     scale_logits(hidden.new_zeros(0), temperature)  # refuse greedy (0) before any work, as every head does
-    out = FusedLinearLogProbs.apply(hidden, weight, labels, temperature, chunk_size)
+    out = FusedLinearLogProbs.apply(hidden, weight, labels, temperature, chunk_size, second)
     return out[0], out[1]
 
 
-def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int) -> tuple[Any, Any]:
+def _fused_method(
+    self: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int, second: str = "entropy"
+) -> tuple[Any, Any]:
     """Backbone forward, then the fused head on the selected positions. Runs as a method of the root module so
     FSDP2 unshards the root's parameters (embedding, final norm, head) around it."""
     backbone: Any = self.model  # type: ignore[attr-defined]
@@ -264,13 +282,14 @@ def _fused_method(self: nn.Module, inputs: ModelInputs, temperature: float, chun
     hidden = out.last_hidden_state
     # (N, H): `select` indexes the flattened (rows * width) positions
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)
-    return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size)
+    return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size, second)
 
 
 def fused_forward(
-    model: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int
+    model: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int, second: str = "entropy"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) log-probs and entropy of the selected positions through the fused head (attaching it on first use)."""
+    """(N,) log-probs and entropy (or top-1 flags, `second="top1"`) of the selected positions through the fused
+    head (attaching it on first use)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     if not hasattr(model, FUSED_METHOD):
@@ -278,4 +297,4 @@ def fused_forward(
             raise NotImplementedError(f"fused log-probs need a causal LM with .model and .lm_head, not {type(model)}")
         setattr(model, FUSED_METHOD, types.MethodType(_fused_method, model))
         register_fsdp_forward_method(model, FUSED_METHOD)  # a no-op for unsharded models
-    return getattr(model, FUSED_METHOD)(inputs, temperature, chunk_size)
+    return getattr(model, FUSED_METHOD)(inputs, temperature, chunk_size, second)

@@ -16,6 +16,7 @@ import torch
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting
+from easyrl.distributed.weight_bus import BusAddress, TensorEntry, WeightBus
 from easyrl.rollout import SamplingParams, WeightSync
 from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.model_setup import setup_process
@@ -67,6 +68,23 @@ class RolloutRole(MemoryReporting, OneCallSession):
         self._weights = ReceivedWeights(weights, self.spec.rollout.weight_sync is WeightSync.MERGED_LORA)
         self._version = version
         self.rollout.stale = True
+
+    @register(dispatch=Dispatch.ALL)
+    def join_weight_bus(self, address: BusAddress) -> None:
+        """Join the policy's weight bus as a receiver (rank 1 + this worker's rank: the policy's rank 0 sends)."""
+        import torch.distributed as dist
+
+        self._bus = WeightBus(address, 1 + dist.get_rank(), self.device)
+
+    @register(dispatch=Dispatch.ALL)
+    def receive_broadcast(self, manifest: list[TensorEntry], version: int) -> None:
+        """`receive_weights` over the bus: the tensors of `manifest`, in its order, as the policy's rank 0 sends them
+        (its `broadcast_weights` runs meanwhile)."""
+        # Held on the bus's device until the next `open_rollout` loads them: on a GPU that is a second copy of the
+        # weights beside the engine's for that moment (the push comes right before the session opens). A GPU check
+        # owed: whether it fits beside an engine at a high gpu_memory_utilization (else: load as they arrive).
+        weights = {entry.name: self._bus.receive(entry) for entry in manifest}
+        self.receive_weights(weights, version)
 
     @register(dispatch=Dispatch.ALL_MERGED)
     def open_rollout(self) -> dict[str, float]:

@@ -160,3 +160,16 @@ class RolloutRoleSpec:
     process: ProcessSpec
     rollout: RolloutSpec
     memory_levers: MemoryLevers
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    """The policy trained by supervised fine-tuning (`easyrl sft`): the actor's model, optimizer and forward settings,
+    one optimizer step per call, the next-token loss over the trained tokens."""
+
+    process: ProcessSpec
+    model: ModelSpec
+    update: UpdateSpec
+    """`mini_batch_size`: this rank's rows of one optimizer step (global_batch_size / data-parallel size)."""
+    micro_batch_size_for_experience: int
+    """Rows per forward pass of validation (a fixed count; dynamic batching uses the token budget instead)."""

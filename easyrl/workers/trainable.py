@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from easyrl.checkpoint import CheckpointMixin
+from easyrl.config.errors import ConfigError
 from easyrl.models.dtypes import DTYPES
+from easyrl.models.linear_attention import SEQUENCE_PARALLEL_REFUSAL, linear_attention_layers
 from easyrl.workers.model_setup import (
     build_optimizer,
     build_scheduler,
@@ -45,6 +47,11 @@ class TrainableModel:
             sp = enable_sequence_parallel(spec.forward.ulysses_size, attn)
             attn = sp.attn_implementation
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
+        if sp is not None and linear_attention_layers(model):  # the config check says so first; workers built directly
+            role = "critic" if spec.kind == "value" else "actor"
+            raise ConfigError(
+                f"worker.{role}.ulysses_size", f"{spec.forward.ulysses_size} {SEQUENCE_PARALLEL_REFUSAL}"
+            )
         if not spec.trainable:
             model.requires_grad_(False)
         self.lora = spec.trainable and spec.kind == "causal_lm" and spec.model.lora.rank > 0

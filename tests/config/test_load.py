@@ -193,6 +193,43 @@ BAD = [
         "use merged with placement: separate",
     ),
     ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1, 2 or null"),
+    ("staleness-negative", {"trainer.max_staleness": -1}, "trainer.max_staleness", "must be an integer >= 0"),
+    (
+        "active-groups-when-sync",
+        {"worker.rollout.active_groups": 8},
+        "worker.rollout.active_groups",
+        "set trainer.max_staleness >= 1",
+    ),
+    (
+        "active-groups-past-the-bound",
+        {"trainer.max_staleness": 1, "worker.rollout.active_groups": 9},
+        "worker.rollout.active_groups",
+        "between data.rollout_batch_size (4) and (trainer.max_staleness + 1) * rollout_batch_size (8)",
+    ),
+    (
+        "chunk-longer-than-a-response",
+        {"trainer.max_staleness": 1, "worker.rollout.chunk_tokens": 9},
+        "worker.rollout.chunk_tokens",
+        "between 1 and data.max_response_length (8)",
+    ),
+    (
+        "async-needs-every-logprob",
+        {"trainer.max_staleness": 1, "worker.rollout.logprob_sample_ratio": 0.5},
+        "worker.rollout.logprob_sample_ratio",
+        "every token keeps its behaviour log-prob",
+    ),
+    (
+        "async-online-filtering",
+        {"trainer.max_staleness": 2, "algorithm.online_filtering": True},
+        "algorithm.online_filtering",
+        "not with trainer.max_staleness >= 1",
+    ),
+    (
+        "async-remax",
+        {"trainer.max_staleness": 1, "algorithm.adv_estimator": "remax"},
+        "algorithm.adv_estimator",
+        "does not make",
+    ),
     (
         "tis-needs-every-logprob",
         {"algorithm.tis_cap": 2.0, "worker.rollout.logprob_sample_ratio": 0.5},

@@ -51,3 +51,23 @@ def test_separate_rollout_workers_train_like_the_hybrid_engine(
     assert weights is not None and hybrid_weights is not None
     for name, tensor in hybrid_weights.items():
         assert (weights[name] - tensor).abs().max() < 1e-5, name
+
+
+def test_broadcast_and_driver_transfers_train_alike(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    """`weight_transfer: broadcast` (the default: a gloo group of its own between the policy's rank 0 and the
+    rollout worker) and `driver` (through Ray's object store) deliver the same bytes: the same rollouts, the same
+    training, the same bytes counted."""
+    runs = {}
+    for transfer in ("broadcast", "driver"):
+        edits = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
+        edits["worker.rollout.weight_transfer"] = transfer
+        runs[transfer], _, _ = train_steps(tmp_path / transfer, tiny_model_dir, digits_data, edits, steps=3)
+    broadcast, driver = runs["broadcast"], runs["driver"]
+    stable = [
+        [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows] for rows in (broadcast, driver)
+    ]
+    assert stable[0] == stable[1]  # bit for bit: one process layout, the same weights in the engine
+    assert [r.get("perf/weight_transfer_gb") for r in broadcast] == [r.get("perf/weight_transfer_gb") for r in driver]
+    assert all(r["perf/weight_transfer_gb"] > 0 for r in broadcast[1:])

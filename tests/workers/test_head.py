@@ -1,6 +1,7 @@
 """The one forward head (`easyrl.workers.head`): a 4-token probe gives the same log-probs and entropy through every
 path (plain, trimmed fused, packed, packed fused, Ulysses split 2 ways on gloo ranks, plain and fused), at
-temperature 1 and below; training at temperature 0 is refused on every path with one line naming the key."""
+temperature 1 and below; training at temperature 0 is refused on every path with one line naming the key. SFT's
+top-1 flags (`token_log_probs_and_top1`) mark the model's first choices on every path."""
 
 from __future__ import annotations
 
@@ -83,6 +84,30 @@ def _refusal(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> str:
     return "not refused"
 
 
+def _top1_probe(model: torch.nn.Module) -> Batch:
+    """The probe with its response rebuilt token by token: the model's first choice at responses 0 and 2, its second
+    at 1 and 3 (so the top-1 flags to find are 1, 0, 1, 0)."""
+    ids = _probe()["input_ids"].clone()
+    with torch.no_grad():
+        for col in range(3, 7):
+            ranked = model(input_ids=ids[:, :col]).logits[0, -1].argsort(descending=True)
+            ids[0, col] = ranked[0] if col % 2 else ranked[1]
+    mask = torch.ones_like(ids)
+    fields = {"input_ids": ids, "prompts": ids[:, :3], "responses": ids[:, 3:], "attention_mask": mask}
+    return Batch(fields | {"position_ids": mask.cumsum(1) - 1, "response_mask": mask[:, 3:], "loss_mask": mask[:, 3:]})
+
+
+def _run_top1(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> list[list[float]]:
+    from easyrl.workers.head import token_log_probs, token_log_probs_and_top1
+
+    model = models["split" if opts.ulysses_size > 1 else "packed" if opts.padding_free else "padded"]
+    probe = _top1_probe(models["padded"])
+    with torch.no_grad():
+        lp, top1 = token_log_probs_and_top1(model, probe, CPU, opts)
+        plain_lp, _ = token_log_probs(model, probe, CPU, 1.0, False, opts)
+    return [lp[0].tolist(), top1[0].tolist(), plain_lp[0].tolist()]
+
+
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -96,6 +121,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
             f"{name}@{t}": _run(models, opts, t) for name, opts in {**PATHS, **SP_PATHS}.items() for t in (1, 0.7)
         },
         "refusals": {name: _refusal(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
+        "top1": {name: _run_top1(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
     }
     if rank == 0:
         Path(out).write_text(json.dumps(found))
@@ -131,6 +157,15 @@ def test_temperature_changes_the_log_probs(probe_results: dict[str, Any]) -> Non
     values = probe_results["values"]
     for name in (*PATHS, *SP_PATHS):
         assert abs(values[f"{name}@1"][0][0] - values[f"{name}@0.7"][0][0]) > 1e-3, name
+
+
+def test_top1_flags_mark_the_models_first_choices_on_every_path(probe_results: dict[str, Any]) -> None:
+    """SFT's token accuracy: 1 where the response token is the argmax (responses 0 and 2), 0 where it is the second
+    choice; the log-probs beside them are `token_log_probs`' at temperature 1."""
+    assert set(probe_results["top1"]) == set(PATHS) | set(SP_PATHS)
+    for name, (lp, top1, plain_lp) in probe_results["top1"].items():
+        assert top1 == [1.0, 0.0, 1.0, 0.0], name
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(plain_lp), atol=2e-6, rtol=0, msg=name)
 
 
 def test_training_at_temperature_zero_is_refused_on_every_path(probe_results: dict[str, Any]) -> None:

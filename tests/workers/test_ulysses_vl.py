@@ -87,11 +87,14 @@ def _worker(rank: int, world: int, cases: list[tuple[str, bool]], video: str, ou
 def test_ulysses_vl_equals_unsplit(tmp_path: Path) -> None:
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
-    qwen25, qwen3 = (build_tiny_vl_checkpoint(tmp_path / a, a) for a in ("qwen2_5_vl", "qwen3_vl"))
+    # Qwen3-VL MoE (fused head): its deepstack rows and routed experts behind the same seam
+    qwen25, qwen3, moe = (
+        build_tiny_vl_checkpoint(tmp_path / a, a) for a in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    )
     video = tmp_path / "clip.mp4"
     _write_video(video)
     out = tmp_path / "result.json"
-    run_ranks(_worker, SP, [(qwen25, False), (qwen3, True)], str(video), str(out))
+    run_ranks(_worker, SP, [(qwen25, False), (qwen3, True), (moe, True)], str(video), str(out))
     result: dict[str, Any] = json.loads(out.read_text())
     assert result["failures"] == []
     assert result["compared"] > 100  # log-probs, entropy, loss, values and every parameter's gradient

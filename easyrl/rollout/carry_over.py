@@ -1,0 +1,387 @@
+"""Colocated asynchronous rollouts with carry-over (`trainer.max_staleness: S >= 1`): a `RolloutLoop` that keeps more
+prompt groups in flight than a step trains on, hands the trainer the groups that finish first, and carries the rest
+to the next step, where they resume with the new weights (a partial rollout).
+
+One step, seen from the loop (the engines share the device with training, so they generate only inside the step's
+engine session):
+
+1. Admit groups: the trainer's B prompts of this step join a queue; groups leave it (the loop draws more prompts when
+   it is empty) while `admitted < (S + k + 1) * B` and fewer than `worker.rollout.active_groups` are in flight, `k`
+   being the batches handed to the trainer so far. Every group admitted up to step `k` thus fits in steps `k .. k+S`:
+   no sample is born stale (AReaL, SkyRL and torchtitan's windowed FIFO bound it the same way).
+2. Open the session (wake, push the new weights) and generate in calls of `chunk_tokens` tokens per response: each
+   call continues every unfinished response from its prompt and the tokens it has so far, with the weights the
+   engines hold now. A call is the granularity at which a response can be cut off (docs/async.md: the HF engine and
+   vLLM's offline `generate` both finish what they are given; neither is interrupted mid-call).
+3. Stop after the call that leaves B groups finished among which the step can meet every deadline: a group admitted
+   at step `a` must train by step `a + S`, so at most `t * B` of the groups admitted by step `k + t - S` may be left
+   for the `t` steps after this one (`choose_groups`). Close the session; unfinished responses keep their tokens,
+   behaviour log-probs and the policy version of each token.
+4. Hand over B groups: those the deadlines need, then the others in the order they finished.
+
+Departures from the papers: staleness is counted in the loop's steps, which bounds it in policy versions (a step
+updates the policy at most once; during `trainer.critic_warmup` not at all), and the bound is kept by waiting for the
+groups a deadline needs rather than by dropping them, so no sampled group is thrown away (torchtitan's windowed FIFO
+lets a bounded window overtake the oldest group instead, and its bound grows with the window).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from easyrl.batch import Batch
+from easyrl.rollout.engine import SamplingParams, assemble_sequences
+from easyrl.rollout.loop import EngineSession, with_prompts
+from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+
+
+PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
+"""The prompts' tensors; every other column is per-group data carried as it is (text, answers, rows)."""
+
+
+@dataclass
+class Sample:
+    """One response in progress: its tokens so far, the engine's log-prob of each and the policy version that
+    sampled it."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    sessions: int = 0  # engine sessions it was generated in: 2 or more is a partial rollout resumed
+    last_session: int = -1  # the step of the last of them
+    done: bool = False
+
+
+@dataclass
+class Group:
+    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `derive_seed(seed + j, c, "row")`:
+    fixed by the group, whatever else shares the call (and the same after a resume)."""
+
+    prompt_ids: list[int]
+    columns: dict[str, Any]
+    seed: int
+    samples: list[Sample]
+    admitted_at: int = -1  # the step (batches handed over before it) that admitted it; -1 while queued
+    calls: int = 0
+    finished_at: int = -1  # place in the order in which groups finished; -1 while any sample runs
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
+        return copy.deepcopy({**self.__dict__, "samples": [s.__dict__ for s in self.samples]})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Group:
+        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
+
+
+def admission_room(
+    admitted: int, handed_over: int, steps: int, max_staleness: int, per_step: int, active_groups: int
+) -> int:
+    """How many more groups may be admitted at step `steps` (batches handed over so far): while every admitted group
+    fits in the steps up to `steps + max_staleness` (`admitted < (S + steps + 1) * per_step`) and fewer than
+    `active_groups` are in flight."""
+    by_staleness = (max_staleness + steps + 1) * per_step - admitted
+    by_slots = active_groups - (admitted - handed_over)
+    return max(0, min(by_staleness, by_slots))
+
+
+def choose_groups(groups: list[Group], step: int, max_staleness: int, per_step: int) -> list[Group] | None:
+    """The `per_step` groups that step `step` trains on, or None while it cannot yet.
+
+    Deadlines first: the groups admitted at step `step + t - S` or before must all have trained by step `step + t`,
+    which leaves at most `t * per_step` of them for the `t` steps after this one. So for t = 0 .. S this step takes
+    that many more of them (all of those due now, at t = 0; among the others the ones that finished first), and is
+    not ready while one of those is still running. The rest of the batch is the other groups in the order they
+    finished. Taking only the due groups first is not enough: groups admitted later that finish first would keep
+    overtaking the older ones, until more are due at one step than it trains on. With the admission rule the demand
+    never exceeds `per_step` (docs/async.md). `groups` are in admission order."""
+    chosen: list[Group] = []
+    for t in range(max_staleness + 1):
+        layer = [g for g in groups if g.admitted_at <= step + t - max_staleness]
+        more = len(layer) - t * per_step - len(chosen)  # every group chosen so far is in this layer too
+        if more <= 0:
+            continue
+        ready = sorted((g for g in layer if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+        if len(ready) < more:
+            return None
+        chosen += ready[:more]
+    assert len(chosen) <= per_step, f"step {step} must train {len(chosen)} groups, more than a step takes ({per_step})"
+    rest = sorted((g for g in groups if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+    if len(chosen) + len(rest) < per_step:
+        return None
+    return chosen + rest[: per_step - len(chosen)]
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """`rows` of token ids left-padded to the longest: `input_ids`, `attention_mask`, `position_ids` (N, W)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+
+
+class CarryOverLoop:
+    """The loop above. `draw(k)` gives `k` more prompts (the trainer's sampler, each with a fresh `uid`) when the
+    queue cannot fill the admission room; `engines` is how many engines a generate call is split over (a call's
+    rows are padded to a multiple of it)."""
+
+    def __init__(
+        self,
+        draw: Callable[[int], Batch],
+        *,
+        max_staleness: int,
+        active_groups: int,
+        chunk_tokens: int,
+        max_response_length: int,
+        stop_ids: list[int],
+        pad_id: int,
+        engines: int,
+        on_finished: Callable[[Batch], None] | None = None,
+    ) -> None:
+        """`on_finished(rows)` gets the rows of the groups each engine call finished (as they will be handed over):
+        the trainer scores them while the engines go on generating."""
+        self.draw = draw
+        self.on_finished = on_finished
+        self.max_staleness = max_staleness
+        self.active_groups = active_groups
+        self.chunk_tokens = chunk_tokens
+        self.max_len = max_response_length
+        self.stop_ids = set(stop_ids)
+        self.pad_id = pad_id
+        self.engines = engines
+        self.queue: deque[Group] = deque()  # prompts given, not admitted yet
+        self.groups: list[Group] = []  # admitted, not handed over yet (admission order)
+        self.steps = 0  # batches handed over
+        self.admitted = 0
+        self.handed_over = 0
+        self.finished = 0  # groups finished so far (orders `finished_at`)
+        self.last_end: float | None = None  # when the previous call ended (the window of the wait metrics)
+        self.per_step: int | None = None  # groups a step trains on (the trainer's prompts per call)
+
+    # ------------------------------------------------------------------ the step
+    def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """`len(prompts)` groups of `params.n` rows to train on (they may come from earlier steps' prompts) and the
+        step's timings and `async/*` metrics."""
+        start = time.perf_counter()
+        per_step = len(prompts)
+        if self.per_step not in (None, per_step):  # the admission counters and deadlines count in batches
+            raise ValueError(
+                f"the groups in flight were admitted for {self.per_step} prompts a step, this step has {per_step}: "
+                "keep data.rollout_batch_size when resuming with trainer.max_staleness >= 1"
+            )
+        self.per_step = per_step
+        self.enqueue(prompts, params, offset=0)
+        admitted = self.admit(per_step, params)
+        metrics: dict[str, float] = {}
+        calls, tokens, engine_s = 0, 0, 0.0
+        chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
+        # Enough groups finished in earlier sessions: no session at all this step (no wake, push or sleep); the groups
+        # just admitted start at the next one, which the admission rule leaves room for.
+        session_start = time.perf_counter()
+        if chosen is None:
+            metrics |= engines.open_rollout()
+            while chosen is None:
+                work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
+                assert work, "no response left to generate, yet the step's groups are not finished"
+                call_start = time.perf_counter()
+                before = self.finished
+                tokens += self.generate(engines, work, params)
+                engine_s += time.perf_counter() - call_start
+                calls += 1
+                chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
+                self.report_finished([g for g in self.groups if g.finished_at >= before], chosen, params)
+            metrics |= engines.close_rollout()
+        session_s = time.perf_counter() - session_start
+        version = engines.policy_version()  # the policy this step trains: every row's staleness is counted from it
+        carried = len(self.groups) - len(chosen)
+        rows = self.hand_over(chosen, params)
+        end = time.perf_counter()
+        metrics |= {
+            "timing_s/generate_engine": engine_s,
+            "async/engine_calls": float(calls),
+            "async/generated_tokens": float(tokens),
+            "async/groups_admitted": float(admitted),
+            "async/groups_carried": float(carried),
+        }
+        metrics |= staleness_metrics(rows, version, self.max_staleness)
+        metrics |= self.wait_metrics(start, end, session_s)
+        self.last_end = end
+        return rows, metrics
+
+    def enqueue(self, prompts: Batch, params: SamplingParams, offset: int) -> None:
+        """Queue each prompt as a group, seeded from its place in this call (`prompt_seeds`, as the synchronous loop
+        seeds it), after the `offset` groups the call queued before."""
+        if set(prompts.tensors) - set(PROMPT_TENSORS) or "multi_modal_inputs" in prompts:
+            raise ValueError("trainer.max_staleness >= 1 takes text prompts only (no media) for now")
+        assert params.seed is not None, "the trainer seeds every rollout call"
+        seeds = prompt_seeds(params.seed, offset + len(prompts), params.n)[offset:].tolist()
+        mask = prompts["attention_mask"].bool()
+        for i in range(len(prompts)):
+            self.queue.append(
+                Group(
+                    prompt_ids=prompts["input_ids"][i][mask[i]].tolist(),
+                    columns={k: v[i] for k, v in prompts.non_tensors.items()},
+                    seed=int(seeds[i]),
+                    samples=[Sample() for _ in range(params.n)],
+                )
+            )
+
+    def admit(self, per_step: int, params: SamplingParams) -> int:
+        """Move groups from the queue into flight as the admission rule allows, drawing prompts when the queue runs
+        out; returns how many were admitted."""
+        room = admission_room(
+            self.admitted, self.handed_over, self.steps, self.max_staleness, per_step, self.active_groups
+        )
+        if room > len(self.queue):  # the trainer's prompts of this call are queued already: count after them
+            self.enqueue(self.draw(room - len(self.queue)), params, offset=per_step)
+        for _ in range(room):
+            group = self.queue.popleft()
+            group.admitted_at = self.steps
+            self.groups.append(group)
+        self.admitted += room
+        return room
+
+    def generate(self, engines: EngineSession, work: list[tuple[Group, int]], params: SamplingParams) -> int:
+        """One engine call: `chunk_tokens` more tokens for each unfinished response of `work` (group, sample), with
+        the weights the engines hold; returns the tokens kept."""
+        rows = [g.prompt_ids + g.samples[j].tokens for g, j in work]
+        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
+        seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
+        extra = (-len(rows)) % self.engines  # the call splits evenly over the engines: repeat the last row
+        request = Batch(left_padded(rows + [rows[-1]] * extra, self.pad_id))
+        request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
+        call = params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
+        out = engines.generate(request, call)
+        if "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
+            raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
+        kept = 0
+        # the engine's record: which tokens exist, their behaviour log-probs and the policy version that sampled them
+        valid = out["response_mask"].sum(dim=1).tolist()
+        for i, (group, j) in enumerate(work):
+            sample, count = group.samples[j], int(valid[i])
+            keep = min(count, self.max_len - len(sample.tokens))  # the last call may overrun max_response_length
+            sample.tokens += out["responses"][i, :keep].tolist()
+            sample.log_probs += out["rollout_log_probs"][i, :keep].tolist()
+            sample.versions += out["token_policy_version"][i, :keep].tolist()
+            if sample.last_session != self.steps:
+                sample.sessions, sample.last_session = sample.sessions + 1, self.steps
+            # stopped: fewer tokens than asked (a stop token ended it), or a stop token as the very last one
+            stopped = count < self.chunk_tokens or (count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids)
+            sample.done = stopped or len(sample.tokens) >= self.max_len
+            kept += keep
+        for group in {id(g): g for g, _ in work}.values():
+            group.calls += 1
+            if group.finished_at < 0 and all(s.done for s in group.samples):
+                group.finished_at = self.finished
+                self.finished += 1
+        return kept
+
+    def report_finished(self, finished: list[Group], chosen: list[Group] | None, params: SamplingParams) -> None:
+        """Hand the groups an engine call finished to `on_finished`; after the step's last call, the ones it trains on
+        first (the trainer waits for their scores, while those of the groups carried over can run during the
+        update)."""
+        if self.on_finished is None or not finished:
+            return
+        first = [g for g in finished if chosen is None or any(g is c for c in chosen)]
+        later = [g for g in finished if not any(g is f for f in first)]
+        for part in (first, later):
+            if part:
+                self.on_finished(self.rows_of(part, params))
+
+    def hand_over(self, chosen: list[Group], params: SamplingParams) -> Batch:
+        """The rows of `chosen`; they leave flight, and the step count moves on."""
+        self.groups = [g for g in self.groups if not any(g is c for c in chosen)]
+        self.handed_over += len(chosen)
+        self.steps += 1
+        return self.rows_of(chosen, params)
+
+    def rows_of(self, chosen: list[Group], params: SamplingParams) -> Batch:
+        """The rows of finished groups (sample `j` of group `i` at row `i * n + j`) with their prompts' columns."""
+        prompts = Batch(left_padded([g.prompt_ids for g in chosen], self.pad_id))
+        for key in chosen[0].columns:
+            prompts.set(**{key: [g.columns[key] for g in chosen]})
+        samples = [s for g in chosen for s in g.samples]
+        responses = torch.full((len(samples), self.max_len), self.pad_id, dtype=torch.long)
+        log_probs = torch.zeros((len(samples), self.max_len), dtype=torch.float32)
+        versions = torch.full((len(samples), self.max_len), -1, dtype=torch.int64)
+        for i, s in enumerate(samples):
+            responses[i, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
+            log_probs[i, : len(s.tokens)] = torch.tensor(s.log_probs, dtype=torch.float32)
+            versions[i, : len(s.tokens)] = torch.tensor(s.versions, dtype=torch.int64)
+        repeated = prompts.repeat_interleave(params.n)
+        rows = assemble_sequences(
+            repeated["input_ids"], repeated["attention_mask"], responses, self.stop_ids, self.pad_id, log_probs
+        )
+        # the row's oldest token: what its staleness is judged by
+        oldest = torch.tensor([min(s.versions) for s in samples], dtype=torch.int64)
+        rows.set(policy_version=oldest, token_policy_version=versions)
+        rows.set(rollout_sessions=torch.tensor([s.sessions for s in samples], dtype=torch.int64))
+        return with_prompts(prompts, rows, params.override({"logprobs": True}))
+
+    def wait_metrics(self, start: float, end: float, session_s: float) -> dict[str, float]:
+        """Over the window since the previous call ended: how long the trainer waited for rollouts (this call), how
+        long the engines waited for weights (the window less this call's session), and each side's share."""
+        out = {"async/trainer_wait_s": end - start}
+        if self.last_end is not None:
+            window = end - self.last_end
+            out |= {
+                "async/engine_wait_s": window - session_s,
+                "async/trainer_idle_ratio": (end - start) / window,
+                "async/engine_idle_ratio": (window - session_s) / window,
+            }
+        return out
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """Everything in flight (JSON-able): a resumed run continues every partial response where it stopped."""
+        return {
+            "max_staleness": self.max_staleness,
+            "per_step": self.per_step,
+            "queue": [g.state_dict() for g in self.queue],
+            "groups": [g.state_dict() for g in self.groups],
+            "steps": self.steps,
+            "admitted": self.admitted,
+            "handed_over": self.handed_over,
+            "finished": self.finished,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["max_staleness"] > self.max_staleness:  # a smaller bound than the groups in flight were admitted for
+            raise ValueError(
+                f"the checkpoint's groups in flight were admitted under trainer.max_staleness={state['max_staleness']}; "
+                f"resume with at least that (got {self.max_staleness}), or with 0 to leave them untrained"
+            )
+        self.per_step = state["per_step"]
+        self.queue = deque(Group.from_state(g) for g in state["queue"])
+        self.groups = [Group.from_state(g) for g in state["groups"]]
+        self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
+        self.handed_over, self.finished = int(state["handed_over"]), int(state["finished"])
+        self.last_end = None
+
+
+def staleness_metrics(rows: Batch, version: int, max_staleness: int) -> dict[str, float]:
+    """Over the trained tokens of `rows` (`token_policy_version`), trained at policy `version`: the share of tokens at
+    each staleness 0..S (`async/staleness/<s>`), the mean and the worst; per row, how many versions its tokens span
+    and the share of rows resumed in a later session than they started (partial rollouts)."""
+    mask = rows["loss_mask"].bool()
+    token_versions = rows["token_policy_version"]
+    stale = (version - token_versions)[mask]
+    out = {f"async/staleness/{s}": float((stale == s).float().mean()) for s in range(max_staleness + 1)}
+    out |= {"async/staleness_mean": float(stale.float().mean()), "async/staleness_max": float(stale.max())}
+    newest = torch.where(mask, token_versions, torch.iinfo(torch.int64).min).amax(dim=1)
+    oldest = torch.where(mask, token_versions, torch.iinfo(torch.int64).max).amin(dim=1)
+    span = (newest - oldest).clamp(min=0).float()
+    out |= {"async/version_span_mean": float(span.mean()), "async/version_span_max": float(span.max())}
+    out["async/resumed_fraction"] = float((rows["rollout_sessions"] > 1).float().mean())
+    return out

@@ -1,0 +1,63 @@
+"""`worker.rollout.multi_turn`: paths resolved like the reward function's, each mistake one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from easyrl.config import ConfigError, load_config
+from easyrl.trainer.resolve import rollout_loop
+from tests.conftest import REPO, base_config, write_config
+
+
+CALC = "envs/calc.py:CalcEnv"
+
+
+@pytest.fixture
+def config(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> str:
+    return write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+
+
+def test_off_by_default_and_on_with_an_environment_or_tools(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from easyrl.rollout import SingleTurnLoop
+    from easyrl.rollout.multi_turn import MultiTurnLoop
+
+    monkeypatch.chdir(REPO)  # relative paths are read from the working directory, as the reward's
+    cfg = load_config(config)
+    assert not cfg.worker.rollout.multi_turn.enabled and isinstance(rollout_loop(cfg), SingleTurnLoop)
+    cfg = load_config(config, [f"worker.rollout.multi_turn.env={CALC}", "worker.rollout.multi_turn.max_turns=3"])
+    assert cfg.worker.rollout.multi_turn.env == f"{REPO / 'envs' / 'calc.py'}:CalcEnv"  # made absolute
+    loop = rollout_loop(cfg)
+    assert isinstance(loop, MultiTurnLoop) and loop.budget.max_turns == 3
+    assert loop.budget.max_total_tokens == cfg.data.max_response_length == loop.budget.max_tokens_per_turn
+    assert loop.engines == 2  # two workers, one HF engine each: every turn's request is padded to split evenly
+    cfg = load_config(config, ["worker.rollout.multi_turn.tools=envs/calc_tools.py,python"])
+    assert cfg.worker.rollout.multi_turn.tools == f"{REPO / 'envs' / 'calc_tools.py'},python"
+    assert isinstance(rollout_loop(cfg), MultiTurnLoop)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "message"),
+    [
+        (["env=envs/calc.py"], "multi_turn.env", "expected path/to/file.py:Class"),
+        (["env=envs/nowhere.py:A"], "multi_turn.env", "environment file not found"),
+        (["env=envs/calc.py:Calc"], "multi_turn.env", "no class 'Calc' in .*calc.py; it defines: CalcEnv"),
+        ([f"env={CALC}", f"+envs.b={CALC}"], "multi_turn.envs", "is set together with env"),
+        (["+envs.calc=envs/calc.py:Nope"], "multi_turn.envs.calc", "no class 'Nope'"),
+        (["tools=envs/calc_tools.py,bash"], "multi_turn.tools", "'bash' is neither a .py file nor a built-in tool"),
+        (["tools=envs/missing.py"], "multi_turn.tools", "tool file not found"),
+        (["tools=python", "max_total_tokens=9"], "multi_turn.max_total_tokens", r"must lie in \[1, data.max_resp"),
+        (["tools=python", "max_turns=0"], "multi_turn.max_turns", "must be at least 1"),
+        (["tools=python", "tool_timeout_s=0"], "multi_turn.tool_timeout_s", "must be positive"),
+        (["tools=python", "tool_call_format=json"], "multi_turn.tool_call_format", "choose one of"),
+    ],
+)
+def test_a_bad_multi_turn_section_names_the_key_and_the_fix(
+    config: str, monkeypatch: pytest.MonkeyPatch, overrides: list[str], key: str, message: str
+) -> None:
+    monkeypatch.chdir(REPO)
+    args = [f"{'+' if o.startswith('+') else ''}worker.rollout.multi_turn.{o.lstrip('+')}" for o in overrides]
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(config, args)
+    assert info.value.key == f"worker.rollout.{key}"
