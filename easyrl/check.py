@@ -48,7 +48,11 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     return [
         f"algorithm: {task}, {w.actor.loss_type} policy loss ({w.actor.loss_avg_mode}), KL {kl}"
         + (", online filtering" if alg.online_filtering else "")
-        + (f", distillation from {dist.teacher.model_path} ({dist.mode} x {dist.coef})" if dist.enabled else ""),
+        + (
+            f", distillation from {dist.teacher.model_path or dist.teacher.base_url} ({dist.mode} x {dist.coef})"
+            if dist.enabled
+            else ""
+        ),
         f"model: {w.actor.model.model_path}{adapters}",
         f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
@@ -57,7 +61,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + ("" if separate else "+rollout")
         + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
-        + (", teacher" if dist.enabled else "")
+        + (", teacher" if dist.teacher.local else "")
         + sp,
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "

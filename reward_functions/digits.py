@@ -9,9 +9,11 @@ Scores, all in [0, 1]:
   by the longer of the two lengths; so a missing, extra or wrong digit each cost one position.
 - `format`: 0.5 for a response of ASCII digits only, plus 0.5 for one exactly as long as the answer (the model
   stopped at the right place).
-- `overall`: `0.9 * accuracy + 0.1 * format`.
+- `overall`: `0.9 * accuracy + 0.1 * format`; with `exact_match=True` (a keyword argument,
+  `worker.reward.reward_function_kwargs`), 1 for a response exactly the answer and 0 otherwise: the sparse,
+  all-or-nothing reward of most verifiable tasks (the on-policy distillation figures in docs/benchmarks.md use it).
 
-Example: answer `183`, response `18` -> accuracy 2/3, format 0.5, overall 0.65.
+Example: answer `183`, response `18` -> accuracy 2/3, format 0.5, overall 0.65 (0 with `exact_match`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ FORMAT_WEIGHT = 0.1
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def score_one(response: str, ground_truth: str) -> dict[str, float]:
+def score_one(response: str, ground_truth: str, exact_match: bool = False) -> dict[str, float]:
     """Score one response against its ground-truth digit string."""
     text = response.strip()
     answer = str(ground_truth).strip()
@@ -40,12 +42,16 @@ def score_one(response: str, ground_truth: str) -> dict[str, float]:
     right_length = len(text) == len(answer)
     format_score = 0.5 * only_digits + 0.5 * right_length
     overall = (1.0 - FORMAT_WEIGHT) * accuracy + FORMAT_WEIGHT * format_score
+    if exact_match:
+        overall = float(text == answer)
     return {"overall": overall, "format": format_score, "accuracy": accuracy}
 
 
-def compute_score(reward_inputs: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, float]]:
-    """Score a batch of responses (extra keyword arguments are accepted and ignored)."""
-    return [score_one(item["response"], item["ground_truth"]) for item in reward_inputs]
+def compute_score(
+    reward_inputs: list[dict[str, Any]], exact_match: bool = False, **kwargs: Any
+) -> list[dict[str, float]]:
+    """Score a batch of responses (other keyword arguments are accepted and ignored)."""
+    return [score_one(item["response"], item["ground_truth"], exact_match) for item in reward_inputs]
 
 
 main = compute_score

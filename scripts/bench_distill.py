@@ -50,19 +50,57 @@ def train(run: Path, *overrides: str, steps: int, val_every: int) -> tuple[list[
     return [json.loads(line) for line in (run / "experiment_log.jsonl").read_text().splitlines()], wall
 
 
-def make_teacher(workdir: Path, steps: int) -> tuple[Path, float]:
-    """Train the demo, merge its last checkpoint; the teacher's folder and its sampled validation reward (made once
-    per workdir: a second call reads them back)."""
-    out, record = workdir / "teacher", workdir / "teacher.json"
-    if record.is_file() and out.is_dir():
-        return out, json.loads(record.read_text())[TARGET_KEY]
-    run = workdir / "teacher_run"
-    rows, _ = train(run, steps=steps, val_every=steps)
-    target = [r[TARGET_KEY] for r in rows if TARGET_KEY in r][-1]
+def make_teacher(workdir: Path, steps: int) -> Path:
+    """Train the demo (GRPO, `configs/demo.yaml`) and merge its last checkpoint; made once per workdir."""
+    out, run = workdir / "teacher", workdir / "teacher_run"
+    if (out / "config.json").is_file():
+        return out
+    train(run, steps=steps, val_every=steps)
     merge = [sys.executable, "-m", "easyrl.cli", "merge", str(run / f"global_step_{steps}"), "--output", str(out)]
     subprocess.run([*merge, "--overwrite"] if out.exists() else merge, check=True, stdout=subprocess.DEVNULL)
-    record.write_text(json.dumps({TARGET_KEY: target}))
-    return out, target
+    return out
+
+
+def teacher_reward(workdir: Path, teacher: Path, reward: list[str]) -> float:
+    """The teacher's sampled validation reward under the runs' reward settings (`trainer.val_only`: the same 64
+    prompts x 4 samples, seeded alike, as every run's validation)."""
+    label = "target_" + "_".join(r.rsplit(".", 1)[-1] for r in reward) if reward else "target"
+    rows, _ = train(
+        workdir / f"{label}_{teacher.name}",
+        f"worker.actor.model.model_path={teacher}",
+        "trainer.val_only=true",
+        *reward,
+        steps=1,
+        val_every=1,
+    )
+    return float(rows[-1][TARGET_KEY])
+
+
+def warm_start(workdir: Path, target_reward: float) -> Path:
+    """A model from the demo asset script's supervised warm start, stopped as soon as its sampled reward reaches
+    `target_reward` (no baked-in temperature). Low, it is a fresh student caught mid-way through learning the task
+    (where the asset script notes that RL's weak signal does not finish the job in a few dozen steps); at 0.85, the
+    script's own warm start. Made once per workdir."""
+    out = workdir / f"warm_start{target_reward:g}"
+    if (out / "model.safetensors").is_file():
+        return out
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_demo_assets as assets
+
+    torch.set_num_threads(2)
+    args = assets.parse_args(["--target-reward", str(target_reward), "--eval-every", "25"])
+    tokenizer = assets.make_tokenizer()
+    assets.build_model(out, arch="qwen2", seed=args.seed, tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    eval_rows = assets.make_rows(random.Random(args.seed + 2), 128)
+    assets.warm_start(model, tokenizer, eval_rows, assets.load_reward(), args)
+    assets.save_checkpoint(model, tokenizer, out)
+    return out
 
 
 def summarize(name: str, rows: list[dict[str, Any]], target: float, wall: float) -> dict[str, Any]:
@@ -82,10 +120,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="k1", choices=("k1", "k3"))
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3], help="learning rates, each run at each")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--ppo-epochs", type=int, default=1, help="worker.actor.ppo_epochs of every run")
+    p.add_argument(
+        "--exact-match",
+        action="store_true",
+        help="train and validate every run on the all-or-nothing reward (reward_functions/digits.py exact_match)",
+    )
+    p.add_argument(
+        "--teacher-warm-start",
+        type=float,
+        default=None,
+        help="the teacher is the asset script's warm start to this sampled reward, without the baked-in temperature "
+        "(default: the demo run, GRPO for --teacher-steps)",
+    )
+    p.add_argument(
+        "--student-warm-start",
+        type=float,
+        default=None,
+        help="a fresh student from the asset script's warm start, stopped at this sampled reward (default: the "
+        "demo's own starting model, assets/demo/model)",
+    )
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    teacher, target = make_teacher(args.workdir, args.teacher_steps)
-    print(json.dumps({"teacher": str(teacher), "target": {TARGET_KEY: round(target, 4)}}), flush=True)
+    if args.teacher_warm_start is not None:
+        teacher = warm_start(args.workdir, args.teacher_warm_start)
+    else:
+        teacher = make_teacher(args.workdir, args.teacher_steps)
+    reward = ["worker.reward.reward_function_kwargs.exact_match=true"] if args.exact_match else []
+    target = teacher_reward(args.workdir, teacher, reward)
+    student = []
+    if args.student_warm_start is not None:
+        student = [f"worker.actor.model.model_path={warm_start(args.workdir, args.student_warm_start)}"]
+    print(json.dumps({"teacher": str(teacher), "target": {TARGET_KEY: round(target, 4)}, "student": student}))
     distill = [
         f"algorithm.distill.teacher.model_path={teacher}",
         f"algorithm.distill.coef={args.coef}",
@@ -94,8 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for lr in args.lrs:
         for name in args.runs:
-            overrides = [f"worker.actor.optim.lr={lr}", *(distill if name != "grpo" else []), *RUNS[name]]
+            overrides = [
+                f"worker.actor.optim.lr={lr}",
+                f"worker.actor.ppo_epochs={args.ppo_epochs}",
+                *student,
+                *reward,
+                *(distill if name != "grpo" else []),
+                *RUNS[name],
+            ]
             label = f"{name}@lr={lr:g}" + (f",{args.mode}x{args.coef:g}" if name != "grpo" else "")
+            if args.student_warm_start is not None:
+                label += f",student=warm{args.student_warm_start:g}"
+            if args.exact_match:
+                label += ",exact_match"
+            if args.ppo_epochs != 1:
+                label += f",epochs={args.ppo_epochs}"
             rows, wall = train(args.workdir / label, *overrides, steps=args.steps, val_every=args.val_every)
             results.append(summarize(label, rows, target, wall))
             print(json.dumps(results[-1]), flush=True)

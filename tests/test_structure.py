@@ -181,9 +181,10 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
 # throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
-# version, the carry-over loop keeps the tokens an engine call produced, and the multi-turn loop reads the engine's
-# completion lengths and writes both masks of its rows. Everything that trains or scores reads `loss_mask` (tool
-# output is attended, never trained on).
+# version, the carry-over loop keeps the tokens an engine call produced, the multi-turn loop reads the engine's
+# completion lengths and writes both masks of its rows, and a remote distillation teacher rebuilds the sequence as it
+# was attended to ask for its log-probs. Everything that trains or scores reads `loss_mask` (tool output is
+# attended, never trained on).
 ATTENTION_MASK_READERS = {
     "easyrl.trainer.trainer",
     "easyrl.trainer.step_math",
@@ -191,6 +192,7 @@ ATTENTION_MASK_READERS = {
     "easyrl.rollout.worker",
     "easyrl.rollout.carry_over",
     "easyrl.rollout.multi_turn",  # reads the engine's completion lengths, and writes both masks of its rows
+    "easyrl.scorers.teacher",
 }
 
 

@@ -139,6 +139,9 @@ def test_digits_reward(response: str, answer: str, accuracy: float, fmt: float, 
     assert reward.REWARD_TYPE == "batch" and reward.REWARD_NAME == "digits" and reward.main is reward.compute_score
     (score,) = reward.compute_score([{"response": response, "response_length": 3, "ground_truth": answer}])
     assert score == pytest.approx({"overall": overall, "format": fmt, "accuracy": accuracy})
+    # all or nothing: 1 only for the answer itself (whitespace around it stripped), the sub-scores unchanged
+    (exact,) = reward.compute_score([{"response": response, "ground_truth": answer}], exact_match=True)
+    assert exact == pytest.approx({"overall": float(response.strip() == answer), "format": fmt, "accuracy": accuracy})
 
 
 def test_demo_assets() -> None:

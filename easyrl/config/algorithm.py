@@ -79,9 +79,10 @@ class DistillConfig:
     "On-policy distillation"."""
 
     teacher: ModelRefConfig = field(default_factory=ModelRefConfig)
-    """The teacher: a local checkpoint (`model_path`) that shares the student's tokenizer (checked at start). It runs
-    forward passes in an FSDP role of its own, sharded, offloaded and micro-batched as the reference (`worker.ref`)
-    and with the actor's forward settings. A remote teacher (`base_url`) is refused."""
+    """The teacher, sharing the student's tokenizer (checked at start): a local checkpoint (`model_path`), run in an
+    FSDP role of its own, sharded, offloaded and micro-batched as the reference (`worker.ref`) and with the actor's
+    forward settings; or a vLLM server (`base_url`, with `tokenizer_path` a local copy of its tokenizer, and
+    `worker.rollout.temperature: 1`), asked for the prompt log-probs of each sampled sequence."""
     coef: float = 1.0
     """Weight of the teacher's penalty in each token's advantage."""
     mode: str = "k1"

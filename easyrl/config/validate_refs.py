@@ -49,6 +49,12 @@ def check_distill(cfg: EasyRLConfig) -> None:
     only where one is computed."""
     dist = cfg.algorithm.distill
     key = "algorithm.distill"
+    if dist.mode == "topk_fkl":
+        raise ConfigError(
+            f"{key}.mode",
+            "topk_fkl (forward KL over the teacher's top-k tokens) is not built yet: it needs the teacher's top-k "
+            "log-probs per token and a loss term through the student's logits at those tokens; use k1 or k3",
+        )
     if dist.mode not in DISTILL_MODES:
         raise ConfigError(f"{key}.mode", f"{dist.mode!r} is not allowed; choose one of: {', '.join(DISTILL_MODES)}")
     if dist.coef < 0:
@@ -57,11 +63,18 @@ def check_distill(cfg: EasyRLConfig) -> None:
         return
     check_model_ref(dist.teacher, f"{key}.teacher")
     if dist.teacher.remote:
-        raise ConfigError(
-            f"{key}.teacher.base_url",
-            "a remote teacher is not supported: the teacher's log-prob of every sampled token comes from a forward "
-            "pass in a local role; give the teacher's checkpoint as model_path instead",
-        )
+        _check_openai(f"{key}.teacher.base_url")
+        if not dist.teacher.tokenizer_path:
+            raise ConfigError(
+                f"{key}.teacher.tokenizer_path",
+                "is required with a remote teacher: a local copy of its tokenizer, checked against the student's",
+            )
+        if cfg.worker.rollout.temperature != 1.0:
+            raise ConfigError(
+                f"{key}.teacher.base_url",
+                f"a remote teacher gives log-probs at temperature 1 (vLLM's prompt log-probs), but the student samples "
+                f"at worker.rollout.temperature={cfg.worker.rollout.temperature}: sample at 1.0, or use a local teacher",
+            )
     if not dist.with_task_reward and declared_needs(cfg.algorithm.adv_estimator).needs_critic:
         raise ConfigError(
             f"{key}.with_task_reward",
@@ -100,10 +113,15 @@ def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | N
         raise ConfigError(f"worker.reward.route_kwargs.{stray[0]}", "names no route: keys must be keys of routes")
 
 
+def _check_openai(key: str) -> None:
+    if importlib.util.find_spec("openai") is None:
+        raise ConfigError(key, "a remote model needs the openai client: pip install 'easyrl[judge]'")
+
+
 def _check_scorer_ref(ref: ModelRefConfig, key: str, role: str) -> None:
     check_model_ref(ref, key)
-    if ref.remote and importlib.util.find_spec("openai") is None:
-        raise ConfigError(f"{key}.base_url", "a remote model needs the openai client: pip install 'easyrl[judge]'")
+    if ref.remote:
+        _check_openai(f"{key}.base_url")
     if role == "judge" and ref.local:
         raise ConfigError(
             f"{key}.model_path",

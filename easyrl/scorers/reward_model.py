@@ -3,14 +3,16 @@
 Local (`model_path`): loaded by the process that scores (a reward worker, or the driver), on CPU, and run in
 batches of `batch_size` under a lock (one forward at a time per process). Remote (`base_url`): a server's
 `/pooling` endpoint without activation (`vllm serve --runner pooling`: the raw output, as the local model's),
-under the model's limits. Either way the text it reads is the
-template rendered from the reward input, or the model's own chat template over the prompt and the response.
+under the model's limits. Either way it reads the template rendered from the reward input or, without one, the
+model's own chat template over the prompt (user) and the response (assistant), applied by the server when remote
+(one conversation per request).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jinja2
@@ -67,21 +69,22 @@ class RewardModel:
         self._lock = threading.Lock()
 
     def text(self, sample: dict[str, Any]) -> str:
-        """What the reward model reads for one reward input."""
+        """What a local reward model reads for one reward input: the template's text, or its chat template over the
+        two turns (`turns`)."""
         if self.template is not None:
             from easyrl.data.template_guard import render_with_deadline
 
             return render_with_deadline(self.template, dict(sample))
-        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
-            turns = [
-                {"role": "user", "content": str(sample.get("prompt", ""))},
-                {"role": "assistant", "content": str(sample["response"])},
-            ]
-            return self.tokenizer.apply_chat_template(turns, tokenize=False)
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(turns(sample), tokenize=False)
         return f"{sample.get('prompt', '')}{sample['response']}"
 
     def score_batch(self, samples: list[dict[str, Any]]) -> list[float]:
-        """One score per sample, in order; a failed batch scores 0 (`on_error: zero`) or raises (`raise`)."""
+        """One score per sample, in order; a failed request scores its samples 0 (`on_error: zero`) or raises."""
+        if self.remote is not None and self.template is None:
+            # No template: the server applies the model's own chat template to each conversation, one request each.
+            with ThreadPoolExecutor(max_workers=min(len(samples), self.cfg.model.max_concurrency) or 1) as pool:
+                return [s[0] if s is not None else 0.0 for s in pool.map(self._remote_chat, samples)]
         texts = [self.text(s) for s in samples]
         out: list[float] = []
         for start in range(0, len(texts), self.cfg.batch_size):
@@ -114,9 +117,22 @@ class RewardModel:
     def _remote(self, texts: list[str]) -> list[float] | None:
         assert self.remote is not None
         # The raw output, as the local model gives it: `/classify` would put a one-label score through a sigmoid.
-        body = {"input": texts, "use_activation": False}
-        reply = self.remote.post("/pooling", body)
+        reply = self.remote.post("/pooling", {"input": texts, "use_activation": False})
         if reply is None:
             return None
         data = sorted(reply["data"], key=lambda d: d["index"])
         return [float(d["data"][0]) for d in data]
+
+    def _remote_chat(self, sample: dict[str, Any]) -> list[float] | None:
+        assert self.remote is not None
+        body = {"messages": turns(sample), "use_activation": False, "add_generation_prompt": False}
+        reply = self.remote.post("/pooling", body)
+        return None if reply is None else [float(reply["data"][0]["data"][0])]
+
+
+def turns(sample: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation a reward model scores: the prompt as the user's turn, the response as the assistant's."""
+    return [
+        {"role": "user", "content": str(sample.get("prompt", ""))},
+        {"role": "assistant", "content": str(sample["response"])},
+    ]

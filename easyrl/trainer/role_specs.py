@@ -52,7 +52,7 @@ class RoleSpecs:
     critic: CriticSpec | None
     """None unless the advantage estimator needs a critic."""
     teacher: TeacherSpec | None = None
-    """None unless `algorithm.distill.teacher` is set."""
+    """None unless `algorithm.distill.teacher` is a local checkpoint (a remote one is the driver's client)."""
 
 
 def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
@@ -77,7 +77,7 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
             micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
         )
     critic = _critic_spec(cfg, process, optimizer_steps, world_size) if need_critic else None
-    teacher = _teacher_spec(cfg, process) if cfg.algorithm.distill.enabled else None
+    teacher = _teacher_spec(cfg, process) if cfg.algorithm.distill.teacher.local else None
     return RoleSpecs(
         actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic, teacher=teacher
     )

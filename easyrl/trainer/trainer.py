@@ -283,7 +283,7 @@ class Trainer(RunFolder):
         if not alg.distill.enabled or alg.distill.with_task_reward:  # pure distillation has no task advantage
             compute_advantages(batch, alg)
         if alg.distill.enabled:  # the teacher's per-token penalty on top of the task advantage
-            metrics |= apply_distillation(batch, alg.distill)
+            metrics |= apply_distillation(batch, alg.distill) | self.workers.teacher_call_metrics()
         if self.entropy_ctrl is not None:  # it forces the old-log-prob pass, which brings the entropy
             self.entropy_ctrl.update(mean_entropy(batch))
         metrics["actor/entropy_coeff"] = self.entropy_coeff()

@@ -144,6 +144,10 @@ class Workers:
                     num_gpus_per_worker=1.0 if gpu else 0.0,
                     call_timeout_s=cfg.trainer.worker_timeout_s,
                 )
+            if cfg.algorithm.distill.teacher.remote:  # a server: the driver asks it, no worker of its own
+                from easyrl.scorers.teacher import RemoteTeacher
+
+                self.teacher = RemoteTeacher(cfg.algorithm.distill.teacher)
             self._init_models(media_per_prompt or {})
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
@@ -161,12 +165,29 @@ class Workers:
         assert self.actor is not None
         logger.info("loading models into the workers")
         pending = [self.actor.call_async("init_model", media_per_prompt)]
-        frozen_or_critic = (self.ref, self.critic, self.teacher)
-        pending += [group.call_async("init_model") for group in frozen_or_critic if group is not None]
+        pending += [
+            group.call_async("init_model") for group in self._groups() if group not in (self.actor, self.rollout)
+        ]
         if self.rollout is not None:
             pending.append(self.rollout.call_async("init_model", media_per_prompt))
         for handle in pending:
             handle.result()
+
+    def _groups(self) -> list[Any]:
+        """The worker groups started (a remote teacher is a client, not a group)."""
+        from easyrl.distributed import WorkerGroup
+
+        groups = (self.actor, self.ref, self.critic, self.teacher, self.rollout)
+        return [g for g in groups if isinstance(g, WorkerGroup)]
+
+    def teacher_call_metrics(self) -> dict[str, float]:
+        """A remote teacher's request counts of the step (`teacher/requests`, ...); {} for a local teacher role."""
+        stats = getattr(self.teacher, "stats", None)
+        if stats is None:
+            return {}
+        from easyrl.scorers import finish_stats
+
+        return finish_stats(stats.drain(), [stats.name])
 
     def pad_for_dp(self, batch: Batch) -> PaddedBatch:
         """Repeat the last sample so the batch splits evenly over the workers."""
@@ -179,13 +200,12 @@ class Workers:
     def memory_metrics(self) -> dict[str, float]:
         """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
         the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
-        return memory_metrics(self.actor, self.ref, self.critic, self.teacher, self.rollout)
+        return memory_metrics(*self._groups())  # a remote teacher is a client: no memory to report
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
-        for group in (self.actor, self.ref, self.critic, self.teacher, self.rollout):
-            if group is not None:
-                group.shutdown()
+        for group in self._groups():
+            group.shutdown()
         self.pool.remove()
         if self.rollout_pool is not None:
             self.rollout_pool.remove()

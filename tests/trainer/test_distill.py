@@ -104,16 +104,21 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_anything_starts(
 @pytest.mark.parametrize(
     ("distill", "match"),
     [
-        ({"teacher": {"base_url": "http://localhost:8000/v1"}}, "teacher.base_url: a remote teacher is not supported"),
+        ({"teacher": {"base_url": "http://localhost:8000/v1"}}, "teacher.tokenizer_path: is required with a remote"),
         (
             {"teacher": {"model_path": "MODEL"}, "mode": "fkl"},
             "distill.mode: 'fkl' is not allowed; choose one of: k1, k3",
         ),
         ({"teacher": {"model_path": "MODEL"}, "coef": -0.1}, "distill.coef: must be >= 0"),
+        ({"teacher": {"model_path": "MODEL"}, "mode": "topk_fkl"}, "distill.mode: topk_fkl .* is not built yet"),
+        (
+            {"teacher": {"base_url": "http://h/v1", "tokenizer_path": "MODEL"}, "_temperature": 0.7},
+            "teacher.base_url: a remote teacher gives log-probs at temperature 1",
+        ),
         ({"teacher": {"model_path": "MODEL", "base_url": "http://h/v1"}}, "sets both model_path .* and base_url"),
         ({"teacher": {"model_path": "/nowhere"}}, r"teacher.model_path: no Hugging Face model folder \(config.json\)"),
     ],
-    ids=["remote", "mode", "coef", "both", "missing"],
+    ids=["remote", "mode", "coef", "topk_fkl", "remote_temperature", "both", "missing"],
 )
 def test_bad_distillation_settings_name_the_key(tmp_path, tiny_model_dir, digits_data, distill, match) -> None:
     import json
@@ -122,6 +127,7 @@ def test_bad_distillation_settings_name_the_key(tmp_path, tiny_model_dir, digits
 
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["algorithm"]["distill"] = json.loads(json.dumps(distill).replace("MODEL", tiny_model_dir))
+    conf["worker"]["rollout"]["temperature"] = conf["algorithm"]["distill"].pop("_temperature", 1.0)
     with pytest.raises(ConfigError, match=match):
         load_config(write_config(tmp_path / "cfg.yaml", conf))
 
