@@ -360,6 +360,13 @@ def _check_reward(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
     from easyrl.rewards import RewardError, RewardLoadError, RewardManager
 
     print("== reward function", file=sys.stdout)
+    if cfg.worker.reward.judge.model.local:  # loading a model into a server for one sample is a run's job
+        print(
+            f"not called: its judge ({cfg.worker.reward.judge.model.model_path}) is served by `easyrl train` when the "
+            "run starts",
+            file=sys.stdout,
+        )
+        return 0
     sample = {
         **first["row"],
         "prompt": first["raw_prompt"],

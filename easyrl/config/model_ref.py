@@ -76,12 +76,30 @@ class JudgeSamplingConfig:
 
 
 @dataclass
+class JudgeServerConfig:
+    """How easyrl serves a local judge (`model.model_path`): a vLLM server it starts for the run, on devices of its
+    own, and stops with it."""
+
+    num_gpus: int = 1
+    """GPUs the judge's server takes (tensor-parallel over them), beside the trainer's
+    `trainer.nnodes x trainer.n_gpus_per_node`: the cluster needs them free. A CPU run (`trainer.device: cpu`)
+    serves it on CPU and ignores this."""
+    args: list[str] = field(default_factory=list)
+    """Further `vllm serve` arguments, e.g. `[--max-model-len, "8192", --gpu-memory-utilization, "0.85"]`."""
+    startup_timeout_s: float = 900.0
+    """How long the server may take to load the model and answer."""
+
+
+@dataclass
 class JudgeConfig:
     """A generative judge (LLM-as-judge): a reward function that takes a `judge` argument gets it ready to call.
     Off while `model` is unset. See docs/judges_and_distillation.md."""
 
     model: ModelRefConfig = field(default_factory=ModelRefConfig)
-    """The judge model: an OpenAI-compatible server (`base_url`), with its limits and `on_error`."""
+    """The judge model, with its limits and `on_error`: an OpenAI-compatible server you run (`base_url`), or a local
+    model (`model_path`) easyrl serves with vLLM for the run (see `server`)."""
+    server: JudgeServerConfig = field(default_factory=JudgeServerConfig)
+    """With a local judge (`model.model_path`): where and how easyrl serves it."""
     template: str | None = None
     """A `.jinja` file rendering the judge's message from one reward input: `{{ response }}`, `{{ prompt }}`,
     `{{ ground_truth }}` and every column of the row. Required with a model."""

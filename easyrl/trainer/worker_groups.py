@@ -10,6 +10,7 @@ import psutil
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
+from easyrl.config.worker import RewardConfig
 from easyrl.trainer.engines import SeparateEngines
 from easyrl.trainer.role_specs import build_role_specs, use_gpu
 
@@ -114,6 +115,8 @@ class Workers:
         self.critic: Any = None
         self.teacher: Any = None
         self.rollout: Any = None
+        self.judge_server: Any = None
+        self._gpu = gpu
         try:
             tp = cfg.worker.rollout.ranks_per_engine
             sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
@@ -161,6 +164,14 @@ class Workers:
             self.shutdown()
             raise
 
+    def serve_judge(self, reward: RewardConfig) -> RewardConfig:
+        """Start the local judge's server (`worker.reward.judge.model.model_path`) beside the workers; returns the
+        reward config pointing the judge at it. Stopped by `shutdown`."""
+        from easyrl.scorers.served import LocalJudge
+
+        self.judge_server = LocalJudge(reward, self._gpu)
+        return self.judge_server.reward_config
+
     def _init_models(self, media_per_prompt: dict[str, int]) -> None:
         assert self.actor is not None
         logger.info("loading models into the workers")
@@ -204,6 +215,8 @@ class Workers:
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""
+        if self.judge_server is not None:
+            self.judge_server.stop()
         for group in self._groups():
             group.shutdown()
         self.pool.remove()

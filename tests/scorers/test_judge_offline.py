@@ -101,8 +101,12 @@ def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
     [
         ({"judge": {"model": {"base_url": "http://h/v1"}}}, "worker.reward.judge.template: is required"),
         (
-            {"judge": {"model": {"model_path": "MODEL"}, "template": "TEMPLATE"}},
-            "a local judge is not started by easyrl",
+            {"judge": {"model": {"model_path": "MODEL"}, "template": "TEMPLATE", "server": {"num_gpus": 0}}},
+            "judge.server.num_gpus: must be >= 1",
+        ),
+        (
+            {"judge": {"model": {"model_path": "MODEL", "api_key_env": "K"}, "template": "TEMPLATE"}},
+            "judge.model.api_key_env: names a key for a server you run",
         ),
         (
             {"judge": {"model": {"base_url": "http://h/v1"}, "template": "TEMPLATE", "parse": "(["}},
@@ -123,7 +127,8 @@ def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
     ],
     ids=[
         "no_template",
-        "local_judge",
+        "local_judge_gpus",
+        "local_judge_key",
         "bad_regex",
         "bad_url",
         "on_error",
@@ -161,3 +166,15 @@ def test_a_judge_nobody_takes_and_a_judge_nobody_declared_are_refused(tmp_path) 
         RewardLoadError, match=r"takes a 'judge' argument, but worker\.reward\.judge\.model is not set"
     ):
         RewardManager(RewardConfig(reward_function=judged, num_workers=0))
+
+
+def test_a_local_judge_outside_a_run_names_the_fix(tiny_model_dir) -> None:
+    """A reward manager (or `easyrl check`) built from a config with a local judge: the server comes with a run."""
+    from easyrl.config.worker import RewardConfig
+    from easyrl.rewards import RewardManager
+    from easyrl.scorers import ModelCallError
+
+    judged = str(REPO / "reward_functions" / "judge.py") + ":compute_score"
+    judge = JudgeConfig(model=ModelRefConfig(model_path=tiny_model_dir), template=TEMPLATE)
+    with pytest.raises(ModelCallError, match=r"judge\.model\.model_path: a local judge is served by `easyrl train`"):
+        RewardManager(RewardConfig(reward_function=judged, num_workers=0, judge=judge))
