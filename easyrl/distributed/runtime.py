@@ -74,6 +74,20 @@ _LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_d
 has its own ``runtime_env``), so on a small machine they only cost start-up CPU and ~85 MiB each."""
 
 
+class _TokenAuthOnNotice(logging.Filter):
+    """Drops Ray's warning that a new local cluster has token authentication on (its default), printed on every run;
+    the warning that it is *off* still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+def _quiet_auth_notice() -> None:
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _TokenAuthOnNotice) for f in log.filters):
+        log.addFilter(_TokenAuthOnNotice())
+
+
 @contextlib.contextmanager
 def _lean_head() -> Iterator[None]:
     """While a private instance starts, skip two head processes a single-node run never uses: the autoscaler
@@ -222,6 +236,7 @@ def init_ray(
         "runtime_env": runtime_env,
     }
     if address is None:
+        _quiet_auth_notice()
         _bind_ray_to_loopback()
         init_args.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
         if "_temp_dir" not in ray_kwargs and not os.environ.get("RAY_TMPDIR"):

@@ -46,6 +46,8 @@ init_ray(num_cpus=2)
 time.sleep(2)  # pre-started workers, were there any, would be up by now
 for proc in psutil.Process().children(recursive=True):
     print(" ".join(proc.cmdline()))
+from ray._raylet import AuthenticationMode, get_authentication_mode
+print("auth:", get_authentication_mode() == AuthenticationMode.TOKEN)
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -55,3 +57,6 @@ for proc in psutil.Process().children(recursive=True):
     assert "gcs_server" in tree and "raylet" in tree, tree  # the instance did start
     for absent in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "ray::IDLE"):
         assert absent not in tree, f"{absent} runs in a local instance:\n{tree}"
+    # Token auth on (Ray's default for a new local cluster), without Ray's warning about it on every run.
+    assert "auth: True" in tree
+    assert "Token authentication" not in proc.stderr, proc.stderr
