@@ -439,7 +439,7 @@ def _check_async(cfg: EasyRLConfig) -> None:
 def _check_files(cfg: EasyRLConfig) -> None:
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _check_model_and_data(cfg, total, "data.max_response_length")
-    for key in ("data.image_dir", "data.video_dir"):
+    for key in ("data.image_dir", "data.video_dir", "data.audio_dir"):
         folder = _get(cfg, key)
         if folder and not Path(str(folder)).is_dir():
             raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")

@@ -320,3 +320,14 @@ def test_recipe_plan_on_the_published_thinker_fits_80_gib(tmp_path: Path, monkey
     assert "model: 8.93B parameters" in text, text
     assert "activations 7.1 (4096 tokens per micro-batch)" in text  # 4096 x 152064 logits: bf16 and fp32 grads
     assert "while generating: 64.1 of 80.0 GiB" in text and "while updating: 75.4 of 80.0 GiB" in text
+
+
+def test_a_missing_audio_folder_is_one_line(tmp_path: Path, omni_model: str, digits_data: dict[str, str]) -> None:
+    from easyrl.config import load_config
+    from tests.conftest import base_config, write_config
+
+    conf = base_config(omni_model, digits_data, tmp_path / "run")
+    conf["data"]["audio_dir"] = str(tmp_path / "no_such_folder")
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path / "cfg.yaml", conf))
+    assert str(err.value).startswith("data.audio_dir: folder not found")
