@@ -173,9 +173,9 @@ def test_level_one_sleep_pins_the_engine_weights_and_lora_serves_the_reference()
     assert eager.cuda_graphs == 0 and eager.kv_cache == int(0.6 * H100) - 2 * 1_543_714_304
 
 
-# The published config.json fields of the models the 8-GPU recipes train (configs/easyr1). Qwen3-VL-8B and
-# Qwen3-30B-A3B as their hub folders read; Qwen3.5-4B's as its model card gives them (not downloaded here: a field
-# that differs moves the figures below, not whether the plan fits by a wide margin).
+# The published config.json fields of the models the 8-GPU recipes train (configs/easyr1), written from what is
+# known of them here, not downloaded (no network); Qwen3.5-4B's are the least certain. A field that differs moves
+# the figures below, not whether the plan fits by a wide margin.
 PUBLISHED = {
     "qwen3_vl_8b": (
         Qwen3VLConfig,
