@@ -150,12 +150,14 @@ def validation_line(cfg: EasyRLConfig) -> str:
     )
 
 
-def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
-    """(the memory plan of one GPU of this machine, why it cannot fit and what fixes it) for a run that trains on
-    GPUs here; the arithmetic is `easyrl.memory_plan`'s. Nothing without a GPU."""
+def memory_plan_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> tuple[list[str], list[str]]:
+    """(the memory plan of one GPU, why it cannot fit and what fixes it); the arithmetic is `easyrl.memory_plan`'s.
+    The GPU is this machine's for a run that trains on GPUs here, or one of `gpu_memory_gib` GiB (`easyrl check
+    --gpu-memory`: a login node planning the run it sends to the GPUs). Nothing without either."""
     import torch
 
-    if not (use_gpu(cfg) and torch.cuda.is_available()):
+    on_gpu = use_gpu(cfg) and torch.cuda.is_available()
+    if gpu_memory_gib is None and not on_gpu:
         return [], []
     from transformers import AutoConfig
 
@@ -166,9 +168,13 @@ def memory_plan_lines(cfg: EasyRLConfig) -> tuple[list[str], list[str]]:
     shape = ModelShape.from_hf_config(
         AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
     )
-    free, total = torch.cuda.mem_get_info()
+    if gpu_memory_gib is not None:
+        total = int(gpu_memory_gib * GiB)
+        device = f"GPU: {gpu_memory_gib:g} GiB, as --gpu-memory says (this machine's GPUs are not read)"
+    else:
+        free, total = torch.cuda.mem_get_info()
+        device = f"GPU: {torch.cuda.get_device_name()}, {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free now"
     lines, problems = memory_report(shape, cfg, total)
-    device = f"GPU: {torch.cuda.get_device_name()}, {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free now"
     return [device, *lines], problems
 
 
@@ -260,10 +266,10 @@ def vllm_version_line(cfg: EasyRLConfig) -> str | None:
     return None if found is None else vllm_version_warning(*found, on_gpu=use_gpu(cfg))
 
 
-def print_memory_plan(cfg: EasyRLConfig) -> int:
-    """Print the memory plan of one GPU (on a GPU machine); 2 when its arithmetic says the run cannot fit, refused
-    before a GPU hour is spent finding out, with the settings that make it fit."""
-    memory, problems = memory_plan_lines(cfg)
+def print_memory_plan(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
+    """Print the memory plan of one GPU (on a GPU machine, or of `gpu_memory_gib` GiB); 2 when its arithmetic says
+    the run cannot fit, refused before a GPU hour is spent finding out, with the settings that make it fit."""
+    memory, problems = memory_plan_lines(cfg, gpu_memory_gib)
     if memory:
         print("== memory plan (one GPU, estimates: easyrl/memory_plan.py)", file=sys.stdout)
         for line in memory:
@@ -290,8 +296,9 @@ def _load_data(build: Any, cfg: EasyRLConfig) -> tuple[Any, Any] | None:
     return train, val
 
 
-def run_check(cfg: EasyRLConfig) -> int:
-    """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report."""
+def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
+    """Load tokenizer and data, render and tokenize prompts, call the reward function once; print a report (with
+    the memory plan of one GPU of `gpu_memory_gib` GiB when given, else of this machine's GPU if it has one)."""
     from easyrl.trainer.worker_groups import build_data
 
     out = sys.stdout
@@ -323,7 +330,7 @@ def run_check(cfg: EasyRLConfig) -> int:
     print("== plan", file=out)
     for line in plan_lines(cfg) + multi_turn_lines(cfg):
         print(line, file=out)
-    return print_memory_plan(cfg)
+    return print_memory_plan(cfg, gpu_memory_gib)
 
 
 def _print_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:

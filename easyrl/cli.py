@@ -30,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="path to the YAML config")
         cmd.add_argument("overrides", nargs="*", help="overrides such as worker.rollout.n=8")
+        if name == "check":
+            cmd.add_argument(
+                "--gpu-memory",
+                type=float,
+                default=None,
+                metavar="GIB",
+                help="print the memory plan of an RL run on GPUs of GIB GiB each (80 for an H100), with or without a GPU here",
+            )
     sub.add_parser("merge", add_help=False, help="merge a sharded checkpoint into a Hugging Face folder")
     text = "write an HTML report (curves and validation generations) of a run folder's file-logger output"
     report = sub.add_parser("report", help=text, description=text)
@@ -93,7 +101,16 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "check":
         from easyrl.check import run_check, run_sft_check
 
-        return run_sft_check(cfg) if task == "sft" else run_check(cfg)
+        if args.gpu_memory is not None and args.gpu_memory <= 0:
+            print(
+                f"easyrl: --gpu-memory must be a positive GiB count (80 for an H100), got {args.gpu_memory:g}",
+                file=sys.stderr,
+            )
+            return 2
+        if task == "sft" and args.gpu_memory is not None:
+            print("easyrl: --gpu-memory plans RL runs; this is an SFT config (drop --gpu-memory)", file=sys.stderr)
+            return 2
+        return run_sft_check(cfg) if task == "sft" else run_check(cfg, args.gpu_memory)
     return _train(cfg, secrets, task)
 
 

@@ -71,6 +71,9 @@ class ModelShape:
     counted_parameters: int = 0
     """The whole model's parameters counted on the meta device (`counted_parameter_count`), for the families the
     dense formula of `parameter_count` does not describe (routed experts, linear attention); 0: use the formula."""
+    full_logits: bool = False
+    """The model computes every position's logits whatever `fused_logprobs` says (an Omni thinker: the fused head
+    would skip its audio merge, `easyrl.workers.head`)."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -89,7 +92,11 @@ class ModelShape:
             mlp = int(text.intermediate_size)
         # Linear-attention layers have their own projections and the MoE layers hold every expert: counted on the meta
         # device rather than by a formula per family
-        irregular = experts > 0 or "linear_attention" in layer_types
+        # (and an Omni thinker's audio encoder sits beside its vision tower)
+        from easyrl.models.vision import is_omni
+
+        omni = is_omni(config)
+        irregular = experts > 0 or "linear_attention" in layer_types or omni
         return cls(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
@@ -104,6 +111,7 @@ class ModelShape:
             vision_parameters=vision_parameter_count(config),
             attention_layers=sum(t == "full_attention" for t in layer_types) if layer_types else None,
             counted_parameters=counted_parameter_count(config) if irregular else 0,
+            full_logits=omni,
         )
 
     @property
@@ -259,8 +267,9 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     actor = w.actor
     tokens = _micro_batch_tokens(cfg)
     params = shape.parameter_count()
-    head_tokens = min(tokens, actor.logprob_chunk_size) if actor.fused_logprobs else tokens
-    head = head_tokens * shape.vocab_size * (8 if actor.fused_logprobs else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
+    fused = actor.fused_logprobs and not shape.full_logits
+    head_tokens = min(tokens, actor.logprob_chunk_size) if fused else tokens
+    head = head_tokens * shape.vocab_size * (8 if fused else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
     actor_mem = _training(shape, actor, params, ranks, tokens, head)
     # the reference is a process of its own, unless the LoRA actor serves it (its base, adapters off)
     ref_process = not cfg.algorithm.disable_kl and actor.model.lora.rank == 0

@@ -212,7 +212,8 @@ def easyr1_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Tiny text and VL models whose context fits the recipes' 2048 + 4096 tokens."""
+    """Tiny text and VL models whose context fits the recipes' 2048 + 4096 tokens, one of each family a recipe
+    names (Qwen3.5 is multimodal, so its math recipe runs on a tiny Qwen3.5 with its Qwen3-VL processor)."""
     from easyrl.testing.tiny import build_tiny_checkpoint
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
@@ -223,8 +224,12 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         ),
         "qwen2_5_vl": build_tiny_vl_checkpoint(root / "qwen2_5_vl", arch="qwen2_5_vl"),
         "qwen3_vl": build_tiny_vl_checkpoint(root / "qwen3_vl", arch="qwen3_vl"),
+        "qwen3_5": build_tiny_vl_checkpoint(root / "qwen3_5", arch="qwen3_5"),
+        "qwen3_moe": build_tiny_checkpoint(
+            root / "qwen3_moe", arch="qwen3_moe", num_heads=2, num_kv_heads=1, max_position_embeddings=8192
+        ),
     }
-    for name in ("qwen2_5_vl", "qwen3_vl"):  # the stand-in only needs to claim the context the recipes use
+    for name in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):  # the stand-in only needs to claim the context the recipes use
         file = Path(models[name]) / "config.json"
         config = json.loads(file.read_text())
         for section in (config, config.get("text_config", {})):
@@ -236,7 +241,8 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _stand_in_overrides(name: str, models: dict[str, str], data: dict[str, Path]) -> list[str]:
     vl = "vl" in name
-    model = models["qwen3_vl" if "qwen3_vl" in name else "qwen2_5_vl" if vl else "text"]
+    family = next((f for f in ("qwen3_vl", "qwen3_5", "qwen3_30b_a3b") if f in name), "qwen2_5_vl" if vl else "text")
+    model = models["qwen3_moe" if family == "qwen3_30b_a3b" else family]
     folder = data["geo" if vl or "geo" in name else "math"]
     return [
         f"worker.actor.model.model_path={model}",
@@ -246,12 +252,12 @@ def _stand_in_overrides(name: str, models: dict[str, str], data: dict[str, Path]
     ]
 
 
-def _check(cfg: Any) -> str:
+def _check(cfg: Any, gpu_memory_gib: float | None = None) -> str:
     from easyrl.check import run_check
 
     out = io.StringIO()
     with redirect_stdout(out):
-        code = run_check(cfg)
+        code = run_check(cfg, gpu_memory_gib)
     assert code == 0, out.getvalue()[-3000:]
     return out.getvalue()
 
@@ -264,8 +270,9 @@ def test_recipe_passes_check_with_local_stand_ins(
     raw = yaml.safe_load(recipe.read_text())
     assert "/" in raw["worker"]["actor"]["model"]["model_path"] and "@" in raw["data"]["train_files"]  # hub IDs
     cfg = load_config(recipe, _stand_in_overrides(recipe.stem, stand_ins, easyr1_data))
-    out = _check(cfg)
+    out = _check(cfg, gpu_memory_gib=80)  # `easyrl check --gpu-memory 80`: the stand-in's plan on an H100
     assert "== plan" in out and f"{cfg.worker.actor.loss_type} policy loss" in out
+    assert "== memory plan" in out and "GPU: 80 GiB, as --gpu-memory says" in out and "while updating:" in out
     if cfg.worker.rollout.multi_turn.enabled:  # its tools were imported and the first prompt rendered with them
         assert "== first multi-turn prompt, rendered with the tools" in out and "tools: ['python']" in out
         assert "multi-turn: environment none (the dataset's prompts); tools python; up to 8 turns" in out

@@ -1,12 +1,18 @@
 """The memory plan of the published Qwen2.5 shapes (0.5B, 1.5B, 3B, VL-3B) on one 80 GiB GPU, against figures
-computed by hand from their config.json (no download: the configs are built here), and `easyrl check`'s refusal of
-a plan that cannot fit, with the setting that fixes it."""
+computed by hand from their config.json (no download: the configs are built here), `easyrl check`'s refusal of
+a plan that cannot fit, with the setting that fixes it, and the plans of the 8-GPU recipes for Qwen3-VL-8B,
+Qwen3.5-4B and Qwen3-30B-A3B on their published shapes."""
 
 from __future__ import annotations
 
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
-from transformers import Qwen2_5_VLConfig, Qwen2Config
+from pytest import MonkeyPatch
+from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen3_5Config, Qwen3MoeConfig, Qwen3VLConfig
 
 from easyrl.check import memory_report
 from easyrl.config import EasyRLConfig
@@ -165,3 +171,103 @@ def test_level_one_sleep_pins_the_engine_weights_and_lora_serves_the_reference()
     assert (plan.ref_weights, plan.processes) == (0, 1)
     eager = plan_memory(shape, _config(worker={"rollout": {"enforce_eager": True}}), H100)
     assert eager.cuda_graphs == 0 and eager.kv_cache == int(0.6 * H100) - 2 * 1_543_714_304
+
+
+# The published config.json fields of the models the 8-GPU recipes train (configs/easyr1), written from what is
+# known of them here, not downloaded (no network); Qwen3.5-4B's are the least certain. A field that differs moves
+# the figures below, not whether the plan fits by a wide margin.
+PUBLISHED = {
+    "qwen3_vl_8b": (
+        Qwen3VLConfig,
+        {
+            "text_config": {
+                "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 262144,
+            },
+            "vision_config": {
+                "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+                "patch_size": 16, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen3_5_4b": (
+        Qwen3_5Config,
+        {
+            "text_config": {
+                "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "vocab_size": 248320, "tie_word_embeddings": True, "max_position_embeddings": 262144,
+            },
+            "vision_config": {
+                "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    "qwen3_30b_a3b": (
+        Qwen3MoeConfig,
+        {
+            "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+            "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+            "max_position_embeddings": 40960,
+        },
+    ),
+}  # fmt: skip
+
+# (recipe, published model, parameters, GiB while generating, GiB while updating) on GPUs of 80 GiB
+RECIPE_PLANS = [
+    ("geo3k_grpo_qwen3_vl_8b", "qwen3_vl_8b", "8.77B", "53.6", "30.4"),
+    ("math_grpo_qwen3_5_4b", "qwen3_5_4b", "4.54B", "51.6", "18.9"),
+    ("math_grpo_qwen3_30b_a3b", "qwen3_30b_a3b", "30.53B", "56.6", "43.2"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "model", "params", "generating", "updating"), RECIPE_PLANS, ids=lambda v: v)
+def test_recipe_fits_eight_80_gib_gpus(
+    recipe: str, model: str, params: str, generating: str, updating: str, tmp_path: Path, monkeypatch: MonkeyPatch
+) -> None:
+    """`easyrl check RECIPE --gpu-memory 80` with the model folder holding only the published config.json (no
+    weights, no tokenizer: the plan reads the config alone) prints the plan and finds no problem; the figures are
+    the ones docs/models.md quotes."""
+    from easyrl.check import print_memory_plan
+    from easyrl.config import load_config
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    config_cls, fields = PUBLISHED[model]
+    config_cls(**fields).save_pretrained(tmp_path / model)  # writes config.json only
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "1 + 1?", "answer": "2"}\n')
+    overrides = [
+        f"worker.actor.model.model_path={tmp_path / model}",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+    ]
+    cfg = load_config(REPO / "configs" / "easyr1" / f"{recipe}.yaml", overrides)
+    assert cfg.trainer.n_gpus_per_node == 8
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        code = print_memory_plan(cfg, gpu_memory_gib=80)
+    text = out.getvalue()
+    assert code == 0 and "easyrl: memory error" not in text, text
+    assert f"model: {params} parameters; device: 80.0 GiB" in text, text
+    assert f"while generating: {generating} of 80.0 GiB" in text and f"while updating: {updating} of 80.0" in text
+
+
+def test_gpu_memory_flag_takes_a_positive_size_and_rl_configs_only(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    from easyrl.cli import main
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    published = tmp_path / "model"
+    Qwen3MoeConfig(**PUBLISHED["qwen3_30b_a3b"][1]).save_pretrained(published)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "1 + 1?", "answer": "2"}\n')
+    args = ["check", "configs/easyr1/math_grpo_qwen3_30b_a3b.yaml", f"worker.actor.model.model_path={published}",
+            f"data.train_files={data}", f"data.val_files={data}", "--gpu-memory", "0"]  # fmt: skip
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(args) == 2
+    assert "easyrl: --gpu-memory must be a positive GiB count (80 for an H100), got 0" in err.getvalue()

@@ -27,6 +27,11 @@ class DataConfig:
     """Folder that relative image paths are resolved against."""
     video_dir: str | None = None
     """Folder that relative video paths are resolved against."""
+    audio_key: str = "audios"
+    """Column holding audio clips (paths relative to `audio_dir`, bytes, or lists of them); Omni models only. Each clip
+    is decoded with PyAV and resampled to the feature extractor's sampling rate (16 kHz for Qwen2.5-Omni)."""
+    audio_dir: str | None = None
+    """Folder that relative audio paths are resolved against (and confined to)."""
     max_prompt_length: int = 512
     """Longest prompt in tokens (chat template and media tokens included)."""
     max_response_length: int = 512

@@ -439,7 +439,7 @@ def _check_async(cfg: EasyRLConfig) -> None:
 def _check_files(cfg: EasyRLConfig) -> None:
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _check_model_and_data(cfg, total, "data.max_response_length")
-    for key in ("data.image_dir", "data.video_dir"):
+    for key in ("data.image_dir", "data.video_dir", "data.audio_dir"):
         folder = _get(cfg, key)
         if folder and not Path(str(folder)).is_dir():
             raise ConfigError(key, f"folder not found: {_looked_for(str(folder))}")
@@ -462,6 +462,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
     _check_context_length(Path(model) / "config.json", length, length_key)
     _check_attention_heads(cfg)
+    _check_omni(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -524,6 +525,41 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
             raise ConfigError(
                 f"worker.{role}.ulysses_size", f"{size} must divide the model's attention heads ({heads}) in {path}"
             )
+
+
+_OMNI_NOT_BUILT = {
+    "qwen2_5_omni": "the whole Qwen2.5-Omni (thinker, talker and vocoder); easyrl trains its thinker (text out): save "
+    "the thinker alone with its processor first (docs/models.md, Omni) and point model_path at that folder",
+    "qwen3_omni_moe": "Qwen3-Omni MoE, not supported yet (its thinker's positions and audio encoder differ from "
+    "Qwen2.5-Omni's); easyrl trains the Qwen2.5-Omni thinker",
+    "qwen3_omni_moe_thinker": "the Qwen3-Omni MoE thinker, not supported yet (its positions and audio encoder differ "
+    "from Qwen2.5-Omni's); easyrl trains the Qwen2.5-Omni thinker",
+}
+
+
+def _check_omni(cfg: EasyRLConfig, config_json: Path) -> None:
+    """An Omni model: only the Qwen2.5-Omni thinker trains, and only on the paths its tiny model was run through
+    (the HF engine, padded or packed rows without sequence parallelism, full fine-tuning, a critic-free estimator);
+    the rest is refused here with one line rather than failing inside a worker."""
+    model_type = json.loads(config_json.read_text()).get("model_type")
+    path = cfg.worker.actor.model.model_path
+    if model_type in _OMNI_NOT_BUILT:
+        raise ConfigError("worker.actor.model.model_path", f"{path} is {_OMNI_NOT_BUILT[model_type]}")
+    if model_type != "qwen2_5_omni_thinker":
+        return
+    refusals = [
+        ("worker.rollout.name", cfg.worker.rollout.name != "hf", "vllm is not wired for the Omni thinker's audio "
+         "inputs (nor can vLLM's CPU build serve it); use worker.rollout.name=hf"),
+        ("worker.actor.ulysses_size", cfg.worker.actor.ulysses_size > 1, "sequence parallelism is not built for the "
+         "Omni thinker (no language_model seam to split after its audio and vision towers); set it to 1"),
+        ("worker.actor.model.lora.rank", cfg.worker.actor.model.lora.rank > 0, "LoRA is not tested on the Omni "
+         "thinker (its audio tower's linear layers would be adapted too); set it to 0"),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator == "gae", "gae needs a critic, not built for the "
+         "Omni thinker; use a critic-free estimator (grpo, rloo, reinforce_plus_plus...)"),
+    ]  # fmt: skip
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigError(key, f"{path} is a Qwen2.5-Omni thinker: {why}")
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:

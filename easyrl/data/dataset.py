@@ -18,7 +18,7 @@ import numpy as np
 from easyrl.config.data import DataConfig
 from easyrl.data.length_bound import overlong_checker
 from easyrl.data.loading import DataError, Row, load_rows
-from easyrl.data.media import MediaError, MediaRef, resolve_images, resolve_videos
+from easyrl.data.media import MediaError, MediaRef, resolve_audios, resolve_images, resolve_videos
 from easyrl.data.multimodal import MediaTokenCounts, MultimodalError, encode_multimodal_prompt, media_token_counts
 from easyrl.data.prompts import (
     PromptError,
@@ -41,6 +41,7 @@ BAD_ROW_REASONS: tuple[str, ...] = (
     "bad_answer_type",
     "unreadable_image",
     "unreadable_video",
+    "unreadable_audio",
     "template_error",
     "bad_media",
     "overlong_prompt",
@@ -69,6 +70,7 @@ class _Sample:
     raw_prompt: str
     images: list[MediaRef] = field(default_factory=list)
     videos: list[MediaRef] = field(default_factory=list)
+    audios: list[MediaRef] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     media: MediaTokenCounts | None = None
     """Token counts with the media expanded (rows with media and a processor only)."""
@@ -182,6 +184,15 @@ class RLDataset:
         except MediaError as exc:
             raise _BadRow("unreadable_video", str(exc)) from exc
         try:
+            audios = resolve_audios(row.get(cfg.audio_key), cfg.audio_dir)
+        except MediaError as exc:
+            raise _BadRow("unreadable_audio", str(exc)) from exc
+        if audios and self.processor is None:  # a text model would train on the prompt without its audio
+            raise _BadRow(
+                "bad_media",
+                f"{cfg.audio_key!r} has audio clips but the model has no processor (an Omni model takes them)",
+            )
+        try:
             raw_prompt = self._renderer.render(row)
         except PromptError as exc:
             raise _BadRow("template_error", str(exc)) from exc
@@ -191,8 +202,8 @@ class RLDataset:
         if least is not None:
             detail = f"prompt has at least {least} tokens ({len(raw_prompt)} characters, not tokenized)"
             raise self._overlong(source, row_index, f"{detail} > data.max_prompt_length={cfg.max_prompt_length}")
-        sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos)
-        if self.processor is not None and (images or videos):
+        sample = _Sample(source, row_index, row, answer, raw_prompt, images, videos, audios)
+        if self.processor is not None and (images or videos or audios):
             try:
                 sample.media = media_token_counts(
                     self.processor,
@@ -202,6 +213,7 @@ class RLDataset:
                     cfg,
                     self._renderer.chat_template,
                     self._renderer.template_kwargs,
+                    audios,
                 )
             except (MultimodalError, MediaError, OSError) as exc:
                 raise _BadRow("bad_media", str(exc)) from exc
@@ -270,11 +282,12 @@ class RLDataset:
             "index": index,
             "images": list(sample.images),
             "videos": list(sample.videos),
+            "audios": list(sample.audios),
         }
         if self.processor is not None:
             # Pixels are decoded here, per batch; the prompt ids get one pad token per merged patch.
             item["multi_modal_inputs"] = {}
-            if sample.images or sample.videos:
+            if sample.images or sample.videos or sample.audios:
                 encoded = encode_multimodal_prompt(
                     self.processor,
                     self._renderer.messages(sample.row),
@@ -283,6 +296,7 @@ class RLDataset:
                     self.cfg,
                     self._renderer.chat_template,
                     self._renderer.template_kwargs,
+                    sample.audios,
                 )
                 item["prompt_ids"] = encoded["input_ids"]  # media expanded: the pads the actor's patches fill
                 item["multi_modal_inputs"] = encoded["multi_modal_inputs"]
@@ -294,11 +308,14 @@ class RLDataset:
         return item
 
     def media_per_row(self) -> dict[str, int]:
-        """The most images and the most videos any kept row has (what an engine must accept per prompt)."""
-        return {
+        """The most images and the most videos (and audio clips, when a row has one) any kept row has (what an
+        engine must accept per prompt)."""
+        most = {
             "image": max((len(s.images) for s in self._samples), default=0),
             "video": max((len(s.videos) for s in self._samples), default=0),
         }
+        audio = max((len(s.audios) for s in self._samples), default=0)
+        return most | {"audio": audio} if audio else most  # a VL engine knows no audio modality, not even at 0
 
     def source_of(self, index: int) -> tuple[str, int]:
         """``(file, row_index)`` the sample at ``index`` came from."""
@@ -310,11 +327,13 @@ class RLDataset:
         counts = [s.media for s in self._samples if s.media is not None]
         if not counts:
             return {}
-        per_row = np.array([c.image_tokens + c.video_tokens for c in counts])
+        per_row = np.array([c.image_tokens + c.video_tokens + c.audio_tokens for c in counts])
+        audios = sum(c.audios for c in counts)
         return {
             "rows_with_media": float(len(counts)),
             "images": float(sum(c.images for c in counts)),
             "videos": float(sum(c.videos for c in counts)),
+            **({"audio_clips": float(audios)} if audios else {}),
             "media_tokens_min": float(per_row.min()),
             "media_tokens_mean": float(per_row.mean()),
             "media_tokens_max": float(per_row.max()),

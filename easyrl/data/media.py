@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 
-__all__ = ["MediaError", "resolve_images", "resolve_videos"]
+__all__ = ["MediaError", "resolve_audios", "resolve_images", "resolve_videos"]
 
 MediaRef = str | bytes
 """A resolved media reference: an absolute (or as-given) file path, or the encoded file's bytes."""
@@ -127,5 +127,18 @@ def resolve_videos(value: Any, video_dir: str | None) -> list[MediaRef]:
             continue
         if isinstance(ref, str) and not os.path.isfile(ref):
             raise MediaError(f"video file not found: {ref}")
+        refs.append(ref)
+    return refs
+
+
+def resolve_audios(value: Any, audio_dir: str | None) -> list[MediaRef]:
+    """Resolve a row's audio column; paths must exist (clips are decoded later, by `easyrl.data.audio`)."""
+    refs: list[MediaRef] = []
+    for item in _as_list(value):
+        ref = _resolve_one(item, audio_dir, "audio")
+        if ref is None:
+            continue
+        if isinstance(ref, str) and not os.path.isfile(ref):
+            raise MediaError(f"audio file not found: {ref}")
         refs.append(ref)
     return refs

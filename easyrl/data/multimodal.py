@@ -52,7 +52,11 @@ __all__ = [
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-_PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+AUDIO_PLACEHOLDER = "<audio>"
+_PLACEHOLDERS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video", AUDIO_PLACEHOLDER: "audio"}
+_PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in _PLACEHOLDERS) + ")")
+OMNI = "qwen2_5_omni"
+"""The processor family of the Omni thinkers: audio and images, its pads expanded by :mod:`easyrl.data.audio`."""
 
 
 class MultimodalError(ValueError):
@@ -250,14 +254,18 @@ def _frame_times(indices: list[int], fps: float, temporal_patch_size: int) -> li
 # ---------------------------------------------------------------------------------------------- messages
 
 
-def media_messages(messages: list[dict[str, Any]], num_images: int, num_videos: int) -> list[dict[str, Any]]:
-    """``messages`` with ``<image>`` / ``<video>`` placeholders in string contents turned into image/video parts.
+def media_messages(
+    messages: list[dict[str, Any]], num_images: int, num_videos: int, num_audios: int = 0
+) -> list[dict[str, Any]]:
+    """``messages`` with ``<image>`` / ``<video>`` / ``<audio>`` placeholders in string contents turned into
+    image/video/audio parts.
 
-    With no placeholder at all, the media parts (images, then videos) are put before the text of the first user
-    message. Contents that are already part lists are kept. The placeholder counts must match the media counts.
+    With no placeholder at all, the media parts (images, then videos, then audio clips) are put before the text of
+    the first user message. Contents that are already part lists are kept. The placeholder counts must match the
+    media counts.
     """
     out: list[dict[str, Any]] = []
-    seen = {"image": 0, "video": 0}
+    seen = {"image": 0, "video": 0, "audio": 0}
     for message in messages:
         content = message["content"]
         if not isinstance(content, str):
@@ -268,24 +276,25 @@ def media_messages(messages: list[dict[str, Any]], num_images: int, num_videos: 
             continue
         parts: list[dict[str, Any]] = []
         for piece in _PLACEHOLDER_RE.split(content):
-            if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
-                kind = "image" if piece == IMAGE_PLACEHOLDER else "video"
+            if piece in _PLACEHOLDERS:
+                kind = _PLACEHOLDERS[piece]
                 seen[kind] += 1
                 parts.append({"type": kind})
             elif piece:
                 parts.append({"type": "text", "text": piece})
         out.append({**message, "content": parts})
-    if seen["image"] == 0 and seen["video"] == 0 and (num_images or num_videos):
+    if not any(seen.values()) and (num_images or num_videos or num_audios):
         target = next((m for m in out if m["role"] == "user"), None)
         if target is None:
             raise MultimodalError("the prompt has media but no user message to put them in")
-        media = [{"type": "image"}] * num_images + [{"type": "video"}] * num_videos
+        media = [{"type": "image"}] * num_images + [{"type": "video"}] * num_videos + [{"type": "audio"}] * num_audios
         target["content"] = media + list(target["content"])
         return out
-    if seen["image"] != num_images or seen["video"] != num_videos:
+    if (seen["image"], seen["video"], seen["audio"]) != (num_images, num_videos, num_audios):
         raise MultimodalError(
-            f"the prompt has {seen['image']} {IMAGE_PLACEHOLDER} and {seen['video']} {VIDEO_PLACEHOLDER} "
-            f"placeholders for {num_images} images and {num_videos} videos"
+            f"the prompt has {seen['image']} {IMAGE_PLACEHOLDER}, {seen['video']} {VIDEO_PLACEHOLDER} and "
+            f"{seen['audio']} {AUDIO_PLACEHOLDER} placeholders for {num_images} images, {num_videos} videos and "
+            f"{num_audios} audio clips"
         )
     return out
 
@@ -309,6 +318,20 @@ def _expand_videos(text: str, token: str, placeholders: list[str]) -> str:
     return pieces[0] + "".join(p + rest for p, rest in zip(placeholders, pieces[1:]))
 
 
+def _check_audio(spec: VisionSpec, videos: Sequence[Any], audios: Sequence[Any]) -> None:
+    """Audio needs an Omni model; an Omni model's videos are not built yet: one line each."""
+    if audios and spec.family != OMNI:
+        raise MultimodalError(
+            f"the row has {len(audios)} audio clips but the model's processor ({spec.family}) takes images and "
+            "videos only: use an Omni thinker (Qwen2.5-Omni) or drop data.audio_key's column"
+        )
+    if videos and spec.family == OMNI:
+        raise MultimodalError(
+            "videos on an Omni model are not supported yet (its video pads interleave with the audio track): drop "
+            "data.video_key's column, or give the frames as images"
+        )
+
+
 def _check_limit(images: Sequence[Any], data_cfg: Any) -> None:
     limit = int(getattr(data_cfg, "limit_images", 0) or 0)
     if limit > 0 and len(images) > limit:
@@ -318,41 +341,10 @@ def _check_limit(images: Sequence[Any], data_cfg: Any) -> None:
 # ---------------------------------------------------------------------------------------------- encoding
 
 
-def encode_multimodal_prompt(
-    processor: Any,
-    messages: list[dict[str, Any]],
-    images: Sequence[MediaRef | Image.Image],
-    videos: Sequence[MediaRef],
-    data_cfg: Any,
-    chat_template: str | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Model inputs for one prompt with media.
-
-    Args:
-        processor: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL processor (see :func:`easyrl.models.load_processor`).
-        messages: the conversation, string contents holding ``<image>`` / ``<video>`` placeholders (as produced by
-            ``PromptRenderer.messages``), or part lists.
-        images: the row's images (paths, bytes or PIL images), in placeholder order.
-        videos: the row's videos (paths or bytes), in placeholder order.
-        data_cfg: the ``data`` config (``min_pixels``, ``max_pixels``, ``video_fps``, ``max_frames``,
-            ``limit_images``).
-        chat_template, template_kwargs: the processor's chat template's override and extra variables.
-
-    Returns:
-        ``input_ids`` (list of ints, media pads expanded), ``prompt`` (the templated text before expansion),
-        ``multi_modal_inputs`` (``pixel_values`` (N, D), ``image_grid_thw`` (n, 3); with videos also
-        ``pixel_values_videos``, ``video_grid_thw`` and, except for Qwen3-VL, ``second_per_grid_ts``), and the
-        counts ``image_tokens`` / ``video_tokens``; for an engine that processes pixels itself (vLLM), ``images``: the
-        resized PIL images the patches were cut from, and ``videos``: ``(frames, metadata)`` per video, the sampled
-        resized uint8 frames (T, H, W, 3) and :meth:`VideoClip.metadata`.
-
-    Raises:
-        MultimodalError: more images than ``limit_images``, placeholders not matching the media, a bad image size.
-    """
-    spec = vision_spec(processor)
-    _check_limit(images, data_cfg)
-    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template, template_kwargs)
+def _encode_videos(
+    text: str, videos: Sequence[MediaRef], spec: VisionSpec, data_cfg: Any
+) -> tuple[str, dict[str, torch.Tensor], int, list[VideoClip]]:
+    """(``text`` with each video pad expanded, the videos' model inputs, their token count, the sampled clips)."""
     mm: dict[str, torch.Tensor] = {}
     expanded = text
     video_tokens = 0
@@ -375,6 +367,60 @@ def encode_multimodal_prompt(
         mm["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
         if spec.family != "qwen3_vl":  # Qwen3-VL puts timestamps in the text instead
             mm["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+    return expanded, mm, video_tokens, clips
+
+
+def encode_multimodal_prompt(
+    processor: Any,
+    messages: list[dict[str, Any]],
+    images: Sequence[MediaRef | Image.Image],
+    videos: Sequence[MediaRef],
+    data_cfg: Any,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    audios: Sequence[MediaRef] = (),
+) -> dict[str, Any]:
+    """Model inputs for one prompt with media.
+
+    Args:
+        processor: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL processor (see :func:`easyrl.models.load_processor`).
+        messages: the conversation, string contents holding ``<image>`` / ``<video>`` placeholders (as produced by
+            ``PromptRenderer.messages``), or part lists.
+        images: the row's images (paths, bytes or PIL images), in placeholder order.
+        videos: the row's videos (paths or bytes), in placeholder order.
+        data_cfg: the ``data`` config (``min_pixels``, ``max_pixels``, ``video_fps``, ``max_frames``,
+            ``limit_images``).
+        chat_template, template_kwargs: the processor's chat template's override and extra variables.
+        audios: the row's audio clips (paths or bytes), in placeholder order; Omni models only
+            (:func:`easyrl.data.audio.encode_omni_prompt`: ``input_features`` and ``feature_attention_mask`` join
+            ``multi_modal_inputs``, ``audio_tokens`` the counts).
+
+    Returns:
+        ``input_ids`` (list of ints, media pads expanded), ``prompt`` (the templated text before expansion),
+        ``multi_modal_inputs`` (``pixel_values`` (N, D), ``image_grid_thw`` (n, 3); with videos also
+        ``pixel_values_videos``, ``video_grid_thw`` and, except for Qwen3-VL, ``second_per_grid_ts``), and the
+        counts ``image_tokens`` / ``video_tokens``; for an engine that processes pixels itself (vLLM), ``images``: the
+        resized PIL images the patches were cut from, and ``videos``: ``(frames, metadata)`` per video, the sampled
+        resized uint8 frames (T, H, W, 3) and :meth:`VideoClip.metadata`.
+
+    Raises:
+        MultimodalError: more images than ``limit_images``, placeholders not matching the media, a bad image size.
+    """
+    spec = vision_spec(processor)
+    _check_limit(images, data_cfg)
+    _check_audio(spec, videos, audios)
+    messages = media_messages(messages, len(images), len(videos), len(audios))
+    text = _render(processor, messages, chat_template, template_kwargs)
+    if spec.family == OMNI:
+        from easyrl.data.audio import AudioError, encode_omni_prompt
+
+        pil = [fit_image(load_image(ref), spec, data_cfg.min_pixels, data_cfg.max_pixels) for ref in images]
+        try:
+            encoded = encode_omni_prompt(processor, text, pil, audios, spec)
+        except AudioError as exc:
+            raise MultimodalError(str(exc)) from exc
+        return {**encoded, "prompt": text, "video_tokens": 0, "images": pil, "videos": []}
+    expanded, mm, video_tokens, clips = _encode_videos(text, videos, spec, data_cfg)
     pil_images = [fit_image(load_image(ref), spec, data_cfg.min_pixels, data_cfg.max_pixels) for ref in images]
     encoded = processor(
         text=[expanded],
@@ -395,6 +441,7 @@ def encode_multimodal_prompt(
         "multi_modal_inputs": mm,
         "image_tokens": image_tokens,
         "video_tokens": video_tokens,
+        "audio_tokens": 0,
         "images": pil_images,
         "videos": [(clip.frames, clip.metadata()) for clip in clips],
     }
@@ -411,6 +458,8 @@ class MediaTokenCounts:
     max_prompt_length: int
     images: int
     videos: int
+    audio_tokens: int = 0
+    audios: int = 0
 
     @property
     def overlong(self) -> bool:
@@ -426,12 +475,15 @@ def media_token_counts(
     data_cfg: Any,
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    audios: Sequence[MediaRef] = (),
 ) -> MediaTokenCounts:
     """The token counts :func:`encode_multimodal_prompt` would produce, from image sizes and video metadata only
     (no pixels are decoded, except to count a video's frames when the container does not say)."""
     spec = vision_spec(processor)
     _check_limit(images, data_cfg)
-    text = _render(processor, media_messages(messages, len(images), len(videos)), chat_template, template_kwargs)
+    _check_audio(spec, videos, audios)
+    messages = media_messages(messages, len(images), len(videos), len(audios))
+    text = _render(processor, messages, chat_template, template_kwargs)
     per_merge = spec.merge_size**2
     image_tokens = 0
     for ref in images:
@@ -449,9 +501,25 @@ def media_token_counts(
         placeholders.append(_video_placeholder(spec, grid, _frame_times(indices, fps, spec.temporal_patch_size)))
     if videos:
         text = _expand_videos(text, spec.video_token, placeholders)
-    base = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-    # Each image's single pad in the template becomes image-token-many pads.
-    prompt_tokens = base + image_tokens - len(images)
+    audio_tokens = 0
+    if audios:
+        from easyrl.data.audio import AudioError, omni_token_counts
+
+        try:
+            audio_tokens, base = omni_token_counts(processor, text, audios)
+        except AudioError as exc:
+            raise MultimodalError(str(exc)) from exc
+    else:
+        base = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    # Each image's (and clip's) single pad in the template becomes image-token-many (audio-token-many) pads.
+    prompt_tokens = base + image_tokens - len(images) + audio_tokens - len(audios)
     return MediaTokenCounts(
-        image_tokens, video_tokens, prompt_tokens, int(data_cfg.max_prompt_length), len(images), len(videos)
+        image_tokens,
+        video_tokens,
+        prompt_tokens,
+        int(data_cfg.max_prompt_length),
+        len(images),
+        len(videos),
+        audio_tokens,
+        len(audios),
     )

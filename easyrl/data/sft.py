@@ -108,6 +108,11 @@ class SFTDataset:
 
     # ------------------------------------------------------------------ building
     def _sample(self, source: str, index: int, row: dict[str, Any]) -> _Sample:
+        if row.get(self.cfg.audio_key):  # SFT renders text only: the clip would be dropped without a word
+            raise DataError(
+                f"{source}, row {index}: {self.cfg.audio_key!r} has audio, which SFT does not take yet (RL does, on "
+                "an Omni thinker); drop the column or set data.audio_key to a column the rows lack"
+            )
         conv = self._conversation(row)
         try:
             ids, mask = self.chat.encode(conv)

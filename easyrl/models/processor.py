@@ -24,7 +24,10 @@ _FAMILIES = {
     "Qwen2VLProcessor": "qwen2_vl",
     "Qwen2_5_VLProcessor": "qwen2_5_vl",
     "Qwen3VLProcessor": "qwen3_vl",
+    "Qwen2_5OmniProcessor": "qwen2_5_omni",
 }
+_AUDIO_PROCESSORS = ("Qwen2_5OmniProcessor",)
+"""Processor classes that take audio (a ``feature_extractor``) besides images."""
 # The Qwen3-VL MoE and Qwen3.5 families ship Qwen3-VL's processor (as transformers' processing_auto maps them); the
 # family is the processor's, so their videos get Qwen3-VL's per-frame timestamps.
 _MODEL_TYPE_TO_PROCESSOR = {
@@ -34,6 +37,7 @@ _MODEL_TYPE_TO_PROCESSOR = {
     "qwen3_vl_moe": "Qwen3VLProcessor",
     "qwen3_5": "Qwen3VLProcessor",
     "qwen3_5_moe": "Qwen3VLProcessor",
+    "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",
 }
 
 
@@ -79,8 +83,14 @@ def vision_spec(processor: Any) -> VisionSpec:
         image_std=tuple(float(x) for x in ip.image_std),
         image_token=getattr(processor, "image_token", "<|image_pad|>"),
         video_token=getattr(processor, "video_token", "<|video_pad|>"),
-        vision_start=getattr(processor, "vision_start_token", "<|vision_start|>"),
-        vision_end=getattr(processor, "vision_end_token", "<|vision_end|>"),
+        # the Omni processor names its vision markers bos/eos
+        vision_start=str(
+            getattr(processor, "vision_start_token", None)
+            or getattr(processor, "vision_bos_token", "<|vision_start|>")
+        ),
+        vision_end=str(
+            getattr(processor, "vision_end_token", None) or getattr(processor, "vision_eos_token", "<|vision_end|>")
+        ),
     )
 
 
@@ -99,14 +109,24 @@ def _image_only_class(cls: Any) -> Any:
 
 
 def build_processor(
-    processor_class: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None
+    processor_class: str,
+    image_processor: Any,
+    tokenizer: Any,
+    chat_template: str | None = None,
+    feature_extractor: Any = None,
 ) -> Any:
-    """An image-only processor of class ``processor_class`` (e.g. ``Qwen2_5_VLProcessor``): no video processor."""
+    """An image-only processor of class ``processor_class`` (e.g. ``Qwen2_5_VLProcessor``): no video processor.
+    An Omni processor (``Qwen2_5OmniProcessor``) also takes the audio ``feature_extractor``."""
     import transformers
 
     cls = getattr(transformers, processor_class)
+    extra = {} if feature_extractor is None else {"feature_extractor": feature_extractor}
     return _image_only_class(cls)(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=chat_template,
+        **extra,
     )
 
 
@@ -151,7 +171,13 @@ def load_processor(path: str | os.PathLike[str], trust_remote_code: bool = False
     if os.path.isfile(template_file):
         with open(template_file, encoding="utf-8") as f:
             chat_template = f.read()
-    return build_processor(_processor_class_name(path), image_processor, tokenizer, chat_template)
+    name = _processor_class_name(path)
+    features = None
+    if name in _AUDIO_PROCESSORS:  # the Omni processors also hold the audio feature extractor
+        from transformers import AutoFeatureExtractor
+
+        features = AutoFeatureExtractor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return build_processor(name, image_processor, tokenizer, chat_template, feature_extractor=features)
 
 
 def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> tuple[Any, Any]:

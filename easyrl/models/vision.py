@@ -38,8 +38,28 @@ __all__ = [
     "vision_tower",
 ]
 
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-"""Keys of a sample's ``multi_modal_inputs`` that are concatenated across samples, in this order."""
+MEDIA_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "input_features",
+    "feature_attention_mask",
+)
+"""Keys of a sample's ``multi_modal_inputs`` that are concatenated across samples, in this order (the last two: an
+Omni model's audio clips, log-mel features (n, mels, frames) padded to the feature extractor's window and their
+frame masks (n, frames))."""
+
+OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
+"""The Omni thinkers (audio, images; text out): their positions take the audio lengths, they take no
+``mm_token_type_ids``, and they keep ``rope_deltas`` on the top model."""
+
+
+def is_omni(config: Any) -> bool:
+    """Whether an HF config (or model) is an Omni thinker (:data:`OMNI_MODEL_TYPES`)."""
+    config = getattr(config, "config", config)
+    return getattr(config, "model_type", None) in OMNI_MODEL_TYPES
 
 
 def is_vision_language(config: Any) -> bool:
@@ -92,6 +112,7 @@ def mrope_position_ids(
     image_grid_thw: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
+    feature_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """3D rotary positions (3, B, L) for left-padded prompt+response sequences.
 
@@ -107,6 +128,8 @@ def mrope_position_ids(
         image_grid_thw: (num_images, 3), or None.
         video_grid_thw: (num_videos, 3), or None.
         second_per_grid_ts: (num_videos,) seconds per temporal patch (Qwen2.5-VL), or None.
+        feature_attention_mask: (num_audios, frames) an Omni model's audio frame masks, or None. Audio tokens take
+            consecutive positions on all three axes, so rows with audio and no image are text-like here.
     """
     owner = _rope_owner(model_or_config)
     if image_grid_thw is None and video_grid_thw is None:
@@ -118,6 +141,13 @@ def mrope_position_ids(
         "video_grid_thw": video_grid_thw,
         "attention_mask": attention_mask,
     }
+    if is_omni(owner.config):
+        # the Omni thinker's own signature: no token types; each audio's length places the tokens after it
+        seqlens = None if feature_attention_mask is None else feature_attention_mask.sum(-1)
+        position_ids, _ = owner.get_rope_index(
+            input_ids, second_per_grids=second_per_grid_ts, audio_seqlens=seqlens, **kwargs
+        )
+        return position_ids
     if second_per_grid_ts is not None:
         kwargs["second_per_grid_ts"] = second_per_grid_ts
     # (3, B, L) positions; the rope deltas are not needed outside generate
@@ -190,21 +220,33 @@ def multimodal_forward_kwargs(
             media.get("image_grid_thw"),
             media.get("video_grid_thw"),
             media.get("second_per_grid_ts"),
+            media.get("feature_attention_mask"),
         )
-        kwargs["mm_token_type_ids"] = mm_token_type_ids(batch_slice["input_ids"], model.config)
+        if not is_omni(model):  # the Omni thinker takes no token types (they would reach its attention as kwargs)
+            kwargs["mm_token_type_ids"] = mm_token_type_ids(batch_slice["input_ids"], model.config)
     if device is not None:
         kwargs = {k: v.to(device) for k, v in kwargs.items()}
-    # The processor's patches are fp32; the vision tower's first layer takes its weights' dtype.
-    if model is not None and "pixel_values" in kwargs:
-        kwargs["pixel_values"] = kwargs["pixel_values"].to(_param_dtype(model))
-    if model is not None and "pixel_values_videos" in kwargs:
-        kwargs["pixel_values_videos"] = kwargs["pixel_values_videos"].to(_param_dtype(model))
+    # The processor's patches (and mel features) are fp32; the towers' first layers take their weights' dtype.
+    if model is not None:
+        for key in ("pixel_values", "pixel_values_videos", "input_features"):
+            if key in kwargs:
+                kwargs[key] = kwargs[key].to(_param_dtype(model))
     return kwargs
 
 
 def _check_media_tokens(input_ids: torch.Tensor, config: Any, media: dict[str, torch.Tensor]) -> None:
     """Raise a readable error when the pad tokens in ``input_ids`` do not match the media's patch counts."""
     config = getattr(config, "config", config)
+    if "feature_attention_mask" in media:
+        from easyrl.data.audio import audio_output_tokens
+
+        expected = int(audio_output_tokens(media["feature_attention_mask"].sum(-1)).sum())
+        found = int((input_ids == config.audio_token_id).sum())
+        if found != expected:
+            raise ValueError(
+                f"{found} audio_token_id tokens in the micro-batch but its audio clips make {expected}: a prompt was "
+                "truncated, or a response contains audio special tokens (the rollout must never sample them)"
+            )
     merge = int(config.vision_config.spatial_merge_size) ** 2
     for token_key, grid_key in (("image_token_id", "image_grid_thw"), ("video_token_id", "video_grid_thw")):
         # one pad per merged patch: t * h * w / merge_size**2
@@ -244,25 +286,28 @@ def generate_with_media(
     device = input_ids.device
     generate_kwargs = _suppress_media_tokens(model.config, generate_kwargs)
     extra: dict[str, Any] = {k: v.to(device) for k, v in media.items()}
-    for key in ("pixel_values", "pixel_values_videos"):
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in extra:
             extra[key] = extra[key].to(_param_dtype(model))
-    if media:
+    if media and not is_omni(model):
         extra["mm_token_type_ids"] = mm_token_type_ids(input_ids, model.config)
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **generate_kwargs)
     finally:
-        inner = getattr(model, "model", None)
-        if inner is not None and hasattr(inner, "rope_deltas"):
-            # generate caches per-row rope offsets for its decode steps; a later pass with a KV cache or embeddings
-            # only would apply them to other rows
-            inner.rope_deltas = None
+        # generate caches per-row rope offsets for its decode steps; a later pass with a KV cache or embeddings
+        # only would apply them to other rows (the Omni thinker keeps them on itself, the VL models inside)
+        for owner in (getattr(model, "model", None), model):
+            if owner is not None and hasattr(owner, "rope_deltas"):
+                owner.rope_deltas = None
 
 
 def media_token_ids(config: Any) -> list[int]:
-    """Ids of the vision special tokens (image/video pads, vision start/end) of a VL config; [] for text models."""
+    """Ids of the media special tokens (image/video pads, vision start/end; an Omni model's audio pad, start and end)
+    of a VL config; [] for text models."""
     config = getattr(config, "config", config)
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    names: tuple[str, ...] = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    if is_omni(config):
+        names += ("audio_token_id", "audio_start_token_id", "audio_end_token_id")
     return [int(v) for v in (getattr(config, n, None) for n in names) if v is not None]
 
 

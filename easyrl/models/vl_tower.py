@@ -18,6 +18,9 @@ already gathered the root unit's parameters. A kind that no rank carries costs n
 runs the tower a second time for videos in every micro-batch (under FSDP each tower call all-gathers the whole tower
 and reduce-scatters its gradients: ~1.3 GB in bf16 for Qwen2.5-VL-3B), and when no rank has any media, each rank adds
 ``0.0 * (sum of its local vision parameters)`` instead: zero gradients without a collective.
+
+An Omni thinker's audio tower is kept in step the same way, as a tower of its own: one more flag in the same
+all-reduce (``input_features``), and a missing call runs on four zero mel frames (one audio token).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from easyrl.models.vision import vision_tower
+from easyrl.models.vision import is_omni, vision_tower
 from easyrl.models.vl_sequence import language_model
 
 
@@ -40,6 +43,8 @@ TOWER_CALLS = 2
 """Vision tower calls of one Qwen-VL forward with both media kinds: the images, then the videos."""
 MEDIA_INPUTS = ("pixel_values", "pixel_values_videos")
 """The backbone's inputs of each media kind, one tower call each."""
+AUDIO_INPUTS = ("input_features",)
+"""An Omni thinker's audio input: one audio-tower call."""
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -65,6 +70,16 @@ def _dummy_tower_term(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return (0.0 * torch.stack(outputs).sum()).to(like.dtype)
 
 
+def _dummy_audio_term(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """0-d zero wired to the output of an Omni audio tower run on four zero mel frames (one output token)."""
+    tower: Any = audio
+    frames = torch.zeros(int(tower.num_mel_bins), 4, device=like.device, dtype=like.dtype)
+    lens = torch.tensor([4], device=like.device)
+    out = audio(frames, feature_lens=lens, aftercnn_lens=(lens - 1) // 2 + 1)
+    outputs = [t.float().sum() for t in _tensors(out) if t.is_floating_point()]
+    return (0.0 * torch.stack(outputs).sum()).to(like.dtype)
+
+
 def _zero_parameter_term(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
     """0-d zero wired to every trainable parameter of `visual`, from each rank's own shard (no collective): a tower
     unit that did not run holds its sharded DTensor parameters, whose local part takes the (zero) gradient."""
@@ -76,17 +91,23 @@ def _zero_parameter_term(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return (0.0 * total).to(like.dtype)
 
 
-def _kinds_in_step(kwargs: dict[str, Any]) -> int:
-    """How many media kinds some rank's micro-batch carries (the tower calls every rank must make); one all-reduce of
-    two flags when distributed, which every rank reaches before any tower call."""
-    flags = [int(isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].numel() > 0) for k in MEDIA_INPUTS]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return sum(flags)
-    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
-    agreed = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return int(agreed.sum())
+def _kinds_in_step(kwargs: dict[str, Any], inputs: list[tuple[str, ...]]) -> list[int]:
+    """Per tower (its input names in `inputs`), how many of its media kinds some rank's micro-batch carries (the
+    calls every rank must make); one all-reduce of the flags when distributed, which every rank reaches before any
+    tower call."""
+    keys = [k for names in inputs for k in names]
+    flags = [int(isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].numel() > 0) for k in keys]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
+        agreed = torch.tensor(flags, dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        flags = [int(f) for f in agreed.tolist()]
+    counts, start = [], 0
+    for names in inputs:
+        counts.append(sum(flags[start : start + len(names)]))
+        start += len(names)
+    return counts
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -99,35 +120,48 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 
 def keep_vision_tower_in_step(model: nn.Module) -> None:
-    """Install (once, at sharding time) the hooks that run `model`'s vision tower on every forward (module doc)."""
+    """Install (once, at sharding time) the hooks that run `model`'s vision tower (and an Omni thinker's audio tower)
+    on every forward (module doc)."""
     backbone = _backbone(model)
-    visual, lm = vision_tower(backbone), language_model(backbone)
+    visual = vision_tower(backbone)
     assert visual is not None
-    calls = [0]  # tower calls in the current forward
-    needed = [TOWER_CALLS]  # tower calls every rank makes in the current forward (agreed when it starts)
+    # the Omni thinker's text model is its `model` (no language_model attribute)
+    lm: Any = backbone.model if is_omni(backbone) else language_model(backbone)
+    towers: list[tuple[nn.Module, tuple[str, ...], Any]] = [(visual, MEDIA_INPUTS, _dummy_tower_term)]
+    audio = getattr(backbone, "audio_tower", None)
+    if isinstance(audio, nn.Module):
+        towers.append((audio, AUDIO_INPUTS, _dummy_audio_term))
+    calls = [0] * len(towers)  # each tower's calls in the current forward
+    needed = [len(names) for _, names, _ in towers]  # the calls every rank makes (agreed when the forward starts)
 
     def reset(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        calls[0] = 0
-        needed[0] = _kinds_in_step(kwargs)
+        calls[:] = [0] * len(towers)
+        needed[:] = _kinds_in_step(kwargs, [names for _, names, _ in towers])
 
-    def count(module: nn.Module, args: Any, out: Any) -> None:
-        calls[0] += 1
+    def counter(i: int) -> Any:
+        def count(module: nn.Module, args: Any, out: Any) -> None:
+            calls[i] += 1
+
+        return count
 
     def ensure(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
         embeds = kwargs.get("inputs_embeds")
         if not isinstance(embeds, torch.Tensor):
-            calls[0] = 0
+            calls[:] = [0] * len(towers)
             return args, kwargs
-        missing = needed[0] - calls[0]
-        for _ in range(missing):
-            embeds = embeds + _dummy_tower_term(visual, embeds)
-        if needed[0] == 0:  # no rank runs the tower: zero gradients for its parameters, from the local shards
-            embeds = embeds + _zero_parameter_term(visual, embeds)
-        calls[0] = 0  # consumed (the dummy calls counted too): the next forward counts afresh
-        changed = missing > 0 or needed[0] == 0
+        changed = False
+        for i, (tower, _, dummy) in enumerate(towers):
+            missing = needed[i] - calls[i]
+            for _ in range(missing):
+                embeds = embeds + dummy(tower, embeds)
+            if needed[i] == 0:  # no rank runs the tower: zero gradients for its parameters, from the local shards
+                embeds = embeds + _zero_parameter_term(tower, embeds)
+            changed = changed or missing > 0 or needed[i] == 0
+        calls[:] = [0] * len(towers)  # consumed (the dummy calls counted too): the next forward counts afresh
         return args, (dict(kwargs, inputs_embeds=embeds) if changed else kwargs)
 
     backbone.register_forward_pre_hook(reset, with_kwargs=True)
-    visual.register_forward_hook(count)
+    for i, (tower, _, _) in enumerate(towers):
+        tower.register_forward_hook(counter(i))
     # prepend: the term joins the whole row before a sequence-parallel split (vl_sequence) slices it
     lm.register_forward_pre_hook(ensure, with_kwargs=True, prepend=True)

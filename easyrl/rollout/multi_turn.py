@@ -176,7 +176,7 @@ class MultiTurnLoop:
         if params.seed is None:
             raise ValueError("a rollout loop needs params.seed: the trainer derives one per call (easyrl.seeding)")
         if any(prompts.non_tensors.get("multi_modal_inputs") or []):
-            raise ValueError("multi-turn rollouts take text prompts only: this batch carries images or videos")
+            raise ValueError("multi-turn rollouts take text prompts only: this batch carries images, videos or audio")
         firsts = prompt_seeds(params.seed, len(prompts), params.n).tolist()
         rows = prompts["row"]
         trajectories = [

@@ -24,6 +24,7 @@ from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits, scale_logits
 from easyrl.batch import Batch
+from easyrl.models.vision import is_omni
 from easyrl.workers.packing import ModelInputs, fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.ulysses import sequence_parallel_of, split_forward
@@ -47,14 +48,17 @@ def _run_head(
     `temperature` None: the value head (a one-output token classifier), read as is. Otherwise the sampled tokens'
     log-probs under logits / temperature.
     """
-    if temperature is not None and fused:
+    # The Omni thinker merges its audio and image features in its own forward, which the fused head (the backbone
+    # alone) would skip, and it takes no `logits_to_keep`: it computes every position's logits
+    omni = is_omni(model)
+    if temperature is not None and fused and not omni:
         lp, stat = fused_forward(model, inputs, temperature, chunk_size, second or "entropy")
         return lp, (stat if second is not None else None)
     packed = inputs.attention_mask is None  # only the packed layout passes no mask
     # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
     # (A value model has no such argument, and its head is one output wide anyway.)
     # Packed only: the positions index the token dim (1) of the hidden states, which is the flat index for one row.
-    keep = {"logits_to_keep": inputs.select} if packed and temperature is not None else {}
+    keep = {"logits_to_keep": inputs.select} if packed and temperature is not None and not omni else {}
     out = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,

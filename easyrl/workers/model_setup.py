@@ -83,10 +83,13 @@ def load_model(
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     # The classes transformers keeps whole (decoder layers; a VL model's vision blocks too): one FSDP unit each.
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
+    found = [(name.count("."), m) for name, m in model.named_modules() if type(m).__name__ in names]
+    if not found:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard (no _no_split_modules)")
-    return layers
+    # Deepest first: an Omni thinker keeps its whole audio and vision encoders *and* their layers, and fully_shard
+    # must take a unit's inner units before it (it cannot shard parameters twice). A stable sort: the layers of one
+    # depth keep their order.
+    return [m for _, m in sorted(found, key=lambda pair: -pair[0])]
 
 
 def shard_model(

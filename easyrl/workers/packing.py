@@ -36,7 +36,7 @@ from torch import nn
 
 from easyrl.algorithms import scale_logits
 from easyrl.batch import Batch
-from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
+from easyrl.models.vision import is_omni, is_vision_language, multimodal_forward_kwargs
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"
@@ -133,7 +133,8 @@ def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None
         position_ids = pos[mask][None]
         if mrope is not None:
             position_ids = torch.cat([position_ids, mrope[:, mask]])[:, None]  # (4, 1, T)
-            media["mm_token_type_ids"] = media["mm_token_type_ids"][mask][None]
+            if "mm_token_type_ids" in media:  # the Omni thinker takes none
+                media["mm_token_type_ids"] = media["mm_token_type_ids"][mask][None]
         return ModelInputs(input_ids[mask][None], position_ids, None, select, labels, dest, (b, r), media)
     # The columns that are padding in every row sit at the two ends (left-padded prompts, right-padded responses), so
     # one [left, right) window drops them all.
@@ -142,7 +143,7 @@ def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None
     width = right - left
     select = rows * width + (source - left)
     position_ids = pos[:, left:right] if mrope is None else mrope[:, :, left:right]
-    if mrope is not None:
+    if mrope is not None and "mm_token_type_ids" in media:
         media["mm_token_type_ids"] = media["mm_token_type_ids"][:, left:right]
     return ModelInputs(
         input_ids[:, left:right], position_ids, mask[:, left:right].long(), select, labels, dest, (b, r), media
@@ -163,7 +164,8 @@ def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.
         # Text-only micro-batch: a text token's M-RoPE position is its 1D position on all three axes, and every token
         # is text (type 0); set so the layouts below treat every VL micro-batch alike.
         mrope = mb["position_ids"].unsqueeze(0).expand(3, -1, -1)
-        media["mm_token_type_ids"] = torch.zeros_like(mb["input_ids"], dtype=torch.int)
+        if not is_omni(model):
+            media["mm_token_type_ids"] = torch.zeros_like(mb["input_ids"], dtype=torch.int)
     return media, mrope
 
 

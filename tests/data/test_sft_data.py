@@ -204,3 +204,11 @@ def test_collate_lays_conversations_out_as_the_rl_batch() -> None:
     assert b["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     assert b["loss_mask"].tolist() == [[1, 0, 0], [0, 1, 1]]
     assert all(t.dtype == torch.long for t in b.values())
+
+
+def test_a_row_with_audio_is_refused_naming_the_row(tmp_path: Path) -> None:
+    """SFT renders text only: a row's audio clip would be dropped without a word, so the row stops loading."""
+    rows = [{"messages": _chat("a", "1")}, {"messages": _chat("what is said?", "hi"), "audios": ["clip.wav"]}]
+    with pytest.raises(DataError) as err:
+        _load(tmp_path, rows)
+    assert "rows.jsonl, row 1: 'audios' has audio, which SFT does not take yet" in str(err.value)

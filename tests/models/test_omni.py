@@ -1,0 +1,333 @@
+"""Audio through the Omni thinker (docs/models.md, Omni), on a tiny random Qwen2.5-Omni thinker built locally
+(easyrl/testing/tiny_omni.py) and wav files written here at other sampling rates: decoded and resampled to the
+feature extractor's 16 kHz, expanded into as many ``<|AUDIO|>`` tokens as the audio encoder makes, the positions,
+forward and generation taking them, packed rows giving the padded rows' log-probs and gradients, and the paths not
+built for it refused with one line. One GRPO step is in tests/trainer/test_omni_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pytest import MonkeyPatch
+
+from easyrl.config import ConfigError, DataConfig
+from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint, write_tone_wav
+
+
+@pytest.fixture(scope="module")
+def omni_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni") / "model")
+
+
+def audio_data(folder: Path, rows: int = 8) -> dict[str, str]:
+    """`rows` prompts, each with one clip of its own length and rate named relative to the audio folder, but every
+    fourth text only (ranks whose micro-batches have no audio still run the audio tower: easyrl.models.vl_tower)."""
+    audio = folder / "audio"
+    audio.mkdir(parents=True)
+    lines = []
+    for i in range(rows):
+        row = {"prompt": f"How many digits are in {i}{i}?", "answer": str(len(f"{i}{i}"))}
+        if i % 4 != 3:
+            name = f"clip{i}.wav"
+            write_tone_wav(audio / name, 0.3 + 0.1 * (i % 4), (8000, 22050, 44100)[i % 3], tone=200.0 + 50 * i)
+            row |= {"prompt": "<audio>" + row["prompt"], "audios": [name]}
+        lines.append(row)
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return {"train": str(train), "audio_dir": str(audio)}
+
+
+def test_audio_is_resampled_to_the_feature_extractors_rate(tmp_path: Path) -> None:
+    from easyrl.data.audio import load_audio
+
+    for rate, channels in ((8000, 1), (44100, 2)):
+        clip = load_audio(str(write_tone_wav(tmp_path / f"{rate}.wav", 0.5, rate, channels=channels)), 16000)
+        assert abs(clip.size - 8000) <= 32, clip.size  # half a second at 16 kHz (the resampler's edge aside)
+        spectrum = np.abs(np.fft.rfft(clip))
+        assert abs(np.argmax(spectrum) * 16000 / clip.size - 440) < 5  # the tone survives at its pitch
+        assert clip.dtype == np.float32 and np.abs(clip).max() < 0.35
+
+
+def test_bad_audio_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    from easyrl.data.audio import AudioError, load_audio
+
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all")
+    with pytest.raises(AudioError, match=r"audio not decodable \(.*bad\.wav\)"):
+        load_audio(str(bad), 16000)
+
+
+def test_dataset_expands_each_clip_into_the_encoders_tokens(tmp_path: Path, omni_model: str) -> None:
+    """A full window (2 s: 200 mel frames) makes 50 tokens; 0.5 s makes 12, as the processor's arithmetic says; the
+    counts the overlong filter uses are the ones the encoded prompt has."""
+    from easyrl.data.dataset import RLDataset
+    from easyrl.models import load_processor
+
+    write_tone_wav(tmp_path / "short.wav", 0.5, 8000)
+    write_tone_wav(tmp_path / "long.wav", 3.0, 44100)  # past the 2 s window: cut there
+    rows = [{"prompt": "<audio>Tone?", "answer": "1", "audios": ["short.wav"]},
+            {"prompt": "Tone?", "answer": "1", "audios": "long.wav"},  # no placeholder: before the text
+            {"prompt": "Tone?", "answer": "1", "audios": ["missing.wav"]}]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(train_files=str(tmp_path / "rows.jsonl"), audio_dir=str(tmp_path), max_prompt_length=256)
+    processor = load_processor(omni_model)
+    data = RLDataset(cfg.train_files, cfg, None, processor)
+    assert len(data) == 2 and data.drop_counts["unreadable_audio"] == 1
+    audio_id = processor.tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    for i, tokens in ((0, 12), (1, 50)):
+        item = data[i]
+        assert item["prompt_ids"].count(audio_id) == tokens
+        mm = item["multi_modal_inputs"]
+        assert mm["input_features"].shape == (1, 16, 200) and mm["feature_attention_mask"].shape == (1, 200)
+        assert len(item["prompt_ids"]) == data.prompt_length_stats()["min" if i == 0 else "max"]
+    assert data.media_per_row() == {"image": 0, "video": 0, "audio": 1}
+
+
+def test_audio_on_a_vision_language_model_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from easyrl.data.dataset import RLDataset
+    from easyrl.models import load_processor
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    write_tone_wav(tmp_path / "a.wav", 0.5, 16000)
+    rows = [{"prompt": "Tone?", "answer": "1", "audios": ["a.wav"]}, {"prompt": "Text only", "answer": "1"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(train_files=str(tmp_path / "rows.jsonl"), audio_dir=str(tmp_path))
+    vl = load_processor(build_tiny_vl_checkpoint(tmp_path / "vl", arch="qwen2_5_vl"))
+    with caplog.at_level("WARNING"):
+        data = RLDataset(cfg.train_files, cfg, None, vl)
+    assert len(data) == 1 and data.drop_counts == {"bad_media": 1}
+    assert (
+        "the row has 1 audio clips but the model's processor (qwen2_5_vl) takes images and videos only" in caplog.text
+    )
+
+
+def test_forward_positions_and_generation_take_the_audio(tmp_path: Path, omni_model: str) -> None:
+    """Left-padded rows of different audio lengths: the logits of each row equal its own unpadded forward, and the
+    HF engine's generation never samples an audio special token."""
+    from transformers import AutoModelForImageTextToText
+
+    from easyrl.data.dataset import RLDataset
+    from easyrl.models import generate_with_media, load_processor, multimodal_forward_kwargs
+
+    data = audio_data(tmp_path, rows=2)  # two clips of different lengths
+    cfg = DataConfig(train_files=data["train"], audio_dir=data["audio_dir"], max_prompt_length=256)
+    dataset = RLDataset(cfg.train_files, cfg, None, load_processor(omni_model))
+    items = [dataset[0], dataset[1]]
+    model = AutoModelForImageTextToText.from_pretrained(omni_model, dtype=torch.float32).eval()
+    width = max(len(it["prompt_ids"]) for it in items)
+    ids = torch.tensor([[0] * (width - len(it["prompt_ids"])) + it["prompt_ids"] for it in items])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(it["prompt_ids"]) for it in items])[:, None]).long()
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "multi_modal_inputs": [it["multi_modal_inputs"] for it in items],
+    }
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **multimodal_forward_kwargs(batch, model)).logits
+        for row, item in enumerate(items):
+            alone_ids = torch.tensor([item["prompt_ids"]])
+            one = {"input_ids": alone_ids, "attention_mask": torch.ones_like(alone_ids)}
+            media = multimodal_forward_kwargs({**one, "multi_modal_inputs": [item["multi_modal_inputs"]]}, model)
+            alone = model(**one, **media)
+            torch.testing.assert_close(logits[row, mask[row].bool()], alone.logits[0], rtol=1e-4, atol=1e-4)
+    out = generate_with_media(model, ids, mask, batch["multi_modal_inputs"], max_new_tokens=6, do_sample=True)
+    audio_ids = {model.config.audio_token_id, model.config.audio_start_token_id, model.config.audio_end_token_id}
+    assert not audio_ids & set(out[:, width:].flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        ({"worker.rollout.name": "vllm"}, "worker.rollout.name"),
+        ({"worker.actor.ulysses_size": 2, "worker.actor.padding_free": True}, "worker.actor.ulysses_size"),
+        ({"worker.actor.model.lora.rank": 4}, "worker.actor.model.lora.rank"),
+        pytest.param(
+            {
+                "algorithm.adv_estimator": "gae",
+                "worker.critic.global_batch_size": 2,
+                "worker.critic.micro_batch_size_per_device_for_update": 2,
+            },
+            "algorithm.adv_estimator",
+            id="gae",
+        ),
+    ],
+)
+def test_paths_not_built_for_the_omni_thinker_are_refused(
+    tmp_path: Path, omni_model: str, digits_data: dict[str, str], edit: dict[str, object], key: str
+) -> None:
+    from easyrl.config import load_config
+    from tests.conftest import base_config, write_config
+
+    conf = base_config(omni_model, digits_data, tmp_path / "run")
+    for dotted, value in edit.items():
+        *parents, leaf = dotted.split(".")
+        node = conf
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    with pytest.raises(ConfigError, match=r"is a Qwen2\.5-Omni thinker: ") as err:
+        load_config(write_config(tmp_path / "cfg.yaml", conf))
+    assert str(err.value).startswith(key)
+
+
+def test_packed_rows_give_the_padded_log_probs_and_gradients(tmp_path: Path, omni_model: str) -> None:
+    """Four rows (a short clip; text only; a longer clip mid-prompt; an image and a clip), padded against packed
+    with the fused-head setting on (the thinker computes its logits through its own forward): log-probs and every
+    gradient, the audio tower's and the vision tower's included."""
+    from PIL import Image
+
+    from easyrl.batch import Batch
+    from easyrl.config import ModelConfig
+    from easyrl.data.dataset import RLDataset
+    from easyrl.models import load_processor
+    from easyrl.workers.forward_backward import token_log_probs
+    from easyrl.workers.model_setup import load_model
+    from easyrl.workers.packing import packed_attn_implementation
+    from easyrl.workers.specs import ForwardOptions
+
+    write_tone_wav(tmp_path / "a.wav", 0.5, 8000)
+    write_tone_wav(tmp_path / "b.wav", 1.2, 22050)
+    Image.new("RGB", (48, 32), (200, 30, 90)).save(tmp_path / "c.png")
+    rows = [{"prompt": "<audio>Tone?", "answer": "1", "audios": ["a.wav"]}, {"prompt": "Words only.", "answer": "1"},
+            {"prompt": "And <audio> this?", "answer": "1", "audios": ["b.wav"]},
+            {"prompt": "See <image> and hear <audio>.", "answer": "1", "images": ["c.png"], "audios": ["a.wav"]}]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(
+        train_files=str(tmp_path / "rows.jsonl"), audio_dir=str(tmp_path), image_dir=str(tmp_path),
+        max_prompt_length=256, min_pixels=32 * 32, max_pixels=64 * 64,
+    )  # fmt: skip
+    data = RLDataset(cfg.train_files, cfg, None, load_processor(omni_model))
+    items = [data[i] for i in range(4)]
+    assert items[3]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 6]]  # 48x32: 6 image tokens
+    responses = ["abcde", "xyz", "1234", "ab"]
+    p, r = max(len(i["prompt_ids"]) for i in items), 5
+    ids, mask = torch.full((4, p + r), 256), torch.zeros(4, p + r, dtype=torch.long)
+    for row, (item, text) in enumerate(zip(items, responses)):
+        n = len(item["prompt_ids"])
+        ids[row, p - n : p] = torch.tensor(item["prompt_ids"])
+        ids[row, p : p + len(text)] = torch.tensor([ord(c) for c in text])
+        mask[row, p - n : p + len(text)] = 1
+    mb = Batch(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+         "responses": ids[:, p:], "response_mask": mask[:, p:].clone()},
+        {"multi_modal_inputs": [item["multi_modal_inputs"] for item in items]},
+    )  # fmt: skip
+
+    def loss_grads(model: torch.nn.Module, opts: ForwardOptions | None) -> tuple[torch.Tensor, dict]:
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_log_probs(model, mb, torch.device("cpu"), 0.8, with_entropy=True, opts=opts)
+        assert ent is not None
+        ((lp + 0.1 * ent) * mb["response_mask"]).sum().backward()
+        return lp.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+
+    padded = load_model(ModelConfig(model_path=omni_model), "causal_lm").train()
+    packed_attn = packed_attn_implementation()
+    packed = load_model(ModelConfig(model_path=omni_model), "causal_lm", attn_implementation=packed_attn).train()
+    ref, ref_grads = loss_grads(padded, None)
+    assert any(n.startswith("audio_tower.") for n in ref_grads) and any(n.startswith("visual.") for n in ref_grads)
+    lp, grads = loss_grads(packed, ForwardOptions(padding_free=True, fused=True))
+    m = mb["response_mask"].bool()
+    torch.testing.assert_close(lp[m], ref[m], atol=1e-5, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, expected in ref_grads.items():
+        torch.testing.assert_close(grads[name], expected, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_audio_tower_is_kept_in_step_without_audio(omni_model: str) -> None:
+    """A micro-batch without audio still gives every audio-tower parameter a (zero) gradient, and the dummy call a
+    rank makes when another rank has audio runs the tower on four zero frames and adds exactly zero."""
+    from transformers import AutoModelForImageTextToText
+
+    from easyrl.models.vl_tower import _dummy_audio_term, keep_vision_tower_in_step
+
+    model = AutoModelForImageTextToText.from_pretrained(omni_model, dtype=torch.float32)
+    keep_vision_tower_in_step(model)
+    ids = torch.tensor([[40, 41, 42, 43]])
+    model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+    audio = {n: p.grad for n, p in model.named_parameters() if n.startswith("audio_tower.") and p.requires_grad}
+    assert audio and all(g is not None for n, g in audio.items() if "audio_bos_eos" not in n)
+    assert all(float(g.abs().sum()) == 0 for g in audio.values() if g is not None)
+    like = torch.zeros(1, 4, 64)
+    term = _dummy_audio_term(model.audio_tower, like)
+    assert term.shape == () and float(term.detach()) == 0.0 and term.requires_grad
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "omni" / "audio_grpo_qwen2_5_omni_7b.yaml"
+
+
+def _recipe_data(folder: Path) -> list[str]:
+    """Rows in the recipe's columns (`problem`, `answer`, `audios`) and its overrides to them."""
+    audio = folder / "audio"
+    audio.mkdir(parents=True)
+    rows = []
+    for i in range(128):  # the recipe's rollout_batch_size
+        if i < 4:
+            write_tone_wav(audio / f"q{i}.wav", 0.5 + 0.25 * i, (8000, 16000, 44100)[i % 3])
+        rows.append({"problem": f"<audio>What is {i} + 1?", "answer": str(i + 1), "audios": [f"q{i % 4}.wav"]})
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"data.train_files={folder / 'train.jsonl'}", f"data.val_files={folder / 'train.jsonl'}",
+            f"data.audio_dir={audio}"]  # fmt: skip
+
+
+def test_recipe_passes_check_on_a_tiny_stand_in(tmp_path: Path, omni_model: str, monkeypatch: MonkeyPatch) -> None:
+    """configs/omni: `easyrl check` loads the audio rows through the thinker's processor, counts their tokens and
+    scores the first; the plan names the HF engine."""
+    import io
+    from contextlib import redirect_stdout
+
+    from easyrl.check import run_check
+    from easyrl.config import load_config
+
+    monkeypatch.chdir(RECIPE.parents[2])
+    cfg = load_config(RECIPE, [f"worker.actor.model.model_path={omni_model}", *_recipe_data(tmp_path / "data")])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = run_check(cfg)
+    text = out.getvalue()
+    assert code == 0, text[-3000:]
+    assert "train: 128 usable rows" in text and "audio_clips=128" in text
+    assert "media_tokens_min=12" in text  # the 0.5 s clip: 12 audio tokens counted into the prompt's length
+    assert "<audio>What is 0 + 1?" in text  # the first prompt, rendered (its clip expanded when encoded)
+    assert "rollout: 8 hf engine(s)" in text
+
+
+def test_recipe_plan_on_the_published_thinker_fits_80_gib(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    """The published Qwen2.5-Omni-7B thinker's shape (transformers' default thinker config but for the vision
+    tower's width, 1280 as in the hub's config.json); its folder with only config.json gives `easyrl check
+    --gpu-memory 80`'s plan, the audio encoder counted and full logits (no fused head) in the activations."""
+    import io
+    from contextlib import redirect_stdout
+
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    from easyrl.check import print_memory_plan
+    from easyrl.config import load_config
+
+    monkeypatch.chdir(RECIPE.parents[2])
+    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}
+    Qwen2_5OmniThinkerConfig(vision_config=vision).save_pretrained(tmp_path / "thinker")
+    overrides = [f"worker.actor.model.model_path={tmp_path / 'thinker'}", *_recipe_data(tmp_path / "data")]
+    cfg = load_config(RECIPE, overrides)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = print_memory_plan(cfg, gpu_memory_gib=80)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "model: 8.93B parameters" in text, text
+    assert "activations 7.1 (4096 tokens per micro-batch)" in text  # 4096 x 152064 logits: bf16 and fp32 grads
+    assert "while generating: 64.1 of 80.0 GiB" in text and "while updating: 75.4 of 80.0 GiB" in text
+
+
+def test_a_missing_audio_folder_is_one_line(tmp_path: Path, omni_model: str, digits_data: dict[str, str]) -> None:
+    from easyrl.config import load_config
+    from tests.conftest import base_config, write_config
+
+    conf = base_config(omni_model, digits_data, tmp_path / "run")
+    conf["data"]["audio_dir"] = str(tmp_path / "no_such_folder")
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path / "cfg.yaml", conf))
+    assert str(err.value).startswith("data.audio_dir: folder not found")
