@@ -157,6 +157,10 @@ def response_values(
     return values * mb["response_mask"].to(device)
 
 
+TOPK_CHUNK = 1024
+"""Positions per float32 log-softmax in `top_k_log_probs` (the teacher's forward, no gradient)."""
+
+
 def _unfused_layout(
     model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None, temperature: float
 ) -> ModelInputs:
@@ -178,9 +182,14 @@ def top_k_log_probs(
     """The sampled token's log-prob (b, R), and the model's k most likely tokens at each response position: their
     log-probs (b, R, k) and ids (b, R, k) int64, all at `temperature`; zeros at padding (ids 0 there)."""
     inputs = _unfused_layout(model, mb, device, opts, temperature)
-    logp = torch.log_softmax(scale_logits(_selected_logits(model, inputs, value_head=False), temperature).float(), -1)
-    top_lp, top_ids = logp.topk(k, dim=-1)  # (N, k) each
-    sampled = logp.gather(-1, inputs.labels.unsqueeze(-1)).squeeze(-1)
+    z = scale_logits(_selected_logits(model, inputs, value_head=False), temperature)
+    parts = []
+    # A float32 log-softmax of `chunk` positions at a time: no second (N, V) tensor beside the logits.
+    for rows, labels in zip(z.split(TOPK_CHUNK), inputs.labels.split(TOPK_CHUNK)):
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        top_lp, top_ids = logp.topk(k, dim=-1)  # (chunk, k) each
+        parts.append((logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), top_lp, top_ids))
+    sampled, top_lp, top_ids = (torch.cat(p) for p in zip(*parts))
     return inputs.scatter(sampled), inputs.scatter(top_lp), inputs.scatter(top_ids)
 
 
@@ -198,7 +207,8 @@ def token_log_probs_at(
     inputs = _unfused_layout(model, mb, device, opts, temperature)
     z = scale_logits(_selected_logits(model, inputs, value_head=False), temperature)
     lp = logprobs_from_logits(z, inputs.labels)
-    # (N, V) log-softmax once more for the k ids: the same values `lp` reads at the sampled token
-    at = torch.log_softmax(z.float(), dim=-1).gather(-1, inputs.gather(ids.to(device)))
+    # log p(j) = z_j - logsumexp(z) at the k ids: (N, k) and (N, 1), no (N, V) log-softmax beside the logits
+    zf = z.float()
+    at = zf.gather(-1, inputs.gather(ids.to(device))) - torch.logsumexp(zf, dim=-1, keepdim=True)
     ent = entropy_from_logits(z) if with_entropy else None
     return inputs.scatter(lp), (None if ent is None else inputs.scatter(ent)), inputs.scatter(at)

@@ -209,12 +209,15 @@ def _two_rows() -> Batch:
     )
 
 
-def test_top_k_log_probs_and_the_log_probs_at_given_ids_agree_on_every_unfused_layout(tiny_model_dir) -> None:
+def test_top_k_log_probs_and_the_log_probs_at_given_ids_agree_on_every_unfused_layout(
+    tiny_model_dir, monkeypatch
+) -> None:
     """`topk_fkl`'s two heads: the teacher's top-k (ids and log-probs) and the student's log-probs at those ids, with
     their gradient, are the full log-softmax's at every valid response token, padded, trimmed or packed; the fused
     and split heads are refused with the keys to set."""
     from easyrl.workers.head import token_log_probs_at, top_k_log_probs
 
+    monkeypatch.setattr("easyrl.workers.head.TOPK_CHUNK", 2)  # the teacher's log-softmax 2 positions at a time
     models, batch, k = _models(tiny_model_dir), _two_rows(), 3
     valid = batch["response_mask"].bool()
     with torch.no_grad():
