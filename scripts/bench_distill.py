@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=80, help="steps of each run from the fresh student")
     p.add_argument("--val-every", type=int, default=5)
     p.add_argument("--coef", type=float, default=1.0)
-    p.add_argument("--mode", default="k1", choices=("k1", "k3"))
+    p.add_argument("--mode", default="k1", choices=("k1", "k3", "topk_fkl"))
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3], help="learning rates, each run at each")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--ppo-epochs", type=int, default=1, help="worker.actor.ppo_epochs of every run")
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         f"algorithm.distill.teacher.model_path={teacher}",
         f"algorithm.distill.coef={args.coef}",
         f"algorithm.distill.mode={args.mode}",
+        # topk_fkl's loss term runs on the unfused head (it is refused with the fused one)
+        *(["worker.actor.fused_logprobs=false"] if args.mode == "topk_fkl" else []),
     ]
     results = []
     for lr in args.lrs:

@@ -20,7 +20,7 @@ from easyrl.algorithms.controllers import (
     KLController,
     get_kl_controller,
 )
-from easyrl.algorithms.distill import DISTILL_PENALTIES, distill_advantages
+from easyrl.algorithms.distill import DISTILL_PENALTIES, distill_advantages, topk_forward_kl
 from easyrl.algorithms.entropy import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -87,4 +87,5 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "scale_logits",
+    "topk_forward_kl",
 ]

@@ -13,6 +13,10 @@ The student samples `a ~ pi`; the teacher gives `log pi_teacher(a)` for exactly 
 
 Where we depart from the papers: `A` is the task advantage of the configured estimator (or 0 without the task
 reward), so the same loss (PPO clip included) trains both signals; the papers use the teacher alone.
+
+`topk_fkl` is not an advantage but a loss term (`topk_forward_kl`): at each sampled position, the forward KL over the
+teacher's k most likely tokens, `sum_j p_T(j) (log p_T(j) - log p_S(j))`, differentiated through the student's
+log-probs at those tokens (the teacher's mass outside its top k is left out, as in top-k logit distillation).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from easyrl.algorithms.kl import kl_penalty
 
 
-__all__ = ["DISTILL_PENALTIES", "distill_advantages"]
+__all__ = ["DISTILL_PENALTIES", "distill_advantages", "topk_forward_kl"]
 
 DISTILL_PENALTIES = {"k1": "k1", "k3": "k3"}
 """`algorithm.distill.mode` -> the `kl_penalty` estimator that computes its per-token penalty."""
@@ -59,3 +63,17 @@ def distill_advantages(
         0,
     )
     return (advantages - coef * penalty) * mask, penalty
+
+
+def topk_forward_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor) -> torch.Tensor:
+    """The forward KL of each position over the teacher's top-k tokens, `sum_j p_T(j) (log p_T(j) - log p_S(j))`.
+
+    Args:
+        student_log_probs: (B, T, k) the student's log-probs at the teacher's top-k token ids (with gradient).
+        teacher_log_probs: (B, T, k) the teacher's log-probs of those ids (no gradient).
+
+    Returns:
+        (B, T) the per-position term; padding positions give whatever their inputs give (mask it with `agg_loss`).
+    """
+    teacher = teacher_log_probs.detach().float()
+    return (teacher.exp() * (teacher - student_log_probs.float())).sum(dim=-1)

@@ -68,7 +68,7 @@ class RolloutCorrectionConfig:
         return self.active or self.bypass_mode
 
 
-DISTILL_MODES = ("k1", "k3")
+DISTILL_MODES = ("k1", "k3", "topk_fkl")
 """`algorithm.distill.mode`: the per-token penalty of the student's sampled tokens against the teacher."""
 
 
@@ -84,11 +84,17 @@ class DistillConfig:
     forward settings; or a vLLM server (`base_url`, with `tokenizer_path` a local copy of its tokenizer, and
     `worker.rollout.temperature: 1`), asked for the prompt log-probs of each sampled sequence."""
     coef: float = 1.0
-    """Weight of the teacher's penalty in each token's advantage."""
+    """Weight of the teacher's penalty in each token's advantage (`k1`, `k3`), or of the forward-KL loss term
+    (`topk_fkl`)."""
     mode: str = "k1"
     """The penalty, with `d = log pi(a) - log pi_teacher(a)` for the sampled token `a`: `k1` is `d` (the per-token
     reverse KL, as in Thinking Machines' on-policy distillation), `k3` is `exp(-d) + d - 1` (never negative, lower
-    variance, clamped to [-10, 10])."""
+    variance, clamped to [-10, 10]). `topk_fkl`: no penalty in the advantage, but a loss term: at each sampled
+    position the forward KL over the teacher's `top_k` most likely tokens, `sum_j p_T(j) (log p_T(j) - log
+    p_S(j))`, through the student's logits at those tokens (a local teacher, with `worker.actor.fused_logprobs:
+    false` and `worker.actor.ulysses_size: 1`)."""
+    top_k: int = 8
+    """`topk_fkl`: the teacher's most likely tokens per position that the forward KL runs over."""
     with_task_reward: bool = True
     """Add the penalty to the advantage of the task reward from `algorithm.adv_estimator` (true), or train on the
     teacher alone (false: the task reward is still scored and logged, and validation reads it)."""

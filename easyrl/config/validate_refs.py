@@ -49,12 +49,6 @@ def check_distill(cfg: EasyRLConfig) -> None:
     only where one is computed."""
     dist = cfg.algorithm.distill
     key = "algorithm.distill"
-    if dist.mode == "topk_fkl":
-        raise ConfigError(
-            f"{key}.mode",
-            "topk_fkl (forward KL over the teacher's top-k tokens) is not built yet: it needs the teacher's top-k "
-            "log-probs per token and a loss term through the student's logits at those tokens; use k1 or k3",
-        )
     if dist.mode not in DISTILL_MODES:
         raise ConfigError(f"{key}.mode", f"{dist.mode!r} is not allowed; choose one of: {', '.join(DISTILL_MODES)}")
     if dist.coef < 0:
@@ -75,11 +69,39 @@ def check_distill(cfg: EasyRLConfig) -> None:
                 f"a remote teacher gives log-probs at temperature 1 (vLLM's prompt log-probs), but the student samples "
                 f"at worker.rollout.temperature={cfg.worker.rollout.temperature}: sample at 1.0, or use a local teacher",
             )
+    if dist.mode == "topk_fkl":
+        _check_topk_fkl(cfg)
     if not dist.with_task_reward and declared_needs(cfg.algorithm.adv_estimator).needs_critic:
         raise ConfigError(
             f"{key}.with_task_reward",
             f"false trains on the teacher alone, but {cfg.algorithm.adv_estimator} trains a critic on the task "
             "reward: use an estimator without a critic (grpo, rloo, ...) or keep the task reward",
+        )
+
+
+def _check_topk_fkl(cfg: EasyRLConfig) -> None:
+    """`topk_fkl` runs on the paths that produce and gather (B, R, k) log-probs: a local teacher's forward pass and
+    the actor's unfused, unsplit head."""
+    dist, actor, key = cfg.algorithm.distill, cfg.worker.actor, "algorithm.distill"
+    if dist.teacher.remote:
+        raise ConfigError(
+            f"{key}.mode",
+            "topk_fkl needs the teacher's top-k log-probs per token, which the remote teacher (prompt log-probs of "
+            "the sampled tokens) does not ask for: use a local teacher (teacher.model_path) or mode k1",
+        )
+    if dist.top_k < 1:
+        raise ConfigError(f"{key}.top_k", f"must be >= 1 with mode topk_fkl, got {dist.top_k}")
+    if actor.fused_logprobs:
+        raise ConfigError(
+            "worker.actor.fused_logprobs",
+            "topk_fkl differentiates the student's log-probs at the teacher's top-k tokens, which the fused head "
+            "(its backward carries the sampled token alone) does not: set worker.actor.fused_logprobs=false",
+        )
+    if actor.ulysses_size > 1:
+        raise ConfigError(
+            "worker.actor.ulysses_size",
+            "topk_fkl gathers k log-probs per token, which the sequence-parallel split does not: set "
+            "worker.actor.ulysses_size=1 or use mode k1",
         )
 
 

@@ -104,6 +104,7 @@ def _teacher_spec(cfg: EasyRLConfig, process: ProcessSpec) -> TeacherSpec:
         ),
         temperature=cfg.worker.rollout.temperature,
         micro_batch_size_for_experience=micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
+        top_k=cfg.algorithm.distill.top_k if cfg.algorithm.distill.mode == "topk_fkl" else 0,
     )
 
 
@@ -140,6 +141,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
+            distill_topk_coef=alg.distill.coef if alg.distill.enabled and alg.distill.mode == "topk_fkl" else 0.0,
         ),
         rollout=rollout_spec(cfg),
         temperature=cfg.worker.rollout.temperature,

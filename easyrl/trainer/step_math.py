@@ -65,11 +65,18 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> None:
 def apply_distillation(batch: Batch, cfg: DistillConfig) -> dict[str, float]:
     """On-policy distillation, after the task advantages: `advantages` (B, R) less `coef` times the teacher's
     per-token penalty on the student's sampled tokens (without the task reward, the penalty alone). The student's
-    log-probs are those of the policy that sampled (`old_log_probs`: the pass, or the engine's in bypass mode)."""
+    log-probs are those of the policy that sampled (`old_log_probs`: the pass, or the engine's in bypass mode).
+    `topk_fkl` leaves the advantages to the task (0 without it): its signal is a loss term of the actor's."""
     mask = batch["loss_mask"].float()
     task = batch["advantages"] if cfg.with_task_reward else torch.zeros_like(mask)
     student, teacher = batch["old_log_probs"], batch["teacher_log_probs"]
-    adv, penalty = distill_advantages(task, student, teacher, mask, cfg.coef, cfg.mode)
+    extra: dict[str, float] = {}
+    if cfg.mode == "topk_fkl":
+        adv, penalty = task * mask, torch.zeros_like(mask)
+        # How much of the teacher's distribution its top k hold: the forward KL leaves the rest out.
+        extra["distill/teacher_topk_mass"] = float(masked_mean(batch["teacher_topk_log_probs"].exp().sum(-1), mask))
+    else:
+        adv, penalty = distill_advantages(task, student, teacher, mask, cfg.coef, cfg.mode)
     batch.set(advantages=adv)
     if not cfg.with_task_reward:
         batch.set(returns=adv)  # nothing else is returned: the teacher's signal is the whole return
@@ -79,6 +86,7 @@ def apply_distillation(batch: Batch, cfg: DistillConfig) -> dict[str, float]:
         "distill/penalty": float(masked_mean(penalty, mask)),
         "distill/teacher_log_prob": float(masked_mean(teacher, mask)),
         "distill/coef": cfg.coef,
+        **extra,
     }
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params
+from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params, topk_forward_kl
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
@@ -27,6 +27,7 @@ from easyrl.workers.forward_backward import (
     token_log_probs,
     update_model,
 )
+from easyrl.workers.head import token_log_probs_at
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.session import OneCallSession
 from easyrl.workers.specs import ActorSpec, PolicyLossSpec
@@ -43,6 +44,7 @@ def policy_objective(
     spec: PolicyLossSpec,
     loss_agg_mode: str,
     entropy_coeff: float,
+    topk_log_prob: torch.Tensor | None = None,
 ) -> MicroBatchLoss:
     """The actor's objective over one micro-batch: the policy loss, minus the entropy bonus, plus the KL loss.
 
@@ -50,7 +52,8 @@ def policy_objective(
     reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
     from the forward pass: a tensor left on the host would fail on a GPU run. Without `old_log_probs` (the driver
     skipped the old-log-prob pass: one epoch over one mini-batch) they are `log_prob` detached: this forward runs
-    the weights the pass would have run, so the ratio is 1 and the gradient the same.
+    the weights the pass would have run, so the ratio is 1 and the gradient the same. `topk_log_prob` (b, R, k):
+    the current log-probs at the teacher's top-k ids (`topk_fkl`), for the forward-KL term.
     """
     mask = mb["loss_mask"].float()
     old_log_prob = mb.tensors.get("old_log_probs")
@@ -75,6 +78,12 @@ def policy_objective(
         kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=loss_agg_mode)
         loss = loss + spec.kl_coef * kl_loss
         terms["actor/kl_loss"] = kl_loss.detach()
+    if spec.distill_topk_coef > 0:
+        assert topk_log_prob is not None, "topk_fkl: the loss needs the student's log-probs at the teacher's top-k"
+        fkl = topk_forward_kl(topk_log_prob, mb["teacher_topk_log_probs"])
+        fkl_loss = agg_loss(loss_mat=fkl, loss_mask=mask, loss_agg_mode=loss_agg_mode)
+        loss = loss + spec.distill_topk_coef * fkl_loss
+        terms["actor/distill_topk_fkl"] = fkl_loss.detach()
     return MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
 
 
@@ -221,11 +230,15 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
 
         def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
             # the forward packs rows from the host copy; the loss reads the device copy only
-            log_prob, entropy = token_log_probs(
-                self.model, mb, device, temperature, with_entropy=entropy_coeff != 0, opts=opts
-            )
+            with_entropy, at = entropy_coeff != 0, None
+            if self.spec.loss.distill_topk_coef > 0:  # one forward gives both: the sampled tokens and the top-k ids
+                log_prob, entropy, at = token_log_probs_at(
+                    self.model, mb, device, temperature, mb["teacher_topk_ids"], with_entropy, opts
+                )
+            else:
+                log_prob, entropy = token_log_probs(self.model, mb, device, temperature, with_entropy, opts=opts)
             return policy_objective(
-                on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff
+                on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff, at
             )
 
         return loss_fn

@@ -15,6 +15,10 @@ packed row is sharded over the group, the same head runs on the local tokens, an
 back before step 3. Its group is the `SequenceParallel` object attached to the model when it was built.
 
 The plain layout keeps the model's outputs at padding (the others give 0 there); only valid tokens are ever read.
+
+`top_k_log_probs` and `token_log_probs_at` (on-policy distillation's `topk_fkl`: a teacher's k most likely tokens,
+and the student's log-probs at them with their gradient) read (N, V) logits on the same layouts, unfused and unsplit
+only: the fused head's backward and the Ulysses gather carry one value per position.
 """
 
 from __future__ import annotations
@@ -30,7 +34,29 @@ from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.ulysses import sequence_parallel_of, split_forward
 
 
-__all__ = ["response_values", "token_log_probs", "token_log_probs_and_top1"]
+__all__ = ["response_values", "token_log_probs", "token_log_probs_and_top1", "token_log_probs_at", "top_k_log_probs"]
+
+
+def _selected_logits(model: nn.Module, inputs: ModelInputs, value_head: bool) -> torch.Tensor:
+    """One model call on the layout `inputs`: the full logits (N, V) at its selected positions (unscaled)."""
+    packed = inputs.attention_mask is None  # only the packed layout passes no mask
+    # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
+    # (A value model has no such argument, and its head is one output wide anyway.)
+    # Packed only: the positions index the token dim (1) of the hidden states, which is the flat index for one row.
+    # The Omni thinker takes no `logits_to_keep`: it computes every position's logits
+    keep = {"logits_to_keep": inputs.select} if packed and not value_head and not is_omni(model) else {}
+    out = model(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+        **keep,
+        **inputs.media,
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1])  # (rows * width, V), or (N, V) with `logits_to_keep`
+    if not keep:  # every position was computed: pick the selected ones
+        logits = logits.index_select(0, inputs.select)
+    return logits
 
 
 def _run_head(
@@ -49,27 +75,11 @@ def _run_head(
     log-probs under logits / temperature.
     """
     # The Omni thinker merges its audio and image features in its own forward, which the fused head (the backbone
-    # alone) would skip, and it takes no `logits_to_keep`: it computes every position's logits
-    omni = is_omni(model)
-    if temperature is not None and fused and not omni:
+    # alone) would skip
+    if temperature is not None and fused and not is_omni(model):
         lp, stat = fused_forward(model, inputs, temperature, chunk_size, second or "entropy")
         return lp, (stat if second is not None else None)
-    packed = inputs.attention_mask is None  # only the packed layout passes no mask
-    # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
-    # (A value model has no such argument, and its head is one output wide anyway.)
-    # Packed only: the positions index the token dim (1) of the hidden states, which is the flat index for one row.
-    keep = {"logits_to_keep": inputs.select} if packed and temperature is not None and not omni else {}
-    out = model(
-        input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
-        **keep,
-        **inputs.media,
-    )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])  # (rows * width, V), or (N, V) with `logits_to_keep`
-    if not keep:  # every position was computed: pick the selected ones
-        logits = logits.index_select(0, inputs.select)
+    logits = _selected_logits(model, inputs, value_head=temperature is None)
     if temperature is None:
         return logits[:, 0].float(), None  # the value head's one output (num_labels=1)
     z = scale_logits(logits, temperature)
@@ -149,3 +159,60 @@ def response_values(
     values, _ = _forward(model, mb, device, opts, None, None)
     # Zero at padding on every layout (the plain one computes it there); which tokens train is `loss_mask`'s call.
     return values * mb["response_mask"].to(device)
+
+
+TOPK_CHUNK = 1024
+"""Positions per float32 log-softmax in `top_k_log_probs` (the teacher's forward, no gradient)."""
+
+
+def _unfused_layout(
+    model: nn.Module, mb: Batch, device: torch.device, opts: ForwardOptions | None, temperature: float
+) -> ModelInputs:
+    """The layout of the top-k heads below: full logits only (the fused head's custom backward carries the sampled
+    token's gradient alone) and no sequence-parallel split (its gather carries one value per position)."""
+    opts = opts or ForwardOptions()
+    if opts.fused or opts.ulysses_size > 1:
+        raise ValueError(
+            "top-k log-probs need the unfused, unsplit head: set worker.actor.fused_logprobs=false and "
+            "worker.actor.ulysses_size=1"
+        )
+    scale_logits(torch.zeros(0), temperature)  # refuse greedy (0) before the forward pass
+    return prepare_inputs(mb, opts.padding_free, model, trim=not opts.plain).to(device)
+
+
+def top_k_log_probs(
+    model: nn.Module, mb: Batch, device: torch.device, temperature: float, k: int, opts: ForwardOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled token's log-prob (b, R), and the model's k most likely tokens at each response position: their
+    log-probs (b, R, k) and ids (b, R, k) int64, all at `temperature`; zeros at padding (ids 0 there)."""
+    inputs = _unfused_layout(model, mb, device, opts, temperature)
+    z = scale_logits(_selected_logits(model, inputs, value_head=False), temperature)
+    parts = []
+    # A float32 log-softmax of `chunk` positions at a time: no second (N, V) tensor beside the logits.
+    for rows, labels in zip(z.split(TOPK_CHUNK), inputs.labels.split(TOPK_CHUNK)):
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        top_lp, top_ids = logp.topk(k, dim=-1)  # (chunk, k) each
+        parts.append((logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), top_lp, top_ids))
+    sampled, top_lp, top_ids = (torch.cat(p) for p in zip(*parts))
+    return inputs.scatter(sampled), inputs.scatter(top_lp), inputs.scatter(top_ids)
+
+
+def token_log_probs_at(
+    model: nn.Module,
+    mb: Batch,
+    device: torch.device,
+    temperature: float,
+    ids: torch.Tensor,
+    with_entropy: bool,
+    opts: ForwardOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`token_log_probs` (b, R) and entropy, and the log-probs (b, R, k) at the token `ids` (b, R, k) of each
+    response position (another model's top-k: `top_k_log_probs`), all differentiable; zeros at padding."""
+    inputs = _unfused_layout(model, mb, device, opts, temperature)
+    z = scale_logits(_selected_logits(model, inputs, value_head=False), temperature)
+    lp = logprobs_from_logits(z, inputs.labels)
+    # log p(j) = z_j - logsumexp(z) at the k ids: (N, k) and (N, 1), no (N, V) log-softmax beside the logits
+    zf = z.float()
+    at = zf.gather(-1, inputs.gather(ids.to(device))) - torch.logsumexp(zf, dim=-1, keepdim=True)
+    ent = entropy_from_logits(z) if with_entropy else None
+    return inputs.scatter(lp), (None if ent is None else inputs.scatter(ent)), inputs.scatter(at)

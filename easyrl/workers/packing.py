@@ -88,9 +88,14 @@ class ModelInputs:
         )
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(N,) per selected position -> (b, R) grid, zeros at padding (differentiable)."""
+        """(N, ...) per selected position -> (b, R, ...) grid, zeros at padding (differentiable)."""
         b, r = self.grid
-        return values.new_zeros(b * r).index_copy(0, self.dest, values).view(b, r)
+        rest = values.shape[1:]
+        return values.new_zeros(b * r, *rest).index_copy(0, self.dest, values).view(b, r, *rest)
+
+    def gather(self, grid: torch.Tensor) -> torch.Tensor:
+        """(b, R, ...) grid -> (N, ...) at the selected positions: `scatter`'s inverse."""
+        return grid.reshape(self.grid[0] * self.grid[1], *grid.shape[2:]).index_select(0, self.dest)
 
 
 def prepare_inputs(mb: Batch, padding_free: bool, model: nn.Module | None = None, trim: bool = True) -> ModelInputs:

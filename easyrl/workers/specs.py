@@ -100,6 +100,9 @@ class PolicyLossSpec:
     """Add `kl_coef * KL(policy || reference)` to the loss (`algorithm.use_kl_loss`, KL enabled)."""
     kl_penalty: str
     kl_coef: float
+    distill_topk_coef: float = 0.0
+    """`algorithm.distill.mode: topk_fkl`: add `coef` times the forward KL over the teacher's top-k tokens
+    (`easyrl.algorithms.topk_forward_kl`) to the loss; 0: no such term."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class TeacherSpec:
     temperature: float
     """Log-probs of logits / temperature: the same scaling as the student's, so the two distributions compare."""
     micro_batch_size_for_experience: int
+    top_k: int = 0
+    """`algorithm.distill.mode: topk_fkl`: also return the k most likely tokens at each position (ids and
+    log-probs); 0: the sampled tokens' log-probs only."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from easyrl.algorithms import distill_advantages
+from easyrl.algorithms import distill_advantages, topk_forward_kl
 
 
 # Two rows of three tokens; the second row's last token is padding (the teacher's -inf there must not leak).
@@ -53,3 +53,17 @@ def test_a_student_equal_to_its_teacher_keeps_its_task_advantage() -> None:
 def test_an_unknown_mode_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match="k1, k3"):
         distill_advantages(TASK, STUDENT, TEACHER, MASK, coef=1.0, mode="fkl")
+
+
+def test_topk_forward_kl_is_the_teachers_weighted_log_ratio_over_its_top_k() -> None:
+    # One position, k = 2: p_T = (0.5, 0.25), log p_S = (log 0.25, log 0.5).
+    # 0.5 * (log 0.5 - log 0.25) + 0.25 * (log 0.25 - log 0.5) = 0.25 * log 2
+    teacher = torch.log(torch.tensor([[[0.5, 0.25]]]))
+    student = torch.log(torch.tensor([[[0.25, 0.5]]])).requires_grad_()
+    fkl = topk_forward_kl(student, teacher)
+    torch.testing.assert_close(fkl, torch.tensor([[0.25 * math.log(2.0)]]))
+    fkl.sum().backward()
+    # d/d log p_S(j) = -p_T(j): the student's log-prob at each of the teacher's tokens is pulled up by its weight.
+    torch.testing.assert_close(student.grad, torch.tensor([[[-0.5, -0.25]]]))
+    equal = topk_forward_kl(teacher, teacher)  # the student is the teacher: no divergence
+    torch.testing.assert_close(equal, torch.zeros(1, 1))

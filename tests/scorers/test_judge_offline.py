@@ -178,3 +178,39 @@ def test_a_local_judge_outside_a_run_names_the_fix(tiny_model_dir) -> None:
     judge = JudgeConfig(model=ModelRefConfig(model_path=tiny_model_dir), template=TEMPLATE)
     with pytest.raises(ModelCallError, match=r"judge\.model\.model_path: a local judge is served by `easyrl train`"):
         RewardManager(RewardConfig(reward_function=judged, num_workers=0, judge=judge))
+
+
+DIGITS_JUDGE = REPO / "reward_functions" / "digits_judge.py"
+
+
+def digits_judge(on_error: str = "zero") -> Judge:
+    """The digits demo's judge settings (scripts/bench_judge.py) on a port nothing listens on."""
+    ref = ModelRefConfig(
+        base_url=f"http://127.0.0.1:{free_port()}/v1", served_model_name="judge", max_retries=0, on_error=on_error
+    )
+    template, parse = str(REPO / "prompt_templates" / "digits_judge.jinja"), f"{DIGITS_JUDGE}:read_answer"
+    return Judge(JudgeConfig(model=ref, template=template, parse=parse))  # type: ignore[arg-type]
+
+
+def test_the_digits_judge_reads_the_students_question_and_takes_only_digits_as_an_answer() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "demo" / "model")
+    seen = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Copy: 4 1 7"}], tokenize=False, add_generation_prompt=True
+    )
+    judge = digits_judge()
+    assert judge.messages({"prompt": seen}) == [{"role": "user", "content": "Copy: 4 1 7"}]  # the markup is off
+    assert judge.parse(" 417\n") == 1.0 and judge.parse("41 7") is None and judge.parse("") is None
+
+
+def test_the_digits_judge_reward_asks_once_per_prompt_and_scores_zero_without_an_answer() -> None:
+    from easyrl.rewards.loader import load_reward_function
+
+    compute_score = load_reward_function(f"{DIGITS_JUDGE}:compute_score").fn
+    judge = digits_judge(on_error="zero")
+    batch = [{"prompt": p, "response": r, "ground_truth": "12"} for p in ("a", "b") for r in ("12", "1")]
+    scores = compute_score(batch, judge=judge)
+    assert judge.stats.drain()["judge/requests"] == 2  # a group's samples share their prompt's one request
+    assert [s["overall"] for s in scores] == [0.0] * 4 and [s["judge_ok"] for s in scores] == [0.0] * 4
+    assert [s["rule"] for s in scores] == [1.0, 0.9 * 0.5 + 0.1 * 0.5] * 2  # logged beside, never the reward

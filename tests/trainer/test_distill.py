@@ -80,6 +80,27 @@ def test_pure_distillation_pulls_the_student_towards_the_teacher(tmp_path, sharp
     assert entropy[-1] < 0.7 * entropy[0], entropy  # it sharpens, as the teacher is sharper
 
 
+def test_topk_forward_kl_alone_pulls_the_student_towards_the_teacher(tmp_path, sharp_teacher_dir, digits_data) -> None:
+    """`topk_fkl` without the task reward: the advantages are 0, so the only gradient is the forward KL over the
+    teacher's top-k tokens, through the student's logits at those ids. It falls, and the student sharpens."""
+    edits = {
+        **distill_edits(sharp_teacher_dir, with_task_reward=False, mode="topk_fkl", top_k=4),
+        "worker.actor.fused_logprobs": False,  # the test config's already; topk_fkl refuses the fused head
+        "worker.rollout.n": 2,
+        "data.rollout_batch_size": 8,
+        "worker.actor.global_batch_size": 8,
+        "worker.actor.micro_batch_size_per_device_for_update": 8,
+        "worker.actor.optim": {"lr": 1e-3, "weight_decay": 0.0},
+    }
+    rows, _, _ = run(tmp_path, DEMO_MODEL, digits_data, edits, steps=6)
+    fkl = [r["actor/distill_topk_fkl"] for r in rows]
+    entropy = [r["actor/entropy_rollout"] for r in rows]
+    assert all(r["actor/pg_loss"] == 0.0 and r["distill/penalty"] == 0.0 for r in rows)  # the loss term alone
+    assert 0.5 < rows[0]["distill/teacher_topk_mass"] <= 1.0 + 1e-6
+    assert fkl[-1] < 0.7 * fkl[0], fkl
+    assert entropy[-1] < entropy[0], entropy
+
+
 def test_a_teacher_with_another_vocabulary_is_refused_before_anything_starts(
     tmp_path, tiny_model_dir, digits_data
 ) -> None:
@@ -107,10 +128,21 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_anything_starts(
         ({"teacher": {"base_url": "http://localhost:8000/v1"}}, "teacher.tokenizer_path: is required with a remote"),
         (
             {"teacher": {"model_path": "MODEL"}, "mode": "fkl"},
-            "distill.mode: 'fkl' is not allowed; choose one of: k1, k3",
+            "distill.mode: 'fkl' is not allowed; choose one of: k1, k3, topk_fkl",
         ),
         ({"teacher": {"model_path": "MODEL"}, "coef": -0.1}, "distill.coef: must be >= 0"),
-        ({"teacher": {"model_path": "MODEL"}, "mode": "topk_fkl"}, "distill.mode: topk_fkl .* is not built yet"),
+        (
+            {"teacher": {"model_path": "MODEL"}, "mode": "topk_fkl", "_fused": True},
+            "worker.actor.fused_logprobs: topk_fkl .*set worker.actor.fused_logprobs=false",
+        ),
+        (
+            {"teacher": {"base_url": "http://h/v1", "tokenizer_path": "MODEL"}, "mode": "topk_fkl"},
+            "distill.mode: topk_fkl needs the teacher's top-k .* use a local teacher",
+        ),
+        (
+            {"teacher": {"model_path": "MODEL"}, "mode": "topk_fkl", "top_k": 0},
+            "distill.top_k: must be >= 1",
+        ),
         (
             {"teacher": {"base_url": "http://h/v1", "tokenizer_path": "MODEL"}, "_temperature": 0.7},
             "teacher.base_url: a remote teacher gives log-probs at temperature 1",
@@ -118,7 +150,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_anything_starts(
         ({"teacher": {"model_path": "MODEL", "base_url": "http://h/v1"}}, "sets both model_path .* and base_url"),
         ({"teacher": {"model_path": "/nowhere"}}, r"teacher.model_path: no Hugging Face model folder \(config.json\)"),
     ],
-    ids=["remote", "mode", "coef", "topk_fkl", "remote_temperature", "both", "missing"],
+    ids=["remote", "mode", "coef", "topk_fused", "topk_remote", "topk_k", "remote_temperature", "both", "missing"],
 )
 def test_bad_distillation_settings_name_the_key(tmp_path, tiny_model_dir, digits_data, distill, match) -> None:
     import json
@@ -128,6 +160,7 @@ def test_bad_distillation_settings_name_the_key(tmp_path, tiny_model_dir, digits
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["algorithm"]["distill"] = json.loads(json.dumps(distill).replace("MODEL", tiny_model_dir))
     conf["worker"]["rollout"]["temperature"] = conf["algorithm"]["distill"].pop("_temperature", 1.0)
+    conf["worker"]["actor"]["fused_logprobs"] = conf["algorithm"]["distill"].pop("_fused", False)
     with pytest.raises(ConfigError, match=match):
         load_config(write_config(tmp_path / "cfg.yaml", conf))
 

@@ -183,3 +183,63 @@ def test_scale_logits_refuses_greedy_and_keeps_temperature_one_exact() -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=r"worker\.rollout\.temperature must be > 0"):
             scale_logits(logits, bad)
+
+
+TOPK_PATHS = {
+    "plain": ForwardOptions(),
+    "trimmed": ForwardOptions(max_token_len=64),
+    "packed": ForwardOptions(padding_free=True),
+}
+
+
+def _two_rows() -> Batch:
+    """Two rows, left-padded prompts and right-padded responses: the layouts differ in what they pack or trim."""
+    ids = torch.tensor([[0, 5, 17, 42, 8, 61, 0], [3, 4, 17, 42, 9, 61, 23]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    return Batch(
+        {
+            "prompts": ids[:, :4],
+            "responses": ids[:, 4:],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "response_mask": mask[:, 4:].clone(),
+            "loss_mask": mask[:, 4:].clone(),
+        }
+    )
+
+
+def test_top_k_log_probs_and_the_log_probs_at_given_ids_agree_on_every_unfused_layout(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """`topk_fkl`'s two heads: the teacher's top-k (ids and log-probs) and the student's log-probs at those ids, with
+    their gradient, are the full log-softmax's at every valid response token, padded, trimmed or packed; the fused
+    and split heads are refused with the keys to set."""
+    from easyrl.workers.head import token_log_probs_at, top_k_log_probs
+
+    monkeypatch.setattr("easyrl.workers.head.TOPK_CHUNK", 2)  # the teacher's log-softmax 2 positions at a time
+    models, batch, k = _models(tiny_model_dir), _two_rows(), 3
+    valid = batch["response_mask"].bool()
+    with torch.no_grad():
+        logits = models["padded"](
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
+    reference = torch.log_softmax(logits[:, 3:-1].float() / 0.7, dim=-1)  # position P - 1 + c predicts column c
+    ref_lp, ref_ids = reference.topk(k, dim=-1)
+    for name, opts in TOPK_PATHS.items():
+        model = models["packed" if opts.padding_free else "padded"]
+        with torch.no_grad():
+            sampled, top_lp, top_ids = top_k_log_probs(model, batch, CPU, 0.7, k, opts)
+        assert torch.equal(top_ids[valid], ref_ids[valid]), name
+        torch.testing.assert_close(top_lp[valid], ref_lp[valid], atol=1e-5, rtol=0, msg=name)
+        expected_sampled = reference.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(sampled[valid], expected_sampled[valid], atol=1e-5, rtol=0, msg=name)
+        model.zero_grad()
+        lp, _, at = token_log_probs_at(model, batch, CPU, 0.7, top_ids, False, opts)
+        torch.testing.assert_close(at[valid], ref_lp[valid], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(lp[valid], expected_sampled[valid], atol=1e-5, rtol=0, msg=name)
+        at[valid].sum().backward()  # the gradient reaches the weights through the k ids
+        assert model.model.embed_tokens.weight.grad.abs().sum() > 0, name
+    for opts in (ForwardOptions(fused=True), ForwardOptions(padding_free=True, ulysses_size=2)):
+        with pytest.raises(ValueError, match=r"worker\.actor\.fused_logprobs=false and worker\.actor\.ulysses_size=1"):
+            top_k_log_probs(models["padded"], batch, CPU, 0.7, k, opts)

@@ -1,5 +1,5 @@
 """The optimizer step does not depend on the layout: one step of the actor's real objective (PPO loss, entropy bonus,
-KL loss) on a fixed batch whose rows have very unequal response lengths gives the same parameters at 1 rank, 2
+KL loss; and with `topk_fkl`'s forward-KL term) on a fixed batch whose rows have very unequal response lengths gives the same parameters at 1 rank, 2
 data-parallel ranks, a Ulysses group of 2, and 2 data-parallel ranks with 3 uneven token-budget micro-batches each,
 for token-mean and seq-mean-token-mean; the critic's step and value loss are the same at 1 and 2 ranks. The loss
 metrics are the global values at every layout. FSDP2 over gloo, tiny Qwen2, padding-free rows.
@@ -9,6 +9,7 @@ Also: every tensor the actor's and the critic's objectives use comes from the mi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,10 @@ PROMPT, RESPONSES = 4, [1, 2, 2, 3, 10, 10, 4, 2]
 BUDGET = 15
 """Token budget that cuts rank 1's rows (14, 14, 8, 6 tokens) into 3 micro-batches of 1, 1 and 2 rows."""
 LOSS = ppo_kl_loss()
+LOSS_TOPK = dataclasses.replace(LOSS, distill_topk_coef=0.5)
+"""The same objective plus `topk_fkl`'s forward KL over a teacher's top 3 tokens (unfused head: no Ulysses case)."""
 ENTROPY_COEFF = 0.01
+TOP_K = 3
 
 
 def _batch(vocab: int = 90) -> Batch:
@@ -41,6 +45,9 @@ def _batch(vocab: int = 90) -> Batch:
             "advantages": torch.randn(b, r, generator=g),
             "returns": torch.randn(b, r, generator=g),
             "values": 0.1 * torch.randn(b, r, generator=g),
+            # a teacher's top 3 of 4 tokens at each position, its log-probs of them
+            "teacher_topk_ids": torch.randint(0, vocab, (b, r, TOP_K), generator=g),
+            "teacher_topk_log_probs": torch.log_softmax(torch.randn(b, r, TOP_K + 1, generator=g), -1)[..., :TOP_K],
         }
     )
 
@@ -54,6 +61,7 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     from easyrl.workers.actor import policy_objective
     from easyrl.workers.critic import value_objective
     from easyrl.workers.forward_backward import MicroBatchLoss, optimize, response_values, token_log_probs
+    from easyrl.workers.head import token_log_probs_at
     from easyrl.workers.model_setup import build_scheduler, iter_full_weights, load_model, shard_model
     from easyrl.workers.ulysses import enable_sequence_parallel
     from easyrl.workers.varlen import register_varlen_attention
@@ -73,6 +81,9 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
         if kind == "critic":
             return value_objective(on_device, response_values(model, mb, CPU, opts), 0.5, agg)
+        if kind == "actor_topk":
+            lp, ent, at = token_log_probs_at(model, mb, CPU, 1.0, mb["teacher_topk_ids"], True, opts)
+            return policy_objective(on_device, lp, ent, LOSS_TOPK, agg, ENTROPY_COEFF, at)
         lp, ent = token_log_probs(model, mb, CPU, 1.0, with_entropy=True, opts=opts)
         return policy_objective(on_device, lp, ent, LOSS, agg, ENTROPY_COEFF)
 
@@ -105,14 +116,18 @@ def _with_old_log_probs(model_dir: str, batch: Batch) -> Batch:
 CASES: list[tuple[str, str, str, ForwardOptions, int]] = [
     # (name, role, loss_agg_mode, forward options, micro-batch size)
     (f"{role} {agg} {name}", role, agg, opts, micro)
-    for role, aggs in (("actor", ("token-mean", "seq-mean-token-mean")), ("critic", ("token-mean",)))
+    for role, aggs in (
+        ("actor", ("token-mean", "seq-mean-token-mean")),
+        ("actor_topk", ("token-mean",)),
+        ("critic", ("token-mean",)),
+    )
     for agg in aggs
     for name, opts, micro in (
         ("dp2", ForwardOptions(padding_free=True), 4),
         ("sp2", ForwardOptions(padding_free=True, ulysses_size=2), 8),
         ("dp2-dynamic", ForwardOptions(padding_free=True, max_token_len=BUDGET), 8),
     )
-    if role == "actor" or name == "dp2"
+    if role == "actor" or name == "dp2" or (role == "actor_topk" and name != "sp2")  # topk_fkl refuses Ulysses
 ]
 
 
@@ -176,8 +191,10 @@ def test_objectives_read_only_the_transferred_micro_batch() -> None:
     assert all(t.device == meta for t in on_device.tensors.values())
     log_prob, entropy = torch.randn(shape, device=meta), torch.rand(shape, device=meta)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        at = torch.randn(*shape, TOP_K, device=meta)  # the student's log-probs at the teacher's top-k ids
         outs = [
             policy_objective(on_device, log_prob, entropy, LOSS, agg, ENTROPY_COEFF),
+            policy_objective(on_device, log_prob, entropy, LOSS_TOPK, agg, ENTROPY_COEFF, at),
             value_objective(on_device, log_prob, 0.5, agg),
         ]
         for out in outs:
