@@ -28,6 +28,7 @@ class SeparateEngines:
         self.transfer = transfer
         self.version = 0  # both loaded the initial checkpoint: policy version 0
         self.manifest: list[Any] | None = None  # the broadcasts' names, shapes and dtypes, once the bus is up
+        self.beside: Any = None  # the last call started beside training (a `GroupCall`)
 
     def push_if_moved(self) -> dict[str, float]:
         """Hand the policy's weights to the rollout workers when it moved since their last ones."""
@@ -76,6 +77,19 @@ class SeparateEngines:
 
     def close_rollout(self) -> dict[str, float]:
         return self.rollout.close_rollout()  # type: ignore[no-any-return]
+
+    def generate_beside(self, prompts: Batch, params: SamplingParams) -> tuple[dict[str, float], Any]:
+        """Start one open-generate-close on the rollout workers and return at once, with the push's timings and the
+        call (`.result()`: the rows and the session's timings). The policy's weights are pushed first when it moved,
+        so the call never samples with weights older than the policy's now (the staleness bound rests on it)."""
+        pushed = self.push_if_moved()
+        self.beside = self.rollout.call_async("generate_beside", prompts, params)
+        return pushed, self.beside
+
+    def generating(self) -> bool:
+        """Whether a call started beside training still runs (any other call to the rollout workers queues behind
+        it: the driver asks them nothing it does not need meanwhile)."""
+        return self.beside is not None and not self.beside.done()
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         pushed = self.push_if_moved()
