@@ -19,6 +19,16 @@ engine session):
    behaviour log-probs and the policy version of each token.
 4. Hand over B groups: those the deadlines need, then the others in the order they finished.
 
+With `worker.rollout.placement: separate` the engines have devices of their own, and the loop generates beside the
+training: before handing a step over it starts one more call (`beside`) for the unfinished responses of the groups
+left in flight, with the weights the engines hold (pushed first when the policy moved: they are never older than the
+policy being handed the batch), and returns while that call runs. The trainer scores, runs its passes and updates the
+policy meanwhile; the next step collects the call first, then pushes the new weights (the update lands between two
+calls: in-flight responses pause after the call and resume with the new weights) and goes on as above. No group is
+admitted for that call (a group admitted at step `a` only ever samples with weights of version `a` or newer: the
+bound of S versions rests on it), so it carries on the groups already in flight: with S >= 1 and the default
+`active_groups`, the next step's.
+
 Departures from the papers: staleness is counted in the loop's steps, which bounds it in policy versions (a step
 updates the policy at most once; during `trainer.critic_warmup` not at all), and the bound is kept by waiting for the
 groups a deadline needs rather than by dropping them, so no sampled group is thrown away (torchtitan's windowed FIFO
@@ -55,7 +65,7 @@ class Sample:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     sessions: int = 0  # engine sessions it was generated in: 2 or more is a partial rollout resumed
-    last_session: int = -1  # the step of the last of them
+    last_session: int = -1  # the last of them (the loop's count of sessions opened, `CarryOverLoop.sessions`)
     done: bool = False
 
 
@@ -79,6 +89,18 @@ class Group:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
         return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
+
+
+@dataclass
+class BesideCall:
+    """A call started beside the training: the responses it continues, the session it is, the sampling settings of
+    its step and when the driver started it (unix seconds)."""
+
+    work: list[tuple[Group, int]]
+    pending: Any  # the engines' call under way (`PendingRows`)
+    session: int
+    params: SamplingParams
+    started: float
 
 
 def admission_room(
@@ -134,7 +156,8 @@ def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 class CarryOverLoop:
     """The loop above. `draw(k)` gives `k` more prompts (the trainer's sampler, each with a fresh `uid`) when the
     queue cannot fill the admission room; `engines` is how many engines a generate call is split over (a call's
-    rows are padded to a multiple of it)."""
+    rows are padded to a multiple of it); `beside`: the engines live apart from the policy (a `BesideSession`) and
+    generate while it trains."""
 
     def __init__(
         self,
@@ -148,6 +171,7 @@ class CarryOverLoop:
         pad_id: int,
         engines: int,
         on_finished: Callable[[Batch], None] | None = None,
+        beside: bool = False,
     ) -> None:
         """`on_finished(rows)` gets the rows of the groups each engine call finished (as they will be handed over):
         the trainer scores them while the engines go on generating."""
@@ -168,6 +192,10 @@ class CarryOverLoop:
         self.finished = 0  # groups finished so far (orders `finished_at`)
         self.last_end: float | None = None  # when the previous call ended (the window of the wait metrics)
         self.per_step: int | None = None  # groups a step trains on (the trainer's prompts per call)
+        self.generates_beside = beside
+        self.sessions = 0  # engine sessions opened (a call beside the training is one)
+        self.beside: BesideCall | None = None  # started before the last hand-over, not collected yet
+        self.beside_metrics: dict[str, float] = {}  # of a call collected between steps (`settle`), for the next one
 
     # ------------------------------------------------------------------ the step
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
@@ -181,9 +209,10 @@ class CarryOverLoop:
                 "keep data.rollout_batch_size when resuming with trainer.max_staleness >= 1"
             )
         self.per_step = per_step
+        self.settle()  # the call beside the last update first: its tokens precede any made with newer weights
+        metrics, self.beside_metrics = self.beside_metrics, {}
         self.enqueue(prompts, params, offset=0)
         admitted = self.admit(per_step, params)
-        metrics: dict[str, float] = {}
         calls, tokens, engine_s = 0, 0, 0.0
         chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
         # Enough groups finished in earlier sessions: no session at all this step (no wake, push or sleep); the groups
@@ -191,6 +220,7 @@ class CarryOverLoop:
         session_start = time.perf_counter()
         if chosen is None:
             metrics |= engines.open_rollout()
+            self.sessions += 1
             while chosen is None:
                 work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
                 assert work, "no response left to generate, yet the step's groups are not finished"
@@ -206,16 +236,18 @@ class CarryOverLoop:
         version = engines.policy_version()  # the policy this step trains: every row's staleness is counted from it
         carried = len(self.groups) - len(chosen)
         rows = self.hand_over(chosen, params)
+        if self.generates_beside:
+            metrics |= self.start_beside(engines, params)
         end = time.perf_counter()
         metrics |= {
             "timing_s/generate_engine": engine_s,
-            "async/engine_calls": float(calls),
-            "async/generated_tokens": float(tokens),
+            "async/engine_calls": float(calls) + metrics.get("async/beside_calls", 0.0),
+            "async/generated_tokens": float(tokens) + metrics.get("async/beside_tokens", 0.0),
             "async/groups_admitted": float(admitted),
             "async/groups_carried": float(carried),
         }
         metrics |= staleness_metrics(rows, version, self.max_staleness)
-        metrics |= self.wait_metrics(start, end, session_s)
+        metrics |= self.wait_metrics(start, end, session_s + metrics.get("async/beside_engine_s", 0.0))
         self.last_end = end
         return rows, metrics
 
@@ -255,14 +287,60 @@ class CarryOverLoop:
     def generate(self, engines: EngineSession, work: list[tuple[Group, int]], params: SamplingParams) -> int:
         """One engine call: `chunk_tokens` more tokens for each unfinished response of `work` (group, sample), with
         the weights the engines hold; returns the tokens kept."""
+        return self.record(work, engines.generate(*self.request_for(work, params)), self.sessions)
+
+    def start_beside(self, engines: EngineSession, params: SamplingParams) -> dict[str, float]:
+        """Start one call for the unfinished responses in flight, to run while the trainer trains (`settle` collects
+        it); returns the weight push's timings."""
+        work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
+        if not work:
+            return {}
+        assert hasattr(engines, "generate_beside"), "beside=True needs engines of their own (a BesideSession)"
+        pushed, pending = engines.generate_beside(*self.request_for(work, params))
+        self.sessions += 1
+        self.beside = BesideCall(work, pending, self.sessions, params, time.time())
+        return dict(pushed)
+
+    def settle(self) -> None:
+        """Collect the call started beside the training, if any: its tokens join their responses and its finished
+        groups go to `on_finished`, its metrics to the next step's (`async/beside_*`, `async/overlap_s`: the seconds
+        it generated before the driver came back for it, i.e. beside the trainer's reward, passes and update)."""
+        if self.beside is None:
+            return
+        call, self.beside = self.beside, None
+        asked = time.time()
+        out, timing = call.pending.result()
+        waited = time.time() - asked
+        timing = dict(timing)
+        timing.pop("timing_s/generate_engine", None)  # the step's own engine time is the loop's figure
+        start, end = timing.pop("async/beside_start_time"), timing.pop("async/beside_end_time")
+        before = self.finished
+        tokens = self.record(call.work, out, call.session)
+        self.report_finished([g for g in self.groups if g.finished_at >= before], None, call.params)
+        self.beside_metrics |= timing | {
+            "async/beside_calls": 1.0,
+            "async/beside_tokens": float(tokens),
+            "async/beside_engine_s": end - start,
+            "async/beside_wait_s": waited,
+            # the part of the call before the driver asked for it: the engines generated while the trainer worked
+            "async/overlap_s": max(0.0, min(end, asked) - max(start, call.started)),
+            "async/beside_start_time": start,
+            "async/beside_end_time": end,
+        }
+
+    def request_for(self, work: list[tuple[Group, int]], params: SamplingParams) -> tuple[Batch, SamplingParams]:
+        """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call."""
         rows = [g.prompt_ids + g.samples[j].tokens for g, j in work]
         # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
         seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
         extra = (-len(rows)) % self.engines  # the call splits evenly over the engines: repeat the last row
         request = Batch(left_padded(rows + [rows[-1]] * extra, self.pad_id))
         request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
-        call = params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
-        out = engines.generate(request, call)
+        return request, params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
+
+    def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:
+        """Append an engine call's output (the rows of `work`, then padding) to its responses, generated in engine
+        session `session`; returns the tokens kept."""
         if "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
             raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
         kept = 0
@@ -274,8 +352,8 @@ class CarryOverLoop:
             sample.tokens += out["responses"][i, :keep].tolist()
             sample.log_probs += out["rollout_log_probs"][i, :keep].tolist()
             sample.versions += out["token_policy_version"][i, :keep].tolist()
-            if sample.last_session != self.steps:
-                sample.sessions, sample.last_session = sample.sessions + 1, self.steps
+            if sample.last_session != session:
+                sample.sessions, sample.last_session = sample.sessions + 1, session
             # stopped: fewer tokens than asked (a stop token ended it), or a stop token as the very last one
             stopped = count < self.chunk_tokens or (count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids)
             sample.done = stopped or len(sample.tokens) >= self.max_len
@@ -331,20 +409,24 @@ class CarryOverLoop:
 
     def wait_metrics(self, start: float, end: float, session_s: float) -> dict[str, float]:
         """Over the window since the previous call ended: how long the trainer waited for rollouts (this call), how
-        long the engines waited for weights (the window less this call's session), and each side's share."""
+        long the engines waited for weights (the window less `session_s`, their generating time: this call's session
+        and a call beside the training), and each side's share."""
         out = {"async/trainer_wait_s": end - start}
         if self.last_end is not None:
             window = end - self.last_end
+            idle = max(0.0, window - session_s)  # a call beside the training may have started before the window
             out |= {
-                "async/engine_wait_s": window - session_s,
+                "async/engine_wait_s": idle,
                 "async/trainer_idle_ratio": (end - start) / window,
-                "async/engine_idle_ratio": (window - session_s) / window,
+                "async/engine_idle_ratio": idle / window,
             }
         return out
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
-        """Everything in flight (JSON-able): a resumed run continues every partial response where it stopped."""
+        """Everything in flight (JSON-able): a resumed run continues every partial response where it stopped. A call
+        beside the training that was not collected is not in it (the state is the one before that call, which
+        `load_state_dict` drops): `settle()` first for a state that continues it to the bit (a checkpoint)."""
         return {
             "max_staleness": self.max_staleness,
             "per_step": self.per_step,
@@ -354,6 +436,8 @@ class CarryOverLoop:
             "admitted": self.admitted,
             "handed_over": self.handed_over,
             "finished": self.finished,
+            "sessions": self.sessions,
+            "beside_metrics": dict(self.beside_metrics),  # a call collected for a checkpoint: the next step logs it
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +451,10 @@ class CarryOverLoop:
         self.groups = [Group.from_state(g) for g in state["groups"]]
         self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
         self.handed_over, self.finished = int(state["handed_over"]), int(state["finished"])
+        # a checkpoint from before the count: its samples' last sessions were step numbers, all below `steps`
+        self.sessions = int(state.get("sessions", state["steps"]))
+        self.beside = None  # started after this state: the state's own work redoes it
+        self.beside_metrics = dict(state.get("beside_metrics", {}))
         self.last_end = None
 
 

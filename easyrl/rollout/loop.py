@@ -48,6 +48,24 @@ class EngineSession(Protocol):
         ...
 
 
+class PendingRows(Protocol):
+    """A generate call under way (a worker group's `GroupCall`)."""
+
+    def result(self) -> tuple[Batch, dict[str, float]]:
+        """Wait for it: the rows and the session's timings."""
+        ...
+
+
+class BesideSession(EngineSession, Protocol):
+    """Engines on devices of their own (`worker.rollout.placement: separate`), which can generate while the policy
+    trains: the carry-over loop starts a call before handing the step over and collects it at the next step."""
+
+    def generate_beside(self, prompts: Batch, params: SamplingParams) -> tuple[dict[str, float], PendingRows]:
+        """Push the policy's weights if it moved, start open-generate-close and return at once (the push's timings
+        and the call)."""
+        ...
+
+
 class RolloutLoop(Protocol):
     """Turns prompts into trainable rows."""
 

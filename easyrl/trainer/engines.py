@@ -28,6 +28,7 @@ class SeparateEngines:
         self.transfer = transfer
         self.version = 0  # both loaded the initial checkpoint: policy version 0
         self.manifest: list[Any] | None = None  # the broadcasts' names, shapes and dtypes, once the bus is up
+        self.beside: Any = None  # the last call started beside training (a `GroupCall`)
 
     def push_if_moved(self) -> dict[str, float]:
         """Hand the policy's weights to the rollout workers when it moved since their last ones."""
@@ -77,7 +78,49 @@ class SeparateEngines:
     def close_rollout(self) -> dict[str, float]:
         return self.rollout.close_rollout()  # type: ignore[no-any-return]
 
+    def generate_beside(self, prompts: Batch, params: SamplingParams) -> tuple[dict[str, float], Any]:
+        """Start one open-generate-close on the rollout workers and return at once, with the push's figures and the
+        call (`.result()`: the rows and the session's timings). The policy's weights are pushed first when it moved,
+        so the call never samples with weights older than the policy's now (the staleness bound rests on it).
+
+        Over a bus already up, the push is started too, not waited for: Ray runs an actor's calls in the order the
+        driver made them, so the actor sends these weights before the update the driver asks for next, and the
+        rollout workers receive them before they generate. Its cost then lands in the actor's next call (beside the
+        driver's reward stage) instead of on the driver's path; `timing_s/weight_transfer` is not measured then."""
+        version = self.actor.policy_version()
+        pushed: dict[str, float] = {}
+        pushes: list[Any] = []
+        if version != self.version and self.transfer == "broadcast" and self.manifest is not None:
+            pushes = [
+                self.actor.call_async("broadcast_weights"),
+                self.rollout.call_async("receive_broadcast", self.manifest, version),
+            ]
+            self.version = version
+            pushed = {"perf/weight_transfer_gb": manifest_bytes(self.manifest) / 2**30}
+        else:  # the bus's first push (its rendezvous) or through the driver: waited for
+            pushed = self.push_if_moved()
+        self.beside = self.rollout.call_async("generate_beside", prompts, params)
+        return pushed, PushedThenGenerated(pushes, self.beside)
+
+    def generating(self) -> bool:
+        """Whether a call started beside training still runs (any other call to the rollout workers queues behind
+        it: the driver asks them nothing it does not need meanwhile)."""
+        return self.beside is not None and not self.beside.done()
+
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         pushed = self.push_if_moved()
         rows, timings = self.rollout.generate_sequences(prompts, params)
         return rows, pushed | timings
+
+
+class PushedThenGenerated:
+    """A call beside the training and the weight push started before it: `result` waits for both (a failed push
+    surfaces here) and gives the call's rows and timings."""
+
+    def __init__(self, pushes: list[Any], call: Any) -> None:
+        self.pushes, self.call = pushes, call
+
+    def result(self) -> tuple[Batch, dict[str, float]]:
+        for push in self.pushes:
+            push.result()
+        return self.call.result()  # type: ignore[no-any-return]

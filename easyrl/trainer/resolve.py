@@ -75,7 +75,8 @@ def rollout_loop(
     (`SingleTurnLoop`), several turns with tools between them when `worker.rollout.multi_turn` sets an environment
     or tools (`MultiTurnLoop`), or with `trainer.max_staleness` >= 1 groups kept in flight across steps
     (`CarryOverLoop`, which draws prompts of its own with `draw` to fill them, and ends responses at `eos_id` and
-    `worker.rollout.stop_token_ids` as the engines do, handing each call's finished groups to `on_finished`). A new
+    `worker.rollout.stop_token_ids` as the engines do, handing each call's finished groups to `on_finished`, and
+    generating beside the training when the engines are separate). A new
     loop is chosen here from the config section that turns it on; `fit()` does not change (docs/architecture.md,
     "Adding a rollout loop")."""
     staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
@@ -96,6 +97,7 @@ def rollout_loop(
         pad_id=pad_id,
         engines=rollout_engines(cfg),
         on_finished=on_finished,
+        beside=rollout.placement == "separate",  # engines of their own generate while the policy trains
     )
 
 

@@ -379,6 +379,13 @@ class Trainer(RunFolder):
             state["rollout_loop"] = self.rollout_loop.state_dict()
         return state
 
+    def save_checkpoint(self, val_score: float | None) -> None:
+        """With a call generating beside the update (separate rollout workers, S >= 1), collect it first: the
+        checkpoint then holds its tokens and a resumed run continues them to the bit."""
+        if isinstance(self.rollout_loop, CarryOverLoop):
+            self.rollout_loop.settle()
+        super().save_checkpoint(val_score)
+
     def request_stop(self, signal_name: str) -> None:
         """Stop at the next stage boundary (a step that has not trained yet is undone), saving first when
         `trainer.save_on_interrupt` is set; `fit()` then raises `StopRequested`. A reward stage in progress returns

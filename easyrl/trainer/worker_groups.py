@@ -211,7 +211,12 @@ class Workers:
     def memory_metrics(self) -> dict[str, float]:
         """The host's memory in use, and every worker's memory figures of the step (the largest over its ranks):
         the allocator's (CUDA) and the ``perf/mem/<role>/*`` ledger (see `easyrl.distributed.memory`)."""
-        return memory_metrics(*self._groups())  # a remote teacher is a client: no memory to report
+        groups = self._groups()  # a remote teacher is a client: no memory to report
+        if isinstance(self.engines, SeparateEngines) and self.engines.generating():
+            # busy beside the update (asynchronous rollouts): asking now would wait for the call; their figures come
+            # with a later step's
+            groups = [g for g in groups if g is not self.rollout]
+        return memory_metrics(*groups)
 
     def shutdown(self) -> None:
         """Stop every worker and release the placement group (a later run in this Ray session needs it)."""

@@ -8,6 +8,7 @@ driver drives it through the same `EngineSession` calls as the actor's HybridEng
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +100,15 @@ class RolloutRole(MemoryReporting, OneCallSession):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """`params.n` samples per prompt with the weights the engine holds, each row stamped with their version."""
         return self.rollout.generate(prompts, params)
+
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
+    def generate_beside(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        """`generate_sequences` issued while the policy trains (the carry-over loop's call beside the update), with its
+        wall-clock start and end (`async/beside_start_time`, `async/beside_end_time`: unix seconds, the clock the
+        driver compares with its own to tell how much of the call overlapped training)."""
+        start = time.time()
+        rows, timing = self.generate_sequences(prompts, params)
+        return rows, timing | {"async/beside_start_time": start, "async/beside_end_time": time.time()}
 
     @register(dispatch=Dispatch.ALL_MERGED)
     def close_rollout(self) -> dict[str, float]:
