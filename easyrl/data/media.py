@@ -120,25 +120,22 @@ def resolve_images(value: Any, image_dir: str | None, cache: dict[str, str | Non
 
 def resolve_videos(value: Any, video_dir: str | None) -> list[MediaRef]:
     """Resolve a row's video column; paths must exist (frames are decoded later, by the media pipeline)."""
-    refs: list[MediaRef] = []
-    for item in _as_list(value):
-        ref = _resolve_one(item, video_dir, "video")
-        if ref is None:
-            continue
-        if isinstance(ref, str) and not os.path.isfile(ref):
-            raise MediaError(f"video file not found: {ref}")
-        refs.append(ref)
-    return refs
+    return _resolve_files(value, video_dir, "video")
 
 
 def resolve_audios(value: Any, audio_dir: str | None) -> list[MediaRef]:
     """Resolve a row's audio column; paths must exist (clips are decoded later, by `easyrl.data.audio`)."""
+    return _resolve_files(value, audio_dir, "audio")
+
+
+def _resolve_files(value: Any, folder: str | None, kind: str) -> list[MediaRef]:
+    """A column of `kind` items read later from files (or given as bytes): each resolved, each path checked."""
     refs: list[MediaRef] = []
     for item in _as_list(value):
-        ref = _resolve_one(item, audio_dir, "audio")
+        ref = _resolve_one(item, folder, kind)
         if ref is None:
             continue
         if isinstance(ref, str) and not os.path.isfile(ref):
-            raise MediaError(f"audio file not found: {ref}")
+            raise MediaError(f"{kind} file not found: {ref}")
         refs.append(ref)
     return refs
