@@ -101,6 +101,13 @@ def rollout_loop(
     )
 
 
+def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop) -> RolloutLoop:
+    """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
+    in flight: the run's multi-turn loop itself (the tools are part of what is measured), else the single-turn one
+    (a carry-over loop's groups in flight are training work, never validation's)."""
+    return loop if cfg.worker.rollout.multi_turn.enabled else SingleTurnLoop()
+
+
 def multi_turn_loop(cfg: EasyRLConfig) -> RolloutLoop:
     """The multi-turn loop of `worker.rollout.multi_turn`: its environments and tools imported (a tool without type
     hints or docstring stops the run here, before any worker starts), the policy's tokenizer and chat template."""

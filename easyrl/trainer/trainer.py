@@ -11,11 +11,11 @@ from easyrl.algorithms import AdaptiveEntropyController, get_kl_controller
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, Secrets
 from easyrl.config.algorithm import KLMode
-from easyrl.rollout import RolloutLoop, SingleTurnLoop
+from easyrl.rollout import RolloutLoop
 from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
-from easyrl.trainer.resolve import estimator_needs, rollout_loop
+from easyrl.trainer.resolve import estimator_needs, one_session_loop, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
@@ -59,7 +59,7 @@ class Trainer(RunFolder):
         self.early = EarlyRewards(self.score_rows) if cfg.trainer.max_staleness else None
         on_finished = self.early.submit if self.early is not None else None
         self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, on_finished)
-        self.single_turn = SingleTurnLoop()
+        self.one_session = one_session_loop(cfg, self.rollout_loop)  # validation and greedy baselines
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
         self.rollout_seed = cfg.worker.rollout.seed
@@ -223,7 +223,7 @@ class Trainer(RunFolder):
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
         seed = derive_seed(GREEDY_STREAM, tries, "attempt")
-        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1}, self.single_turn)
+        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1}, self.one_session)
         scores, _ = self.score(greedy, store=False)
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
@@ -345,7 +345,7 @@ class Trainer(RunFolder):
                 _as_batch(collate_prompts(items, self.tokenizer.pad_token_id, self.cfg.data.max_prompt_length))
             )
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
-            batch = self.generate(prompts.batch, seed, {}, overrides, self.single_turn)
+            batch = self.generate(prompts.batch, seed, {}, overrides, self.one_session)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
             scores, reward_metrics = self.score(batch)
             reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))

@@ -23,7 +23,9 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def _train(tmp_path: Path, steps: int, extra: list[str]) -> list[dict[str, float]]:
+def _train(
+    tmp_path: Path, steps: int, extra: list[str], val: list[dict[str, float]] | None = None
+) -> list[dict[str, float]]:
     from easyrl.distributed import init_ray
     from easyrl.trainer.trainer import Trainer
 
@@ -48,6 +50,8 @@ def _train(tmp_path: Path, steps: int, extra: list[str]) -> list[dict[str, float
 
         ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
+    if val is not None:
+        val += [r for r in rows if "val/reward/overall" in r]
     rows = [r for r in rows if "reward/overall" in r]
     assert len(rows) == steps
     for row in rows:  # one engine call per turn, one forward of the actor over the row: the same log-probs
@@ -57,7 +61,8 @@ def _train(tmp_path: Path, steps: int, extra: list[str]) -> list[dict[str, float
 
 def test_the_tool_demo_learns_to_call_its_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the demo's paths are relative to the repository root
-    rows = _train(tmp_path, STEPS, [])
+    val: list[dict[str, float]] = []
+    rows = _train(tmp_path, STEPS, [f"trainer.val_freq={STEPS}"], val)  # validated after the last step
     for key in (
         "multi_turn/turns_mean",
         "multi_turn/tool_call_rate",
@@ -72,6 +77,9 @@ def test_the_tool_demo_learns_to_call_its_tool(tmp_path: Path, monkeypatch: pyte
     assert _mean(last, "multi_turn/tool_call_rate") > _mean(first, "multi_turn/tool_call_rate") + 0.3
     # the reward function's own count of tool use agrees with the loop's
     assert all(r["reward/tool_call"] == pytest.approx(r["multi_turn/tool_call_rate"]) for r in rows)
+    # validation runs the same loop, tools included (a single-turn validation never calls one: 0.0)
+    (last_val,) = val
+    assert last_val["val/reward/tool_call"] > 0.3, last_val
 
 
 @pytest.mark.vllm
