@@ -530,23 +530,31 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
 _OMNI_NOT_BUILT = {
     "qwen2_5_omni": "the whole Qwen2.5-Omni (thinker, talker and vocoder); easyrl trains its thinker (text out): save "
     "the thinker alone with its processor first (docs/models.md, Omni) and point model_path at that folder",
-    "qwen3_omni_moe": "Qwen3-Omni MoE, not supported yet (its thinker's positions and audio encoder differ from "
-    "Qwen2.5-Omni's); easyrl trains the Qwen2.5-Omni thinker",
-    "qwen3_omni_moe_thinker": "the Qwen3-Omni MoE thinker, not supported yet (its positions and audio encoder differ "
-    "from Qwen2.5-Omni's); easyrl trains the Qwen2.5-Omni thinker",
+    "qwen3_omni_moe": "the whole Qwen3-Omni MoE (thinker, talker and code2wav); easyrl trains its thinker (text out): "
+    "save the thinker alone with its processor first (docs/models.md, Omni) and point model_path at that folder",
 }
+_OMNI_THINKERS = {"qwen2_5_omni_thinker": "Qwen2.5-Omni thinker", "qwen3_omni_moe_thinker": "Qwen3-Omni MoE thinker"}
 
 
 def _check_omni(cfg: EasyRLConfig, config_json: Path) -> None:
-    """An Omni model: only the Qwen2.5-Omni thinker trains, and only on the paths its tiny model was run through
-    (the HF engine, padded or packed rows without sequence parallelism, full fine-tuning, a critic-free estimator);
-    the rest is refused here with one line rather than failing inside a worker."""
-    model_type = json.loads(config_json.read_text()).get("model_type")
+    """An Omni model: only the thinkers (Qwen2.5-Omni, Qwen3-Omni MoE) train, and only on the paths their tiny models
+    were run through (the HF engine, padded or packed rows without sequence parallelism, full fine-tuning, a
+    critic-free estimator); the rest is refused here with one line rather than failing inside a worker."""
+    hf = json.loads(config_json.read_text())
+    model_type = hf.get("model_type")
     path = cfg.worker.actor.model.model_path
     if model_type in _OMNI_NOT_BUILT:
         raise ConfigError("worker.actor.model.model_path", f"{path} is {_OMNI_NOT_BUILT[model_type]}")
-    if model_type != "qwen2_5_omni_thinker":
+    if model_type not in _OMNI_THINKERS:
         return
+    n_window = (hf.get("audio_config") or {}).get("n_window", 50)
+    if model_type == "qwen3_omni_moe_thinker" and n_window != 50:
+        # the audio token counts (easyrl.data.audio, as transformers' processor) assume 100-frame chunks
+        raise ConfigError(
+            "worker.actor.model.model_path",
+            f"{path} has audio_config.n_window={n_window}; the Qwen3-Omni processor counts audio tokens with 50 "
+            "(100-frame chunks): use a thinker whose audio_config.n_window is 50",
+        )
     refusals = [
         ("worker.rollout.name", cfg.worker.rollout.name != "hf", "vllm is not wired for the Omni thinker's audio "
          "inputs (nor can vLLM's CPU build serve it); use worker.rollout.name=hf"),
@@ -559,7 +567,7 @@ def _check_omni(cfg: EasyRLConfig, config_json: Path) -> None:
     ]  # fmt: skip
     for key, refused, why in refusals:
         if refused:
-            raise ConfigError(key, f"{path} is a Qwen2.5-Omni thinker: {why}")
+            raise ConfigError(key, f"{path} is a {_OMNI_THINKERS[model_type]}: {why}")
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:

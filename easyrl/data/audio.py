@@ -1,4 +1,4 @@
-"""Audio inputs for the Omni thinkers (Qwen2.5-Omni): loading, token counts, and the prompt encoding.
+"""Audio inputs for the Omni thinkers (Qwen2.5-Omni, Qwen3-Omni MoE): loading, token counts, and the prompt encoding.
 
 A row names its audio clips in ``data.audio_key`` (file paths relative to ``data.audio_dir``, or bytes). Each clip
 is decoded with PyAV (any container and codec FFmpeg reads: wav, flac, mp3...), mixed down to mono and resampled to
@@ -7,7 +7,7 @@ the feature extractor's sampling rate (16 kHz for Qwen2.5-Omni), then turned int
 transformers' Omni processor cuts it). The ``<|AUDIO|>`` token of the templated prompt becomes one token per
 encoder output frame.
 
-Where this departs from transformers' ``Qwen2_5OmniProcessor.__call__``: the expansion of the audio and image
+Where this departs from transformers' ``Qwen2_5OmniProcessor.__call__`` (and Qwen3-Omni's): the expansion of the audio and image
 pads is done here (as :mod:`easyrl.data.multimodal` does for videos), because that processor cannot run without
 its torchvision video processor; the arithmetic is the processor's. Videos (and audio inside videos) on an Omni
 model are refused with one line: not built yet.
@@ -68,9 +68,19 @@ def _feature_frames(num_samples: int, features: Any) -> int:
     return -(-min(num_samples, int(features.n_samples)) // int(features.hop_length))
 
 
-def audio_output_tokens(feature_frames: int | torch.Tensor) -> Any:
-    """``<|AUDIO|>`` tokens for a clip of ``feature_frames`` mel frames: the audio encoder's two stride-2 stages
-    (transformers' ``Qwen2_5OmniProcessor`` and ``get_rope_index`` use the same arithmetic)."""
+QWEN3_OMNI_CHUNK = 100
+"""Mel frames per chunk of Qwen3-Omni's audio encoder (``2 * n_window``; its processor counts with n_window 50)."""
+
+
+def audio_output_tokens(feature_frames: int | torch.Tensor, family: str = "qwen2_5_omni") -> Any:
+    """``<|AUDIO|>`` tokens for a clip of ``feature_frames`` mel frames, as the ``family``'s processor and
+    ``get_rope_index`` count them. Qwen2.5-Omni: the audio encoder's conv (stride 2) then a stride-2 pool.
+    Qwen3-Omni MoE: the clip is cut into 100-frame chunks, each through three stride-2 convs (13 tokens per full
+    chunk), and the remainder chunk alone."""
+    if family == "qwen3_omni_moe":
+        rest = feature_frames % QWEN3_OMNI_CHUNK
+        after_convs = (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1
+        return after_convs + (feature_frames // QWEN3_OMNI_CHUNK) * 13
     after_conv = (feature_frames - 1) // 2 + 1
     return (after_conv - 2) // 2 + 1
 
@@ -108,7 +118,7 @@ def encode_omni_prompt(
         )
         mm["input_features"] = out["input_features"]
         mm["feature_attention_mask"] = out["attention_mask"].long()
-        audio_counts = [int(n) for n in audio_output_tokens(mm["feature_attention_mask"].sum(-1))]
+        audio_counts = [int(n) for n in audio_output_tokens(mm["feature_attention_mask"].sum(-1), spec.family)]
     image_counts: list[int] = []
     if images:
         pixels = processor.image_processor(images=list(images), do_resize=False, return_tensors="pt")
@@ -126,12 +136,14 @@ def encode_omni_prompt(
     }
 
 
-def omni_token_counts(processor: Any, text: str, audios: Sequence[MediaRef]) -> tuple[int, int]:
+def omni_token_counts(
+    processor: Any, text: str, audios: Sequence[MediaRef], family: str = "qwen2_5_omni"
+) -> tuple[int, int]:
     """(audio tokens, text tokens of ``text`` with one pad per clip): each clip is decoded once to count its
     samples exactly (a container's duration can be off by a frame, which moves the count by a token)."""
     features = processor.feature_extractor
     audio_tokens = 0
     for ref in audios:
         frames = _feature_frames(load_audio(ref, int(features.sampling_rate)).size, features)
-        audio_tokens += int(audio_output_tokens(frames))
+        audio_tokens += int(audio_output_tokens(frames, family))
     return audio_tokens, len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])

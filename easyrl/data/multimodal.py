@@ -55,8 +55,8 @@ VIDEO_PLACEHOLDER = "<video>"
 AUDIO_PLACEHOLDER = "<audio>"
 _PLACEHOLDERS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video", AUDIO_PLACEHOLDER: "audio"}
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in _PLACEHOLDERS) + ")")
-OMNI = "qwen2_5_omni"
-"""The processor family of the Omni thinkers: audio and images, its pads expanded by :mod:`easyrl.data.audio`."""
+OMNI_FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
+"""The processor families of the Omni thinkers: audio and images, their pads expanded by :mod:`easyrl.data.audio`."""
 
 
 class MultimodalError(ValueError):
@@ -320,12 +320,12 @@ def _expand_videos(text: str, token: str, placeholders: list[str]) -> str:
 
 def _check_audio(spec: VisionSpec, videos: Sequence[Any], audios: Sequence[Any]) -> None:
     """Audio needs an Omni model; an Omni model's videos are not built yet: one line each."""
-    if audios and spec.family != OMNI:
+    if audios and spec.family not in OMNI_FAMILIES:
         raise MultimodalError(
             f"the row has {len(audios)} audio clips but the model's processor ({spec.family}) takes images and "
-            "videos only: use an Omni thinker (Qwen2.5-Omni) or drop data.audio_key's column"
+            "videos only: use an Omni thinker (Qwen2.5-Omni, Qwen3-Omni MoE) or drop data.audio_key's column"
         )
-    if videos and spec.family == OMNI:
+    if videos and spec.family in OMNI_FAMILIES:
         raise MultimodalError(
             "videos on an Omni model are not supported yet (its video pads interleave with the audio track): drop "
             "data.video_key's column, or give the frames as images"
@@ -411,7 +411,7 @@ def encode_multimodal_prompt(
     _check_audio(spec, videos, audios)
     messages = media_messages(messages, len(images), len(videos), len(audios))
     text = _render(processor, messages, chat_template, template_kwargs)
-    if spec.family == OMNI:
+    if spec.family in OMNI_FAMILIES:
         from easyrl.data.audio import AudioError, encode_omni_prompt
 
         pil = [fit_image(load_image(ref), spec, data_cfg.min_pixels, data_cfg.max_pixels) for ref in images]
@@ -506,7 +506,7 @@ def media_token_counts(
         from easyrl.data.audio import AudioError, omni_token_counts
 
         try:
-            audio_tokens, base = omni_token_counts(processor, text, audios)
+            audio_tokens, base = omni_token_counts(processor, text, audios, spec.family)
         except AudioError as exc:
             raise MultimodalError(str(exc)) from exc
     else:

@@ -25,8 +25,9 @@ _FAMILIES = {
     "Qwen2_5_VLProcessor": "qwen2_5_vl",
     "Qwen3VLProcessor": "qwen3_vl",
     "Qwen2_5OmniProcessor": "qwen2_5_omni",
+    "Qwen3OmniMoeProcessor": "qwen3_omni_moe",
 }
-_AUDIO_PROCESSORS = ("Qwen2_5OmniProcessor",)
+_AUDIO_PROCESSORS = ("Qwen2_5OmniProcessor", "Qwen3OmniMoeProcessor")
 """Processor classes that take audio (a ``feature_extractor``) besides images."""
 # The Qwen3-VL MoE and Qwen3.5 families ship Qwen3-VL's processor (as transformers' processing_auto maps them); the
 # family is the processor's, so their videos get Qwen3-VL's per-frame timestamps.
@@ -38,6 +39,7 @@ _MODEL_TYPE_TO_PROCESSOR = {
     "qwen3_5": "Qwen3VLProcessor",
     "qwen3_5_moe": "Qwen3VLProcessor",
     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",
+    "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",
 }
 
 

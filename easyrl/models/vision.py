@@ -51,7 +51,7 @@ MEDIA_KEYS = (
 Omni model's audio clips, log-mel features (n, mels, frames) padded to the feature extractor's window and their
 frame masks (n, frames))."""
 
-OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
+OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """The Omni thinkers (audio, images; text out): their positions take the audio lengths, they take no
 ``mm_token_type_ids``, and they keep ``rope_deltas`` on the top model."""
 
@@ -240,7 +240,8 @@ def _check_media_tokens(input_ids: torch.Tensor, config: Any, media: dict[str, t
     if "feature_attention_mask" in media:
         from easyrl.data.audio import audio_output_tokens
 
-        expected = int(audio_output_tokens(media["feature_attention_mask"].sum(-1)).sum())
+        family = str(config.model_type).removesuffix("_thinker")  # the processor family's audio arithmetic
+        expected = int(audio_output_tokens(media["feature_attention_mask"].sum(-1), family).sum())
         found = int((input_ids == config.audio_token_id).sum())
         if found != expected:
             raise ValueError(

@@ -25,6 +25,7 @@ all-reduce (``input_features``), and a missing call runs on four zero mel frames
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -75,7 +76,13 @@ def _dummy_audio_term(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:
     tower: Any = audio
     frames = torch.zeros(int(tower.num_mel_bins), 4, device=like.device, dtype=like.dtype)
     lens = torch.tensor([4], device=like.device)
-    out = audio(frames, feature_lens=lens, aftercnn_lens=(lens - 1) // 2 + 1)
+    # Qwen2.5-Omni's tower takes the post-conv lengths too; Qwen3-Omni's works them out itself
+    extra = (
+        {"aftercnn_lens": (lens - 1) // 2 + 1}
+        if "aftercnn_lens" in inspect.signature(audio.forward).parameters
+        else {}
+    )
+    out = audio(frames, feature_lens=lens, **extra)
     outputs = [t.float().sum() for t in _tensors(out) if t.is_floating_point()]
     return (0.0 * torch.stack(outputs).sum()).to(like.dtype)
 

@@ -1,4 +1,4 @@
-"""GRPO with audio prompts on a tiny Qwen2.5-Omni thinker (2 FSDP2 workers, the HF engine, packed rows): one step
+"""GRPO with audio prompts on a tiny Qwen2.5-Omni thinker and a tiny Qwen3-Omni MoE thinker (2 FSDP2 workers, the HF engine, packed rows): one step
 trains the audio tower, a second resumes from its checkpoint, and the merge gives a folder whose weights and
 processor load back. The parts are tested in tests/models/test_omni.py."""
 
@@ -16,12 +16,13 @@ from tests.trainer.test_e2e import assert_finite, ray_session, run  # noqa: F401
 
 
 @pytest.mark.slow
-def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Path, variant: str) -> None:
     from transformers import AutoModelForImageTextToText
 
     from easyrl.models import load_processor
 
-    omni_model = build_tiny_omni_checkpoint(tmp_path / "model")
+    omni_model = build_tiny_omni_checkpoint(tmp_path / "model", variant=variant)
     data = audio_data(tmp_path / "data")
     # packed rows and the fused-head setting on: the Omni thinker computes its logits through its own forward
     edits = {"data.audio_dir": data["audio_dir"], "data.max_prompt_length": 128, "trainer.save_freq": 1,
@@ -32,7 +33,9 @@ def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Pat
     audio = [n for n in before if n.startswith("audio_tower.")]
     assert audio, f"no audio-tower parameters in {list(before)[:5]}"
     assert any(not torch.equal(before[n], after[n]) for n in audio), "the audio tower got no gradient: no audio?"
-    assert rows[0]["prompt_length/mean"] > 30  # audio tokens expanded into the prompt
+    if variant == "qwen3_omni_moe":  # the routed experts train too
+        assert any(not torch.equal(before[n], after[n]) for n in before if ".experts." in n)
+    assert rows[0]["prompt_length/mean"] > (30 if variant == "qwen2_5_omni" else 20)  # audio tokens in the prompt
     # The same folder and a longer run: it resumes from global_step_1 and trains step 2; the merge is that policy.
     rows, _, resumed = run(tmp_path / "run", omni_model, {"train": data["train"]}, edits, steps=2, weights=True)
     assert [r["step"] for r in rows] == [1, 2] and resumed is not None
