@@ -98,7 +98,7 @@ class LocalJudge:
         logger.info("starting the local judge's vLLM server (%s) on %d GPU(s)", ref.model_path, num_gpus)
         actor_cls: Any = ray.remote(_JudgeServerActor)
         # num_cpus=0: the server must not take a CPU slot a trainer worker's placement needs
-        self._actor = actor_cls.options(num_cpus=0, num_gpus=num_gpus, name=None).remote(
+        self._actor = actor_cls.options(num_cpus=0, num_gpus=num_gpus).remote(
             ref.model_path, name, key, args, server.startup_timeout_s
         )
         try:
