@@ -171,6 +171,8 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
         },
         "trainer": {"total_epochs": 1000, "max_steps": args.warmup + args.steps, "n_gpus_per_node": args.gpus,
                     "logger": ["file"], "val_before_train": False, "save_freq": -1,
+                    # the last step always saves: weights only (1.5B's full state took 38 s on the H200)
+                    "save_model_only": True,
                     "save_checkpoint_path": str(run / "out"), "device": "cuda" if gpu else "cpu"},
     }  # fmt: skip
 

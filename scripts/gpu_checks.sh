@@ -11,7 +11,9 @@
 # carried one call each, back to back; the last part's call unpacks them and runs the first stage in the same
 # command. A machine given back between calls loses the install: every GPU stage checks for vLLM first and says so.
 # Measured on 2026-11-26 (H100): the machine's start ~30 s, a part's call ~2 s, the unpack ~20 s; stage `tests`
-# 340 s of its 420, `sleep` 210 + 166 s (the second run with 1 measured step).
+# 340 s of its 420, `sleep` 210 + 166 s (the second run with 1 measured step). On the H200 (2026-11-26, later):
+# `families` 309 s; `mid` with 2 measured steps ran out at 390 s before raw vLLM (start to the first step ~160 s,
+# 53 s a step, the last step's full save 38 s): now 1 measured step and a weights-only save.
 #
 # Every run has its own timeout; a run that crashes or times out says so in the stage's summary table (printed
 # last, from scripts/gpu_table.py), and its log is kept. Logs and JSON summaries land in $OUT (default ./gpu_out)
@@ -42,7 +44,7 @@ TABLE="
 tests|gpu_varlen_gqa|30|-|$PY -m pytest -q -rfs -m gpu tests/workers/test_packing.py
 tests|gpu_tests|360|-|$PY -m pytest -q -rfs -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
 families|gpu_families|390|-|$PY -m pytest -q -rfs -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
-mid|bench_1.5b|390|$BENCH|$B --model 1.5b
+mid|bench_1.5b|390|$BENCH|$B1 --model 1.5b
 large|bench_3b_adamw_bf16|390|$BENCH|$B --model 3b --optim adamw_bf16 --no-raw-vllm
 vl|vl_3b_images_packed|390|$VLB|$V --media image
 sleep|sleep1_0.5b|195|$BENCH|$B1 --model 0.5b --sleep-level 1 --no-raw-vllm

@@ -221,6 +221,11 @@ def _newer_text(arch: str, hidden_size: int, head_dim: int, num_layers: int) -> 
         text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size // 2}
         if arch == "qwen3_5_moe":
             text |= {"shared_expert_intermediate_size": hidden_size // 2}
+        if arch == "qwen3_vl_moe":
+            # The published checkpoints' config.json carries it and vLLM 0.26 reads it (`config.norm_topk_prob`); the
+            # config class of transformers 5 does not declare it (its model always renormalises the top-k weights),
+            # so a config built in code lacks it: vLLM then failed on the H200 (2026-11-26). True = what HF computes.
+            text |= {"norm_topk_prob": True}
     return text
 
 

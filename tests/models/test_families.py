@@ -64,6 +64,8 @@ def test_tiny_model_has_the_familys_parts(family: tuple[str, str]) -> None:
     if "moe" in name:  # 4 routed experts, 2 per token, narrower than the hidden size (no square expert matrix)
         assert (text.num_experts, text.num_experts_per_tok) == (4, 2)
         assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+        if name in ("qwen3_moe", "qwen3_vl_moe"):  # vLLM 0.26 reads it; Qwen3-VL's config class does not declare it
+            assert text.norm_topk_prob is True, "vLLM must renormalise the top-k weights as transformers does"
     if name.startswith("qwen3_5"):  # the hybrid: a Gated DeltaNet layer, then a full-attention one
         assert text.layer_types == ["linear_attention", "full_attention"]
         assert any(".linear_attn." in n for n in names) and any(".self_attn." in n for n in names)

@@ -292,6 +292,10 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    # vLLM's fused-MoE Triton kernel multiplies fp32 inputs in TF32 (tl.dot's default precision): with the update's
+    # weights (noise of 0.3) the H200 gave 9.99e-03 (2026-11-26) where the dense models stay under 1e-3. An expert
+    # loaded wrongly moves log-probs by O(1), far beyond either bound.
+    tolerance = 3e-2 if arch == "qwen3_moe" else 1e-3
     for step in ("as loaded", "after update"):
         if step == "after update":
             engine.load_weights((n, t.detach().clone()) for n, t in model.named_parameters(remove_duplicate=False))
@@ -300,7 +304,7 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
         diff = (
             (out["rollout_log_probs"] - reference_log_probs(reference, out, 1.0)).abs() * out["response_mask"]
         ).max()
-        assert diff < 1e-3, f"{arch} {step}: log-probs differ from transformers by {diff:.2e}"
+        assert diff < tolerance, f"{arch} {step}: log-probs differ from transformers by {diff:.2e}"
 
 
 @pytest.mark.vllm
