@@ -13,7 +13,7 @@ from easyrl.trainer.resolve import (
     effective_padding_free,
     estimator_needs,
 )
-from easyrl.trainer.role_specs import old_log_prob_pass, use_gpu
+from easyrl.trainer.role_specs import cpu_threads, old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
 
 
@@ -62,7 +62,8 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + ref
         + (", critic" if estimator_needs(cfg).needs_critic else "")
         + (", teacher" if dist.teacher.local else "")
-        + sp,
+        + sp
+        + ("" if use_gpu(cfg) else f"; {cpu_threads(cfg)} torch thread(s) each"),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         + (

@@ -7,6 +7,7 @@ the world size) is resolved here, so that no worker reads a section other than i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
     declared it needs one. `optimizer_steps`: the actor's optimizer steps over the run."""
     need_ref = cfg.algorithm.kl_mode != KLMode.OFF and not lora_on(cfg)
     need_critic = estimator_needs(cfg).needs_critic
-    process = ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules))
+    process = process_spec(cfg)
     ref = None
     if need_ref:
         ref_micro = cfg.worker.ref.micro_batch_size_per_device_for_experience
@@ -157,7 +158,7 @@ def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpe
     per row (`global_batch_size` rows an optimizer step)."""
     acfg = cfg.worker.actor
     return SFTSpec(
-        process=ProcessSpec(seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules)),
+        process=process_spec(cfg),
         model=_policy_model_spec(cfg, optimizer_steps),
         update=_update_spec(acfg, 1, world_size),
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
@@ -220,6 +221,29 @@ def _checkpoint_files(own: ModelConfig, actor: ModelConfig) -> tuple[str | None,
     """(model folder, tokenizer folder) for a checkpoint's `huggingface/` files: the role's own, else the actor's."""
     model_path = own.model_path or actor.model_path
     return model_path, own.tokenizer_path or actor.tokenizer_path or model_path
+
+
+def process_spec(cfg: EasyRLConfig) -> ProcessSpec:
+    """What every worker process sets up first: its seed, the user's modules, its CPU threads."""
+    return ProcessSpec(
+        seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules), cpu_threads=cpu_threads(cfg)
+    )
+
+
+def cpu_threads(cfg: EasyRLConfig, cores: int | None = None) -> int:
+    """torch threads per CPU worker: the node's cores (`trainer.ray_num_cpus`, else the cores this process may run
+    on) shared among the workers that run at once on a node, at least 1. `EASYRL_NUM_THREADS` overrides it.
+
+    Roles of one worker slot (actor, reference, critic) take turns, so they share the slot's threads; rollout workers
+    of their own (`placement: separate`) run beside the actors and take slots of their own. On the 2-core demo one
+    worker of 2 threads trains a step faster than two workers of 1 (docs/benchmarks.md, issue 29)."""
+    if "EASYRL_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["EASYRL_NUM_THREADS"]))
+    rollout = cfg.worker.rollout
+    per_node = cfg.trainer.n_gpus_per_node + (rollout.n_gpus if rollout.placement == "separate" else 0)
+    if cores is None:
+        cores = cfg.trainer.ray_num_cpus or len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, per_node))
 
 
 def use_gpu(cfg: EasyRLConfig) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -275,7 +274,7 @@ def setup_process(process: ProcessSpec) -> torch.device:
 
     if not torch.cuda.is_available():
         # CPU workers share the host: torch's default, a thread per core in each process, would oversubscribe it.
-        torch.set_num_threads(int(os.environ.get("EASYRL_NUM_THREADS", "1")))
+        torch.set_num_threads(process.cpu_threads)
     init_distributed()
     seed_everything(process.seed)
     import_user_modules(list(process.user_modules))

@@ -45,6 +45,9 @@ class ProcessSpec:
     """`trainer.seed`: Python, NumPy and torch generators of the worker."""
     user_modules: tuple[str, ...] = ()
     """`algorithm.user_modules`: imported in the worker so their registrations exist there too."""
+    cpu_threads: int = 1
+    """torch's intra-op threads in a CPU worker (`easyrl.trainer.role_specs.cpu_threads`); a GPU worker keeps
+    torch's default."""
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
     [
         (["trainer.device=cpu"], False),  # auto on CPU: padded (per-sequence attention is slower there)
         (["trainer.device=cuda"], True),  # auto on GPUs: packed varlen
-        (["trainer.device=cpu", "worker.actor.ulysses_size=2"], True),  # sequence parallelism splits packed rows
+        (["trainer.device=cpu", "trainer.n_gpus_per_node=2", "worker.actor.ulysses_size=2"], True),  # SP: packed rows
         (["trainer.device=cpu", "worker.actor.padding_free=true"], True),  # explicit values are kept
         (["trainer.device=cuda", "worker.actor.padding_free=false"], False),
     ],
@@ -340,3 +340,26 @@ def test_engine_log_probs_are_asked_for_only_when_the_old_log_prob_pass_runs() -
     assert sampling_params(load_config(DEMO, [])).logprobs is False  # 1 epoch over 1 mini-batch: skipped
     assert sampling_params(load_config(DEMO, ["worker.actor.ppo_epochs=2"])).logprobs is True
     assert sampling_params(load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])).logprobs is True
+
+
+def test_cpu_workers_share_the_nodes_cores(monkeypatch) -> None:
+    """A CPU worker's torch threads: the cores over the workers that run at once on a node (one worker of 2 threads
+    on 2 cores, not 1 idle core); the reference takes turns with the actor; separate rollout workers count; the
+    environment overrides; every worker's spec carries it."""
+    from easyrl.trainer.role_specs import cpu_threads
+
+    monkeypatch.delenv("EASYRL_NUM_THREADS", raising=False)
+    cfg = EasyRLConfig()
+    cfg.trainer.n_gpus_per_node = 1
+    assert cpu_threads(cfg, cores=2) == 2
+    cfg.trainer.n_gpus_per_node = 2
+    assert cpu_threads(cfg, cores=2) == 1
+    assert cpu_threads(cfg, cores=1) == 1  # never 0
+    cfg.worker.rollout.placement, cfg.worker.rollout.n_gpus = "separate", 1
+    assert cpu_threads(cfg, cores=6) == 2
+    cfg.trainer.ray_num_cpus = 9
+    assert cpu_threads(cfg) == 3
+    monkeypatch.setenv("EASYRL_NUM_THREADS", "5")
+    assert cpu_threads(cfg, cores=2) == 5
+    specs = build_role_specs(cfg, optimizer_steps=1, world_size=2)
+    assert specs.actor.process.cpu_threads == 5
