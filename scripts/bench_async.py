@@ -51,6 +51,7 @@ def run(setting: str, steps: int, reward: Path, folder: Path, extra: list[str]) 
         "easyrl.cli",
         "train",
         str(REPO / "configs" / "demo.yaml"),
+        "trainer.n_gpus_per_node=2",  # the layout of the figures recorded in docs/benchmarks.md (2 workers)
         f"trainer.max_staleness={staleness}",
         f"trainer.max_steps={steps}",
         "data.max_response_length=48",

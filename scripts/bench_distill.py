@@ -37,6 +37,7 @@ def train(run: Path, *overrides: str, steps: int, val_every: int) -> tuple[list[
         "easyrl.cli",
         "train",
         str(REPO / "configs" / "demo.yaml"),
+        "trainer.n_gpus_per_node=2",  # the layout of the figures recorded in docs/benchmarks.md (2 workers)
         f"trainer.max_steps={steps}",
         f"trainer.val_freq={val_every}",
         f"trainer.save_checkpoint_path={run}",

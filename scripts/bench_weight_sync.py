@@ -40,6 +40,7 @@ def measure(hidden: int, layers: int, steps: int, transfer: str, workdir: Path) 
         "easyrl.cli",
         "train",
         str(REPO / "configs" / "demo.yaml"),
+        "trainer.n_gpus_per_node=2",  # the layout of the figures recorded in docs/benchmarks.md (2 workers)
         f"worker.actor.model.model_path={model}",
         "worker.rollout.placement=separate",
         "worker.rollout.n_gpus=1",
