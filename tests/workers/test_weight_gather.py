@@ -57,10 +57,11 @@ def _per_parameter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _count_collectives(calls: dict[str, int]) -> None:
     """Count (and still run) every all-gather: the bucketed one and DTensor's own per-parameter one."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    all_gather, full_tensor = dist.all_gather_single, DTensor.full_tensor
+    from easyrl.workers import model_setup
+
+    all_gather, full_tensor = model_setup._all_gather_single, DTensor.full_tensor
 
     def counted_all_gather(*args: Any, **kwargs: Any) -> Any:
         calls["all_gather_single"] += 1
@@ -70,7 +71,7 @@ def _count_collectives(calls: dict[str, int]) -> None:
         calls["full_tensor"] += 1
         return full_tensor(self, *args, **kwargs)
 
-    dist.all_gather_single = counted_all_gather
+    model_setup._all_gather_single = counted_all_gather
     DTensor.full_tensor = counted_full_tensor  # type: ignore[method-assign]
 
 
