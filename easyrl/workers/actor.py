@@ -1,7 +1,7 @@
 """The actor role: the FSDP2 policy being trained, with a `RolloutWorker` (its engine) in the same process
 (HybridEngine).
 
-After every update the policy's weights are streamed, one parameter at a time, into the engine in memory;
+After every update the policy's weights are streamed, a bucket of parameters at a time, into the engine in memory;
 the engine sleeps while the policy trains and wakes for the next generation.
 """
 

