@@ -8,6 +8,7 @@ the world size) is resolved here, so that no worker reads a section other than i
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -231,19 +232,32 @@ def process_spec(cfg: EasyRLConfig) -> ProcessSpec:
 
 
 def cpu_threads(cfg: EasyRLConfig, cores: int | None = None) -> int:
-    """torch threads per CPU worker: the node's cores (`trainer.ray_num_cpus`, else the cores this process may run
-    on) shared among the workers that run at once on a node, at least 1. `EASYRL_NUM_THREADS` overrides it.
+    """torch threads per CPU worker: a node's cores (`node_cores`) shared among the workers that run at once on it,
+    at least 1. `EASYRL_NUM_THREADS` overrides it.
 
     Roles of one worker slot (actor, reference, critic) take turns, so they share the slot's threads; rollout workers
     of their own (`placement: separate`) run beside the actors and take slots of their own. On the 2-core demo one
-    worker of 2 threads trains a step faster than two workers of 1 (docs/benchmarks.md, issue 29)."""
+    worker of 2 threads trains as fast as two workers of 1 (docs/benchmarks.md, issue 29)."""
     if "EASYRL_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["EASYRL_NUM_THREADS"]))
     rollout = cfg.worker.rollout
     per_node = cfg.trainer.n_gpus_per_node + (rollout.n_gpus if rollout.placement == "separate" else 0)
-    if cores is None:
-        cores = cfg.trainer.ray_num_cpus or len(os.sched_getaffinity(0))
-    return max(1, cores // max(1, per_node))
+    return max(1, (node_cores(cfg) if cores is None else cores) // max(1, per_node))
+
+
+def node_cores(cfg: EasyRLConfig) -> int:
+    """The cores one node's workers share: the cores this process may run on, fewer where `trainer.ray_num_cpus` or a
+    running Ray instance's smallest node (with CPUs) says so. Ray's logical CPUs alone can overstate the machine (the
+    tests start a private instance with 4 on 2 cores), and the driver's machine alone a cluster's nodes (a local
+    two-node cluster of one CPU each)."""
+    counts = [len(os.sched_getaffinity(0))]
+    if cfg.trainer.ray_num_cpus:
+        counts.append(cfg.trainer.ray_num_cpus)
+    ray = sys.modules.get("ray")  # only a started instance is asked: importing Ray here would slow `easyrl check`
+    if ray is not None and ray.is_initialized():
+        nodes = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
+        counts += [int(cpus) for cpus in nodes if cpus >= 1]
+    return max(1, min(counts))
 
 
 def use_gpu(cfg: EasyRLConfig) -> bool:

@@ -176,4 +176,4 @@ def test_check_prints_the_teacher_in_the_plan(tmp_path, tiny_model_dir, digits_d
         lines[0].startswith("algorithm: no task advantage")
         and f"distillation from {tiny_model_dir} (k1 x 1.0)" in lines[0]
     )
-    assert any(line.startswith("workers:") and line.endswith(", teacher") for line in lines)
+    assert any(line.startswith("workers:") and "roles: actor+rollout, teacher" in line for line in lines)

@@ -357,8 +357,12 @@ def test_cpu_workers_share_the_nodes_cores(monkeypatch) -> None:
     assert cpu_threads(cfg, cores=1) == 1  # never 0
     cfg.worker.rollout.placement, cfg.worker.rollout.n_gpus = "separate", 1
     assert cpu_threads(cfg, cores=6) == 2
+    # the machine's cores bound Ray's logical CPUs (the tests' private instance has 4 on 2 cores), and the reverse
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     cfg.trainer.ray_num_cpus = 9
-    assert cpu_threads(cfg) == 3
+    assert cpu_threads(cfg) == 2
+    cfg.trainer.ray_num_cpus = 3
+    assert cpu_threads(cfg) == 1
     monkeypatch.setenv("EASYRL_NUM_THREADS", "5")
     assert cpu_threads(cfg, cores=2) == 5
     specs = build_role_specs(cfg, optimizer_steps=1, world_size=2)
