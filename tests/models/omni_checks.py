@@ -1,14 +1,40 @@
-"""The packed-vs-padded check both Omni thinkers pass (tests/models/test_omni.py, test_qwen3_omni.py)."""
+"""The checks both Omni thinkers pass (tests/models/test_omni.py, test_qwen3_omni.py): left-padded rows against
+themselves alone, packed rows against padded ones."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from easyrl.config import DataConfig
 from easyrl.testing.tiny_omni import write_tone_wav
+
+
+def assert_padded_rows_equal_each_alone(model: torch.nn.Module, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Left-pad the dataset `items` into one batch; each row's logits equal its own unpadded forward. Returns the
+    batch (`input_ids`, `attention_mask`, `multi_modal_inputs`)."""
+    from easyrl.models import multimodal_forward_kwargs
+
+    width = max(len(it["prompt_ids"]) for it in items)
+    ids = torch.tensor([[0] * (width - len(it["prompt_ids"])) + it["prompt_ids"] for it in items])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(it["prompt_ids"]) for it in items])[:, None]).long()
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "multi_modal_inputs": [it["multi_modal_inputs"] for it in items],
+    }
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **multimodal_forward_kwargs(batch, model)).logits
+        for row, item in enumerate(items):
+            alone_ids = torch.tensor([item["prompt_ids"]])
+            one = {"input_ids": alone_ids, "attention_mask": torch.ones_like(alone_ids)}
+            media = multimodal_forward_kwargs({**one, "multi_modal_inputs": [item["multi_modal_inputs"]]}, model)
+            alone = model(**one, **media).logits[0]
+            torch.testing.assert_close(logits[row, mask[row].bool()], alone, rtol=1e-4, atol=1e-4)
+    return batch
 
 
 def assert_packed_rows_give_the_padded_log_probs_and_gradients(

@@ -16,7 +16,10 @@ from pytest import MonkeyPatch
 
 from easyrl.config import ConfigError, DataConfig
 from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint, write_tone_wav
-from tests.models.omni_checks import assert_packed_rows_give_the_padded_log_probs_and_gradients
+from tests.models.omni_checks import (
+    assert_packed_rows_give_the_padded_log_probs_and_gradients,
+    assert_padded_rows_equal_each_alone,
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,29 +115,15 @@ def test_forward_positions_and_generation_take_the_audio(tmp_path: Path, omni_mo
     from transformers import AutoModelForImageTextToText
 
     from easyrl.data.dataset import RLDataset
-    from easyrl.models import generate_with_media, load_processor, multimodal_forward_kwargs
+    from easyrl.models import generate_with_media, load_processor
 
     data = audio_data(tmp_path, rows=2)  # two clips of different lengths
     cfg = DataConfig(train_files=data["train"], audio_dir=data["audio_dir"], max_prompt_length=256)
     dataset = RLDataset(cfg.train_files, cfg, None, load_processor(omni_model))
     items = [dataset[0], dataset[1]]
     model = AutoModelForImageTextToText.from_pretrained(omni_model, dtype=torch.float32).eval()
-    width = max(len(it["prompt_ids"]) for it in items)
-    ids = torch.tensor([[0] * (width - len(it["prompt_ids"])) + it["prompt_ids"] for it in items])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(it["prompt_ids"]) for it in items])[:, None]).long()
-    batch = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "multi_modal_inputs": [it["multi_modal_inputs"] for it in items],
-    }
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, **multimodal_forward_kwargs(batch, model)).logits
-        for row, item in enumerate(items):
-            alone_ids = torch.tensor([item["prompt_ids"]])
-            one = {"input_ids": alone_ids, "attention_mask": torch.ones_like(alone_ids)}
-            media = multimodal_forward_kwargs({**one, "multi_modal_inputs": [item["multi_modal_inputs"]]}, model)
-            alone = model(**one, **media)
-            torch.testing.assert_close(logits[row, mask[row].bool()], alone.logits[0], rtol=1e-4, atol=1e-4)
+    batch = assert_padded_rows_equal_each_alone(model, items)
+    ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
     out = generate_with_media(model, ids, mask, batch["multi_modal_inputs"], max_new_tokens=6, do_sample=True)
     audio_ids = {model.config.audio_token_id, model.config.audio_start_token_id, model.config.audio_end_token_id}
     assert not audio_ids & set(out[:, width:].flatten().tolist())

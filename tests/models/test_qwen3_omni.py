@@ -14,7 +14,10 @@ import torch
 
 from easyrl.config import ConfigError, DataConfig
 from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint, write_tone_wav
-from tests.models.omni_checks import assert_packed_rows_give_the_padded_log_probs_and_gradients
+from tests.models.omni_checks import (
+    assert_packed_rows_give_the_padded_log_probs_and_gradients,
+    assert_padded_rows_equal_each_alone,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def test_dataset_expands_each_clip_into_the_encoders_tokens(tmp_path: Path, qwen
     from transformers import AutoModelForImageTextToText
 
     from easyrl.data.dataset import RLDataset
-    from easyrl.models import load_processor, multimodal_forward_kwargs
+    from easyrl.models import load_processor
 
     write_tone_wav(tmp_path / "short.wav", 0.5, 8000)
     write_tone_wav(tmp_path / "mid.wav", 1.2, 22050)
@@ -61,23 +64,7 @@ def test_dataset_expands_each_clip_into_the_encoders_tokens(tmp_path: Path, qwen
     assert (stats["min"], stats["max"]) == (len(data[0]["prompt_ids"]), len(data[2]["prompt_ids"]))
     model = AutoModelForImageTextToText.from_pretrained(qwen3_omni, dtype=torch.float32).eval()
     assert type(model).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
-    items = [data[i] for i in range(3)]
-    width = max(len(it["prompt_ids"]) for it in items)
-    ids = torch.tensor([[0] * (width - len(it["prompt_ids"])) + it["prompt_ids"] for it in items])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(it["prompt_ids"]) for it in items])[:, None]).long()
-    batch = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "multi_modal_inputs": [it["multi_modal_inputs"] for it in items],
-    }
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, **multimodal_forward_kwargs(batch, model)).logits
-        for row, item in enumerate(items):  # each left-padded row equals its own unpadded forward
-            alone_ids = torch.tensor([item["prompt_ids"]])
-            one = {"input_ids": alone_ids, "attention_mask": torch.ones_like(alone_ids)}
-            media = multimodal_forward_kwargs({**one, "multi_modal_inputs": [item["multi_modal_inputs"]]}, model)
-            torch.testing.assert_close(logits[row, mask[row].bool()], model(**one, **media).logits[0], rtol=1e-4,
-                                       atol=1e-4)  # fmt: skip
+    assert_padded_rows_equal_each_alone(model, [data[i] for i in range(3)])
 
 
 def test_packed_rows_give_the_padded_log_probs_and_gradients(tmp_path: Path, qwen3_omni: str) -> None:
