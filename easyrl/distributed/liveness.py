@@ -264,6 +264,9 @@ def wait_for_results(
                 results[rank] = value
                 continue
             error = to_group_error(role, rank, value)
+            # Logged now, whole: what the driver does next (waiting for a death that would explain it, stopping the
+            # ranks left behind, closing the run) may hang or be killed before the error reaches anyone.
+            logger.error("%s.%s failed on rank %d:\n%s", role, method, rank, summarize_remote_error(value, 200))
             # A method error may be a symptom: a rank blocked in a collective fails because a peer died. Report the
             # death instead if one shows up within the grace.
             if isinstance(error, WorkerError) and death_grace_s > 0:

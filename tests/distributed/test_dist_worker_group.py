@@ -228,11 +228,17 @@ def test_two_groups_share_a_pool_with_their_own_worlds(toy: WorkerGroup, critic:
     assert {i["role"] for i in critic.identity()} == {"critic"}
 
 
-def test_method_error_names_role_rank_and_message(toy: WorkerGroup) -> None:
-    with pytest.raises(WorkerError, match="the actor worker of rank 1") as info:
+def test_method_error_names_role_rank_and_message(toy: WorkerGroup, caplog: pytest.LogCaptureFixture) -> None:
+    with (
+        caplog.at_level("ERROR", logger="easyrl.distributed.liveness"),
+        pytest.raises(WorkerError, match="the actor worker of rank 1") as info,
+    ):
         toy.fail_on(1)
     assert info.value.rank == 1 and info.value.role == "actor"
     assert "ValueError: bad value on rank 1" in str(info.value)
+    # logged on the driver the moment it arrived, remote traceback and all (before anything that could hang)
+    (logged,) = [r.getMessage() for r in caplog.records if "fail_on failed on rank 1" in r.getMessage()]
+    assert ", in fail_on" in logged and "ValueError: bad value on rank 1" in logged
     assert toy.rank_tagged(1) == 1  # the group is still usable after a plain exception
 
 
