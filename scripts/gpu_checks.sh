@@ -15,9 +15,16 @@
 # `families` 309 s; `mid` with 2 measured steps ran out at 390 s before raw vLLM (start to the first step ~160 s,
 # 53 s a step, the last step's full save 38 s): now 1 measured step and a weights-only save.
 #
-# Every run has its own timeout; a run that crashes or times out says so in the stage's summary table (printed
-# last, from scripts/gpu_table.py), and its log is kept. Logs and JSON summaries land in $OUT (default ./gpu_out)
-# for docs/benchmarks.md. `cpu_smoke` runs this machinery on a CPU machine in seconds (tests/test_gpu_checks.py).
+# `recipes` comes first in every plan: the recipe matrix (tests/recipes: every model family and every feature that
+# changes what runs on the device, 2 steps each, with the numerics gate), one call of at most 480 s with the cold
+# start, which leaves a performance stage room in the same loan. GPU tests run one test id per pytest process, each
+# with its own limit (tests/recipes/each_test.py), never one pytest process per stage: a hang costs one test.
+#
+# Every run has its own timeout; past it the run gets SIGINT first (pytest and the runners print what they have),
+# then SIGKILL, and Ray is stopped before the next run. A run that crashes or times out says so in the stage's summary
+# table (printed last, from scripts/gpu_table.py), and its log is kept. Each failure is written into $OUT/failures/
+# the moment it happens. Logs and JSON summaries land in $OUT (default ./gpu_out) for docs/benchmarks.md.
+# `cpu_smoke` runs this machinery, and the recipe runner over the HF engine, on a CPU machine (tests/test_gpu_checks.py).
 set -uo pipefail
 
 STAGE=${1:?usage: gpu_checks.sh plan|STAGE (see: gpu_checks.sh plan)}
@@ -26,6 +33,7 @@ PY=${PYTHON:-python3}
 BENCH=/tmp/easyrl_bench
 VLB=/tmp/easyrl_bench_vl
 STAGE_BUDGET=390
+RECIPES_BUDGET=450  # the matrix's own call: at most 480 s with the cold start (issue 42)
 CALL_LIMIT=540
 SESSION_S=900
 MACHINE_START_S=40
@@ -38,13 +46,15 @@ B="$PY scripts/benchmark.py --workdir $BENCH --warmup 1 --steps 2"
 B1="$PY scripts/benchmark.py --workdir $BENCH --warmup 1 --steps 1"  # the runs of a two-run stage: 0.5B took 166 s so
 V="$PY scripts/bench_vl.py --workdir $VLB --warmup 1 --steps 2"
 LORA_SHAPE="--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864"
+EACH="$PY -m tests.recipes.each_test --out $OUT --budget"
 # stage | run | limit (s) | where its summary.json lands (- for none) | command. In the order the plan gives them:
-# the acceptance first (tests, 1.5B with raw vLLM, 3B, VL-3B), then the runs nothing else covers, then the extras.
+# the recipe matrix first, then the 1.5B figure that fits beside it, the GPU tests, then the runs nothing else covers.
 TABLE="
-tests|gpu_varlen_gqa|30|-|$PY -m pytest -q -rfs -m gpu tests/workers/test_packing.py
-tests|gpu_tests|360|-|$PY -m pytest -q -rfs -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
-families|gpu_families|390|-|$PY -m pytest -q -rfs -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
-mid|bench_1.5b|390|$BENCH|$B1 --model 1.5b
+recipes|recipes|$RECIPES_BUDGET|-|$PY -m tests.recipes --device cuda --out $OUT --jobs 2 --budget 420
+mid|bench_1.5b|330|$BENCH|$B1 --model 1.5b --no-raw-vllm
+tests|gpu_tests|390|-|$EACH 370 -- -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
+families|gpu_families|390|-|$EACH 370 -- -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
+mid_raw|bench_1.5b_raw|390|$BENCH|$B1 --model 1.5b
 large|bench_3b_adamw_bf16|390|$BENCH|$B --model 3b --optim adamw_bf16 --no-raw-vllm
 vl|vl_3b_images_packed|390|$VLB|$V --media image
 sleep|sleep1_0.5b|195|$BENCH|$B1 --model 0.5b --sleep-level 1 --no-raw-vllm
@@ -65,6 +75,7 @@ sp|sp_0.5b_16k|390|-|$PY scripts/bench_ulysses.py --model 0.5b --response 16384 
 cpu_smoke|smoke_ok|20|$OUT/smoke_run|$PY -c 'import json, os; d = os.environ[\"OUT\"] + \"/smoke_run/r\"; os.makedirs(d, exist_ok=True); json.dump({\"timing_s/step\": [1.0, 1.0]}, open(d + \"/summary.json\", \"w\"))'
 cpu_smoke|smoke_crash|20|-|$PY -c 'raise RuntimeError(\"a run that crashes\")'
 cpu_smoke|smoke_timeout|2|-|sleep 30
+cpu_smoke|recipes_cpu|400|-|$PY -m tests.recipes --device cpu --out $OUT --budget 380
 "
 NOTES="
 vllm033|not in the calls above: needs a GPU bundle with vLLM 0.33 and the torch it requires (gpu_bundle.py pins 0.26.0 today); with one, 'bash scripts/gpu_checks.sh vllm033' is one more call
@@ -75,24 +86,31 @@ stages() { echo "$TABLE" | awk -F'|' 'NF >= 5 && !seen[$1]++ {print $1}'; }
 rows() { echo "$TABLE" | awk -F'|' -v s="$1" '$1 == s'; }
 budget() { rows "$1" | awk -F'|' '{t += $3} END {print t + 0}'; }
 
-ordered() {  # the GPU stages the plan calls: those never run on a lent machine first, then the measured ones
+ordered() {  # the GPU stages the plan calls: the recipes, those never run on a lent machine, then the measured ones
   local stage
+  echo recipes
   for pass in pending measured; do
     for stage in $(stages); do
-      case $stage in cpu_smoke | sp | vllm033) continue ;; esac  # CPU / see the notes
+      case $stage in recipes | cpu_smoke | sp | vllm033) continue ;; esac  # first / CPU / see the notes
       if [[ " $MEASURED " == *" $stage "* ]]; then [ $pass = measured ] && echo "$stage"; else [ $pass = pending ] && echo "$stage"; fi
     done
   done
 }
 
 plan() {  # the calls in order, grouped into sessions of device time; every stage's budget checked
-  local session=0 used=0 bad=0 stage b carry i
+  local session=0 used=0 bad=0 stage b carry i limit
   local install=$((MACHINE_START_S + 10 * (INSTALL_PARTS - 1) + 30))  # a fresh machine: its start, the parts, the unpack
   echo "# measured already (called last; rerun them after changes to what they check): $MEASURED"
+  if ((install + $(budget recipes) > SESSION_S - 250)); then
+    echo "ERROR: the install and recipes take $((install + $(budget recipes))) s: less than 250 s of a loan is left" >&2
+    bad=1
+  fi
   for stage in $(ordered); do
     b=$(budget "$stage")
-    if ((b > STAGE_BUDGET)); then
-      echo "ERROR: stage $stage's runs add up to $b s, over $STAGE_BUDGET s" >&2
+    limit=$STAGE_BUDGET
+    [ "$stage" = recipes ] && limit=$RECIPES_BUDGET
+    if ((b > limit)); then
+      echo "ERROR: stage $stage's runs add up to $b s, over $limit s" >&2
       bad=1
     fi
     if ((session == 0 || used + b > SESSION_S)); then  # a fresh session: a bare machine, the install again
@@ -165,11 +183,15 @@ run() {  # run NAME SECONDS SUMMARY_DIR CMD: one bounded run; its status, log an
   local marker
   marker=$(mktemp)
   echo "== $name (at most ${limit} s): $cmd"
-  timeout --kill-after=20 "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
+  # SIGINT first: pytest and the runners print what they have and unwind; SIGKILL 20 s later
+  timeout -s INT --kill-after=20 "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
   local rc=$?
+  if [ "$STAGE" != cpu_smoke ]; then  # nothing of this run's Ray is left for the next (a lent machine runs nothing else)
+    "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+  fi
   case $rc in
     0) echo ok >"$OUT/$name.status" ;;
-    124 | 137) echo "timed out after ${limit} s" >"$OUT/$name.status" ;;
+    124 | 137 | 130) echo "timed out after ${limit} s" >"$OUT/$name.status" ;;
     *) echo "crashed or failed (exit $rc): $(grep -E 'Error|error:' "$OUT/$name.log" | tail -1 | cut -c1-160)" >"$OUT/$name.status" ;;
   esac
   grep -v " INFO \| DEBUG " "$OUT/$name.log" | tail -25

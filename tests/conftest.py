@@ -20,6 +20,49 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+FAILURES_ENV = "EASYRL_FAILURES_DIR"
+"""Set by the bounded runners (tests/recipes/each_test.py): each failure is written there the moment it happens."""
+
+
+STACKS_ENV = "EASYRL_STACKS_FILE"
+"""Set by the bounded runners: where SIGUSR1 dumps every thread's stack (pytest's capture holds stderr by then)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    stacks = os.environ.get(STACKS_ENV)
+    if stacks:
+        import faulthandler
+        import signal
+
+        # a runner stopping a hung test asks for the stacks first; the file stays open for the process's life
+        config.stash[_STACKS_KEY] = sink = open(stacks, "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=sink, all_threads=True)
+
+
+_STACKS_KEY = pytest.StashKey[Any]()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under a bounded runner, write a failure (test id, phase, exception, the ends of the captured output and of the
+    Ray workers' logs) to `$EASYRL_FAILURES_DIR/<test id>.txt` at once: a later hang or kill cannot lose it."""
+    folder = os.environ.get(FAILURES_ENV)
+    if not folder or not report.failed:
+        return
+    import re
+
+    from tests.recipes.logs import worker_log_tails
+
+    captured = "\n".join(f"--- {name}\n" + "\n".join(text.splitlines()[-60:]) for name, text in report.sections)
+    text = (
+        f"{report.nodeid} failed in {report.when}\n\n{report.longreprtext}\n\n"
+        f"=== the end of the captured output (the driver's log)\n{captured}\n\n"
+        f"=== the newest Ray worker logs\n{worker_log_tails()}\n"
+    )
+    path = Path(folder) / (re.sub(r"[^A-Za-z0-9_.-]+", "_", report.nodeid)[-150:] + ".txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

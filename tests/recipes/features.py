@@ -1,0 +1,289 @@
+"""The features that change what runs on the device, each on the tiny Qwen2.5 (or the tool demo's model) with its
+own effect checked: what trained, what the engine received, what the feature logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conftest import REPO, base_config
+from tests.recipes.base import Context, Outcome, Recipe, expect, moved
+from tests.recipes.families import _text, digits_recipe_data
+
+
+def _qwen(ctx: Context) -> str:
+    return _text(ctx, "qwen2")
+
+
+def _set(conf: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split(".")
+        node = conf
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return conf
+
+
+def _log(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "experiment_log.jsonl").read_text().splitlines()]
+
+
+def lora(ctx: Context, sync: str) -> Outcome:
+    edits = {
+        "worker.actor.model.lora": {"rank": 4, "alpha": 8, "rollout_sync": sync},
+        # the reference is the base under the adapters: the KL loss reads it
+        "algorithm.disable_kl": False,
+        "algorithm.use_kl_loss": True,
+    }
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, weights=True)
+    # full_weights() is the merged policy: the adapted projections move, the embedding (no adapter) does not
+    expect(moved(before, after, "self_attn.q_proj."), "the adapted projections did not move")
+    expect(not moved(before, after, "embed_tokens."), "the embedding moved: it has no adapter")
+    sent = rows[1].get("perf/weight_transfer_gb", 0.0) * 2**30
+    assert before is not None
+    full = sum(t.numel() * t.element_size() for t in before.values())
+    if sync == "adapter":  # the engine gets the adapters only
+        expect(0 < sent < full / 4, f"adapter sync pushed {sent:.0f} bytes, the merged model is {full}")
+    return Outcome(
+        f"base frozen, adapters trained; pushed {sent / 2**20:.2f} MiB of a {full / 2**20:.2f} MiB model", rows
+    )
+
+
+def sleep_level(ctx: Context, level: int) -> Outcome:
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), {"worker.rollout.sleep_level": level})
+    freed = [r.get("perf/sleep_freed_gb", 0.0) for r in rows]
+    if ctx.gpu:  # sleep mode is CUDA-only
+        expect(all(f > 0 for f in freed), f"sleep level {level} freed {freed} GiB")
+    return Outcome(f"sleep level {level} freed {max(freed):.3f} GiB a step; woke to the pushed weights", rows)
+
+
+def offload(ctx: Context) -> Outcome:
+    edits = {"worker.actor.offload": {"offload_params": True, "offload_optimizer": True}}
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, weights=True)
+    expect(moved(before, after, "self_attn.q_proj."), "no update after bringing the offloaded policy back")
+    held = rows[1].get("perf/mem/actor/after_generate_gb")
+    return Outcome(f"params and optimizer off the device while generating (device {held} GiB after generate)", rows)
+
+
+def bypass(ctx: Context) -> Outcome:
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), {"algorithm.rollout_correction.bypass_mode": True})
+    expect(all("timing_s/old" not in r for r in rows), "bypass mode ran the old-log-prob pass")
+    return Outcome("no old-log-prob pass: the engine's log-probs are the old ones", rows)
+
+
+def tis(ctx: Context) -> Outcome:
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), {"algorithm.tis_cap": 2.0})
+    keys = sorted({k for r in rows for k in r if k.startswith("rollout_corr/")})
+    expect(bool(keys), "tis_cap logged no rollout_corr/* metric")
+    return Outcome(f"truncated IS weights applied ({len(keys)} rollout_corr metrics)", rows)
+
+
+def ppo_critic(ctx: Context) -> Outcome:
+    edits = {
+        "algorithm.adv_estimator": "gae",
+        "worker.critic.global_batch_size": 2,
+        "worker.critic.micro_batch_size_per_device_for_update": 2,
+    }
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    losses = [r.get("critic/vf_loss") for r in rows]
+    expect(all(v is not None for v in losses), f"critic/vf_loss {losses}")
+    return Outcome(f"critic trained: vf_loss {losses[0]:.4f} -> {losses[1]:.4f}", rows)
+
+
+def dapo(ctx: Context) -> Outcome:
+    edits = {"algorithm.online_filtering": True, "algorithm.filter_low": 0.0, "algorithm.filter_high": 1.0}
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    tries = [r.get("batch/num_gen_batches") for r in rows]
+    expect(all(t is not None and t >= 1 for t in tries), f"batch/num_gen_batches {tries}")
+    return Outcome(f"groups filtered, batch refilled ({tries} sampling tries)", rows)
+
+
+def gspo(ctx: Context) -> Outcome:
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), {"worker.actor.loss_type": "gspo"})
+    expect(all("actor/pg_loss" in r for r in rows), "no actor/pg_loss")
+    return Outcome("sequence-level ratio loss (gspo) trained", rows)
+
+
+def distill(ctx: Context, mode: str) -> Outcome:
+    from easyrl.testing.tiny import build_tiny_checkpoint
+
+    teacher = ctx.built("teacher", lambda f: build_tiny_checkpoint(f, "qwen2", num_heads=2, num_kv_heads=1, seed=7))
+    edits: dict[str, Any] = {"algorithm.distill": {"teacher": {"model_path": teacher}, "mode": mode}}
+    if mode == "topk_fkl":
+        edits["algorithm.distill"]["top_k"] = 4
+        edits["worker.actor.fused_logprobs"] = False  # topk_fkl needs the student's logits at the teacher's ids
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    key = "actor/distill_topk_fkl" if mode == "topk_fkl" else "distill/reverse_kl"
+    values = [r.get(key) for r in rows]
+    expect(all(v is not None and v > 0 for v in values), f"{key} {values}: the teacher's signal is missing")
+    return Outcome(f"teacher's signal {key} {values[0]:.3f} -> {values[1]:.3f}", rows)
+
+
+def multi_turn_tools(ctx: Context) -> Outcome:
+    """The tool demo (configs/demo_tools.yaml: its model, environment and reward) for 2 steps."""
+    conf = yaml.safe_load((REPO / "configs" / "demo_tools.yaml").read_text())
+    rows = _train_yaml(ctx, conf, {})
+    rates = [r["multi_turn/tool_call_rate"] for r in rows]
+    observed = [r["multi_turn/observation_tokens_mean"] for r in rows]
+    expect(all(r > 0 for r in rates) and all(o > 0 for o in observed), f"tool calls {rates}, observations {observed}")
+    return Outcome(f"tool-call rate {rates[0]:.2f}, {rates[1]:.2f}; observation tokens appended", rows)
+
+
+def judge(ctx: Context) -> Outcome:
+    """A local judge served by easyrl for the run, on the trainer's GPU (`server.num_gpus: 0`)."""
+    conf = base_config(_qwen(ctx), digits_recipe_data(ctx), ctx.work / "run")
+    server_args = ["--max-model-len", "512", "--enforce-eager"]
+    if ctx.gpu:
+        server_args += ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20)]
+    else:
+        server_args += ["--dtype", "float32"]
+    conf["worker"]["reward"] |= {
+        "reward_function": str(REPO / "reward_functions" / "judge.py") + ":compute_score",
+        "num_workers": 1,
+        "judge": {
+            "model": {"model_path": _qwen(ctx), "name": "recipe-judge"},
+            "server": {"num_gpus": 0, "args": server_args},
+            "template": str(REPO / "tests" / "assets" / "judge.jinja"),
+            "parse": str(REPO / "tests" / "assets" / "judge_parse.py") + ":length_score",
+            "sampling": {"max_tokens": 8},
+        },
+    }
+    rows = _train_yaml(ctx, conf, {})
+    asked = [r.get("recipe-judge/requests") for r in rows]
+    failed = [r.get("recipe-judge/errors") for r in rows]
+    expect(all(a and a > 0 for a in asked) and failed == [0, 0], f"judge requests {asked}, errors {failed}")
+    return Outcome(f"judge served beside the trainer answered {sum(a or 0 for a in asked):.0f} requests", rows)
+
+
+def async_staleness(ctx: Context) -> Outcome:
+    edits = {
+        "trainer.max_staleness": 1,
+        "data.max_response_length": 16,
+        "worker.rollout.chunk_tokens": 2,
+        "worker.rollout.stop_token_ids": list(range(100, 160)),
+    }
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    worst = max(r.get("async/staleness_max", 0.0) for r in rows)
+    expect(worst <= 1, f"a trained token {worst} versions old with max_staleness 1")
+    carried = [r.get("async/groups_carried", 0.0) for r in rows]
+    return Outcome(f"carry-over at S=1: staleness max {worst:.0f}, groups carried {carried}", rows, staleness=1)
+
+
+def sft(ctx: Context) -> Outcome:
+    from easyrl.config import load_config_and_secrets
+    from easyrl.trainer.sft_trainer import SFTTrainer
+    from tests.trainer.test_sft_e2e import _config
+
+    data = Path(ctx.built("sft_data", _sft_data))
+    edits = {"trainer.max_steps": 2, "trainer.n_gpus_per_node": 1, "trainer.device": "cuda" if ctx.gpu else "cpu"}
+    conf = _config(_qwen(ctx), {"train": str(data / "train.jsonl"), "val": str(data / "val.jsonl")}, ctx.work / "run", edits)  # fmt: skip
+    path = ctx.work / "sft.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    trainer = SFTTrainer(*load_config_and_secrets(path, task="sft"))
+    try:
+        before = trainer.actor.full_weights()
+        trainer.fit()
+        after = trainer.actor.full_weights()
+    finally:
+        trainer.close()
+    rows = [r for r in _log(ctx.work / "run") if "train/loss" in r]
+    losses = [r["train/loss"] for r in rows]
+    expect(len(losses) == 2 and all(v == v and v < 1e4 for v in losses), f"train/loss {losses}")
+    expect(moved(before, after, "self_attn.q_proj."), "SFT moved no weight")
+    return Outcome(f"easyrl sft: loss {losses[0]:.3f} -> {losses[1]:.3f}, weights moved")
+
+
+def _sft_data(folder: Path) -> str:
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = [" ".join(str(rng.randrange(10)) for _ in range(4)) for _ in range(48)]
+    train = [{"messages": [{"role": "user", "content": "Copy: " + t}, {"role": "assistant", "content": t.replace(" ", "")}]} for t in tasks]  # fmt: skip
+    val = [{"prompt": "Copy: " + t, "response": t.replace(" ", "")} for t in tasks[:6]]
+    for name, rows in (("train", train), ("val", val)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def kill_and_resume(ctx: Context) -> Outcome:
+    """`easyrl train` killed with SIGKILL (its whole process group) once step 1's checkpoint is committed; the same
+    command resumes from it and trains step 2."""
+    conf = _set(base_config(_qwen(ctx), digits_recipe_data(ctx), ctx.work / "run"), ctx.edits())
+    _set(conf, {"trainer.max_steps": 2, "trainer.save_freq": 1})
+    path = ctx.work / "train.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    cmd = [sys.executable, "-m", "easyrl.cli", "train", str(path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log = (ctx.work / "train.log").open("ab")
+    tracker = ctx.work / "run" / "latest_checkpointed_iteration.txt"
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        while not (tracker.exists() and tracker.read_text().strip() == "1"):
+            expect(proc.poll() is None, f"`easyrl train` ended (exit {proc.returncode}) before step 1's checkpoint")
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    done = subprocess.run(cmd, env=env, stdout=log, stderr=log, timeout=600, check=False)
+    expect(
+        done.returncode == 0, f"the resumed `easyrl train` exited {done.returncode} (log: {ctx.work / 'train.log'})"
+    )
+    steps = [r["step"] for r in _log(ctx.work / "run") if "actor/pg_loss" in r]
+    expect(steps.count(1) == 1 and steps[-1] == 2, f"logged steps {steps}: not resumed from step 1")
+    rows = {r["step"]: r for r in _log(ctx.work / "run") if "actor/pg_loss" in r}
+    return Outcome("killed after step 1's checkpoint; resumed and trained step 2", [rows[1], rows[2]])
+
+
+def _train_yaml(ctx: Context, conf: dict[str, Any], edits: dict[str, Any]) -> list[dict[str, Any]]:
+    """2 steps of the config `conf` with the device's settings and `edits`, in this process; the logged steps."""
+    from easyrl.config import load_config_and_secrets
+    from easyrl.trainer.trainer import Trainer
+
+    run_dir = ctx.work / "run"
+    run = {"trainer.max_steps": 2, "trainer.logger": ["file"], "trainer.save_checkpoint_path": str(run_dir),
+           "trainer.val_before_train": False, "trainer.val_freq": -1}  # fmt: skip
+    _set(conf, ctx.edits() | run | edits)
+    path = ctx.work / "train.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    trainer = Trainer(*load_config_and_secrets(path))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return [r for r in _log(run_dir) if "actor/pg_loss" in r]
+
+
+def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = False) -> Recipe:
+    return Recipe(name, "feature", run, limit_s, cpu)
+
+
+FEATURES = (
+    _feature("lora_merged", partial(lora, sync="merged"), cpu=True),
+    _feature("lora_adapter", partial(lora, sync="adapter")),
+    _feature("sleep_level_1", partial(sleep_level, level=1)),
+    _feature("sleep_level_2", partial(sleep_level, level=2)),
+    _feature("offload", offload),
+    _feature("bypass_mode", bypass),
+    _feature("tis", tis),
+    _feature("ppo_critic", ppo_critic, limit_s=50, cpu=True),
+    _feature("dapo_filtering", dapo),
+    _feature("gspo", gspo),
+    _feature("multi_turn_tools", multi_turn_tools, limit_s=50),
+    _feature("judge_same_gpu", judge, limit_s=90),
+    _feature("teacher_k1", partial(distill, mode="k1"), limit_s=50),
+    _feature("teacher_topk_fkl", partial(distill, mode="topk_fkl"), limit_s=50),
+    _feature("sft", sft),
+    _feature("async_staleness_1", async_staleness, limit_s=50),
+    _feature("kill9_resume", kill_and_resume, limit_s=120),
+)
