@@ -82,8 +82,10 @@ class JudgeServerConfig:
 
     num_gpus: int = 1
     """GPUs the judge's server takes (tensor-parallel over them), beside the trainer's
-    `trainer.nnodes x trainer.n_gpus_per_node`: the cluster needs them free. A CPU run (`trainer.device: cpu`)
-    serves it on CPU and ignores this."""
+    `trainer.nnodes x trainer.n_gpus_per_node`: the cluster needs them free. 0: the server shares the first GPU of
+    its node with the trainer (one-GPU machines): give it its share with `--gpu-memory-utilization` in `args` and
+    lower `worker.rollout.gpu_memory_utilization` so both fit. A CPU run (`trainer.device: cpu`) serves it on CPU and
+    ignores this."""
     args: list[str] = field(default_factory=list)
     """Further `vllm serve` arguments, e.g. `[--max-model-len, "8192", --gpu-memory-utilization, "0.85"]`."""
     startup_timeout_s: float = 900.0

@@ -118,10 +118,11 @@ def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | N
         _check_parse(judge.parse)
         if judge.sampling.temperature < 0 or judge.sampling.max_tokens < 1:
             raise ConfigError("worker.reward.judge.sampling", "needs temperature >= 0 and max_tokens >= 1")
-        if judge.model.local and judge.server.num_gpus < 1:
+        if judge.model.local and judge.server.num_gpus < 0:
             raise ConfigError(
                 "worker.reward.judge.server.num_gpus",
-                f"must be >= 1 (the GPUs the local judge's server takes), got {judge.server.num_gpus}",
+                f"must be >= 0 (the GPUs the local judge's server takes; 0: it shares the trainer's), got "
+                f"{judge.server.num_gpus}",
             )
         if judge.model.local and judge.model.api_key_env:
             raise ConfigError(

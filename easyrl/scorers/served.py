@@ -2,7 +2,9 @@
 judge at it, so a reward function calls it exactly as it calls a server you run.
 
 The server runs in a Ray actor of its own, which holds `worker.reward.judge.server.num_gpus` GPUs beside the
-trainer's (on a CPU run, no GPU): Ray shows the actor its GPUs, and the server it starts inherits them. The server
+trainer's (on a CPU run, no GPU): Ray shows the actor its GPUs, and the server it starts inherits them. With
+`num_gpus: 0` on a GPU run the server shares the trainer's first GPU of its node: the actor takes no GPU from Ray and
+its server is shown that one device, sized by its own `--gpu-memory-utilization`. The server
 listens on the actor's node address with a fresh key; the key reaches the reward workers through the driver's
 environment (`JUDGE_KEY_ENV`), which they take when they start, and is never written to a config, log or checkpoint.
 The run stops the server when it closes; a killed actor takes its server with it (`die_with_parent`).
@@ -36,9 +38,15 @@ class JudgeServerError(RuntimeError):
 class _JudgeServerActor:
     """The Ray actor that owns the judge's vLLM server (one per run)."""
 
-    def __init__(self, model: str, name: str, api_key: str, args: list[str], timeout_s: float) -> None:
+    def __init__(
+        self, model: str, name: str, api_key: str, args: list[str], timeout_s: float, share_gpu: bool = False
+    ) -> None:
         import ray
 
+        env: dict[str, str] = {}
+        if share_gpu:  # Ray left this actor the node's devices (no GPU of its own): the server takes the first one
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            env["CUDA_VISIBLE_DEVICES"] = visible or "0"
         fd, log_path = tempfile.mkstemp(prefix="easyrl-judge-server-", suffix=".log")
         os.close(fd)
         self.server = VLLMServer(
@@ -50,6 +58,7 @@ class _JudgeServerActor:
             args=tuple(args),
             startup_timeout_s=timeout_s,
             die_with_parent=True,
+            env=env,
         )
         try:
             self.server.start()
@@ -84,7 +93,14 @@ class LocalJudge:
         assert ref.model_path is not None
         name = ref.name or "judge"
         num_gpus = server.num_gpus if gpu else 0
+        share = gpu and num_gpus == 0
         args = list(server.args)
+        if share and "--gpu-memory-utilization" not in args:
+            raise JudgeServerError(
+                "worker.reward.judge.server.num_gpus=0 shares the trainer's GPU: give the server its share with "
+                "--gpu-memory-utilization in worker.reward.judge.server.args (e.g. 0.1), and lower "
+                "worker.rollout.gpu_memory_utilization so both fit"
+            )
         if num_gpus > 1 and "--tensor-parallel-size" not in args:
             args += ["--tensor-parallel-size", str(num_gpus)]
         free = ray.available_resources().get("GPU", 0.0)
@@ -95,11 +111,14 @@ class LocalJudge:
                 "base_url"
             )
         key = secrets.token_urlsafe(24)
-        logger.info("starting the local judge's vLLM server (%s) on %d GPU(s)", ref.model_path, num_gpus)
+        where = "the trainer's GPU, shared" if share else f"{num_gpus} GPU(s)"
+        logger.info("starting the local judge's vLLM server (%s) on %s", ref.model_path, where)
         actor_cls: Any = ray.remote(_JudgeServerActor)
-        # num_cpus=0: the server must not take a CPU slot a trainer worker's placement needs
-        self._actor = actor_cls.options(num_cpus=0, num_gpus=num_gpus).remote(
-            ref.model_path, name, key, args, server.startup_timeout_s
+        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus}  # no CPU slot a trainer worker's placement needs
+        if share:  # whatever this Ray's default for an actor without GPUs, leave it the node's devices
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        self._actor = actor_cls.options(**options).remote(
+            ref.model_path, name, key, args, server.startup_timeout_s, share
         )
         try:
             base_url, log_path = ray.get(self._actor.where.remote(), timeout=server.startup_timeout_s + 120)

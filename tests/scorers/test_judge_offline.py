@@ -101,8 +101,8 @@ def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
     [
         ({"judge": {"model": {"base_url": "http://h/v1"}}}, "worker.reward.judge.template: is required"),
         (
-            {"judge": {"model": {"model_path": "MODEL"}, "template": "TEMPLATE", "server": {"num_gpus": 0}}},
-            "judge.server.num_gpus: must be >= 1",
+            {"judge": {"model": {"model_path": "MODEL"}, "template": "TEMPLATE", "server": {"num_gpus": -1}}},
+            "judge.server.num_gpus: must be >= 0",
         ),
         (
             {"judge": {"model": {"model_path": "MODEL", "api_key_env": "K"}, "template": "TEMPLATE"}},
@@ -214,3 +214,17 @@ def test_the_digits_judge_reward_asks_once_per_prompt_and_scores_zero_without_an
     assert judge.stats.drain()["judge/requests"] == 2  # a group's samples share their prompt's one request
     assert [s["overall"] for s in scores] == [0.0] * 4 and [s["judge_ok"] for s in scores] == [0.0] * 4
     assert [s["rule"] for s in scores] == [1.0, 0.9 * 0.5 + 0.1 * 0.5] * 2  # logged beside, never the reward
+
+
+def test_a_judge_sharing_the_trainers_gpu_must_be_given_its_share() -> None:
+    """`server.num_gpus: 0` on a GPU run: without `--gpu-memory-utilization` vLLM's default (0.9 of the device) cannot
+    fit beside the trainer; the start is refused with one line naming both keys, before anything starts."""
+    from dataclasses import replace
+
+    from easyrl.config.model_ref import JudgeConfig, JudgeServerConfig, ModelRefConfig
+    from easyrl.config.worker import RewardConfig
+    from easyrl.scorers.served import JudgeServerError, LocalJudge
+
+    judge = JudgeConfig(model=ModelRefConfig(model_path="MODEL"), server=JudgeServerConfig(num_gpus=0, args=["--enforce-eager"]))  # fmt: skip
+    with pytest.raises(JudgeServerError, match=r"num_gpus=0 shares the trainer's GPU: .*--gpu-memory-utilization in worker\.reward\.judge\.server\.args.*worker\.rollout\.gpu_memory_utilization"):  # fmt: skip
+        LocalJudge(replace(RewardConfig(), judge=judge), gpu=True)
