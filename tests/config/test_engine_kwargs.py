@@ -26,7 +26,8 @@ def test_empty_by_default_and_loaded_whole(tmp_path: Path, tiny_model_dir: str, 
     cfg = load_config(_config(tmp_path, tiny_model_dir, digits_data, "vllm", kwargs))
     assert cfg.worker.rollout.engine_kwargs == kwargs  # the nested mapping stays a mapping, not dotted keys
     cfg = load_config(
-        _config(tmp_path, tiny_model_dir, digits_data, "vllm", {}), ["worker.rollout.engine_kwargs.async_scheduling=true"]
+        _config(tmp_path, tiny_model_dir, digits_data, "vllm", {}),
+        ["worker.rollout.engine_kwargs.async_scheduling=true"],
     )
     assert cfg.worker.rollout.engine_kwargs == {"async_scheduling": True}
 
