@@ -8,8 +8,8 @@ for any head size whenever `gdn_prefill_backend` is unset (and on Blackwell for 
 kernel imports the `flashinfer` package at its first call and, on SM90, JIT-compiles it there. vLLM's start-up
 warm-up (`_warmup_prefill_kernels`) calls it inside a try/except that only logs a warning, so without the package (the
 development GPU bundle leaves it out) the first real prefill is the first call that can fail, deep inside
-`execute_model`. Asking for Triton (the flash-linear-attention kernels vLLM ships) needs nothing extra, and compiles
-nothing at the first request. A user's own `gdn_prefill_backend` is never overridden.
+`execute_model`. Triton (the flash-linear-attention kernels vLLM ships) needs no extra package, and vLLM's warm-up
+compiles and autotunes it at start-up. A user's own `gdn_prefill_backend` is never overridden.
 """
 
 from __future__ import annotations
