@@ -240,21 +240,46 @@ def rollout_problem(cfg: EasyRLConfig) -> str | None:
             "worker.rollout.name=vllm, but vLLM is not installed here (pip install -e '.[vllm]' on a GPU machine, "
             "bash scripts/install_vllm_cpu.sh on CPU), or use worker.rollout.name=hf"
         )
+    from transformers import AutoConfig
 
-    if not use_gpu(cfg):
-        from transformers import AutoConfig
+    from easyrl.rollout.vllm import check_cpu_model
+    from easyrl.rollout.vllm_args import check_engine_arg_names, flashinfer_installed, gdn_prefill_problem
 
-        from easyrl.rollout.vllm import check_cpu_model
-
-        mcfg = cfg.worker.actor.model
-        assert mcfg.model_path is not None
-        try:
-            check_cpu_model(
-                AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code), mcfg.model_path
-            )
-        except ValueError as exc:
-            return str(exc)
+    mcfg, kwargs = cfg.worker.actor.model, cfg.worker.rollout.engine_kwargs
+    assert mcfg.model_path is not None
+    hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+    try:
+        check_engine_arg_names(kwargs)  # names the installed vLLM's engine does not take
+        if not use_gpu(cfg):
+            check_cpu_model(hf_config, mcfg.model_path)
+    except ValueError as exc:
+        return str(exc)
+    if cfg.trainer.device != "cpu":  # off CUDA vLLM runs its Triton GDN kernel whatever is asked
+        return gdn_prefill_problem(hf_config, flashinfer_installed(), kwargs)
     return None
+
+
+def engine_lines(cfg: EasyRLConfig) -> list[str]:
+    """The plan's vLLM lines: the names of `worker.rollout.engine_kwargs` (not their values: a token may be one), and
+    for a model with Gated DeltaNet layers the prefill kernel vLLM runs on CUDA (`easyrl.rollout.vllm_args`)."""
+    import json
+    from pathlib import Path
+
+    from easyrl.rollout.vllm_args import flashinfer_installed, gdn_prefill
+
+    rollout = cfg.worker.rollout
+    if rollout.name != "vllm":
+        return []
+    lines = []
+    if rollout.engine_kwargs:
+        lines.append(f"engine arguments (worker.rollout.engine_kwargs): {', '.join(map(str, rollout.engine_kwargs))}")
+    config_json = Path(str(cfg.worker.actor.model.model_path)) / "config.json"
+    on_cuda = cfg.trainer.device != "cpu"  # a check without a GPU may plan the run a GPU node makes
+    choice = gdn_prefill(json.loads(config_json.read_text()), on_cuda, flashinfer_installed(), rollout.engine_kwargs)
+    if choice is not None:
+        where = "on CUDA" if on_cuda else "on CPU"
+        lines.append(f"Gated DeltaNet prefill kernel (vLLM {where}): {choice.backend} ({choice.reason})")
+    return lines
 
 
 def vllm_version_line(cfg: EasyRLConfig) -> str | None:
@@ -329,7 +354,7 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     if _check_reward(cfg, first) != 0:
         return 2
     print("== plan", file=out)
-    for line in plan_lines(cfg) + multi_turn_lines(cfg):
+    for line in plan_lines(cfg) + engine_lines(cfg) + multi_turn_lines(cfg):
         print(line, file=out)
     return print_memory_plan(cfg, gpu_memory_gib)
 

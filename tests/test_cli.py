@@ -151,6 +151,63 @@ def test_plan_names_the_asynchronous_loop_only_when_it_runs() -> None:
     assert "the loss corrects for it" in next(line for line in plan_lines(cfg) if line.startswith("asynchronous"))
 
 
+def test_plan_names_the_engine_arguments_and_the_gdn_kernel(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """The plan's vLLM lines: the names of `worker.rollout.engine_kwargs` (never their values), and for a model with
+    Gated DeltaNet layers the prefill kernel vLLM will run on CUDA (easyrl.rollout.vllm_args)."""
+    import easyrl.rollout.vllm_args
+    from easyrl.check import engine_lines
+    from easyrl.config import EasyRLConfig
+    from easyrl.testing.tiny_vl import make_vl_config, make_vl_tokenizer
+
+    monkeypatch.setattr(easyrl.rollout.vllm_args, "flashinfer_installed", lambda: False)
+    make_vl_config(make_vl_tokenizer(), "qwen3_5").save_pretrained(tmp_path)
+    cfg = EasyRLConfig()
+    cfg.worker.actor.model.model_path, cfg.worker.rollout.name, cfg.trainer.device = str(tmp_path), "vllm", "auto"
+    assert engine_lines(cfg) == [
+        "Gated DeltaNet prefill kernel (vLLM on CUDA): triton (set by easyrl: the flashinfer package is not installed "
+        "here)"
+    ]
+    cfg.worker.rollout.engine_kwargs = {"gdn_prefill_backend": "flashinfer", "hf_token": "hf_secret"}
+    lines = engine_lines(cfg)
+    assert lines[0] == "engine arguments (worker.rollout.engine_kwargs): gdn_prefill_backend, hf_token"
+    assert lines[1].endswith(": flashinfer (worker.rollout.engine_kwargs.gdn_prefill_backend)")
+    assert not any("hf_secret" in line for line in lines)
+    cfg.worker.actor.model.model_path, cfg.worker.rollout.engine_kwargs = tiny_model_dir, {}
+    assert engine_lines(cfg) == []  # Qwen2: no Gated DeltaNet layer
+    cfg.worker.rollout.name = "hf"
+    assert engine_lines(cfg) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_check_refuses_engine_arguments_vllm_cannot_take(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """`easyrl check`'s rollout problems: a name the installed vLLM's engine lacks (with the closest one), and
+    FlashInfer's GDN kernel for a Qwen3.5 where the flashinfer package is missing (not on CPU: Triton there)."""
+    import easyrl.rollout.vllm_args
+    from easyrl.check import rollout_problem
+    from easyrl.config import EasyRLConfig
+    from easyrl.testing.tiny_vl import make_vl_config, make_vl_tokenizer
+
+    cfg = EasyRLConfig()
+    cfg.worker.actor.model.model_path, cfg.worker.rollout.name, cfg.trainer.device = tiny_model_dir, "vllm", "cpu"
+    cfg.worker.rollout.engine_kwargs = {"max_num_seq": 8}
+    problem = rollout_problem(cfg)
+    assert problem is not None and problem.startswith("worker.rollout.engine_kwargs.max_num_seq: vLLM ")
+    assert "closest: max_num_seqs" in problem
+    monkeypatch.setattr(easyrl.rollout.vllm_args, "flashinfer_installed", lambda: False)
+    make_vl_config(make_vl_tokenizer(), "qwen3_5").save_pretrained(tmp_path)
+    cfg.worker.actor.model.model_path = str(tmp_path)
+    cfg.worker.rollout.engine_kwargs = {"gdn_prefill_backend": "flashinfer"}
+    assert rollout_problem(cfg) is None  # CPU: vLLM runs its Triton kernel whatever is asked
+    cfg.trainer.device = "cuda"
+    problem = rollout_problem(cfg)
+    assert problem is not None and problem.startswith(
+        "worker.rollout.engine_kwargs.gdn_prefill_backend: flashinfer, but the flashinfer package is not installed"
+    )
+    cfg.worker.rollout.engine_kwargs = {"gdn_prefill_backend": "triton"}
+    assert rollout_problem(cfg) is None
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
@@ -171,8 +228,9 @@ def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, dig
     code, _, err = check(unsupported, "worker.rollout.name=vllm")
     assert code == 2 and "head size is 16" in err and unsupported in err, err[-3000:]
     assert "worker.rollout.name=hf" in err
-    code, _, err = check(tiny_model_dir, "worker.rollout.name=vllm")
+    code, out, err = check(tiny_model_dir, "worker.rollout.name=vllm", "worker.rollout.engine_kwargs.max_num_seqs=8")
     assert code == 0, err[-3000:]
+    assert "engine arguments (worker.rollout.engine_kwargs): max_num_seqs" in out  # the plan names them
     # trainer.device=auto on a machine without a GPU may be a login node for a GPU run: a warning, not a stop
     code, out, _ = check(unsupported, "worker.rollout.name=vllm", "trainer.device=auto")
     assert code == 0 and "easyrl: warning: " in out and "head size is 16" in out

@@ -279,7 +279,13 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Fields whose value is a free-form mapping (their contents are not config keys).
-_FREEFORM = ("override_config", "val_override_config", "reward_function_kwargs", "chat_template_kwargs")
+_FREEFORM = (
+    "override_config",
+    "val_override_config",
+    "engine_kwargs",
+    "reward_function_kwargs",
+    "chat_template_kwargs",
+)
 
 
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:

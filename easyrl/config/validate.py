@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from easyrl.config.engine_kwargs import check_engine_kwargs
 from easyrl.config.errors import ConfigError
 from easyrl.config.multi_turn import check_multi_turn
 from easyrl.config.names import (
@@ -67,6 +68,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
+    check_engine_kwargs(cfg.worker.rollout)
     if task == "sft":
         from easyrl.config.sft import check_sft
 

@@ -234,6 +234,14 @@ class RolloutConfig:
     and the rollout corrections; every sample of a chosen prompt). Asking for them costs generation speed (28.5k vs
     17.7k tok/s for every sequence on an H100), so by default (null) one prompt in 8 gets them, or all of them when
     `algorithm.rollout_correction` (or `tis_cap`) reads them."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the engine's constructor: vLLM's `LLM(...)` (the fields of its `EngineArgs`), e.g.
+    {max_num_seqs: 512, compilation_config: {mode: 0}, kv_cache_memory_bytes: 8000000000, gdn_prefill_backend:
+    triton, async_scheduling: true}. A value here wins over what easyrl derives (`enable_prefix_caching`, the Gated
+    DeltaNet prefill kernel); an argument easyrl sets from a key of its own (`gpu_memory_utilization`,
+    `tensor_parallel_size`, `max_model_len`, ...) is refused, naming that key; a name the installed vLLM does not
+    know is refused when the engine starts and by `easyrl check`. The `hf` engine takes none; an engine you
+    registered reads them from its spec."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling overrides for validation, e.g. {temperature: 0, n: 1}."""
     placement: str = "colocated"

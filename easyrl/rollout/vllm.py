@@ -11,6 +11,9 @@
 - Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
   same tokens; they are requested for a deterministic sample of prompts (`logprob_sample_ratio`; all the
   samples of a chosen prompt), since asking for them costs generation speed.
+- Any other engine argument comes from `worker.rollout.engine_kwargs`, checked against the installed vLLM; for a
+  model with Gated DeltaNet layers on CUDA easyrl asks for the Triton prefill kernel unless FlashInfer is installed
+  or the user chose (`easyrl.rollout.vllm_args`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from easyrl.models import media_token_ids
 from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 from easyrl.rollout.spec import RolloutSpec, WeightSync
+from easyrl.rollout.vllm_args import extra_engine_args
 
 
 logger = logging.getLogger(__name__)
@@ -113,15 +117,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 "video": media.get("video", 0),
             }
         engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
-        if rcfg.tensor_parallel_size > 1 and not on_gpu:
-            _clear_stale_cpu_shm()
-        if rcfg.tensor_parallel_size > 1:
-            # Each worker is one SPMD rank of a tensor-parallel engine: vLLM builds its groups of
-            # `tensor_parallel_size` consecutive ranks inside the process group the workers already share, and
-            # every rank of a group is given the same requests (Dispatch.ENGINE_SPLIT).
-            engine_args["distributed_executor_backend"] = "external_launcher"
-            # Its CUDA-IPC all-reduce needs the peers' GPUs visible; Ray shows each worker only its own.
-            engine_args["disable_custom_all_reduce"] = True
+        engine_args |= _tensor_parallel_args(rcfg.tensor_parallel_size, on_gpu)
+        # `worker.rollout.engine_kwargs` last: the user's value wins over what easyrl derives (the keys easyrl sets
+        # from its own config are refused); the Gated DeltaNet prefill kernel is chosen from the model (vllm_args).
+        engine_args |= extra_engine_args(rcfg, hf_config, on_gpu)
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
@@ -334,6 +333,18 @@ def check_cpu_head_size(hf_config: Any, model_path: str) -> None:
             f"(hidden_size {text.hidden_size} / num_attention_heads {text.num_attention_heads}), and it takes "
             f"{CPUAttentionBackend.get_supported_head_sizes()}. Use worker.rollout.name=hf for this model on CPU."
         )
+
+
+def _tensor_parallel_args(size: int, on_gpu: bool) -> dict[str, Any]:
+    """The engine arguments of a tensor-parallel engine (none for one rank). Each worker is one SPMD rank of it: vLLM
+    builds its groups of `size` consecutive ranks inside the process group the workers already share, and every rank
+    of a group is given the same requests (Dispatch.ENGINE_SPLIT)."""
+    if size == 1:
+        return {}
+    if not on_gpu:
+        _clear_stale_cpu_shm()
+    # Its CUDA-IPC all-reduce needs the peers' GPUs visible; Ray shows each worker only its own.
+    return {"distributed_executor_backend": "external_launcher", "disable_custom_all_reduce": True}
 
 
 def _clear_stale_cpu_shm() -> None:

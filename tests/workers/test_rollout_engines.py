@@ -24,6 +24,8 @@ ENGINES = [
 ]
 PROMPTS = ["Copy: 1 2 3", "Reverse: 4 5", "Copy: 9"]
 MAX_TOKENS = 10
+ENGINE_MAX_SEQS = 32
+"""`worker.rollout.engine_kwargs.max_num_seqs` of the module's vLLM engine."""
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,8 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
             cfg.worker.rollout.logprob_sample_ratio = 1.0  # every sequence's log-probs, to compare them all
             # a scheduler budget below the largest batch here, so prompts are spread over several engine steps
             cfg.worker.rollout.max_num_batched_tokens = 128
+            # fewer sequences at once than the largest batch here (48): the rest wait their turn, samples unchanged
+            cfg.worker.rollout.engine_kwargs = {"max_num_seqs": ENGINE_MAX_SEQS}
             _ENGINES[name] = VLLMRolloutEngine(rollout_spec(cfg), eos, pad)
     return _ENGINES[name]
 
@@ -174,6 +178,14 @@ def test_vllm_one_request_per_prompt_samples_as_one_per_row(tiny_model_dir: str,
     # greedy: vLLM takes no n > 1 there, so repeated rows go one request each, and agree
     greedy = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, seed=5))
     assert all(torch.equal(greedy["responses"][i], greedy["responses"][i - i % 3]) for i in range(len(rows)))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_vllm_takes_the_engine_kwargs(tiny_model_dir: str, tokenizer) -> None:
+    """`worker.rollout.engine_kwargs` reach vLLM's engine config (the module's engine was built with them)."""
+    engine = make_engine("vllm", tiny_model_dir, tokenizer)
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == ENGINE_MAX_SEQS
 
 
 @pytest.mark.parametrize("name", ENGINES)

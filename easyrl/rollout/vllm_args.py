@@ -1,0 +1,134 @@
+"""What reaches vLLM's engine besides easyrl's own settings: `worker.rollout.engine_kwargs`, checked against the
+installed vLLM, and the Gated DeltaNet prefill kernel, chosen from the model.
+
+Why easyrl picks the GDN prefill kernel (a reading of vLLM 0.26's source, not yet confirmed on a GPU:
+`scripts/probe_gdn.py` is the check). vLLM's `_resolve_gdn_prefill_backend`
+(vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py) runs FlashInfer's GDN prefill kernel on Hopper (SM90)
+for any head size whenever `gdn_prefill_backend` is unset (and on Blackwell for key heads of 128 with CUDA 13). That
+kernel imports the `flashinfer` package at its first call and, on SM90, JIT-compiles it there. vLLM's start-up
+warm-up (`_warmup_prefill_kernels`) calls it inside a try/except that only logs a warning, so without the package (the
+development GPU bundle leaves it out) the first real prefill is the first call that can fail, deep inside
+`execute_model`. Triton (the flash-linear-attention kernels vLLM ships) needs no extra package, and vLLM's warm-up
+compiles and autotunes it at start-up. A user's own `gdn_prefill_backend` is never overridden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import logging
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from easyrl.config.engine_kwargs import KEY, check_engine_kwargs
+from easyrl.config.errors import ConfigError
+from easyrl.config.worker import RolloutConfig
+from easyrl.models.linear_attention import has_linear_attention
+
+
+logger = logging.getLogger(__name__)
+GDN_KEY = "gdn_prefill_backend"
+"""vLLM's engine argument for the Gated DeltaNet prefill kernel (EngineArgs, 0.26 and the CPU build's 0.32)."""
+
+
+def engine_arg_names() -> tuple[str, frozenset[str]]:
+    """(the installed vLLM's version, the names its engine takes: the fields of `EngineArgs`, which `LLM(**kwargs)`
+    builds). Imports vLLM (seconds)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    return vllm.__version__, frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def check_engine_arg_names(engine_kwargs: Mapping[str, Any], known: tuple[str, Collection[str]] | None = None) -> None:
+    """Refuse a name of `engine_kwargs` that vLLM's engine does not take, with the closest names it does take (vLLM
+    itself would fail later, in `EngineArgs(...)`, with a TypeError that names neither easyrl's key nor a fix).
+    `known`: (version, names) as `engine_arg_names` gives them; read from the installed vLLM when None."""
+    if not engine_kwargs:
+        return
+    version, names = engine_arg_names() if known is None else known
+    for name in engine_kwargs:
+        if name not in names:
+            close = difflib.get_close_matches(str(name), sorted(names), n=3, cutoff=0.6)
+            hint = (
+                f"closest: {', '.join(close)}" if close else "see vllm.engine.arg_utils.EngineArgs for its arguments"
+            )
+            raise ConfigError(f"{KEY}.{name}", f"vLLM {version}'s engine takes no argument of this name; {hint}")
+
+
+def flashinfer_installed() -> bool:
+    """Whether the `flashinfer` package can be imported here (`find_spec` imports nothing)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNPrefill:
+    """vLLM's Gated DeltaNet prefill kernel for a model that has such layers."""
+
+    backend: str
+    """What vLLM runs, or is asked for: triton, flashinfer, cutedsl, or auto (vLLM's own choice)."""
+    reason: str
+    """Why, in a few words (for `easyrl check`'s plan and the engine's log)."""
+    added: dict[str, Any]
+    """What easyrl adds to the engine's arguments for it (nothing when the user chose, or off CUDA)."""
+
+
+def gdn_prefill(
+    hf_config: Any, on_cuda: bool, has_flashinfer: bool, engine_kwargs: Mapping[str, Any]
+) -> GDNPrefill | None:
+    """The GDN prefill kernel of an engine serving `hf_config` (an HF config, or its config.json as a dict) on CUDA
+    or not, with the `flashinfer` package importable or not, given the user's `engine_kwargs`; None for a model
+    without linear-attention layers. Triton on CUDA unless the user chose or FlashInfer is installed (module
+    docstring). Pure: the caller reads the device and the package."""
+    if not has_linear_attention(hf_config):
+        return None
+    chosen = _user_gdn_backend(engine_kwargs)
+    if chosen is not None:
+        return GDNPrefill(str(chosen), f"{KEY}.{GDN_KEY}", {})
+    if not on_cuda:
+        return GDNPrefill("triton", "vLLM runs its Triton/FLA kernel off CUDA", {})
+    if has_flashinfer:
+        return GDNPrefill("auto", "vLLM's choice: flashinfer is installed (on Hopper, JIT-compiled at first use)", {})
+    return GDNPrefill("triton", "set by easyrl: the flashinfer package is not installed here", {GDN_KEY: "triton"})
+
+
+def _user_gdn_backend(engine_kwargs: Mapping[str, Any]) -> Any:
+    """The backend the user named: `gdn_prefill_backend`, else `additional_config.gdn_prefill_backend` (where vLLM
+    puts the former; a value there counts as a choice too)."""
+    if GDN_KEY in engine_kwargs:
+        return engine_kwargs[GDN_KEY]
+    extra = engine_kwargs.get("additional_config")  # the user's mapping, not a config default
+    return extra[GDN_KEY] if isinstance(extra, Mapping) and GDN_KEY in extra else None
+
+
+def gdn_prefill_problem(hf_config: Any, has_flashinfer: bool, engine_kwargs: Mapping[str, Any]) -> str | None:
+    """Why the user's GDN prefill kernel cannot run on CUDA here: FlashInfer asked for, for a model with
+    linear-attention layers, without the package (vLLM imports it at the first real prefill and fails there)."""
+    if not has_linear_attention(hf_config) or has_flashinfer:
+        return None
+    if str(_user_gdn_backend(engine_kwargs)).strip().lower() != "flashinfer":
+        return None
+    return (
+        f"{KEY}.{GDN_KEY}: flashinfer, but the flashinfer package is not installed on this machine: vLLM imports it "
+        "at the first prefill of the model's Gated DeltaNet layers and the run fails there; install flashinfer-python "
+        "or set it to triton"
+    )
+
+
+def extra_engine_args(rollout: RolloutConfig, hf_config: Any, on_cuda: bool) -> dict[str, Any]:
+    """What the vLLM engine adds to easyrl's own arguments, in order: easyrl's derived GDN kernel, then the user's
+    `engine_kwargs`, which win. Refuses what `easyrl check` refuses (a worker may be built from a config that never
+    passed it), and logs the GDN kernel of a model with such layers."""
+    kwargs = dict(rollout.engine_kwargs)
+    check_engine_kwargs(rollout)
+    check_engine_arg_names(kwargs)
+    has_flashinfer = flashinfer_installed()
+    problem = gdn_prefill_problem(hf_config, has_flashinfer, kwargs) if on_cuda else None
+    if problem is not None:
+        raise ConfigError("", problem)
+    choice = gdn_prefill(hf_config, on_cuda, has_flashinfer, kwargs)
+    if choice is None:
+        return kwargs
+    logger.info("vLLM Gated DeltaNet prefill kernel: %s (%s)", choice.backend, choice.reason)
+    return choice.added | kwargs
