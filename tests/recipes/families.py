@@ -102,15 +102,15 @@ def omni_family(ctx: Context, variant: str) -> Outcome:
     return Outcome(f"moved: {parts}; prompts {rows[0]['prompt_length/mean']:.0f} tokens", rows)
 
 
-def _family(name: str, run: Any, limit_s: float = 45.0, cpu: bool = False) -> Recipe:
+def _family(name: str, run: Any, limit_s: float = 45.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "family", run, limit_s, cpu)
 
 
 FAMILIES = (
-    _family("qwen2_5", partial(text_family, arch="qwen2", parts=("self_attn.q_proj.", "mlp.gate_proj.")), cpu=True),
+    _family("qwen2_5", partial(text_family, arch="qwen2", parts=("self_attn.q_proj.", "mlp.gate_proj."))),
     _family("qwen3", partial(text_family, arch="qwen3", parts=("self_attn.q_norm.", "mlp.gate_proj."))),
     _family("qwen3_moe", partial(text_family, arch="qwen3_moe", parts=("mlp.experts.", "mlp.gate."))),
-    _family("qwen2_5_vl_image", partial(vl_family, arch="qwen2_5_vl", parts=("visual.",)), cpu=True),
+    _family("qwen2_5_vl_image", partial(vl_family, arch="qwen2_5_vl", parts=("visual.",))),
     _family("qwen2_5_vl_video", partial(vl_family, arch="qwen2_5_vl", parts=("visual.",), media="video")),
     _family(
         "qwen3_vl", partial(vl_family, arch="qwen3_vl", parts=("visual.deepstack_merger_list.", "self_attn.q_norm."))

@@ -264,23 +264,24 @@ def _train_yaml(ctx: Context, conf: dict[str, Any], edits: dict[str, Any]) -> li
     return [r for r in _log(run_dir) if "actor/pg_loss" in r]
 
 
-def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = False) -> Recipe:
+def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
 
 FEATURES = (
-    _feature("lora_merged", partial(lora, sync="merged"), cpu=True),
-    _feature("lora_adapter", partial(lora, sync="adapter")),
-    _feature("sleep_level_1", partial(sleep_level, level=1)),
-    _feature("sleep_level_2", partial(sleep_level, level=2)),
-    _feature("offload", offload),
+    _feature("lora_merged", partial(lora, sync="merged")),
+    # vLLM's LoRA support, sleep mode and offloading exist on CUDA only: no CPU form to run
+    _feature("lora_adapter", partial(lora, sync="adapter"), cpu=False),
+    _feature("sleep_level_1", partial(sleep_level, level=1), cpu=False),
+    _feature("sleep_level_2", partial(sleep_level, level=2), cpu=False),
+    _feature("offload", offload, cpu=False),
     _feature("bypass_mode", bypass),
     _feature("tis", tis),
-    _feature("ppo_critic", ppo_critic, limit_s=50, cpu=True),
+    _feature("ppo_critic", ppo_critic, limit_s=50),
     _feature("dapo_filtering", dapo),
     _feature("gspo", gspo),
     _feature("multi_turn_tools", multi_turn_tools, limit_s=50),
-    _feature("judge_same_gpu", judge, limit_s=90),
+    _feature("judge_same_gpu", judge, limit_s=90, cpu=False),  # its CPU form is tests/scorers/test_local_judge.py
     _feature("teacher_k1", partial(distill, mode="k1"), limit_s=50),
     _feature("teacher_topk_fkl", partial(distill, mode="topk_fkl"), limit_s=50),
     _feature("sft", sft),
