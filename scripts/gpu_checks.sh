@@ -50,7 +50,8 @@ EACH="$PY -m tests.recipes.each_test --out $OUT --budget"
 # stage | run | limit (s) | where its summary.json lands (- for none) | command. In the order the plan gives them:
 # the recipe matrix first, then the 1.5B figure that fits beside it, the GPU tests, then the runs nothing else covers.
 TABLE="
-recipes|recipes|$RECIPES_BUDGET|-|$PY -m tests.recipes --device cuda --out $OUT --jobs 2 --budget 420
+recipes|recipes|390|-|$PY -m tests.recipes --device cuda --out $OUT --jobs 3 --budget 360
+recipes|gdn_probe|60|-|$PY scripts/probe_gdn.py --heads 128 --backends auto --timeout 50
 mid|bench_1.5b|330|$BENCH|$B1 --model 1.5b --no-raw-vllm
 tests|gpu_tests|390|-|$EACH 370 -- -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
 families|gpu_families|390|-|$EACH 370 -- -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
