@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 Series = dict[str, tuple[list[int], list[float]]]
 # Reward-function health counters logged under reward/: not scores, so not drawn with the sub-scores.
 _REWARD_COUNTERS = {"reward/errors", "reward/invalid", "reward/timeouts", "reward/retried_chunks"}
+# `easyrl.algorithms.logprob_gap`'s figure and NeMo-RL's bound on it, written out here so that the report imports no
+# torch (tests/test_report.py keeps the two equal).
+TOKEN_PROB_ERROR = "rollout/token_prob_error"
+TOKEN_PROB_ERROR_GATE = 1.05
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Plot:
     emphasize: str | None = None  # drawn thicker, on top
     sparse: tuple[str, ...] = ()  # drawn with markers (validation runs only every few steps)
     total: str | None = None  # drawn dashed, as the sum the others are parts of
+    gate: float | None = None  # drawn as a dotted horizontal line: the bound the metric should stay at or under
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -115,6 +120,14 @@ def plan_plots(series: Series) -> list[Plot]:
         Plot("response_length", "Response length", "tokens", having(lambda k: k.startswith("response_length/"))),
         Plot("kl", "KL", "kl", having(lambda k: k in ("actor/kl_loss", "actor/reward_kl_penalty"))),
         Plot("entropy", "Entropy", "nats / token", having(lambda k: k in ("actor/entropy", "actor/entropy_rollout"))),
+        # NeMo-RL's training-inference mismatch figure, with the bound its recipes gate on (algorithms/logprob_gap.py)
+        Plot(
+            "token_prob_error",
+            "Engine vs trainer: mean exp(|log p_engine - log p_trainer|)",
+            "token prob error",
+            having(lambda k: k == TOKEN_PROB_ERROR),
+            gate=TOKEN_PROB_ERROR_GATE,
+        ),
         Plot("grad_norm", "Gradient norm", "norm", having(lambda k: k.endswith("/grad_norm"))),
         Plot("throughput", "Throughput", "tokens / s / device", having(lambda k: k == "perf/throughput")),
         # The memory ledger (easyrl.distributed.memory): each role at its phase boundaries and phase peaks.
@@ -156,6 +169,8 @@ def render_png(plot: Plot, series: Series) -> bytes:
             ax.plot(xs, ys, linewidth=2.4, label=label, zorder=5)
         else:
             ax.plot(xs, ys, linewidth=1.2, label=label, alpha=0.9)
+    if plot.gate is not None:
+        ax.axhline(plot.gate, color="tab:red", linestyle=":", linewidth=1.4, label=f"gate ({plot.gate:g})")
     ax.set_title(plot.title)
     ax.set_xlabel("step")
     ax.set_ylabel(plot.ylabel)

@@ -45,7 +45,7 @@ QWEN25_VL_3B = {  # public Qwen2.5-VL-3B-Instruct config.json
 }  # fmt: skip
 MEMORY_KEYS = ("perf/max_memory_allocated_gb", "perf/memory_allocated_gb", "perf/device_memory_used_gb")
 STEP_KEYS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", *MEMORY_KEYS, "perf/sleep_freed_gb",
-             "rollout/logprob_diff_mean")  # fmt: skip
+             "rollout/logprob_diff_mean", "rollout/token_prob_error")  # fmt: skip
 
 
 def build_model(folder: Path, tiny: bool) -> str:

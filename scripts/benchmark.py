@@ -16,7 +16,8 @@ sample (`ignore_eos`) and a user module (loaded in every worker through `algorit
 response to a length drawn uniformly in [min, max] right after generation (masks and pad ids updated). Generation
 time therefore covers `max` tokens per sample; training sees the uniform lengths.
 
-Reported: median and p90 over the measured steps of every `timing_s/*`, the vLLM-vs-actor log-prob difference,
+Reported: median and p90 over the measured steps of every `timing_s/*`, the vLLM-vs-actor log-prob difference
+(`rollout/logprob_diff_*` and `rollout/token_prob_error`; a step whose token prob error passes 1.05 fails the run),
 the GPU memory sleeping gave back (`perf/sleep_freed_gb`), `perf/throughput` (tokens per second per
 GPU over the whole step), generation tokens/s (`n_samples * max_tokens / timing_s/gen`), the actor-update MFU and
 peak GPU memory; then, with the vllm engine, raw vLLM tokens/s on the same prompts in the same invocation:
@@ -357,6 +358,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, float]], shape: dict[s
         # perf/mem/*: the device in use at each lifecycle boundary and each phase's peak, so that a GPU run's
         # summary.json says where the device peak falls (the first H100 run peaked 4.4 GiB over the plan, unnamed)
         {k for r in measured for k in r if k.startswith(("timing_s/", "rollout/logprob_diff", "perf/mem/"))}
+        | {"rollout/token_prob_error"}
         | {"perf/throughput", "perf/sleep_freed_gb", "perf/optimizer_state_gb", "perf/trainable_params"}
         | {"perf/device_memory_used_gb"}
     )
@@ -429,7 +431,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if key in summary:
                 print(f"{key:40s} {summary[key]:12.4f}")
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    check_numerics_gate(rows)
     return summary
+
+
+def check_numerics_gate(rows: list[dict[str, float]]) -> None:
+    """Fail the run (after its summary is written) when a step's `rollout/token_prob_error` passed NeMo-RL's bound
+    (docs/algorithms.md, "Rollout correction"): the engine and the trainer then disagree beyond bf16 noise."""
+    from easyrl.algorithms.logprob_gap import TOKEN_PROB_ERROR, TOKEN_PROB_ERROR_GATE
+
+    worst = max((r[TOKEN_PROB_ERROR] for r in rows if TOKEN_PROB_ERROR in r), default=None)
+    if worst is None:
+        print(f"{TOKEN_PROB_ERROR}: not logged (no engine log-probs)")
+    elif worst > TOKEN_PROB_ERROR_GATE:
+        raise SystemExit(
+            f"{TOKEN_PROB_ERROR} reached {worst:.4f} > {TOKEN_PROB_ERROR_GATE}: engine vs trainer mismatch"
+        )
+    else:
+        print(f"{TOKEN_PROB_ERROR} at most {worst:.4f} (gate {TOKEN_PROB_ERROR_GATE}): ok")
 
 
 if __name__ == "__main__":

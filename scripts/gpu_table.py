@@ -28,6 +28,7 @@ COLUMNS = (
     ("peak device GB", "peak_device_memory_gb"),
     ("device GB", "device_total_gb"),
     ("logprob diff max", "rollout/logprob_diff_max"),
+    ("token prob error", "rollout/token_prob_error"),
 )
 
 

@@ -96,6 +96,28 @@ def test_memory_ledger_gets_its_chart(tmp_path: Path) -> None:
     assert 'id="plot-memory"' in page and (tmp_path / "report_memory.png").stat().st_size > 0
 
 
+def test_token_prob_error_gets_its_chart_with_the_gate(tmp_path: Path) -> None:
+    """`rollout/token_prob_error` (the engine-vs-trainer figure) is drawn alone, with NeMo-RL's 1.05 bound as a
+    dotted line; a step that scored no token (the figure left out) is only a gap in its curve."""
+    from easyrl.algorithms import logprob_gap
+    from easyrl.report import TOKEN_PROB_ERROR, TOKEN_PROB_ERROR_GATE
+
+    assert (TOKEN_PROB_ERROR, TOKEN_PROB_ERROR_GATE) == (
+        logprob_gap.TOKEN_PROB_ERROR,
+        logprob_gap.TOKEN_PROB_ERROR_GATE,
+    )
+    rows = [
+        {"step": s, "rollout/token_prob_error": 1.0 + 0.01 * s, "rollout/logprob_diff_mean": 0.01 * s} for s in (1, 3)
+    ]
+    rows.append({"step": 2, "reward/overall": 0.5})
+    (tmp_path / "experiment_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    series = metric_series(read_jsonl(str(tmp_path / "experiment_log.jsonl")))
+    plot = next(p for p in plan_plots(series) if p.name == "token_prob_error")
+    assert plot.keys == ["rollout/token_prob_error"] and plot.gate == 1.05
+    page = Path(build_report(str(tmp_path))).read_text()
+    assert 'id="plot-token_prob_error"' in page and (tmp_path / "report_token_prob_error.png").stat().st_size > 0
+
+
 def test_missing_metrics_are_omitted(tmp_path: Path) -> None:
     _write_run(tmp_path, full=False)
     out = build_report(str(tmp_path))

@@ -114,8 +114,8 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch. One pass over one mini-batch (`global_batch_size` = `data.rollout_batch_size`)
     skips the old-log-prob pass (the update's own log-probs, detached, are the old ones) unless KL in the reward,
-    a rollout correction (`algorithm.rollout_correction`, `tis_cap`), adaptive entropy or an explicit
-    `worker.rollout.logprob_sample_ratio` reads them first. `rollout_correction.bypass_mode` skips it always."""
+    a rollout correction (`algorithm.rollout_correction`, `tis_cap`), adaptive entropy or distillation reads them
+    first. `rollout_correction.bypass_mode` skips it always."""
     padding_free: bool | None = None
     """Pack each micro-batch's valid tokens into one row; attention stays within each sequence (flash-attn's varlen
     kernel when installed, else torch's varlen flash kernel on GPU and per-sequence sdpa on CPU). Null (auto): packed
@@ -230,10 +230,13 @@ class RolloutConfig:
     when every step sends the full weights anyway (the copy back would be overwritten at once), 1 with LoRA
     `rollout_sync: adapter`, which sends only the adapters and must keep the base weights."""
     logprob_sample_ratio: float | None = None
-    """Fraction of prompts whose samples get per-token log-probs from the vLLM engine (for `rollout/logprob_diff_*`
-    and the rollout corrections; every sample of a chosen prompt). Asking for them costs generation speed (28.5k vs
-    17.7k tok/s for every sequence on an H100), so by default (null) one prompt in 8 gets them, or all of them when
-    `algorithm.rollout_correction` (or `tis_cap`) reads them."""
+    """Fraction of prompts whose samples get per-token log-probs from the vLLM engine (every sample of a chosen
+    prompt), for the engine-vs-actor figures `rollout/token_prob_error` and `rollout/logprob_diff_*` (measured
+    against the old-log-prob pass, or without it in the update's own forward) and the rollout corrections. Asking
+    for them costs generation speed (28.5k vs 17.7k tok/s for every sequence on an H100), so by default (null) one
+    prompt in 8 gets them, or all of them when `algorithm.rollout_correction` (or `tis_cap`, bypass mode) reads them
+    or `trainer.max_staleness` >= 1. 0: none, and no figures. The HF engine gives every sample's whenever the ratio
+    is above 0."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine's constructor: vLLM's `LLM(...)` (the fields of its `EngineArgs`), e.g.
     {max_num_seqs: 512, compilation_config: {mode: 0}, kv_cache_memory_bytes: 8000000000, gdn_prefill_backend:

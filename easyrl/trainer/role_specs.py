@@ -43,7 +43,7 @@ from easyrl.workers.specs import (
 
 DEFAULT_LOGPROB_RATIO = 0.125
 """Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and no rollout
-correction reads them."""
+correction reads them: enough for the engine-vs-actor figures (`rollout/token_prob_error`) at a small cost."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,8 @@ def weight_sync(cfg: EasyRLConfig) -> WeightSync:
 
 def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
     """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them or
-    rollouts are asynchronous (`trainer.max_staleness` >= 1), else 1/8."""
+    rollouts are asynchronous (`trainer.max_staleness` >= 1), else 1/8. The vLLM engine applies it per prompt; the
+    HF engine gives every sample's log-probs whenever it is above 0."""
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None:
         return ratio
@@ -320,7 +321,7 @@ def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
 
 def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
     """Whether each step runs the actor's old-log-prob pass (`step_math.needs_old_log_prob_pass` on this config)."""
-    acfg, alg, ratio = cfg.worker.actor, cfg.algorithm, cfg.worker.rollout.logprob_sample_ratio
+    acfg, alg = cfg.worker.actor, cfg.algorithm
     return needs_old_log_prob_pass(
         distill=alg.distill.enabled,
         ppo_epochs=acfg.ppo_epochs,
@@ -328,18 +329,19 @@ def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
         kl_in_reward=alg.kl_mode == KLMode.IN_REWARD,
         correction=alg.correction.active,
         adaptive_entropy=alg.adaptive_entropy,
-        logprob_diagnostics=ratio is not None and ratio > 0,
         bypass=alg.correction.bypass_mode,
     )
 
 
 def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
     """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call. The
-    engine's log-probs are asked for when the old-log-prob pass runs (something compares them with it) and in bypass
-    mode (they are the old ones); otherwise nothing reads them."""
+    engine's log-probs are asked for whenever `effective_logprob_ratio` is above 0: a rollout correction or bypass
+    mode reads them (ratio 1), and otherwise the engine-vs-actor figures (`rollout/token_prob_error`,
+    `rollout/logprob_diff_*`) do, measured against the old-log-prob pass or, without it, the update's own forward.
+    `worker.rollout.logprob_sample_ratio: 0` asks for none."""
     rcfg = cfg.worker.rollout
     return SamplingParams(
-        logprobs=old_log_prob_pass(cfg) or cfg.algorithm.correction.bypass_mode,
+        logprobs=effective_logprob_ratio(cfg) > 0,
         n=rcfg.n,
         temperature=rcfg.temperature,
         top_p=rcfg.top_p,

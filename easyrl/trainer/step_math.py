@@ -15,6 +15,7 @@ from easyrl.algorithms import (
     kl_penalty,
     masked_mean,
 )
+from easyrl.algorithms.logprob_gap import logprob_gap, scored_tokens
 from easyrl.algorithms.rollout_correction import correct_rollout
 from easyrl.batch import Batch
 from easyrl.config import AlgorithmConfig, DistillConfig, RolloutCorrectionConfig
@@ -132,7 +133,6 @@ def needs_old_log_prob_pass(
     kl_in_reward: bool,
     correction: bool,
     adaptive_entropy: bool,
-    logprob_diagnostics: bool,
     bypass: bool,
 ) -> bool:
     """Whether a step must run the actor's old-log-prob pass before the update (TRL skips it when it may).
@@ -140,15 +140,16 @@ def needs_old_log_prob_pass(
     With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
     the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
     forward. The pass is still needed when something reads them (or the entropy it returns) before the update: KL in
-    the reward, a rollout correction (importance weights, rejection, veto), the adaptive entropy controller, the
-    engine-vs-actor log-prob diagnostics (`worker.rollout.logprob_sample_ratio` set explicitly), or on-policy
-    distillation (the student's log-probs against the teacher's, in the advantages). Bypass mode never runs it: the
-    engine's log-probs are the old ones (config validation refuses what would read the pass there).
+    the reward, a rollout correction (importance weights, rejection, veto), the adaptive entropy controller, or
+    on-policy distillation (the student's log-probs against the teacher's, in the advantages). The engine-vs-actor
+    figures (`rollout/token_prob_error`, `rollout/logprob_diff_*`) need no pass: that same forward measures them.
+    Bypass mode never runs it: the engine's log-probs are the old ones (config validation refuses what would read
+    the pass there).
     """
     if bypass:
         return False
     reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
-    return reused or kl_in_reward or correction or adaptive_entropy or logprob_diagnostics or distill
+    return reused or kl_in_reward or correction or adaptive_entropy or distill
 
 
 def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:
@@ -187,7 +188,7 @@ def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict
     if cfg.bypass_mode:
         batch.set(old_log_probs=batch["rollout_log_probs"])
         return {}  # the engine compared with itself: no diagnostics
-    # the diagnostics need the old-log-prob pass; asynchronous rollouts keep the engine's log-probs without it
+    # Measured here against the old-log-prob pass; without it the update's own forward measures them.
     metrics = logprob_consistency(batch) if "old_log_probs" in batch else {}
     if not cfg.active:
         return metrics
@@ -203,16 +204,12 @@ def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict
 
 
 def logprob_consistency(batch: Batch) -> dict[str, float]:
-    """|rollout engine log-prob - actor log-prob| of the sampled tokens, over trained tokens (the engine gives no
-    log-prob for tool output it did not sample)."""
-    mask = batch["loss_mask"].bool()
-    sampled = batch.tensors.get("rollout_logprob_mask")
-    if sampled is not None:
-        mask = mask & sampled.bool().unsqueeze(1)  # (B,) -> (B, 1): the rows the engine gave log-probs for
-    if not mask.any():
-        return {}
-    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
-    return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+    """The engine-vs-actor figures (`easyrl.algorithms.logprob_gap`: `rollout/logprob_diff_mean`, `_max`,
+    `rollout/token_prob_error`) of the engine's log-probs against the old-log-prob pass's, over the trained tokens of
+    the rows the engine gave log-probs for; none when it gave none. Without the pass the update's forward measures
+    them (`easyrl.workers.actor.policy_objective`)."""
+    scored = scored_tokens(batch["loss_mask"], batch.tensors.get("rollout_logprob_mask"))
+    return logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"], scored).metrics()
 
 
 def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int) -> dict[str, float]:

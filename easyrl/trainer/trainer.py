@@ -223,7 +223,7 @@ class Trainer(RunFolder):
     def greedy_baselines(self, prompts: Batch, tries: int) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated for its `n` samples."""
         seed = derive_seed(GREEDY_STREAM, tries, "attempt")
-        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1}, self.one_session)
+        greedy = self.generate(prompts, seed, {}, {"temperature": 0.0, "n": 1, "logprobs": False}, self.one_session)
         scores, _ = self.score(greedy, store=False)
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
@@ -334,7 +334,8 @@ class Trainer(RunFolder):
             return {}
         from easyrl.data import collate_prompts
 
-        overrides = dict(self.cfg.worker.rollout.val_override_config)
+        # nothing compares validation samples with the trainer: no engine log-probs (they cost generation speed)
+        overrides = {"logprobs": False, **self.cfg.worker.rollout.val_override_config}
         size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
         all_scores: list[dict[str, float]] = []
         generations: list[dict[str, Any]] = []

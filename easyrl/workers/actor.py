@@ -14,6 +14,7 @@ import time
 import torch
 
 from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params, topk_forward_kl
+from easyrl.algorithms.logprob_gap import logprob_gap, scored_tokens
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
@@ -52,8 +53,10 @@ def policy_objective(
     reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
     from the forward pass: a tensor left on the host would fail on a GPU run. Without `old_log_probs` (the driver
     skipped the old-log-prob pass: one epoch over one mini-batch) they are `log_prob` detached: this forward runs
-    the weights the pass would have run, so the ratio is 1 and the gradient the same. `topk_log_prob` (b, R, k):
-    the current log-probs at the teacher's top-k ids (`topk_fkl`), for the forward-KL term.
+    the weights the pass would have run, so the ratio is 1 and the gradient the same; and, as they are the weights
+    that sampled, it measures the engine's log-probs (`rollout_log_probs`, when asked for) against them for free:
+    `rollout/token_prob_error` and `rollout/logprob_diff_*`, as the driver does against the pass otherwise.
+    `topk_log_prob` (b, R, k): the current log-probs at the teacher's top-k ids (`topk_fkl`), for the forward-KL term.
     """
     mask = mb["loss_mask"].float()
     old_log_prob = mb.tensors.get("old_log_probs")
@@ -84,7 +87,12 @@ def policy_objective(
         fkl_loss = agg_loss(loss_mat=fkl, loss_mask=mask, loss_agg_mode=loss_agg_mode)
         loss = loss + spec.distill_topk_coef * fkl_loss
         terms["actor/distill_topk_fkl"] = fkl_loss.detach()
-    return MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
+    out = MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
+    if old_log_prob is None and "rollout_log_probs" in mb:  # the keys depend on the tensors present: alike on ranks
+        scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"))
+        gap = logprob_gap(mb["rollout_log_probs"], log_prob.detach(), scored)
+        out.ratios, out.maxima = gap.ratios(), gap.maxima()
+    return out
 
 
 class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
@@ -204,7 +212,8 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
     def update_actor(self, batch: Batch, entropy_coeff: float) -> dict[str, float]:
         """PPO-family update over the batch with the entropy bonus weighted by `entropy_coeff` (the driver's: fixed
         or adaptive; 0 turns the bonus and its entropy computation off); returns `actor/*` metrics (values over all
-        ranks' rows, averaged over the mini-batches)."""
+        ranks' rows, averaged over the mini-batches) and, without `old_log_probs` but with the engine's log-probs,
+        the engine-vs-actor `rollout/token_prob_error` and `rollout/logprob_diff_*` (`policy_objective`)."""
         self.model.train()
         if "old_log_probs" not in batch and (
             self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size

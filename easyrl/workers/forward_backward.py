@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from easyrl.algorithms import agg_count
+from easyrl.algorithms.logprob_gap import exact_metrics
 from easyrl.batch import Batch
 from easyrl.workers.batching import MicroBatches, make_micro_batches
 from easyrl.workers.head import response_values, token_log_probs
@@ -77,6 +78,13 @@ class MicroBatchLoss:
     """Metrics aggregated like the loss (`actor/pg_loss`, `actor/entropy`, `critic/vf_loss`): weighed like it."""
     token_means: dict[str, torch.Tensor | float]
     """Metrics that are means over the micro-batch's valid tokens (clip fractions, `actor/ppo_kl`): token-weighted."""
+    ratios: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Metrics exact over the whole mini-batch whatever its rows weigh (`rollout/token_prob_error`: only some rows
+    have engine log-probs), as this micro-batch's (numerator, denominator) sums: each summed over the micro-batches
+    and ranks, the metric left out when the denominator is 0."""
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Metrics that are maxima over the whole mini-batch (`rollout/logprob_diff_max`): this micro-batch's, -inf over
+    nothing (then left out)."""
 
 
 LossFn = Callable[[Batch, Batch], MicroBatchLoss]
@@ -96,6 +104,31 @@ def sum_over_ranks(values: torch.Tensor, sp_size: int) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)
     return values / sp_size
+
+
+def exact_over_ranks(
+    ratios: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], device: torch.device, sp_size: int
+) -> dict[str, float]:
+    """`MicroBatchLoss.ratios` and `.maxima` of every rank, summed (each a (numerator, denominator) float64 pair) or
+    maxed over the ranks, then finished (`exact_metrics`): the same values on every rank, in one collective. A
+    sequence-parallel group's ranks hold the same rows: their sums count once. The keys must be the same on every
+    rank (they depend on which tensors a batch holds, never on their values)."""
+    ratio_keys, max_keys = sorted(ratios), sorted(maxima)
+    if not ratio_keys and not max_keys:
+        return {}
+    local = torch.cat([*(ratios[k] for k in ratio_keys), *(maxima[k].reshape(1) for k in max_keys)])
+    local = local.to(device=device, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # One all-gather for both: sums and maxima need different reductions, and float64 keeps the sums exact.
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        gathered = torch.stack(parts)
+    else:
+        gathered = local.unsqueeze(0)
+    sums = (gathered[:, : 2 * len(ratio_keys)].sum(dim=0) / sp_size).tolist()  # in rank order: alike on every rank
+    tops = gathered[:, 2 * len(ratio_keys) :].amax(dim=0).tolist()
+    pairs = {k: (sums[2 * i], sums[2 * i + 1]) for i, k in enumerate(ratio_keys)}
+    return exact_metrics(pairs, dict(zip(max_keys, tops)))
 
 
 def _backward_mini_batch(
@@ -118,6 +151,8 @@ def _backward_mini_batch(
     tokens, count = sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), sp_size).tolist()
     dp = data_parallel_size(sp_size)
     sums: dict[str, torch.Tensor | float] = {}
+    ratios: dict[str, torch.Tensor] = {}  # (numerator, denominator) float64, summed over the micro-batches
+    maxima: dict[str, torch.Tensor] = {}
     for mb, dummy in zip(mbs.parts, mbs.dummy):
         out = loss_fn(mb, mb.to(device))  # the micro-batch's one transfer to the device
         mask = mb["loss_mask"]
@@ -133,11 +168,28 @@ def _backward_mini_batch(
         for key, (value, weight) in weighted.items():
             part = 0.0 if dummy else (value.detach() if isinstance(value, torch.Tensor) else value) * weight
             sums[key] = sums.get(key, 0.0) + part
+        _accumulate_exact(out, dummy, ratios, maxima)
     # Summed on the device and read once per mini-batch: a float() per micro-batch would stall the device each time.
     keys = sorted(sums)  # the same keys on every rank (dummies name them too), in the same order
     stacked = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=device) for k in keys])
     values = dict(zip(keys, sum_over_ranks(stacked, sp_size).tolist()))
+    values |= exact_over_ranks(ratios, maxima, device, sp_size)
     return values.pop(""), values
+
+
+def _accumulate_exact(
+    out: MicroBatchLoss, dummy: bool, ratios: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor]
+) -> None:
+    """Add one micro-batch's `ratios` and `maxima` into the mini-batch's. A dummy adds nothing (zeros, -inf) but
+    names its keys, so that every rank reduces the same ones."""
+    for key, (num, den) in out.ratios.items():
+        pair = torch.stack([num.detach(), den.detach()]).to(torch.float64)
+        pair = torch.zeros_like(pair) if dummy else pair  # zeros, not pair * 0: a dummy's NaN would survive that
+        ratios[key] = ratios[key] + pair if key in ratios else pair
+    for key, value in out.maxima.items():
+        top = value.detach().to(torch.float64)
+        top = torch.full_like(top, float("-inf")) if dummy else top
+        maxima[key] = torch.maximum(maxima[key], top) if key in maxima else top
 
 
 def optimize(

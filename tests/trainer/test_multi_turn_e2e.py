@@ -37,7 +37,7 @@ def _train(
         "trainer.logger=[file]",
         f"trainer.save_checkpoint_path={tmp_path / 'run'}",
         "trainer.ray_num_cpus=4",
-        # the old-log-prob pass and the engine-vs-actor comparison on every sample
+        # the engine-vs-actor comparison on every sample (in the update's forward: one mini-batch, no pass)
         "worker.rollout.logprob_sample_ratio=1.0",
         *extra,
     ]

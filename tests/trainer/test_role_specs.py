@@ -15,7 +15,7 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
 from easyrl.rollout import WeightSync
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
-from easyrl.trainer.role_specs import build_role_specs, sampling_params
+from easyrl.trainer.role_specs import build_role_specs, old_log_prob_pass, sampling_params
 from tests.conftest import base_config, left_padded_prompts, write_config
 
 
@@ -336,10 +336,18 @@ def test_padding_free_null_picks_the_layout_per_device_for_every_role(overrides:
     assert layouts | {specs.critic.model.forward.padding_free} == {packed}
 
 
-def test_engine_log_probs_are_asked_for_only_when_the_old_log_prob_pass_runs() -> None:
-    assert sampling_params(load_config(DEMO, [])).logprobs is False  # 1 epoch over 1 mini-batch: skipped
+def test_engine_log_probs_are_asked_for_whenever_the_sample_ratio_is_above_zero() -> None:
+    """The engine-vs-actor figures (`rollout/token_prob_error`) are measured with the old-log-prob pass or, without
+    it, in the update's own forward: the engines report log-probs whenever a share of the prompts gets them (1 in
+    8 by default), pass or no pass, and none at `logprob_sample_ratio: 0`; the figures force no pass."""
+    demo = load_config(DEMO, [])  # 1 epoch over 1 mini-batch: the pass is skipped
+    assert not old_log_prob_pass(demo) and sampling_params(demo).logprobs is True
     assert sampling_params(load_config(DEMO, ["worker.actor.ppo_epochs=2"])).logprobs is True
-    assert sampling_params(load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])).logprobs is True
+    explicit = load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])
+    assert sampling_params(explicit).logprobs is True and not old_log_prob_pass(explicit)
+    for overrides in ([], ["worker.actor.ppo_epochs=2"]):  # pass or no pass: 0 asks for none
+        off = load_config(DEMO, [*overrides, "worker.rollout.logprob_sample_ratio=0"])
+        assert sampling_params(off).logprobs is False
 
 
 def test_cpu_workers_share_the_nodes_cores(monkeypatch) -> None:

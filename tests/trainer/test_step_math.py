@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from easyrl.batch import Batch
+from easyrl.config import RolloutCorrectionConfig
 from easyrl.trainer.step_math import (
+    apply_rollout_correction,
+    logprob_consistency,
     mini_batch_major_order,
     needs_old_log_prob_pass,
     policy_version_metrics,
@@ -50,7 +55,6 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         "kl_in_reward": False,
         "correction": False,
         "adaptive_entropy": False,
-        "logprob_diagnostics": False,
         "bypass": False,
     }
     assert needs_old_log_prob_pass(**base) is False  # the update's forward runs the rollout policy's weights
@@ -60,13 +64,35 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         ("kl_in_reward", True),  # the reward reads KL(old || ref) before the update
         ("correction", True),  # importance weights, rejection and veto compare old with rollout
         ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
-        ("logprob_diagnostics", True),  # rollout/logprob_diff_* compare old and rollout log-probs
         ("distill", True),  # the student's log-probs meet the teacher's in the advantages
     ):
         assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
     # Bypass mode: the engine's log-probs are the old ones, whatever the epochs, mini-batches or KL in the reward.
-    reusing = {**base, "ppo_epochs": 2, "mini_batches": 2, "kl_in_reward": True, "logprob_diagnostics": True}
+    reusing = {**base, "ppo_epochs": 2, "mini_batches": 2, "kl_in_reward": True}
     assert needs_old_log_prob_pass(**{**reusing, "bypass": True}) is False
+
+
+def test_logprob_consistency_scores_the_trained_tokens_of_rows_with_engine_log_probs() -> None:
+    """Row 0: 3 trained tokens, one off by ln(1.1) and one by ln(1.2); row 1 has no engine log-probs (vLLM sampled
+    other prompts' log-probs), row 2 has them but one trained token only (tool output after it), equal."""
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0], [-0.5, -7.0, -7.0]])
+    rollout = old + torch.tensor([[math.log(1.1), 0.0, -math.log(1.2)], [5.0, 5.0, 5.0], [0.0, 3.0, 3.0]])
+    batch = Batch(
+        {
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+            "loss_mask": torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0]]),
+            "rollout_logprob_mask": torch.tensor([True, False, True]),
+        }
+    )
+    metrics = logprob_consistency(batch)
+    assert metrics["rollout/token_prob_error"] == pytest.approx((1.1 + 1.0 + 1.2 + 1.0) / 4, rel=1e-6)
+    assert metrics["rollout/logprob_diff_mean"] == pytest.approx((math.log(1.1) + math.log(1.2)) / 4, rel=1e-6)
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(math.log(1.2), rel=1e-6)
+    # Through the correction stage with nothing on: the figures, and no edit of the batch.
+    assert apply_rollout_correction(batch, RolloutCorrectionConfig()) == metrics
+    batch.set(rollout_logprob_mask=torch.tensor([False, False, False]))
+    assert logprob_consistency(batch) == {}  # no token scored: no figure (not a perfect 1.0)
 
 
 def test_sampled_validation_metrics_per_prompt_mean_best_and_pass() -> None:

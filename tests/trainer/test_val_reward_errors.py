@@ -1,5 +1,5 @@
 """Validation: reward failures are counted (`val/reward_errors`), as they are in training; sampled validation
-reports per-prompt metrics."""
+reports per-prompt metrics; validation asks the engines for no log-probs."""
 
 from __future__ import annotations
 
@@ -52,3 +52,44 @@ def test_sampled_validation_reports_mean_best_and_pass_at_n(tmp_path: Path, tiny
     assert val["val/reward_errors"] == 4.0  # 2 prompts x 2 samples
     for key in ("val/reward_score", "val/reward/mean@2", "val/reward/best@2", "val/pass@2"):
         assert val[key] == pytest.approx(6 / 8), key
+
+
+# The HF engine, recording whether each call asked for log-probs (a line per call in the file named below).
+RECORDING_ENGINE = """
+from easyrl.rollout import EngineContext, register_engine
+from easyrl.rollout.hf import HFRolloutEngine
+
+
+class RecordingHFEngine(HFRolloutEngine):
+    def generate(self, prompts, params):
+        with open({path!r}, "a") as f:
+            f.write(f"{{params.logprobs}}\\n")
+        return super().generate(prompts, params)
+
+
+@register_engine("recording_hf", override=True)
+def build(ctx: EngineContext):
+    model = ctx.spec.model
+    return RecordingHFEngine(
+        model.model_path, ctx.device, ctx.dtype, ctx.eos_token_ids, ctx.pad_token_id, model.trust_remote_code
+    )
+"""
+
+
+def test_validation_asks_the_engines_for_no_log_probs(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
+    """Training asks for them (the engine-vs-actor figures: `rollout/token_prob_error`); validation, which nothing
+    compares with the trainer, does not."""
+    calls = tmp_path / "calls.txt"
+    engine = tmp_path / "recording_engine.py"
+    engine.write_text(RECORDING_ENGINE.format(path=str(calls)))
+    edits = {
+        "data.val_files": digits_data["val"],
+        "algorithm.user_modules": [str(engine)],
+        "worker.rollout.name": "recording_hf",
+        "trainer.val_before_train": True,
+    }
+    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
+    assert "rollout/token_prob_error" in rows[-1]  # the training step's engine log-probs were compared
+    asked = calls.read_text().split()
+    # the validation calls ("False"), then the training step's ("True")
+    assert set(asked) == {"False", "True"} and asked == sorted(asked), asked

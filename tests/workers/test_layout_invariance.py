@@ -177,17 +177,20 @@ def test_one_step_is_the_same_at_every_layout(tmp_path: Path) -> None:
 
 
 def test_objectives_read_only_the_transferred_micro_batch() -> None:
-    """The actor's objective (PPO with truncated IS weights, entropy bonus, KL loss) and the critic's, given the
-    micro-batch moved to the meta device, run on it end to end: a tensor from anywhere else (the driver's host
-    tensors, a constant made on the host) would refuse to mix with meta ones, as a host tensor does on a GPU."""
+    """The actor's objective (PPO with truncated IS weights, entropy bonus, KL loss; without the pass, the engine's
+    log-probs measured against its forward) and the critic's, given the micro-batch moved to the meta device, run on
+    it end to end: a tensor from anywhere else (the driver's host tensors, a constant made on the host) would refuse
+    to mix with meta ones, as a host tensor does on a GPU."""
     from easyrl.workers.actor import policy_objective
     from easyrl.workers.critic import value_objective
 
     batch = _batch()
     shape = batch["response_mask"].shape
     batch.set(old_log_probs=torch.randn(shape), ref_log_probs=torch.randn(shape), rollout_is_weights=torch.rand(shape))
+    batch.set(rollout_log_probs=torch.randn(shape), rollout_logprob_mask=torch.rand(shape[0]) < 0.5)
     meta = torch.device("meta")
     on_device = batch.to(meta)
+    no_pass = on_device.select(*(k for k in on_device.tensors if k != "old_log_probs"))
     assert all(t.device == meta for t in on_device.tensors.values())
     log_prob, entropy = torch.randn(shape, device=meta), torch.rand(shape, device=meta)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
@@ -196,9 +199,12 @@ def test_objectives_read_only_the_transferred_micro_batch() -> None:
             policy_objective(on_device, log_prob, entropy, LOSS, agg, ENTROPY_COEFF),
             policy_objective(on_device, log_prob, entropy, LOSS_TOPK, agg, ENTROPY_COEFF, at),
             value_objective(on_device, log_prob, 0.5, agg),
+            policy_objective(no_pass, log_prob, entropy, LOSS, agg, ENTROPY_COEFF),
         ]
+        assert outs[-1].ratios and outs[-1].maxima  # the engine-vs-actor figures' parts
         for out in outs:
-            values = [out.loss, *out.terms.values(), *out.token_means.values()]
+            values = [out.loss, *out.terms.values(), *out.token_means.values(), *out.maxima.values()]
+            values += [part for pair in out.ratios.values() for part in pair]
             assert all(isinstance(v, torch.Tensor) and v.device == meta for v in values), agg
     # the check is real: a host tensor among the inputs fails, as the IS weights did on a GPU run
     batch_with_host_weights = Batch({**on_device.tensors, "rollout_is_weights": torch.rand(shape)})

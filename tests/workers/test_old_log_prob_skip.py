@@ -1,8 +1,13 @@
 """Skipping the old-log-prob pass (one epoch over one mini-batch) changes nothing: the update that takes its own
-forward's log-probs, detached, as the old ones moves the parameters as the update given the old pass's log-probs.
-A tiny Qwen2 in one process, the actor's real objective (PPO clip, KL loss), padded and packed rows."""
+forward's log-probs, detached, as the old ones moves the parameters as the update given the old pass's log-probs,
+and measures the engine against the trainer (`rollout/token_prob_error`, `rollout/logprob_diff_*`) as the driver
+does against the pass. A tiny Qwen2 in one process, the actor's real objective (PPO clip, KL loss), padded and packed
+rows."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import pytest
 import torch
@@ -29,9 +34,9 @@ def _batch(vocab: int = 90) -> Batch:
     )
 
 
-def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The actor's update (AdamW, 2 micro-batches) after an old-log-prob pass or without one; the parameters before
-    and after it."""
+def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) -> dict[str, Any]:
+    """The actor's update (AdamW, 2 micro-batches) after an old-log-prob pass or without one: the parameters before
+    and after it, its metrics, and the batch it trained on (with the pass's log-probs when it ran)."""
     from easyrl.config import ModelConfig, OptimConfig
     from easyrl.workers.actor import policy_objective
     from easyrl.workers.forward_backward import MicroBatchLoss, batched_log_probs, optimize, token_log_probs
@@ -52,17 +57,47 @@ def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) 
         return policy_objective(on_device, lp, None, LOSS, "token-mean", 0.0)
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    optimize(
+    metrics = optimize(
         model, optim, build_scheduler(optim, OptimConfig(lr=1e-3), 1), batch, device=CPU, mini_batch_size=len(batch),
         micro_batch_size=3, epochs=1, max_grad_norm=1.0, loss_fn=loss_fn, prefix="actor",
     )  # fmt: skip
-    return before, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"before": before, "after": after, "metrics": metrics, "batch": batch}
 
 
 @pytest.mark.parametrize("opts", [ForwardOptions(), ForwardOptions(padding_free=True)], ids=["padded", "packed"])
 def test_update_without_old_log_probs_moves_the_parameters_alike(tiny_model_dir: str, opts: ForwardOptions) -> None:
-    before, with_pass = _update(tiny_model_dir, _batch(), opts, old_pass=True)
-    _, skipped = _update(tiny_model_dir, _batch(), opts, old_pass=False)
+    run = _update(tiny_model_dir, _batch(), opts, old_pass=True)
+    before, with_pass = run["before"], run["after"]
+    skipped = _update(tiny_model_dir, _batch(), opts, old_pass=False)["after"]
     assert (with_pass - before).abs().max() > 1e-4  # the step moved the parameters (AdamW: about lr each)
     # Equal up to float rounding: the eval-mode pass and the training forward may sum in another order.
     torch.testing.assert_close(skipped, with_pass, rtol=1e-5, atol=1e-6)
+
+
+# Per row, the engine's probability of each sampled token over the policy's; rows 1 and 4 get no engine log-probs.
+SCALE = [1.1, 3.0, 1.0, 1.2, 3.0, 1.05]
+SAMPLED = [True, False, True, True, False, True]
+
+
+@pytest.mark.parametrize("opts", [ForwardOptions(), ForwardOptions(padding_free=True)], ids=["padded", "packed"])
+def test_update_without_the_pass_measures_the_engine_as_the_driver_does_against_it(
+    tiny_model_dir: str, opts: ForwardOptions
+) -> None:
+    from easyrl.trainer.step_math import logprob_consistency
+
+    # the pass's log-probs, and an engine off from them by SCALE on the rows it gave log-probs for
+    old = _update(tiny_model_dir, _batch(), opts, old_pass=True)["batch"]["old_log_probs"]
+    engine = {
+        "rollout_log_probs": old + torch.tensor(SCALE).log().unsqueeze(1),
+        "rollout_logprob_mask": torch.tensor(SAMPLED),
+    }
+    with_pass = _update(tiny_model_dir, _batch().union(Batch(engine)), opts, old_pass=True)
+    skipped = _update(tiny_model_dir, _batch().union(Batch(engine)), opts, old_pass=False)
+    driver = logprob_consistency(with_pass["batch"])  # what the trainer logs when the pass ran
+    assert not any(k.startswith("rollout/") for k in with_pass["metrics"])  # the driver measured it: not twice
+    # rows 0, 2, 3, 5 hold 1 + 6 + 2 + 4 response tokens off by 1.1, 1.0, 1.2, 1.05
+    assert driver["rollout/token_prob_error"] == pytest.approx((1.1 + 6 + 2 * 1.2 + 4 * 1.05) / 13, rel=1e-6)
+    assert driver["rollout/logprob_diff_max"] == pytest.approx(math.log(1.2), rel=1e-5)
+    for key, want in driver.items():  # the training forward against the eval-mode pass: float32 noise only
+        assert skipped["metrics"][key] == pytest.approx(want, rel=1e-6, abs=1e-6), key
