@@ -180,6 +180,17 @@ def padded_rows(
     }
 
 
+def apply_edits(conf: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
+    """`conf` (nested dicts) with each `dotted.key: value` of `edits` set, parents made as needed; returns `conf`."""
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split(".")
+        node = conf
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return conf
+
+
 def train_steps(
     tmp_path: Path,
     model: str,
@@ -194,13 +205,7 @@ def train_steps(
     from easyrl.trainer.trainer import Trainer
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    conf = base_config(model, data, tmp_path / "run")
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    conf = apply_edits(base_config(model, data, tmp_path / "run"), edits)
     conf["trainer"]["max_steps"] = steps
     trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
@@ -222,7 +227,9 @@ def train_steps(
 
 
 def ppo_kl_loss() -> Any:
-    """The PPO loss with the low-variance KL as a loss term, as the worker-level tests train it."""
+    """The PPO loss with the low-variance KL as a loss term, as the worker-level tests train it; with no old-log-prob
+    pass before it (a test's batch without `old_log_probs`), so its first mini-batch measures the engine's log-probs
+    where a batch has them."""
     from easyrl.workers.specs import PolicyLossSpec
 
     return PolicyLossSpec(
@@ -231,6 +238,7 @@ def ppo_kl_loss() -> Any:
         kl_in_loss=True,
         kl_penalty="low_var_kl",
         kl_coef=0.1,
+        measures_engine=True,
     )
 
 

@@ -144,6 +144,7 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
             distill_topk_coef=alg.distill.coef if alg.distill.enabled and alg.distill.mode == "topk_fkl" else 0.0,
+            measures_engine=not old_log_prob_pass(cfg),
         ),
         rollout=rollout_spec(cfg),
         temperature=cfg.worker.rollout.temperature,

@@ -46,6 +46,7 @@ def policy_objective(
     loss_agg_mode: str,
     entropy_coeff: float,
     topk_log_prob: torch.Tensor | None = None,
+    policy_version: int | None = None,
 ) -> MicroBatchLoss:
     """The actor's objective over one micro-batch: the policy loss, minus the entropy bonus, plus the KL loss.
 
@@ -53,10 +54,14 @@ def policy_objective(
     reference log-probs, advantages, mask, truncated IS weights), beside the current `log_prob` and `entropy` (b, R)
     from the forward pass: a tensor left on the host would fail on a GPU run. Without `old_log_probs` (the driver
     skipped the old-log-prob pass: one epoch over one mini-batch) they are `log_prob` detached: this forward runs
-    the weights the pass would have run, so the ratio is 1 and the gradient the same; and, as they are the weights
-    that sampled, it measures the engine's log-probs (`rollout_log_probs`, when asked for) against them for free:
-    `rollout/token_prob_error` and `rollout/logprob_diff_*`, as the driver does against the pass otherwise.
+    the weights the pass would have run, so the ratio is 1 and the gradient the same. Whenever no pass runs (that
+    case, and bypass mode: `spec.measures_engine`), the first mini-batch's forward runs the weights that sampled and
+    measures the engine's log-probs (`rollout_log_probs`, when asked for) against them for free:
+    `rollout/token_prob_error` and `rollout/logprob_diff_*`, as the driver does against the pass otherwise (`optimize`
+    keeps the first mini-batch's figures only).
     `topk_log_prob` (b, R, k): the current log-probs at the teacher's top-k ids (`topk_fkl`), for the forward-KL term.
+    `policy_version`: the version of the weights of this forward (with asynchronous rollouts the engine figures
+    compare the tokens it sampled only).
     """
     mask = mb["loss_mask"].float()
     old_log_prob = mb.tensors.get("old_log_probs")
@@ -88,8 +93,9 @@ def policy_objective(
         loss = loss + spec.distill_topk_coef * fkl_loss
         terms["actor/distill_topk_fkl"] = fkl_loss.detach()
     out = MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
-    if old_log_prob is None and "rollout_log_probs" in mb:  # the keys depend on the tensors present: alike on ranks
-        scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"))
+    if spec.measures_engine and "rollout_log_probs" in mb:  # keys from the tensors present: alike on every rank
+        versions = mb.tensors.get("token_policy_version")
+        scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"), versions, policy_version)
         gap = logprob_gap(mb["rollout_log_probs"], log_prob.detach(), scored)
         out.ratios, out.maxima = gap.ratios(), gap.maxima()
     return out
@@ -247,8 +253,9 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
             else:
                 log_prob, entropy = token_log_probs(self.model, mb, device, temperature, with_entropy, opts=opts)
             return policy_objective(
-                on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff, at
-            )
+                on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff, at,
+                self._policy_version,
+            )  # fmt: skip
 
         return loss_fn
 

@@ -81,7 +81,8 @@ class MicroBatchLoss:
     ratios: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Metrics exact over the whole mini-batch whatever its rows weigh (`rollout/token_prob_error`: only some rows
     have engine log-probs), as this micro-batch's (numerator, denominator) sums: each summed over the micro-batches
-    and ranks, the metric left out when the denominator is 0."""
+    and ranks, the metric left out when the denominator is 0. Kept for the first mini-batch of an update only (the
+    weights before any optimizer step)."""
     maxima: dict[str, torch.Tensor] = field(default_factory=dict)
     """Metrics that are maxima over the whole mini-batch (`rollout/logprob_diff_max`): this micro-batch's, -inf over
     nothing (then left out)."""
@@ -132,7 +133,7 @@ def exact_over_ranks(
 
 
 def _backward_mini_batch(
-    mbs: MicroBatches, loss_fn: LossFn, device: torch.device, loss_agg_mode: str, sp_size: int
+    mbs: MicroBatches, loss_fn: LossFn, device: torch.device, loss_agg_mode: str, sp_size: int, exact: bool = True
 ) -> tuple[float, dict[str, float]]:
     """Forward and backward over one mini-batch's micro-batches; returns (the mini-batch's loss, its metrics), each
     the value over the whole mini-batch on all ranks, identical on every rank.
@@ -173,7 +174,8 @@ def _backward_mini_batch(
     keys = sorted(sums)  # the same keys on every rank (dummies name them too), in the same order
     stacked = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=device) for k in keys])
     values = dict(zip(keys, sum_over_ranks(stacked, sp_size).tolist()))
-    values |= exact_over_ranks(ratios, maxima, device, sp_size)
+    if exact:  # every rank takes the same branch: the same mini-batch index
+        values |= exact_over_ranks(ratios, maxima, device, sp_size)
     return values.pop(""), values
 
 
@@ -220,11 +222,13 @@ def optimize(
     """
     metrics: dict[str, list[float]] = defaultdict(list)
     skipped = nonfinite_loss = nonfinite_grad = 0
-    for _ in range(epochs):
-        for mini in batch.split(mini_batch_size):
+    for epoch in range(epochs):
+        for index, mini in enumerate(batch.split(mini_batch_size)):
             optimizer.zero_grad(set_to_none=True)  # gradients accumulate over this mini-batch's micro-batches only
             mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
-            loss, mini_metrics = _backward_mini_batch(mbs, loss_fn, device, loss_agg_mode, sp_size)
+            # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
+            first = epoch == 0 and index == 0
+            loss, mini_metrics = _backward_mini_batch(mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first)
             for k, v in mini_metrics.items():
                 metrics[k].append(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -106,6 +106,10 @@ class PolicyLossSpec:
     distill_topk_coef: float = 0.0
     """`algorithm.distill.mode: topk_fkl`: add `coef` times the forward KL over the teacher's top-k tokens
     (`easyrl.algorithms.topk_forward_kl`) to the loss; 0: no such term."""
+    measures_engine: bool = False
+    """No old-log-prob pass runs (skipped, or bypass mode): the update's first forward, which runs the weights that
+    sampled, measures the engine's log-probs against its own (`rollout/token_prob_error`, `rollout/logprob_diff_*`),
+    as the driver does against the pass otherwise."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -34,9 +35,12 @@ def _batch(vocab: int = 90) -> Batch:
     )
 
 
-def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) -> dict[str, Any]:
-    """The actor's update (AdamW, 2 micro-batches) after an old-log-prob pass or without one: the parameters before
-    and after it, its metrics, and the batch it trained on (with the pass's log-probs when it ran)."""
+def _update(
+    model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool, mini_batch: int | None = None
+) -> dict[str, Any]:
+    """The actor's update (AdamW, 2 micro-batches a mini-batch of `mini_batch` rows, default all) after an
+    old-log-prob pass or without one: the parameters before and after it, its metrics, and the batch it trained on
+    (with the pass's log-probs when it ran). A batch that brings `old_log_probs` of its own is bypass mode: no pass."""
     from easyrl.config import ModelConfig, OptimConfig
     from easyrl.workers.actor import policy_objective
     from easyrl.workers.forward_backward import MicroBatchLoss, batched_log_probs, optimize, token_log_probs
@@ -46,19 +50,23 @@ def _update(model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool) 
     attn = register_varlen_attention() if opts.padding_free else None
     model = load_model(ModelConfig(model_path=model_dir), attn_implementation=attn)
     before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    if old_pass:  # what `ActorWorker.compute_log_probs` does: eval mode, no grad
+    bypass = "old_log_probs" in batch
+    if old_pass and not bypass:  # what `ActorWorker.compute_log_probs` does: eval mode, no grad
         model.eval()
         old, _ = batched_log_probs(model, batch, CPU, 1.0, micro_batch_size=4, opts=opts)
         batch = batch.union(Batch({"old_log_probs": old}))
     model.train()
 
+    loss = dataclasses.replace(LOSS, measures_engine=bypass or not old_pass)  # as role_specs resolves it
+
     def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
         lp, _ = token_log_probs(model, mb, CPU, 1.0, with_entropy=False, opts=opts)
-        return policy_objective(on_device, lp, None, LOSS, "token-mean", 0.0)
+        return policy_objective(on_device, lp, None, loss, "token-mean", 0.0)
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     metrics = optimize(
-        model, optim, build_scheduler(optim, OptimConfig(lr=1e-3), 1), batch, device=CPU, mini_batch_size=len(batch),
+        model, optim, build_scheduler(optim, OptimConfig(lr=1e-3), 2), batch, device=CPU,
+        mini_batch_size=mini_batch or len(batch),
         micro_batch_size=3, epochs=1, max_grad_norm=1.0, loss_fn=loss_fn, prefix="actor",
     )  # fmt: skip
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -101,3 +109,20 @@ def test_update_without_the_pass_measures_the_engine_as_the_driver_does_against_
     assert driver["rollout/logprob_diff_max"] == pytest.approx(math.log(1.2), rel=1e-5)
     for key, want in driver.items():  # the training forward against the eval-mode pass: float32 noise only
         assert skipped["metrics"][key] == pytest.approx(want, rel=1e-6, abs=1e-6), key
+
+
+def test_bypass_mode_measures_the_engine_in_the_first_mini_batch_only(tiny_model_dir: str) -> None:
+    """Bypass mode: the engine's log-probs are the old ones and no pass runs; the update's first mini-batch (the
+    weights that sampled) measures the engine, the second (moved weights) adds nothing to the figures."""
+    from easyrl.trainer.step_math import logprob_consistency
+
+    opts = ForwardOptions(padding_free=True)
+    policy = _update(tiny_model_dir, _batch(), opts, old_pass=True)["batch"]["old_log_probs"]
+    engine = policy + torch.tensor(SCALE).log().unsqueeze(1)
+    fields = {"rollout_log_probs": engine, "rollout_logprob_mask": torch.tensor(SAMPLED)}
+    bypassed = _update(tiny_model_dir, _batch().union(Batch({**fields, "old_log_probs": engine})), opts, True, 3)
+    # rows 0-2 are the first mini-batch: rows 0 and 2 scored (1 and 6 tokens off by 1.1 and 1.0)
+    first = logprob_consistency(_batch().slice(0, 3).union(Batch({**fields, "old_log_probs": policy}).slice(0, 3)))
+    assert first["rollout/token_prob_error"] == pytest.approx((1.1 + 6) / 7, rel=1e-6)
+    for key, want in first.items():
+        assert bypassed["metrics"][key] == pytest.approx(want, rel=1e-6, abs=1e-6), key
