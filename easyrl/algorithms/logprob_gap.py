@@ -66,13 +66,22 @@ class LogprobGap:
         return exact_metrics(ratios, {k: float(v) for k, v in self.maxima().items()})
 
 
-def scored_tokens(loss_mask: torch.Tensor, rollout_logprob_mask: torch.Tensor | None) -> torch.Tensor:
+def scored_tokens(
+    loss_mask: torch.Tensor,
+    rollout_logprob_mask: torch.Tensor | None,
+    token_versions: torch.Tensor | None = None,
+    version: int | None = None,
+) -> torch.Tensor:
     """(B, T) bool: the trained tokens (`loss_mask` (B, T): the engine gives no log-prob for tool output it did not
     sample) of the rows the engine gave log-probs for (`rollout_logprob_mask` (B,); None: every row, as the HF
-    engine gives them)."""
+    engine gives them) that the compared weights sampled: with asynchronous rollouts (`token_versions` (B, T), the
+    policy version that sampled each token) those of `version` only, so that the figures measure the numerics, not
+    how far the policy moved since an older version sampled."""
     mask = loss_mask.bool()
     if rollout_logprob_mask is not None:
         mask = mask & rollout_logprob_mask.bool().unsqueeze(1)
+    if token_versions is not None and version is not None:
+        mask = mask & (token_versions == version)
     return mask
 
 

@@ -176,7 +176,9 @@ def first_nonfinite(batch: Batch, keys: Sequence[str]) -> str | None:
     return None
 
 
-def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+def apply_rollout_correction(
+    batch: Batch, cfg: RolloutCorrectionConfig, version: int | None = None
+) -> dict[str, float]:
     """The rollout-correction stage, before anything reads the old log-probs or the loss mask (KL in the reward, the
     advantages). Bypass mode: the engine's log-probs become `old_log_probs`. Otherwise the engine-vs-actor
     diagnostics, and with a correction on: `rollout_is_weights` (B, R) for the loss, and `loss_mask` less the
@@ -189,7 +191,7 @@ def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict
         batch.set(old_log_probs=batch["rollout_log_probs"])
         return {}  # the engine compared with itself: no diagnostics
     # Measured here against the old-log-prob pass; without it the update's own forward measures them.
-    metrics = logprob_consistency(batch) if "old_log_probs" in batch else {}
+    metrics = logprob_consistency(batch, version) if "old_log_probs" in batch else {}
     if not cfg.active:
         return metrics
     out = correct_rollout(batch["old_log_probs"], batch["rollout_log_probs"], batch["loss_mask"], cfg)
@@ -203,12 +205,14 @@ def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict
     return metrics | out.metrics
 
 
-def logprob_consistency(batch: Batch) -> dict[str, float]:
+def logprob_consistency(batch: Batch, version: int | None = None) -> dict[str, float]:
     """The engine-vs-actor figures (`easyrl.algorithms.logprob_gap`: `rollout/logprob_diff_mean`, `_max`,
     `rollout/token_prob_error`) of the engine's log-probs against the old-log-prob pass's, over the trained tokens of
-    the rows the engine gave log-probs for; none when it gave none. Without the pass the update's forward measures
-    them (`easyrl.workers.actor.policy_objective`)."""
-    scored = scored_tokens(batch["loss_mask"], batch.tensors.get("rollout_logprob_mask"))
+    the rows the engine gave log-probs for, and with asynchronous rollouts over the tokens the pass's own weights
+    (policy `version`) sampled; none when there are none. Without the pass the update's forward measures them
+    (`easyrl.workers.actor.policy_objective`)."""
+    versions = batch.tensors.get("token_policy_version")
+    scored = scored_tokens(batch["loss_mask"], batch.tensors.get("rollout_logprob_mask"), versions, version)
     return logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"], scored).metrics()
 
 

@@ -279,7 +279,9 @@ class Trainer(RunFolder):
     def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
         # First: bypass mode sets the old log-probs and rejection edits the loss mask, which everything below reads.
-        metrics = apply_rollout_correction(batch, alg.correction)
+        # the version of the weights the old-log-prob pass ran: the engine figures compare what those weights sampled
+        version = resumed_policy_version(self.global_step - 1, self.cfg.trainer.critic_warmup)
+        metrics = apply_rollout_correction(batch, alg.correction, version)
         if alg.kl_mode == KLMode.IN_REWARD:
             metrics |= apply_kl_in_reward(batch, self.kl_ctrl, alg.kl_penalty)
         else:

@@ -90,3 +90,16 @@ def test_parts_of_a_batch_add_up_to_the_whole_batchs_figures() -> None:
 def test_exact_metrics_leaves_out_figures_over_nothing() -> None:
     got = exact_metrics({"a": (3.0, 2.0), "b": (0.0, 0.0)}, {"m": -math.inf, "n": 0.0})
     assert got == {"a": 1.5, "n": 0.0}
+
+
+def test_with_asynchronous_rollouts_only_the_tokens_the_compared_weights_sampled_are_scored() -> None:
+    """Policy version 1 is compared: a token version 0 sampled is off by how far the policy moved since, not by the
+    numerics, and stays out; a row of version 1 and the version-1 part of a resumed row count."""
+    loss_mask = torch.ones(2, 3)
+    versions = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    engine = torch.zeros(2, 3)
+    trainer = torch.tensor([[math.log(3.0), math.log(3.0), math.log(1.1)], [math.log(1.1)] * 3])
+    scored = scored_tokens(loss_mask, None, versions, 1)
+    assert scored.tolist() == [[False, False, True], [True, True, True]]
+    assert logprob_gap(engine, trainer, scored).metrics()["rollout/token_prob_error"] == pytest.approx(1.1)
+    assert scored_tokens(loss_mask, None, versions, None).all()  # no version given: every token (synchronous)
