@@ -15,23 +15,13 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import REPO, base_config
+from tests.conftest import REPO, apply_edits, base_config
 from tests.recipes.base import Context, Outcome, Recipe, expect, moved
-from tests.recipes.families import _text, digits_recipe_data
+from tests.recipes.families import digits_recipe_data, text_model
 
 
 def _qwen(ctx: Context) -> str:
-    return _text(ctx, "qwen2")
-
-
-def _set(conf: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return conf
+    return text_model(ctx, "qwen2")
 
 
 def _log(run_dir: Path) -> list[dict[str, Any]]:
@@ -54,9 +44,8 @@ def lora(ctx: Context, sync: str) -> Outcome:
     full = sum(t.numel() * t.element_size() for t in before.values())
     if sync == "adapter":  # the engine gets the adapters only
         expect(0 < sent < full / 4, f"adapter sync pushed {sent:.0f} bytes, the merged model is {full}")
-    return Outcome(
-        f"base frozen, adapters trained; pushed {sent / 2**20:.2f} MiB of a {full / 2**20:.2f} MiB model", rows
-    )
+    pushed = f"; pushed {sent / 2**20:.2f} MiB of a {full / 2**20:.2f} MiB model" if sent else ""
+    return Outcome(f"base frozen, adapters trained ({sync} sync){pushed}", rows)
 
 
 def sleep_level(ctx: Context, level: int) -> Outcome:
@@ -172,7 +161,9 @@ def async_staleness(ctx: Context) -> Outcome:
         "worker.rollout.chunk_tokens": 2,
         "worker.rollout.stop_token_ids": list(range(100, 160)),
     }
-    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    # 4 steps: at S = 1, step k may train what version k - 2 sampled, and step 1's early-finishing groups may all
+    # score alike (no gradient): step 4 trains what versions >= 2 sampled, after two updates
+    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, steps=4)
     worst = max(r.get("async/staleness_max", 0.0) for r in rows)
     expect(worst <= 1, f"a trained token {worst} versions old with max_staleness 1")
     carried = [r.get("async/groups_carried", 0.0) for r in rows]
@@ -219,8 +210,8 @@ def _sft_data(folder: Path) -> str:
 def kill_and_resume(ctx: Context) -> Outcome:
     """`easyrl train` killed with SIGKILL (its whole process group) once step 1's checkpoint is committed; the same
     command resumes from it and trains step 2."""
-    conf = _set(base_config(_qwen(ctx), digits_recipe_data(ctx), ctx.work / "run"), ctx.edits())
-    _set(conf, {"trainer.max_steps": 2, "trainer.save_freq": 1})
+    conf = apply_edits(base_config(_qwen(ctx), digits_recipe_data(ctx), ctx.work / "run"), ctx.edits())
+    apply_edits(conf, {"trainer.max_steps": 2, "trainer.save_freq": 1})
     path = ctx.work / "train.yaml"
     path.write_text(yaml.safe_dump(conf))
     cmd = [sys.executable, "-m", "easyrl.cli", "train", str(path)]
@@ -253,7 +244,7 @@ def _train_yaml(ctx: Context, conf: dict[str, Any], edits: dict[str, Any]) -> li
     run_dir = ctx.work / "run"
     run = {"trainer.max_steps": 2, "trainer.logger": ["file"], "trainer.save_checkpoint_path": str(run_dir),
            "trainer.val_before_train": False, "trainer.val_freq": -1}  # fmt: skip
-    _set(conf, ctx.edits() | run | edits)
+    apply_edits(conf, ctx.edits() | run | edits)
     path = ctx.work / "train.yaml"
     path.write_text(yaml.safe_dump(conf))
     trainer = Trainer(*load_config_and_secrets(path))
