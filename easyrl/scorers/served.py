@@ -114,7 +114,8 @@ class LocalJudge:
         where = "the trainer's GPU, shared" if share else f"{num_gpus} GPU(s)"
         logger.info("starting the local judge's vLLM server (%s) on %s", ref.model_path, where)
         actor_cls: Any = ray.remote(_JudgeServerActor)
-        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus}  # no CPU slot a trainer worker's placement needs
+        # num_cpus 0: the server must not take a CPU slot a trainer worker's placement needs
+        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus}
         if share:  # whatever this Ray's default for an actor without GPUs, leave it the node's devices
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         self._actor = actor_cls.options(**options).remote(
