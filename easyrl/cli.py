@@ -10,7 +10,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from easyrl import __version__
-from easyrl.signals import StartupInterrupted, exit_code, exit_promptly, install_early_handlers, install_stop_handlers
+from easyrl.signals import (
+    StartupInterrupted,
+    exit_code,
+    exit_promptly,
+    install_early_handlers,
+    install_stop_handlers,
+    startup_interruption,
+)
 
 
 if TYPE_CHECKING:
@@ -147,6 +154,9 @@ def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
     except Exception as exc:
         from easyrl.errors import is_user_facing
 
+        interrupted = startup_interruption(exc)
+        if interrupted is not None:  # a signal during start-up that a C extension wrapped: the stop it asked for
+            raise interrupted from None
         if not is_user_facing(exc):
             raise
         print(f"easyrl: {type(exc).__name__}: {exc}", file=sys.stderr)

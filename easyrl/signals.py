@@ -35,6 +35,7 @@ __all__ = [
     "install_early_handlers",
     "install_stop_handlers",
     "keep_handlers",
+    "startup_interruption",
 ]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -47,6 +48,21 @@ class StartupInterrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} during start-up")
         self.signum = signum
+
+
+def startup_interruption(exc: BaseException) -> StartupInterrupted | None:
+    """The :class:`StartupInterrupted` that `exc` carries in its chain (`__cause__` / `__context__`), if any. A signal
+    handler that raises while a C extension runs (Ray's `CoreWorker.wait`, waiting on the workers' start) may surface
+    as that extension's `SystemError: ... returned a result with an exception set`, the handler's exception its
+    cause: it is still the stop the signal asked for."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StartupInterrupted):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def exit_code(signum: int) -> int:

@@ -408,3 +408,29 @@ def test_check_counts_video_tokens_at_the_configured_fps_and_pixels(tmp_path, ar
     assert (
         f"overlong_prompt: prompt has {fast} tokens (media included) > data.max_prompt_length={slow}" in strict.stderr
     )
+
+
+def test_a_start_up_signal_that_a_c_extension_wrapped_still_exits_as_the_signal(
+    tmp_path, tiny_model_dir, digits_data, monkeypatch, capsys
+) -> None:
+    """A signal handler raising inside Ray's Cython `CoreWorker.wait` (waiting on the workers' start) surfaces as
+    `SystemError: ... returned a result with an exception set`, caused by the handler's StartupInterrupted (seen once
+    in a full suite run): `easyrl train` exits 143 with its one line, no traceback."""
+    import signal
+
+    import easyrl.trainer.trainer as trainer_module
+    from easyrl.cli import main
+    from easyrl.signals import StartupInterrupted
+    from tests.conftest import base_config, write_config
+
+    def starting(*args: object, **kwargs: object) -> None:
+        try:
+            raise StartupInterrupted(signal.SIGTERM)
+        except StartupInterrupted as exc:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from exc
+
+    monkeypatch.setattr(trainer_module, "Trainer", starting)
+    config = write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
+    assert main(["train", config]) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM during start-up" in err and "Traceback" not in err
