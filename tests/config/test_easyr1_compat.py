@@ -199,14 +199,9 @@ EASYR1_KEYS: dict[str, Any] = {
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    root: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = root
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return root
+    from tests.conftest import apply_edits
+
+    return apply_edits({}, flat)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

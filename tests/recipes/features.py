@@ -171,24 +171,13 @@ def async_staleness(ctx: Context) -> Outcome:
 
 
 def sft(ctx: Context) -> Outcome:
-    from easyrl.config import load_config_and_secrets
-    from easyrl.trainer.sft_trainer import SFTTrainer
-    from tests.trainer.test_sft_e2e import _config
+    from tests.trainer.test_sft_e2e import _train
 
     data = Path(ctx.built("sft_data", _sft_data))
     edits = {"trainer.max_steps": 2, "trainer.n_gpus_per_node": 1, "trainer.device": "cuda" if ctx.gpu else "cpu"}
-    conf = _config(_qwen(ctx), {"train": str(data / "train.jsonl"), "val": str(data / "val.jsonl")}, ctx.work / "run", edits)  # fmt: skip
-    path = ctx.work / "sft.yaml"
-    path.write_text(yaml.safe_dump(conf))
-    trainer = SFTTrainer(*load_config_and_secrets(path, task="sft"))
-    try:
-        before = trainer.actor.full_weights()
-        trainer.fit()
-        after = trainer.actor.full_weights()
-    finally:
-        trainer.close()
-    rows = [r for r in _log(ctx.work / "run") if "train/loss" in r]
-    losses = [r["train/loss"] for r in rows]
+    files = {"train": str(data / "train.jsonl"), "val": str(data / "val.jsonl")}
+    logged, before, after = _train(ctx.work, _qwen(ctx), files, edits)  # `easyrl sft`'s trainer, as its tests run it
+    losses = [r["train/loss"] for r in logged if "train/loss" in r]
     expect(len(losses) == 2 and all(v == v and v < 1e4 for v in losses), f"train/loss {losses}")
     expect(moved(before, after, "self_attn.q_proj."), "SFT moved no weight")
     return Outcome(f"easyrl sft: loss {losses[0]:.3f} -> {losses[1]:.3f}, weights moved")

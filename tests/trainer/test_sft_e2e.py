@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from easyrl.merge import main as merge_main
-from tests.conftest import write_config
+from tests.conftest import apply_edits, write_config
 from tests.trainer.test_e2e import _VOLATILE, ray_session  # noqa: F401  (module-scoped Ray fixture)
 
 
@@ -68,13 +68,7 @@ def _config(model: str, data: dict[str, str], run_dir: Path, edits: dict[str, An
             "save_checkpoint_path": str(run_dir),
         },
     }
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return conf
+    return apply_edits(conf, edits)
 
 
 def _train(tmp: Path, model: str, data: dict[str, str], edits: dict[str, Any]) -> tuple[list[dict], dict, dict]:
