@@ -80,7 +80,9 @@ class ModelShape:
         """The text model of a HF config, plus a vision-language model's tower (`vision_parameter_count`)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
-        model_type = str(getattr(text, "model_type", ""))
+        from easyrl.models.family import family_of
+
+        family = family_of(config)
         bias = getattr(text, "attention_bias", None)
         layer_types = list(getattr(text, "layer_types", None) or [])
         experts = int(getattr(text, "num_experts", 0) or 0)
@@ -93,10 +95,7 @@ class ModelShape:
         # Linear-attention layers have their own projections and the MoE layers hold every expert: counted on the meta
         # device rather than by a formula per family
         # (and an Omni thinker's audio encoder sits beside its vision tower)
-        from easyrl.models.vision import is_omni
-
-        omni = is_omni(config)
-        irregular = experts > 0 or "linear_attention" in layer_types or omni
+        irregular = experts > 0 or "linear_attention" in layer_types or family.thinker
         return cls(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
@@ -106,12 +105,12 @@ class ModelShape:
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             intermediate_size=mlp,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type.startswith("qwen2") if bias is None else bool(bias),  # Qwen2 always has q/k/v biases
-            qk_norm=model_type.startswith("qwen3"),
+            qkv_bias=family.qkv_bias if bias is None else bool(bias),  # Qwen2 always has q/k/v biases
+            qk_norm=family.qk_norm,
             vision_parameters=vision_parameter_count(config),
             attention_layers=sum(t == "full_attention" for t in layer_types) if layer_types else None,
             counted_parameters=counted_parameter_count(config) if irregular else 0,
-            full_logits=omni,
+            full_logits=not family.fused_head,
         )
 
     @property

@@ -20,6 +20,7 @@ from easyrl.config.names import (
     declared_needs,
     declared_policy_losses,
 )
+from easyrl.models.family import UnknownFamilyError, family_of
 
 
 if TYPE_CHECKING:
@@ -464,7 +465,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
     _check_context_length(Path(model) / "config.json", length, length_key)
     _check_attention_heads(cfg)
-    _check_omni(cfg, Path(model) / "config.json")
+    _check_family(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -529,47 +530,38 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
             )
 
 
-_OMNI_NOT_BUILT = {
-    "qwen2_5_omni": "the whole Qwen2.5-Omni (thinker, talker and vocoder); easyrl trains its thinker (text out): save "
-    "the thinker alone with its processor first (docs/models.md, Omni) and point model_path at that folder",
-    "qwen3_omni_moe": "the whole Qwen3-Omni MoE (thinker, talker and code2wav); easyrl trains its thinker (text out): "
-    "save the thinker alone with its processor first (docs/models.md, Omni) and point model_path at that folder",
-}
-_OMNI_THINKERS = {"qwen2_5_omni_thinker": "Qwen2.5-Omni thinker", "qwen3_omni_moe_thinker": "Qwen3-Omni MoE thinker"}
+_REFUSED_KEYS = (
+    ("vllm", "worker.rollout.name", lambda cfg: cfg.worker.rollout.name != "hf"),
+    ("ulysses", "worker.actor.ulysses_size", lambda cfg: cfg.worker.actor.ulysses_size > 1),
+    ("lora", "worker.actor.model.lora.rank", lambda cfg: cfg.worker.actor.model.lora.rank > 0),
+    ("critic", "algorithm.adv_estimator", lambda cfg: cfg.algorithm.adv_estimator == "gae"),
+)
+"""(capability of `FamilyProfile.refuses`, the key that asks for it, whether this config asks for it)."""
 
 
-def _check_omni(cfg: EasyRLConfig, config_json: Path) -> None:
-    """An Omni model: only the thinkers (Qwen2.5-Omni, Qwen3-Omni MoE) train, and only on the paths their tiny models
-    were run through (the HF engine, padded or packed rows without sequence parallelism, full fine-tuning, a
-    critic-free estimator); the rest is refused here with one line rather than failing inside a worker."""
+def _check_family(cfg: EasyRLConfig, config_json: Path) -> None:
+    """The model's family (`easyrl.models.family`): a `model_type` without a profile is refused, and so is what its
+    family was not run through (the Omni thinkers: the HF engine, padded or packed rows without sequence parallelism,
+    full fine-tuning, a critic-free estimator), with one line rather than failing inside a worker."""
     hf = json.loads(config_json.read_text())
-    model_type = hf.get("model_type")
     path = cfg.worker.actor.model.model_path
-    if model_type in _OMNI_NOT_BUILT:
-        raise ConfigError("worker.actor.model.model_path", f"{path} is {_OMNI_NOT_BUILT[model_type]}")
-    if model_type not in _OMNI_THINKERS:
-        return
+    try:
+        family = family_of(str(hf.get("model_type")))
+    except UnknownFamilyError as exc:
+        raise ConfigError("worker.actor.model.model_path", f"{path}: {exc}") from None
     n_window = (hf.get("audio_config") or {}).get("n_window", 50)
-    if model_type == "qwen3_omni_moe_thinker" and n_window != 50:
-        # the audio token counts (easyrl.data.audio, as transformers' processor) assume 100-frame chunks
+    if family.audio_n_window is not None and n_window != family.audio_n_window:
+        # the audio token counts (easyrl.models.family, as transformers' processor) assume its chunks
         raise ConfigError(
             "worker.actor.model.model_path",
-            f"{path} has audio_config.n_window={n_window}; the Qwen3-Omni processor counts audio tokens with 50 "
-            "(100-frame chunks): use a thinker whose audio_config.n_window is 50",
+            f"{path} has audio_config.n_window={n_window}; the {family.title} processor counts audio tokens with "
+            f"{family.audio_n_window} ({2 * family.audio_n_window}-frame chunks): use a thinker whose "
+            f"audio_config.n_window is {family.audio_n_window}",
         )
-    refusals = [
-        ("worker.rollout.name", cfg.worker.rollout.name != "hf", "vllm is not wired for the Omni thinker's audio "
-         "inputs (nor can vLLM's CPU build serve it); use worker.rollout.name=hf"),
-        ("worker.actor.ulysses_size", cfg.worker.actor.ulysses_size > 1, "sequence parallelism is not built for the "
-         "Omni thinker (no language_model seam to split after its audio and vision towers); set it to 1"),
-        ("worker.actor.model.lora.rank", cfg.worker.actor.model.lora.rank > 0, "LoRA is not tested on the Omni "
-         "thinker (its audio tower's linear layers would be adapted too); set it to 0"),
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator == "gae", "gae needs a critic, not built for the "
-         "Omni thinker; use a critic-free estimator (grpo, rloo, reinforce_plus_plus...)"),
-    ]  # fmt: skip
-    for key, refused, why in refusals:
-        if refused:
-            raise ConfigError(key, f"{path} is a {_OMNI_THINKERS[model_type]}: {why}")
+    for capability, key, asked in _REFUSED_KEYS:
+        why = family.refusal(capability)
+        if why is not None and asked(cfg):
+            raise ConfigError(key, f"{path} is a {family.title}: {why}")
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:

@@ -9,7 +9,7 @@ encoder output frame.
 
 Where this departs from transformers' ``Qwen2_5OmniProcessor.__call__`` (and Qwen3-Omni's): the expansion of the audio and image
 pads is done here (as :mod:`easyrl.data.multimodal` does for videos), because that processor cannot run without
-its torchvision video processor; the arithmetic is the processor's. Videos (and audio inside videos) on an Omni
+its torchvision video processor; the arithmetic is the processor's (each family's, in :mod:`easyrl.models.family`). Videos (and audio inside videos) on an Omni
 model are refused with one line: not built yet.
 """
 
@@ -24,9 +24,10 @@ import torch
 from PIL import Image
 
 from easyrl.data.media import MediaRef
+from easyrl.models.family import audio_output_tokens
 
 
-__all__ = ["AudioError", "audio_output_tokens", "encode_omni_prompt", "load_audio", "omni_token_counts"]
+__all__ = ["AudioError", "encode_omni_prompt", "load_audio", "omni_token_counts"]
 
 
 class AudioError(ValueError):
@@ -66,23 +67,6 @@ def _feature_frames(num_samples: int, features: Any) -> int:
     """Mel frames the feature extractor marks as real audio for a clip of ``num_samples`` samples: one per hop of
     the clip, cut at the extractor's window (``n_samples``)."""
     return -(-min(num_samples, int(features.n_samples)) // int(features.hop_length))
-
-
-QWEN3_OMNI_CHUNK = 100
-"""Mel frames per chunk of Qwen3-Omni's audio encoder (``2 * n_window``; its processor counts with n_window 50)."""
-
-
-def audio_output_tokens(feature_frames: int | torch.Tensor, family: str = "qwen2_5_omni") -> Any:
-    """``<|AUDIO|>`` tokens for a clip of ``feature_frames`` mel frames, as the ``family``'s processor and
-    ``get_rope_index`` count them. Qwen2.5-Omni: the audio encoder's conv (stride 2) then a stride-2 pool.
-    Qwen3-Omni MoE: the clip is cut into 100-frame chunks, each through three stride-2 convs (13 tokens per full
-    chunk), and the remainder chunk alone."""
-    if family == "qwen3_omni_moe":
-        rest = feature_frames % QWEN3_OMNI_CHUNK
-        after_convs = (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1
-        return after_convs + (feature_frames // QWEN3_OMNI_CHUNK) * 13
-    after_conv = (feature_frames - 1) // 2 + 1
-    return (after_conv - 2) // 2 + 1
 
 
 def _expand(text: str, token: str, counts: Sequence[int], what: str) -> str:

@@ -55,8 +55,6 @@ VIDEO_PLACEHOLDER = "<video>"
 AUDIO_PLACEHOLDER = "<audio>"
 _PLACEHOLDERS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video", AUDIO_PLACEHOLDER: "audio"}
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in _PLACEHOLDERS) + ")")
-OMNI_FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
-"""The processor families of the Omni thinkers: audio and images, their pads expanded by :mod:`easyrl.data.audio`."""
 
 
 class MultimodalError(ValueError):
@@ -236,7 +234,7 @@ def patchify_frames(frames: np.ndarray, spec: VisionSpec) -> tuple[torch.Tensor,
 def _video_placeholder(spec: VisionSpec, grid: Sequence[int], clip_times: list[float] | None) -> str:
     """The text replacing one ``<|video_pad|>``: one pad per merged patch; Qwen3-VL adds per-frame timestamps."""
     per_frame = grid[1] * grid[2] // spec.merge_size**2  # merged patches per temporal patch
-    if spec.family != "qwen3_vl":
+    if not spec.media.frame_timestamps:
         return spec.video_token * (grid[0] * per_frame)
     times = clip_times or [float(i) for i in range(grid[0])]  # no timestamps given: a second per temporal patch
     return "".join(
@@ -320,12 +318,12 @@ def _expand_videos(text: str, token: str, placeholders: list[str]) -> str:
 
 def _check_audio(spec: VisionSpec, videos: Sequence[Any], audios: Sequence[Any]) -> None:
     """Audio needs an Omni model; an Omni model's videos are not built yet: one line each."""
-    if audios and spec.family not in OMNI_FAMILIES:
+    if audios and not spec.media.takes_audio:
         raise MultimodalError(
             f"the row has {len(audios)} audio clips but the model's processor ({spec.family}) takes images and "
             "videos only: use an Omni thinker (Qwen2.5-Omni, Qwen3-Omni MoE) or drop data.audio_key's column"
         )
-    if videos and spec.family in OMNI_FAMILIES:
+    if videos and not spec.media.videos:
         raise MultimodalError(
             "videos on an Omni model are not supported yet (its video pads interleave with the audio track): drop "
             "data.video_key's column, or give the frames as images"
@@ -365,7 +363,7 @@ def _encode_videos(
         expanded = _expand_videos(text, spec.video_token, placeholders)
         mm["pixel_values_videos"] = torch.cat(patches)
         mm["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
-        if spec.family != "qwen3_vl":  # Qwen3-VL puts timestamps in the text instead
+        if not spec.media.frame_timestamps:  # Qwen3-VL puts timestamps in the text instead
             mm["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
     return expanded, mm, video_tokens, clips
 
@@ -411,7 +409,7 @@ def encode_multimodal_prompt(
     _check_audio(spec, videos, audios)
     messages = media_messages(messages, len(images), len(videos), len(audios))
     text = _render(processor, messages, chat_template, template_kwargs)
-    if spec.family in OMNI_FAMILIES:
+    if spec.media.takes_audio:  # the Omni thinkers: audio and images, their pads expanded by easyrl.data.audio
         from easyrl.data.audio import AudioError, encode_omni_prompt
 
         pil = [fit_image(load_image(ref), spec, data_cfg.min_pixels, data_cfg.max_pixels) for ref in images]

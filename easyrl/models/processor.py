@@ -15,32 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from easyrl.models.family import FAMILIES, MEDIA_FAMILIES, MediaFamily, media_family
+
 
 __all__ = ["VisionSpec", "build_processor", "load_processor", "vision_spec"]
 
 logger = logging.getLogger(__name__)
-
-_FAMILIES = {
-    "Qwen2VLProcessor": "qwen2_vl",
-    "Qwen2_5_VLProcessor": "qwen2_5_vl",
-    "Qwen3VLProcessor": "qwen3_vl",
-    "Qwen2_5OmniProcessor": "qwen2_5_omni",
-    "Qwen3OmniMoeProcessor": "qwen3_omni_moe",
-}
-_AUDIO_PROCESSORS = ("Qwen2_5OmniProcessor", "Qwen3OmniMoeProcessor")
-"""Processor classes that take audio (a ``feature_extractor``) besides images."""
-# The Qwen3-VL MoE and Qwen3.5 families ship Qwen3-VL's processor (as transformers' processing_auto maps them); the
-# family is the processor's, so their videos get Qwen3-VL's per-frame timestamps.
-_MODEL_TYPE_TO_PROCESSOR = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "qwen3_vl_moe": "Qwen3VLProcessor",
-    "qwen3_5": "Qwen3VLProcessor",
-    "qwen3_5_moe": "Qwen3VLProcessor",
-    "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",
-    "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",
-}
 
 
 @dataclass(frozen=True)
@@ -48,7 +28,7 @@ class VisionSpec:
     """What the media pipeline needs to know about a processor (patch geometry, special tokens, family)."""
 
     family: str
-    """``qwen2_vl``, ``qwen2_5_vl`` or ``qwen3_vl`` (Qwen3-VL puts a timestamp before every video frame)."""
+    """The processor's media family (``qwen2_5_vl``, ``qwen3_vl``, ``qwen2_5_omni``...: ``MediaFamily.name``)."""
     patch_size: int
     merge_size: int
     temporal_patch_size: int
@@ -60,6 +40,11 @@ class VisionSpec:
     vision_end: str = "<|vision_end|>"
 
     @property
+    def media(self) -> MediaFamily:
+        """How the family differs in its media tokens (`easyrl.models.family.MEDIA_FAMILIES`)."""
+        return media_family(self.family)
+
+    @property
     def factor(self) -> int:
         """Image sides are multiples of this many pixels (one merged patch)."""
         return self.patch_size * self.merge_size
@@ -68,16 +53,16 @@ class VisionSpec:
 def vision_spec(processor: Any) -> VisionSpec:
     """The :class:`VisionSpec` of a loaded Qwen2-VL / Qwen2.5-VL / Qwen3-VL processor."""
     name = type(processor).__name__
-    family = next((fam for cls, fam in _FAMILIES.items() if name.startswith(cls)), None)
-    if family is None:
+    media = next((m for cls, m in MEDIA_FAMILIES.items() if name.startswith(cls)), None)
+    if media is None:
         # Subclasses (e.g. the image-only fallback) keep the family of their base class.
         bases = [b.__name__ for b in type(processor).__mro__]
-        family = next((_FAMILIES[b] for b in bases if b in _FAMILIES), None)
-    if family is None:
-        raise ValueError(f"unsupported vision-language processor {name}; expected one of {sorted(_FAMILIES)}")
+        media = next((MEDIA_FAMILIES[b] for b in bases if b in MEDIA_FAMILIES), None)
+    if media is None:
+        raise ValueError(f"unsupported vision-language processor {name}; expected one of {sorted(MEDIA_FAMILIES)}")
     ip = processor.image_processor
     return VisionSpec(
-        family=family,
+        family=media.name,
         patch_size=int(ip.patch_size),
         merge_size=int(ip.merge_size),
         temporal_patch_size=int(ip.temporal_patch_size),
@@ -144,8 +129,9 @@ def _processor_class_name(path: str) -> str:
     if os.path.isfile(config):
         with open(config, encoding="utf-8") as f:
             model_type = json.load(f).get("model_type")
-        if model_type in _MODEL_TYPE_TO_PROCESSOR:
-            return _MODEL_TYPE_TO_PROCESSOR[model_type]
+        family = FAMILIES.get(str(model_type))
+        if family is not None and family.media is not None:
+            return family.media.processor_class
     raise ValueError(f"{path}: cannot tell the processor class (no processor_class, no known model_type)")
 
 
@@ -175,7 +161,7 @@ def load_processor(path: str | os.PathLike[str], trust_remote_code: bool = False
             chat_template = f.read()
     name = _processor_class_name(path)
     features = None
-    if name in _AUDIO_PROCESSORS:  # the Omni processors also hold the audio feature extractor
+    if name in MEDIA_FAMILIES and MEDIA_FAMILIES[name].takes_audio:  # the Omni processors hold a feature extractor
         from transformers import AutoFeatureExtractor
 
         features = AutoFeatureExtractor.from_pretrained(path, trust_remote_code=trust_remote_code)

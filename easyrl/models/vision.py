@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from easyrl.models.family import audio_output_tokens, family_of
+
 
 __all__ = [
     "MEDIA_KEYS",
@@ -50,16 +52,6 @@ MEDIA_KEYS = (
 """Keys of a sample's ``multi_modal_inputs`` that are concatenated across samples, in this order (the last two: an
 Omni model's audio clips, log-mel features (n, mels, frames) padded to the feature extractor's window and their
 frame masks (n, frames))."""
-
-OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
-"""The Omni thinkers (audio, images; text out): their positions take the audio lengths, they take no
-``mm_token_type_ids``, and they keep ``rope_deltas`` on the top model."""
-
-
-def is_omni(config: Any) -> bool:
-    """Whether an HF config (or model) is an Omni thinker (:data:`OMNI_MODEL_TYPES`)."""
-    config = getattr(config, "config", config)
-    return getattr(config, "model_type", None) in OMNI_MODEL_TYPES
 
 
 def is_vision_language(config: Any) -> bool:
@@ -141,7 +133,7 @@ def mrope_position_ids(
         "video_grid_thw": video_grid_thw,
         "attention_mask": attention_mask,
     }
-    if is_omni(owner.config):
+    if family_of(owner.config).thinker:
         # the Omni thinker's own signature: no token types; each audio's length places the tokens after it
         seqlens = None if feature_attention_mask is None else feature_attention_mask.sum(-1)
         position_ids, _ = owner.get_rope_index(
@@ -222,7 +214,7 @@ def multimodal_forward_kwargs(
             media.get("second_per_grid_ts"),
             media.get("feature_attention_mask"),
         )
-        if not is_omni(model):  # the Omni thinker takes no token types (they would reach its attention as kwargs)
+        if family_of(model).mm_token_types:  # the Omni thinker takes none (they would reach its attention as kwargs)
             kwargs["mm_token_type_ids"] = mm_token_type_ids(batch_slice["input_ids"], model.config)
     if device is not None:
         kwargs = {k: v.to(device) for k, v in kwargs.items()}
@@ -237,11 +229,10 @@ def multimodal_forward_kwargs(
 def _check_media_tokens(input_ids: torch.Tensor, config: Any, media: dict[str, torch.Tensor]) -> None:
     """Raise a readable error when the pad tokens in ``input_ids`` do not match the media's patch counts."""
     config = getattr(config, "config", config)
-    if "feature_attention_mask" in media:
-        from easyrl.data.audio import audio_output_tokens
-
-        family = str(config.model_type).removesuffix("_thinker")  # the processor family's audio arithmetic
-        expected = int(audio_output_tokens(media["feature_attention_mask"].sum(-1), family).sum())
+    media_family = family_of(config).media
+    if "feature_attention_mask" in media and media_family is not None:
+        # the processor family's audio arithmetic
+        expected = int(audio_output_tokens(media["feature_attention_mask"].sum(-1), media_family.name).sum())
         found = int((input_ids == config.audio_token_id).sum())
         if found != expected:
             raise ValueError(
@@ -290,7 +281,7 @@ def generate_with_media(
     for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in extra:
             extra[key] = extra[key].to(_param_dtype(model))
-    if media and not is_omni(model):
+    if media and family_of(model).mm_token_types:
         extra["mm_token_type_ids"] = mm_token_type_ids(input_ids, model.config)
     try:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **generate_kwargs)
@@ -307,7 +298,8 @@ def media_token_ids(config: Any) -> list[int]:
     of a VL config; [] for text models."""
     config = getattr(config, "config", config)
     names: tuple[str, ...] = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    if is_omni(config):
+    media = family_of(config).media
+    if media is not None and media.takes_audio:
         names += ("audio_token_id", "audio_start_token_id", "audio_end_token_id")
     return [int(v) for v in (getattr(config, n, None) for n in names) if v is not None]
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from easyrl.models.vision import is_omni, vision_tower
+from easyrl.models.family import family_of
+from easyrl.models.vision import vision_tower
 from easyrl.models.vl_sequence import language_model
 
 
@@ -133,7 +134,7 @@ def keep_vision_tower_in_step(model: nn.Module) -> None:
     visual = vision_tower(backbone)
     assert visual is not None
     # the Omni thinker's text model is its `model` (no language_model attribute)
-    lm: Any = backbone.model if is_omni(backbone) else language_model(backbone)
+    lm: Any = backbone.model if family_of(backbone).thinker else language_model(backbone)
     towers: list[tuple[nn.Module, tuple[str, ...], Any]] = [(visual, MEDIA_INPUTS, _dummy_tower_term)]
     audio = getattr(backbone, "audio_tower", None)
     if isinstance(audio, nn.Module):

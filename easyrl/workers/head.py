@@ -28,7 +28,7 @@ from torch import nn
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits, scale_logits
 from easyrl.batch import Batch
-from easyrl.models.vision import is_omni
+from easyrl.models.family import family_of
 from easyrl.workers.packing import ModelInputs, fused_forward, prepare_inputs
 from easyrl.workers.specs import ForwardOptions
 from easyrl.workers.ulysses import sequence_parallel_of, split_forward
@@ -43,8 +43,9 @@ def _selected_logits(model: nn.Module, inputs: ModelInputs, value_head: bool) ->
     # Packed rows, log-probs: `logits_to_keep` (a tensor of positions) makes the model compute logits only there.
     # (A value model has no such argument, and its head is one output wide anyway.)
     # Packed only: the positions index the token dim (1) of the hidden states, which is the flat index for one row.
-    # The Omni thinker takes no `logits_to_keep`: it computes every position's logits
-    keep = {"logits_to_keep": inputs.select} if packed and not value_head and not is_omni(model) else {}
+    # A family whose forward takes no `logits_to_keep` (the Omni thinker) computes every position's logits
+    takes_keep = packed and not value_head and family_of(model).logits_to_keep
+    keep = {"logits_to_keep": inputs.select} if takes_keep else {}
     out = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
@@ -74,9 +75,9 @@ def _run_head(
     `temperature` None: the value head (a one-output token classifier), read as is. Otherwise the sampled tokens'
     log-probs under logits / temperature.
     """
-    # The Omni thinker merges its audio and image features in its own forward, which the fused head (the backbone
-    # alone) would skip
-    if temperature is not None and fused and not is_omni(model):
+    # A family whose forward does more than backbone + head (the Omni thinker merges its audio and image features)
+    # computes full logits: the fused head runs the backbone alone
+    if temperature is not None and fused and family_of(model).fused_head:
         lp, stat = fused_forward(model, inputs, temperature, chunk_size, second or "entropy")
         return lp, (stat if second is not None else None)
     logits = _selected_logits(model, inputs, value_head=temperature is None)

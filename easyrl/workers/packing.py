@@ -36,7 +36,8 @@ from torch import nn
 
 from easyrl.algorithms import scale_logits
 from easyrl.batch import Batch
-from easyrl.models.vision import is_omni, is_vision_language, multimodal_forward_kwargs
+from easyrl.models.family import family_of
+from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"
@@ -169,7 +170,7 @@ def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.
         # Text-only micro-batch: a text token's M-RoPE position is its 1D position on all three axes, and every token
         # is text (type 0); set so the layouts below treat every VL micro-batch alike.
         mrope = mb["position_ids"].unsqueeze(0).expand(3, -1, -1)
-        if not is_omni(model):
+        if family_of(model).mm_token_types:
             media["mm_token_type_ids"] = torch.zeros_like(mb["input_ids"], dtype=torch.int)
     return media, mrope
 

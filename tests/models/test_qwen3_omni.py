@@ -27,7 +27,7 @@ def qwen3_omni(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_audio_token_counts_follow_the_chunked_encoder() -> None:
     """Hand-computed: a chunk of f frames gives three stride-2 convs' output; each full 100-frame chunk gives 13."""
-    from easyrl.data.audio import audio_output_tokens
+    from easyrl.models.family import audio_output_tokens
 
     for frames, tokens in ((50, 7), (100, 13), (120, 16), (200, 26), (3000, 390)):
         assert int(audio_output_tokens(torch.tensor(frames), "qwen3_omni_moe")) == tokens, frames

@@ -1,0 +1,75 @@
+"""The family table (`easyrl.models.family`): every family has a tiny model that builds as that `model_type`, every
+family the GPU recipe matrix trains is in the table, and a `model_type` outside it is one line naming the table."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from easyrl.config import ConfigError
+from easyrl.models.family import FAMILIES, NOT_TRAINED, UnknownFamilyError, family_of
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_has_a_tiny_model_of_its_type(model_type: str, tmp_path: Path) -> None:
+    from easyrl.models import load_processor, vision_spec
+    from easyrl.testing.families import build_tiny_family
+
+    family = FAMILIES[model_type]
+    path = build_tiny_family(tmp_path / model_type, model_type)
+    assert json.loads((Path(path) / "config.json").read_text())["model_type"] == model_type
+    processor = load_processor(path)
+    if family.media is None:
+        assert processor is None, f"{model_type}: a text family saved a processor"
+    else:  # the media arithmetic the profile names is the one its processor gets
+        assert vision_spec(processor).media == family.media
+
+
+def test_every_family_the_recipe_matrix_trains_is_in_the_table() -> None:
+    """tests/recipes/families.py trains each family's tiny model on a GPU: each names an architecture of the table."""
+    from tests.recipes.families import FAMILIES as RECIPES
+
+    known = {value for profile in FAMILIES.values() for _, value in profile.tiny.kwargs}
+    trained = {}
+    for recipe in RECIPES:
+        assert isinstance(recipe.run, partial), recipe.name
+        trained[recipe.name] = recipe.run.keywords.get("arch") or recipe.run.keywords["variant"]
+    unknown = {name: arch for name, arch in trained.items() if arch not in known}
+    assert not unknown, f"recipes train families without a profile: {unknown}"
+
+
+def test_an_unknown_model_type_is_one_line_naming_the_table() -> None:
+    with pytest.raises(UnknownFamilyError) as info:
+        family_of("mistral")
+    message = str(info.value)
+    assert "\n" not in message and "'mistral'" in message and "easyrl/models/family.py" in message
+    for model_type, why in NOT_TRAINED.items():  # the whole Omni models: what to train instead
+        with pytest.raises(UnknownFamilyError) as info:
+            family_of(model_type)
+        assert why in str(info.value) and "save the thinker alone" in why
+
+
+def test_a_config_whose_model_has_no_profile_is_refused_naming_the_model(
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+) -> None:
+    import shutil
+
+    from easyrl.config import load_config
+    from tests.conftest import base_config, write_config
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(ConfigError, match=r"^worker\.actor\.model\.model_path: .*'mistral' has no family profile"):
+        load_config(write_config(tmp_path / "cfg.yaml", base_config(str(model), digits_data, tmp_path / "run")))
+
+
+def test_family_of_reads_a_model_a_config_or_a_name() -> None:
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    assert family_of(config) is family_of("qwen3") is FAMILIES["qwen3"]
+    assert family_of(type("Wrapped", (), {"config": config})()) is FAMILIES["qwen3"]
