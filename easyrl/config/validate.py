@@ -71,7 +71,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_sequence_parallel(cfg)
     check_engine_kwargs(cfg.worker.rollout)
     if task == "sft":
-        from easyrl.config.sft import check_sft
+        from easyrl.config.validate_sft import check_sft
 
         check_sft(cfg)
         _check_model_and_data(cfg, cfg.sft.max_length, "sft.max_length")
