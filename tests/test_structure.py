@@ -41,11 +41,12 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def _imports(module: str) -> list[tuple[str, list[str]]]:
-    """(imported easyrl module, names taken from it) for every import the module executes, at any depth."""
+def _imports(module: str, annotations: bool = False) -> list[tuple[str, list[str]]]:
+    """(imported easyrl module, names taken from it) for every import the module executes, at any depth (with
+    `annotations`, also those under `if TYPE_CHECKING:`)."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if annotations else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[tuple[str, list[str]]] = []
     for node in ast.walk(tree):
@@ -66,8 +67,10 @@ def _imports(module: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    return {m: {target for target, _ in _imports(m) if target in MODULES and target != m} for m in MODULES}
+def _graph(annotations: bool = False) -> dict[str, set[str]]:
+    return {
+        m: {target for target, _ in _imports(m, annotations) if target in MODULES and target != m} for m in MODULES
+    }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -113,6 +116,13 @@ def test_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycle_inside_easyrl() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_circle_even_through_annotations() -> None:
+    """Not even an import for annotations only closes a circle: a config section reads the root config
+    (`schema.EasyRLConfig`) in a module apart from its dataclass (`config/validate_sft.py` beside `config/sft.py`)."""
+    cycles = _cycles(_graph(annotations=True))
+    assert not cycles, "import cycles through TYPE_CHECKING imports: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 def test_workers_never_import_the_whole_config() -> None:
@@ -253,6 +263,22 @@ def _inside(module: str, room: str) -> bool:
     return module == room or module.startswith(room + ".")
 
 
+TORCH_FREE_TABLES = {"easyrl.models.family"}
+"""Tables every room may read: pure data with no import of their own room (the config's checks read the family
+table, and `easyrl check` fails before torch is imported)."""
+
+
+def test_torch_free_tables_import_only_the_standard_library() -> None:
+    import sys
+
+    for module in TORCH_FREE_TABLES:
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        outside = sorted(n for n in names if n.split(".")[0] not in sys.stdlib_module_names)
+        assert not outside, f"{module} imports {outside}: keep it a torch-free table"
+
+
 @pytest.mark.parametrize(
     ("room", "above"),
     [
@@ -261,8 +287,9 @@ def _inside(module: str, room: str) -> bool:
         ("easyrl.config", ("easyrl.algorithms", "easyrl.trainer", "easyrl.workers", "easyrl.models")),
         # a worker gets its spec, never the driver's modules
         ("easyrl.workers", ("easyrl.trainer", "easyrl.check", "easyrl.memory_plan", "easyrl.cli")),
-        # model surgery (VL tower, sequence hooks) knows nothing of the workers that use it
-        ("easyrl.models", ("easyrl.workers", "easyrl.trainer")),
+        # model surgery (VL tower, sequence hooks) and the family table know nothing of the workers that use them, nor
+        # of the data that tokenizes for them (the media token arithmetic lives in `models.family`, data reads it)
+        ("easyrl.models", ("easyrl.workers", "easyrl.trainer", "easyrl.data", "easyrl.rollout", "easyrl.config")),
         # the rollout room (engines, the rollout worker, the driver's loops) knows nothing of trainer or workers:
         # the actor composes it, the trainer drives it through a loop
         ("easyrl.rollout", ("easyrl.trainer", "easyrl.workers", "easyrl.algorithms", "easyrl.check", "easyrl.cli")),
@@ -298,7 +325,11 @@ def _inside(module: str, room: str) -> bool:
 )
 def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> None:
     offenders = [
-        f"{m} -> {t}" for m in MODULES if _inside(m, room) for t, _ in _imports(m) if any(_inside(t, a) for a in above)
+        f"{m} -> {t}"
+        for m in MODULES
+        if _inside(m, room)
+        for t, _ in _imports(m)
+        if any(_inside(t, a) for a in above) and t not in TORCH_FREE_TABLES
     ]
     assert not offenders, f"{room} imports from above it:\n" + "\n".join(offenders)
 
@@ -375,3 +406,65 @@ def test_no_role_forks_the_training_machinery() -> None:
         if TRAINING_MACHINERY.search(line.split("#", 1)[0])
     ]
     assert not offenders, "train through TrainableModel and forward_backward.update_model:\n" + "\n".join(offenders)
+
+
+# A family differs from another in one place: its profile (`easyrl.models.family.FAMILIES`). Elsewhere a branch reads a
+# profile field, never compares a `model_type` (or a processor family's name); the tiny builders of easyrl.testing
+# build each family's own config, so they name them.
+FAMILY_TABLE = "easyrl.models.family"
+
+
+def _family_names() -> set[str]:
+    from easyrl.models.family import FAMILIES, MEDIA_FAMILIES, NOT_TRAINED
+
+    return set(FAMILIES) | {m.name for m in MEDIA_FAMILIES.values()} | set(NOT_TRAINED)
+
+
+def _family_branches(source: str, names: set[str]) -> list[int]:
+    """Lines comparing a `model_type` or a family's name (`==`, `in`, `startswith`...)."""
+
+    def mentions(node: ast.AST) -> bool:
+        for n in ast.walk(node):
+            if (isinstance(n, ast.Name) and "model_type" in n.id) or (
+                isinstance(n, ast.Attribute) and n.attr == "model_type"
+            ):
+                return True
+            if isinstance(n, ast.Constant) and (n.value == "model_type" or n.value in names):
+                return True
+        return False
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+            "startswith", "endswith", "removeprefix", "removesuffix"
+        ):  # fmt: skip
+            parts = [node.func.value, *node.args]
+        else:
+            continue
+        if any(mentions(p) for p in parts):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_family_branch_rule_catches_the_ways_to_branch_on_a_family() -> None:
+    names = {"qwen3_vl", "qwen2_5_omni_thinker"}
+    source = (
+        'a = config.model_type == "x"\nb = model_type.startswith("qwen3")\nc = spec.family != "qwen3_vl"\n'
+        'd = hf.get("model_type") in TABLE\ne = family.thinker\nf = spec.family == other\n'
+    )
+    assert _family_branches(source, names) == [1, 2, 3, 4]
+
+
+def test_no_model_type_branch_outside_the_family_table() -> None:
+    names = _family_names()
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m != FAMILY_TABLE and not _inside(m, "easyrl.testing")
+        for line in _family_branches(path.read_text(encoding="utf-8"), names)
+    ]
+    assert not offenders, "read a field of easyrl.models.family.family_of(...), not the model_type:\n" + "\n".join(
+        offenders
+    )
