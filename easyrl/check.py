@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.resolve import (
     data_parallel_size,
     effective_chunk_tokens,
@@ -101,7 +104,15 @@ def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
     """(the plan, the warnings) a run logs before it starts: `task` `rl` (`easyrl train`) or `sft`."""
     if task == "sft":
         return sft_plan_lines(cfg), [w for w in (cpu_noop_warning(cfg),) if w is not None]
-    return plan_lines(cfg), [w for w in (cpu_noop_warning(cfg), kl_noop_warning(cfg)) if w is not None]
+    warnings = (cpu_noop_warning(cfg), kl_noop_warning(cfg), family_warning(cfg))
+    return plan_lines(cfg), [w for w in warnings if w is not None]
+
+
+def family_warning(cfg: EasyRLConfig) -> str | None:
+    """The warning for a model whose `model_type` has no family profile (`easyrl.models.family`; the config check
+    found its config.json)."""
+    config_json = Path(cfg.worker.actor.model.model_path or "") / "config.json"
+    return unlisted_family_warning(str(json.loads(config_json.read_text()).get("model_type")))
 
 
 def rerun_line(cfg: EasyRLConfig) -> str:

@@ -3,8 +3,9 @@
 A forward path, a layout, a config check or the memory plan never tests a ``model_type`` string: it asks
 :func:`family_of` and reads a field (does the model take ``logits_to_keep``, may the fused head replace its LM head,
 does it take ``mm_token_type_ids``, which engines and features it was run through, its media token arithmetic).
-Adding a family is one entry in :data:`FAMILIES` (docs/architecture.md, "Add a model family"); a ``model_type`` not
-in it is refused with one line naming it and this file.
+Adding a family is one entry in :data:`FAMILIES` (docs/architecture.md, "A model family"). A ``model_type`` not
+in it trains as a dense text decoder with the profile's defaults (what the listed text families share: most Hugging Face
+causal LMs, as before the table), and the run says so in one warning before it starts (``easyrl.check``).
 
 Torch-free on purpose: the config's checks read it (``easyrl check`` fails before torch is imported), and the token
 arithmetic below works on ints and tensors alike (it only uses ``//``, ``%``, ``+`` and ``*``).
@@ -12,6 +13,7 @@ arithmetic below works on ints and tensors alike (it only uses ``//``, ``%``, ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,8 @@ __all__ = [
     "audio_output_tokens",
     "family_of",
     "media_family",
+    "unlisted_family",
+    "unlisted_family_warning",
 ]
 
 
@@ -126,7 +130,8 @@ class FamilyProfile:
     model_type: str
     title: str
     """Its name in messages (``Qwen2.5-Omni thinker``)."""
-    tiny: TinyModel
+    tiny: TinyModel | None
+    """None for a ``model_type`` outside the table (:func:`family_of`): it has no tiny model and no recipe."""
     media: MediaFamily | None = None
     """The processor family of a vision-language (or audio) model; None: a text model."""
     thinker: bool = False
@@ -215,7 +220,7 @@ NOT_TRAINED = {
 
 
 class UnknownFamilyError(ValueError):
-    """A ``model_type`` with no profile in :data:`FAMILIES`."""
+    """A ``model_type`` that holds a trained family inside it (:data:`NOT_TRAINED`): what to train instead."""
 
 
 def family_of(model: Any) -> FamilyProfile:
@@ -227,7 +232,22 @@ def family_of(model: Any) -> FamilyProfile:
         return profile
     if model_type in NOT_TRAINED:
         raise UnknownFamilyError(f"model_type {model_type!r} is {NOT_TRAINED[str(model_type)]}")
-    raise UnknownFamilyError(
-        f"model_type {model_type!r} has no family profile: add one to FAMILIES in easyrl/models/family.py "
-        "(docs/architecture.md, 'Add a model family')"
+    return unlisted_family(str(model_type))
+
+
+@functools.cache
+def unlisted_family(model_type: str) -> FamilyProfile:
+    """The profile of a ``model_type`` outside :data:`FAMILIES`: the defaults, a dense text decoder whose forward takes
+    ``logits_to_keep`` (every causal LM of transformers 5 does). Refusing it would break the Llama-, Mistral- or
+    Gemma-style models that trained before the table existed; `unlisted_family_warning` says it is untested."""
+    return FamilyProfile(model_type, model_type, tiny=None)
+
+
+def unlisted_family_warning(model_type: str) -> str | None:
+    """The one warning a run gives for a ``model_type`` outside the table (None for a listed one)."""
+    if model_type in FAMILIES:
+        return None
+    return (
+        f"model_type {model_type!r} has no family profile: it trains as a dense text decoder, which no test or recipe "
+        "covers; add its profile to FAMILIES in easyrl/models/family.py (docs/architecture.md, 'A model family')"
     )

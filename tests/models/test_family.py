@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from easyrl.config import ConfigError
 from easyrl.models.family import FAMILIES, NOT_TRAINED, UnknownFamilyError, family_of
 
 
@@ -41,30 +40,34 @@ def test_every_family_the_recipe_matrix_trains_is_in_the_table() -> None:
     assert not unknown, f"recipes train families without a profile: {unknown}"
 
 
-def test_an_unknown_model_type_is_one_line_naming_the_table() -> None:
-    with pytest.raises(UnknownFamilyError) as info:
-        family_of("mistral")
-    message = str(info.value)
-    assert "\n" not in message and "'mistral'" in message and "easyrl/models/family.py" in message
+def test_an_unlisted_model_type_trains_as_a_dense_text_decoder_and_the_whole_omni_models_are_refused() -> None:
+    profile = family_of("mistral")
+    assert profile.model_type == "mistral" and profile.media is None and not profile.thinker and profile.tiny is None
+    assert profile.logits_to_keep and profile.fused_head and profile.refusal("vllm") is None
     for model_type, why in NOT_TRAINED.items():  # the whole Omni models: what to train instead
         with pytest.raises(UnknownFamilyError) as info:
             family_of(model_type)
         assert why in str(info.value) and "save the thinker alone" in why
 
 
-def test_a_config_whose_model_has_no_profile_is_refused_naming_the_model(
+def test_a_config_whose_model_has_no_profile_loads_and_its_run_warns_once_naming_the_table(
     tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:
     import shutil
 
+    from easyrl.check import start_lines
     from easyrl.config import load_config
     from tests.conftest import base_config, write_config
 
     model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
+    run = base_config(str(model), digits_data, tmp_path / "run")
+    assert not [w for w in start_lines(load_config(write_config(tmp_path / "a.yaml", run)), "rl")[1] if "family" in w]
     (model / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(ConfigError, match=r"^worker\.actor\.model\.model_path: .*'mistral' has no family profile"):
-        load_config(write_config(tmp_path / "cfg.yaml", base_config(str(model), digits_data, tmp_path / "run")))
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", run))
+    found = [w for w in start_lines(cfg, "rl")[1] if "family profile" in w]
+    assert len(found) == 1 and "'mistral'" in found[0] and "easyrl/models/family.py" in found[0], found
+    assert "\n" not in found[0]
 
 
 def test_family_of_reads_a_model_a_config_or_a_name() -> None:
