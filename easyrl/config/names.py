@@ -1,8 +1,9 @@
-"""Names of the built-in algorithms and rollout engines, kept free of torch so a config validates in a fraction of a second.
+"""Names of the built-in algorithms, kept free of torch so a config validates in a fraction of a second.
 
 `easyrl.algorithms` registers exactly these (a test keeps the two in sync). Its registry also declares every name it
 registers here (a user's `algorithm.user_modules` included), so that the validator knows them, and an estimator's
-needs, without importing the registry: the config imports no algorithm.
+needs, without importing the registry: the config imports no algorithm. (The rollout engines, and what each can
+do, are declared the same way in `config.engines`.)
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ BUILTIN_ADV_ESTIMATORS = tuple(sorted(BUILTIN_ESTIMATOR_NEEDS))
 BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "gspo_token", "ppo", "sapo", "vanilla")
 GROUP_ESTIMATORS = frozenset(name for name, needs in BUILTIN_ESTIMATOR_NEEDS.items() if needs.grouped)
 """Built-in estimators that compare the responses of one prompt (they need `worker.rollout.n >= 2`)."""
-BUILTIN_ENGINES = ("hf", "vllm")
-"""The built-in rollout engines (`worker.rollout.name`): `easyrl.rollout.registry` registers exactly these."""
 KL_PENALTY_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -48,7 +47,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # `easyrl.algorithms.registry` writes here as it registers; only the validator and the registry read it.
 _DECLARED_NEEDS: dict[str, EstimatorNeeds] = dict(BUILTIN_ESTIMATOR_NEEDS)
 _DECLARED_POLICY_LOSSES: set[str] = set(BUILTIN_POLICY_LOSSES)
-_DECLARED_ENGINES: set[str] = set(BUILTIN_ENGINES)
 
 
 def declare_estimator(name: str, needs: EstimatorNeeds) -> None:
@@ -59,16 +57,6 @@ def declare_estimator(name: str, needs: EstimatorNeeds) -> None:
 def declare_policy_loss(name: str) -> None:
     """Record a policy loss the registry has just registered."""
     _DECLARED_POLICY_LOSSES.add(name)
-
-
-def declare_engine(name: str) -> None:
-    """Record a rollout engine `easyrl.rollout.registry` has just registered."""
-    _DECLARED_ENGINES.add(name)
-
-
-def declared_engines() -> list[str]:
-    """Sorted names of the rollout engines known so far (built-in and registered)."""
-    return sorted(_DECLARED_ENGINES)
 
 
 def declared_estimators() -> list[str]:

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.engine_kwargs import check_engine_kwargs
+from easyrl.config.engines import check_engine_capabilities, declared_engines
 from easyrl.config.errors import ConfigError
 from easyrl.config.multi_turn import check_multi_turn
 from easyrl.config.names import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
-    declared_engines,
     declared_estimators,
     declared_needs,
     declared_policy_losses,
@@ -70,6 +70,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
     check_engine_kwargs(cfg.worker.rollout)
+    check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
         from easyrl.config.validate_sft import check_sft
 
@@ -150,20 +151,12 @@ def _check_lora(cfg: EasyRLConfig) -> None:
     if not lora.target_modules.strip().strip(","):
         raise ConfigError(f"{key}.target_modules", "is empty: use all-linear or a comma list such as q_proj,v_proj")
     _one_of(f"{key}.rollout_sync", lora.rollout_sync, ["merged", "adapter"])
-    if lora.rollout_sync == "adapter" and cfg.worker.rollout.name != "vllm":
-        raise ConfigError(
-            f"{key}.rollout_sync",
-            f"adapter loads the adapters with vLLM's LoRA support; worker.rollout.name is "
-            f"{cfg.worker.rollout.name!r}: use merged",
-        )
     if lora.rollout_sync == "adapter" and cfg.worker.rollout.sleep_level == 2:
         raise ConfigError(
             f"{key}.rollout_sync",
             "adapter sends only the adapters and leaves the base weights in the engine, which "
             "worker.rollout.sleep_level=2 discards at every sleep: use sleep_level 1 or rollout_sync=merged",
         )
-    if lora.rollout_sync == "adapter" and lora.rank > 512:
-        raise ConfigError(f"{key}.rank", f"{lora.rank}: vLLM serves LoRA ranks up to 512; use rollout_sync=merged")
     if lora.exclude_modules is not None:
         try:
             re.compile(lora.exclude_modules)
@@ -213,10 +206,6 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.actor.clip_ratio_high", "must be >= 0")
     if cfg.worker.actor.clip_ratio_dual <= 1:
         raise ConfigError("worker.actor.clip_ratio_dual", "must be > 1 (dual clip caps losses at -A * c)")
-    if cfg.worker.rollout.sleep_level not in (None, 1, 2):
-        raise ConfigError(
-            "worker.rollout.sleep_level", f"must be 1, 2 or null (derived), got {cfg.worker.rollout.sleep_level}"
-        )
     ratio = cfg.worker.rollout.logprob_sample_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise ConfigError("worker.rollout.logprob_sample_ratio", "must be in [0, 1] (or null: automatic)")

@@ -211,8 +211,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6
     """Fraction of GPU memory the vLLM engine may use (weights + KV cache)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallel size: one engine spans this many consecutive workers (vLLM's external launcher in the
-    workers' own process group); they get the same prompts. Must divide the number of workers."""
+    """Tensor parallel size: one engine spans this many consecutive workers (vLLM's external launcher in the
+    workers' own process group); they get the same prompts. Must divide the number of workers; above 1 only for an
+    engine that declares tensor parallelism (vllm)."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM."""
     enable_chunked_prefill: bool = True
@@ -273,8 +274,9 @@ class RolloutConfig:
 
     @property
     def ranks_per_engine(self) -> int:
-        """Workers one rollout engine spans: `tensor_parallel_size` for vLLM, 1 for the HF engine."""
-        return self.tensor_parallel_size if self.name == "vllm" else 1
+        """Workers one rollout engine spans: `tensor_parallel_size`, which validation refuses above 1 for an engine
+        that does not declare tensor parallelism (`config.engines.check_engine_capabilities`), never runs at 1."""
+        return self.tensor_parallel_size
 
 
 @dataclass

@@ -11,12 +11,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from easyrl.batch import Batch
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
+
+
+if TYPE_CHECKING:
+    from easyrl.config import EasyRLConfig
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,23 @@ class RolloutEngine(ABC):
 
     def wake_up(self, tags: list[str] | None = None) -> None:  # noqa: B027
         """Re-acquire memory: `["weights"]` before `load_weights`, `["kv_cache"]` before generating."""
+
+
+class EngineCheck:
+    """What `easyrl check` asks of an engine before a run, without starting it; registered with the engine
+    (`register_engine(..., check=...)`). This base has nothing to say: an engine with more to check overrides it."""
+
+    def problem(self, cfg: EasyRLConfig, on_gpu: bool) -> str | None:
+        """What would stop the engine from starting on this machine (a missing package, a model it cannot serve)."""
+        return None
+
+    def plan_lines(self, cfg: EasyRLConfig) -> list[str]:
+        """The engine's lines in the printed plan (its arguments, the kernels it will pick)."""
+        return []
+
+    def version_warning(self, on_gpu: bool) -> str | None:
+        """Why the installed version of the engine is not one easyrl has run on this kind of machine, if so."""
+        return None
 
 
 def seeds_of_prompts(prompts: Batch, params: SamplingParams, unseeded: int) -> list[int]:

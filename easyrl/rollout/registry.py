@@ -4,12 +4,15 @@ in every worker, where the engine is built):
 
     from easyrl.rollout import EngineContext, register_engine
 
-    @register_engine("my_engine")
+    @register_engine("my_engine", capabilities=EngineCapabilities(tensor_parallel=True))
     def build(ctx: EngineContext) -> RolloutEngine:
         return MyEngine(ctx.spec.model.model_path, ctx.device, ...)
 
 A factory gets everything an engine needs resolved once (`EngineContext`) and returns a `RolloutEngine`; it imports
-its engine's heavy dependencies inside, so naming an engine costs nothing until one is built.
+its engine's heavy dependencies inside, so naming an engine costs nothing until one is built. What the engine can do
+(`config.engines.EngineCapabilities`: tensor parallelism, raw media, LoRA adapters, sleep levels, its environment)
+is declared with it, and everything outside this package reads that record, never the engine's name; what `easyrl
+check` should look at before a run starts is its `EngineCheck`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from easyrl.config.names import BUILTIN_ENGINES, declare_engine, declared_engines
-from easyrl.rollout.engine import RolloutEngine
+from easyrl.config.engines import (
+    BUILTIN_ENGINE_CAPABILITIES,
+    EngineCapabilities,
+    declare_engine,
+    engine_capabilities,
+)
+from easyrl.rollout.engine import EngineCheck, RolloutEngine
 from easyrl.rollout.spec import RolloutSpec
+from easyrl.rollout.vllm_check import VLLMCheck
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,20 @@ class EngineContext:
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]
 _ENGINES: dict[str, EngineFactory] = {}
+_CHECKS: dict[str, EngineCheck] = {}
 
 
-def register_engine(name: str, *, override: bool = False) -> Callable[[EngineFactory], EngineFactory]:
-    """Decorator: build the engine `worker.rollout.name: <name>` names with this factory. A name taken already is
-    refused unless `override` (a silent replacement would change a run's engine without a word)."""
+def register_engine(
+    name: str,
+    *,
+    capabilities: EngineCapabilities | None = None,
+    check: EngineCheck | None = None,
+    override: bool = False,
+) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: build the engine `worker.rollout.name: <name>` names with this factory. `capabilities` is what it
+    can do (default: what a plain `RolloutEngine` can: one worker per engine, no adapters, no sleep levels); a config
+    asking for more is refused. `check` is what `easyrl check` runs for it (default: nothing). A name taken already
+    is refused unless `override` (a silent replacement would change a run's engine without a word)."""
 
     def decorator(factory: EngineFactory) -> EngineFactory:
         if name in _ENGINES and not override:
@@ -57,7 +75,9 @@ def register_engine(name: str, *, override: bool = False) -> Callable[[EngineFac
                 "pass override=True to replace it"
             )
         _ENGINES[name] = factory
-        declare_engine(name)  # the config validator accepts the name from now on, without importing this module
+        _CHECKS[name] = check or EngineCheck()
+        # the config validator accepts the name, and knows what it can do, from now on without importing this module
+        declare_engine(name, capabilities or EngineCapabilities())
         return factory
 
     return decorator
@@ -65,17 +85,17 @@ def register_engine(name: str, *, override: bool = False) -> Callable[[EngineFac
 
 def engine_factory(name: str) -> EngineFactory:
     """The factory registered under `name`; a name never registered is one line listing the known ones."""
-    try:
-        return _ENGINES[name]
-    except KeyError:
-        raise KeyError(
-            f"worker.rollout.name={name!r} is not a registered rollout engine; known: {', '.join(declared_engines())}"
-            " (a user's engine registers itself with easyrl.rollout.register_engine in a file of "
-            "algorithm.user_modules)"
-        ) from None
+    engine_capabilities(name)  # a name never declared: the one line listing the known ones
+    return _ENGINES[name]
 
 
-@register_engine("hf")
+def engine_check(name: str) -> EngineCheck:
+    """What `easyrl check` runs for the engine registered under `name`."""
+    engine_capabilities(name)
+    return _CHECKS[name]
+
+
+@register_engine("hf", capabilities=BUILTIN_ENGINE_CAPABILITIES["hf"])
 def _hf_engine(ctx: EngineContext) -> RolloutEngine:
     from easyrl.rollout.hf import HFRolloutEngine
 
@@ -86,11 +106,11 @@ def _hf_engine(ctx: EngineContext) -> RolloutEngine:
     )
 
 
-@register_engine("vllm")
+@register_engine("vllm", capabilities=BUILTIN_ENGINE_CAPABILITIES["vllm"], check=VLLMCheck())
 def _vllm_engine(ctx: EngineContext) -> RolloutEngine:
     from easyrl.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine(ctx.spec, ctx.eos_token_ids, ctx.pad_token_id, ctx.media_per_prompt)
 
 
-assert set(_ENGINES) == set(BUILTIN_ENGINES), "config.names.BUILTIN_ENGINES lists the built-in engines"
+assert set(_ENGINES) == set(BUILTIN_ENGINE_CAPABILITIES), "config.engines lists the built-in engines' capabilities"

@@ -10,6 +10,7 @@ import psutil
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
+from easyrl.config.engines import engine_capabilities, engine_env
 from easyrl.config.worker import RewardConfig
 from easyrl.trainer.engines import SeparateEngines
 from easyrl.trainer.role_specs import build_role_specs, use_gpu
@@ -30,7 +31,8 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     if cfg.algorithm.distill.enabled:
         check_teacher_tokenizer(cfg, tokenizer)
     logger.info("loading and checking training data %s", cfg.data.train_files)
-    rollout_media = processor is not None and cfg.worker.rollout.name == "vllm"
+    # an engine that processes pixels itself gets each prompt's raw images and videos beside the processed ones
+    rollout_media = processor is not None and engine_capabilities(cfg.worker.rollout.name).raw_media
     train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_media)
     val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor, rollout_media) if cfg.data.val_files else None
     if len(train) < cfg.data.rollout_batch_size:
@@ -95,7 +97,7 @@ class Workers:
 
         gpu = use_gpu(cfg)
         self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-        env = _engine_env(cfg)
+        env = engine_env(cfg.worker.rollout.name, gpu)
         separate = cfg.worker.rollout.placement == "separate"
         rollout_workers = cfg.worker.rollout.n_gpus if separate else 0
         logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
@@ -300,13 +302,3 @@ def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Wo
             for kind, count in data.media_per_row().items():
                 media[kind] = max(media.get(kind, 0), count)
     return Workers(cfg, optimizer_steps, media)
-
-
-def _engine_env(cfg: EasyRLConfig) -> dict[str, str]:
-    """Environment the rollout engine needs in every worker process."""
-    if cfg.worker.rollout.name != "vllm":
-        return {}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    if not use_gpu(cfg):
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    return env

@@ -187,7 +187,7 @@ EASYR1_KEYS: dict[str, Any] = {
             "ignore_eos": False,
             "enforce_eager": False,
             "enable_chunked_prefill": False,
-            "tensor_parallel_size": 2,
+            "tensor_parallel_size": 1,  # above 1 only for an engine that declares it (vllm), not this hf one
             "max_model_len": None,
             "max_num_batched_tokens": 8192,
             "disable_log_stats": True,

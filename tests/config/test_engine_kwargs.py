@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from easyrl.config import ConfigError, EasyRLConfig, load_config
-from easyrl.config.engine_kwargs import KEY, VLLM_OWNED, check_engine_kwargs
+from easyrl.config.engine_kwargs import KEY, check_engine_kwargs
+from easyrl.config.engines import VLLM_OWNED, EngineCapabilities, declare_engine
 from tests.conftest import base_config, write_config
 
 
@@ -50,7 +51,7 @@ def test_an_argument_easyrl_sets_is_refused_naming_its_key(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
-    assert err.value.key == f"{KEY}.{name}" and message.startswith(f"{KEY}.{name}: easyrl sets this vLLM argument")
+    assert err.value.key == f"{KEY}.{name}" and message.startswith(f"{KEY}.{name}: easyrl sets this vllm argument")
     assert fix in message and "\n" not in message
 
 
@@ -72,6 +73,7 @@ def test_the_hf_engine_takes_none(tmp_path: Path, tiny_model_dir: str, digits_da
 
 
 def test_an_engine_of_the_users_own_gets_them_unchecked() -> None:
+    declare_engine("my_engine", EngineCapabilities())  # what registering it declares by default
     cfg = EasyRLConfig()
     cfg.worker.rollout.name, cfg.worker.rollout.engine_kwargs = "my_engine", {"gpu_memory_utilization": 0.3}
     check_engine_kwargs(cfg.worker.rollout)  # its arguments are its own to read

@@ -192,7 +192,25 @@ BAD = [
         "worker.actor.model.lora.rollout_sync",
         "use merged with placement: separate",
     ),
-    ("sleep-level", {"worker.rollout.sleep_level": 3}, "worker.rollout.sleep_level", "must be 1, 2 or null"),
+    (
+        "sleep-level",
+        {"worker.rollout.name": "vllm", "worker.rollout.sleep_level": 3},
+        "worker.rollout.sleep_level",
+        "must be 1, 2 or null",
+    ),
+    (
+        "sleep-level-hf",
+        {"worker.rollout.sleep_level": 1},
+        "worker.rollout.sleep_level",
+        "1, but the hf engine declares no sleep levels: remove it (null), or use worker.rollout.name=vllm",
+    ),
+    (
+        "tp-without-tensor-parallel",
+        {"worker.rollout.tensor_parallel_size": 2},
+        "worker.rollout.tensor_parallel_size",
+        "2, but the hf engine does not declare tensor parallelism (one engine per worker): set it to 1, or use "
+        "worker.rollout.name=vllm",
+    ),
     ("staleness-negative", {"trainer.max_staleness": -1}, "trainer.max_staleness", "must be an integer >= 0"),
     (
         "active-groups-when-sync",
@@ -340,7 +358,12 @@ BAD = [
     ("lr", {"worker.actor.optim.lr": 0.0}, "worker.actor.optim.lr", "> 0"),
     ("dual-clip", {"worker.actor.clip_ratio_dual": 0.5}, "worker.actor.clip_ratio_dual", "> 1"),
     ("max-steps", {"trainer.max_steps": 0}, "trainer.max_steps", ">= 1"),
-    ("tp-size", {"worker.rollout.tensor_parallel_size": 3}, "worker.rollout.tensor_parallel_size", "divide"),
+    (
+        "tp-size",
+        {"worker.rollout.name": "vllm", "worker.rollout.tensor_parallel_size": 3},
+        "worker.rollout.tensor_parallel_size",
+        "divide",
+    ),
     ("image-dir", {"data.image_dir": "/nonexistent/images"}, "data.image_dir", "not found"),
     ("override-form", ["worker.rollout.n"], "worker.rollout.n", "key=value"),
     ("top-k", {"worker.rollout.top_k": -7}, "worker.rollout.top_k", "-1 or 0 (off) or a positive integer"),

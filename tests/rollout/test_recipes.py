@@ -18,18 +18,28 @@ from tests.conftest import metric_mismatches, train_steps
 pytestmark = pytest.mark.slow
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 
-# The engine recipe: a file of `algorithm.user_modules` registers a factory under a new name. This engine is the HF
-# engine with a deep sleep: it drops its weights while the policy trains (as vLLM's sleep level 2 does), so it says
-# `discards_weights_on_sleep` and the rollout worker must push the weights again after every sleep.
+# The engine recipe: a file of `algorithm.user_modules` registers a factory under a new name, with what the engine can
+# do. This engine is the HF engine with a deep sleep: it drops its weights while the policy trains (as vLLM's sleep
+# level 2 does), so it says `discards_weights_on_sleep` and the rollout worker must push the weights again after every
+# sleep. It declares tensor parallelism, so `tensor_parallel_size: 2` makes one engine of the two workers: each of
+# them is given the whole batch (an HF engine computes it twice, where vLLM's shards would split the work), and it
+# writes down what it was given (`{calls}`: the process and the prompts of each call).
 USER_ENGINE = """
+import os
+
 import torch
 
-from easyrl.rollout import EngineContext, register_engine
+from easyrl.rollout import EngineCapabilities, EngineContext, register_engine
 from easyrl.rollout.hf import HFRolloutEngine
 
 
 class DeepSleepHFEngine(HFRolloutEngine):
     discards_weights_on_sleep = True
+
+    def generate(self, prompts, params):
+        with open({calls!r}, "a") as calls:
+            calls.write(f"{{os.getpid()}} {{len(prompts['input_ids'])}}\\n")
+        return super().generate(prompts, params)
 
     def sleep(self):
         for param in self._params.values():  # tied names share one parameter: dropped once, reloaded once
@@ -41,7 +51,8 @@ class DeepSleepHFEngine(HFRolloutEngine):
             param.data = tensor.to(param.device, param.dtype).clone()
 
 
-@register_engine("deep_sleep_hf", override=True)  # override: the test imports this file in several runs
+# override: the test imports this file in several runs
+@register_engine("deep_sleep_hf", capabilities=EngineCapabilities(tensor_parallel=True), override=True)
 def build(ctx: EngineContext):
     model = ctx.spec.model
     return DeepSleepHFEngine(
@@ -75,18 +86,25 @@ def _assert_same_training(got: list[dict[str, float]], want: list[dict[str, floa
 def test_a_registered_engine_is_built_from_its_name_and_trains_like_the_engine_it_extends(
     tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:
-    module = tmp_path / "deep_sleep_engine.py"
-    module.write_text(USER_ENGINE)
+    module, calls = tmp_path / "deep_sleep_engine.py", tmp_path / "calls.txt"
+    module.write_text(USER_ENGINE.format(calls=str(calls)))
     edits = {
         "algorithm.user_modules": [str(module)],
         "data.val_files": digits_data["val"],
         "trainer.val_before_train": True,
     }
     hf, _, _ = train_steps(tmp_path / "hf", tiny_model_dir, digits_data, edits, steps=2)
-    deep, _, _ = train_steps(
-        tmp_path / "deep", tiny_model_dir, digits_data, {**edits, "worker.rollout.name": "deep_sleep_hf"}, steps=2
-    )
+    deep_edits = {**edits, "worker.rollout.name": "deep_sleep_hf", "worker.rollout.tensor_parallel_size": 2}
+    deep, _, _ = train_steps(tmp_path / "deep", tiny_model_dir, digits_data, deep_edits, steps=2)
     _assert_same_training(deep, hf)  # the same weights reached the engine after each deep sleep
+    # one engine spans both workers (tensor parallel 2, as declared): each was given every prompt of every call
+    given: dict[str, list[int]] = {}
+    for line in calls.read_text().splitlines():
+        pid, prompts = line.split()
+        given.setdefault(pid, []).append(int(prompts))
+    assert len(given) == 2 and len(set(map(tuple, given.values()))) == 1, given
+    # the whole validation set (8 prompts) and a training step's whole data.rollout_batch_size (4), not halves
+    assert set(next(iter(given.values()))) == {8, 4}, given
     step1 = {row["step"]: row for row in hf}[1], {row["step"]: row for row in deep}[1]
     # After validation's session the HF engine still holds the initial weights; the deep-sleeping one dropped them,
     # and its rollout worker pushed them again before step 1 generated.

@@ -13,7 +13,7 @@ import pytest
 from transformers import Qwen2Config
 
 from easyrl.config import ConfigError, EasyRLConfig, RolloutConfig
-from easyrl.config.engine_kwargs import VLLM_OWNED
+from easyrl.config.engines import VLLM_OWNED
 from easyrl.rollout.vllm_args import check_engine_arg_names, gdn_prefill, gdn_prefill_problem
 from easyrl.testing.tiny_vl import make_vl_config, make_vl_tokenizer
 
