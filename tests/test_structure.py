@@ -375,3 +375,14 @@ def test_no_role_forks_the_training_machinery() -> None:
         if TRAINING_MACHINERY.search(line.split("#", 1)[0])
     ]
     assert not offenders, "train through TrainableModel and forward_backward.update_model:\n" + "\n".join(offenders)
+
+
+def test_every_benchmark_script_is_recorded_in_benchmarks_md() -> None:
+    """A benchmark script comes with its command and figures in docs/benchmarks.md (the card it ran on): a
+    measurement nobody can find or rerun is no measurement."""
+    root = PACKAGE.parent
+    recorded = (root / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (root / "scripts").glob("bench*.py"))
+    assert scripts, "no scripts/bench*.py found: the rule reads nothing"
+    missing = [name for name in scripts if f"scripts/{name}" not in recorded]
+    assert not missing, f"record each in docs/benchmarks.md (command, card, figures): {missing}"
