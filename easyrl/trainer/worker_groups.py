@@ -239,7 +239,7 @@ class Workers:
             self.rollout_pool.remove()
 
 
-def memory_metrics(*groups: Any) -> dict[str, float]:
+def memory_metrics(*groups: GroupHandle | None) -> dict[str, float]:
     """The host's memory in use and the largest of each memory figure over the ranks of `groups` (None skipped)."""
     out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
     calls = [group.call_async("memory_stats") for group in groups if group is not None]
