@@ -507,3 +507,52 @@ def test_no_model_type_branch_outside_the_family_table() -> None:
     assert not offenders, "read a field of easyrl.models.family.family_of(...), not the model_type:\n" + "\n".join(
         offenders
     )
+
+
+def test_every_benchmark_script_is_recorded_in_benchmarks_md() -> None:
+    """A benchmark script comes with its command and figures in docs/benchmarks.md (the card it ran on): a
+    measurement nobody can find or rerun is no measurement."""
+    root = PACKAGE.parent
+    recorded = (root / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (root / "scripts").glob("bench*.py"))
+    assert scripts, "no scripts/bench*.py found: the rule reads nothing"
+    missing = [name for name in scripts if f"scripts/{name}" not in recorded]
+    assert not missing, f"record each in docs/benchmarks.md (command, card, figures): {missing}"
+
+
+# Calls the driver makes by name: the lifecycle calls every role declares, made on groups of different roles alike.
+# Any other call across the seam goes through a typed handle (`easyrl.trainer.handles`), or `submit` with the worker
+# class's method when it must not wait, so mypy checks it.
+CALLS_BY_NAME = {"init_model", "memory_stats", "save_checkpoint", "load_checkpoint"}
+
+
+def _calls_by_name(source: str) -> list[str]:
+    """The method names `source` passes as strings to a group's `call_async` / `call`."""
+    return [
+        node.args[0].value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("call_async", "call")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ]
+
+
+def test_calls_by_name_rule_catches_a_string_call() -> None:
+    source = 'g.call_async("join_weight_bus", a)\ng.call("update_actor", b, 0.0)\ng.submit(W.join_weight_bus, a)\n'
+    assert _calls_by_name(source) == ["join_weight_bus", "update_actor"]
+
+
+def test_the_driver_calls_workers_by_name_only_for_lifecycle_calls() -> None:
+    offenders = [
+        f"{module}: {name}"
+        for module, path in MODULES.items()
+        if _inside(module, "easyrl.trainer")
+        for name in _calls_by_name(path.read_text(encoding="utf-8"))
+        if name not in CALLS_BY_NAME
+    ]
+    assert not offenders, "call these through the typed handles or submit(Worker.method, ...):\n" + "\n".join(
+        offenders
+    )

@@ -5,7 +5,7 @@ methods of the group, which call every rank and gather the results as their disp
 
     group = WorkerGroup(MyWorker, pool, "actor", model_path, num_cpus_per_worker=0.5, num_gpus_per_worker=0.5)
     out = group.compute_log_probs(batch)  # DP_SPLIT: split over the ranks, concatenated back
-    handle = group.call_async("compute_log_probs", batch)
+    handle = group.submit(MyWorker.compute_log_probs, batch)  # started at once; mypy checks the arguments
     out = handle.result()
     group.shutdown()
 """
@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from easyrl.distributed import liveness
 from easyrl.distributed.dispatch import (
@@ -36,6 +36,9 @@ from easyrl.distributed.resource_pool import ResourcePool
 __all__ = ["GroupCall", "WorkerGroup", "pick_free_port"]
 
 logger = logging.getLogger(__name__)
+
+W = TypeVar("W")
+P = ParamSpec("P")
 
 _used_ports: set[int] = set()
 _ports_lock = threading.Lock()
@@ -174,8 +177,9 @@ class GroupCall:
         return f"GroupCall({self.group.role}.{self.method}, done={self._done})"
 
 
-class WorkerGroup:
-    """``pool.world_size`` Ray actors of ``worker_cls``, actor ``i`` on bundle ``i`` of ``pool``.
+class WorkerGroup(Generic[W]):
+    """``pool.world_size`` Ray actors of ``worker_cls``, actor ``i`` on bundle ``i`` of ``pool``; the group is typed
+    by its worker class (``WorkerGroup[ActorWorker]``), so :meth:`submit` checks a call's method and arguments.
 
     Args:
         worker_cls: a plain Python class (the group wraps it with ``ray.remote``); its ``__init__`` gets
@@ -202,7 +206,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type,
+        worker_cls: type[W],
         pool: ResourcePool,
         role: str,
         *init_args: Any,
@@ -295,6 +299,9 @@ class WorkerGroup:
             timeout_s: the total timeout of this call, from now (default: the group's ``call_timeout_s``).
             kwargs: keyword arguments, the same on every rank.
         """
+        return self._start(method, args, kwargs, timeout_s)
+
+    def _start(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None) -> GroupCall:
         if self._closed:
             raise RuntimeError(f"the {self.role} worker group is shut down")
         spec = self._methods.get(method)
@@ -317,6 +324,14 @@ class WorkerGroup:
             for actor, (rank_args, rank_kwargs) in zip(self._actors, per_rank, strict=True)
         ]
         return GroupCall(self, method, spec, refs, self.call_timeout_s if timeout_s is None else timeout_s)
+
+    def submit(self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs) -> GroupCall:
+        """:meth:`call_async` by the worker class's method itself (``group.submit(ActorWorker.generate, rows, p)``),
+        not its name: mypy checks that the method is the group's worker class's and the arguments are its own."""
+        name = getattr(method, "__name__", "")
+        if getattr(self.worker_cls, name, None) is not method:  # e.g. another role's method of the same name
+            raise AttributeError(f"{method!r} is not a method of {self.worker_cls.__name__} (the {self.role} group)")
+        return self._start(name, args, kwargs, None)  # the group's call_timeout_s
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """Run ``method`` on every rank and wait for the gathered result (see :meth:`call_async`)."""

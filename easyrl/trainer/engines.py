@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from easyrl.batch import Batch
-from easyrl.distributed.weight_bus import manifest_bytes
+from easyrl.distributed.weight_bus import TensorEntry, manifest_bytes
 from easyrl.rollout import SamplingParams
+
+
+if TYPE_CHECKING:
+    from easyrl.distributed import GroupCall
+    from easyrl.trainer.handles import ActorGroup, RolloutGroup
 
 
 class SeparateEngines:
@@ -22,13 +27,13 @@ class SeparateEngines:
     Ray's object store (one copy, shared by the rollout workers). Both are exact; the cost is logged
     (`timing_s/weight_transfer`, `perf/weight_transfer_gb`)."""
 
-    def __init__(self, rollout: Any, actor: Any, transfer: str = "broadcast") -> None:
+    def __init__(self, rollout: RolloutGroup, actor: ActorGroup, transfer: str = "broadcast") -> None:
         self.rollout = rollout
         self.actor = actor
         self.transfer = transfer
         self.version = 0  # both loaded the initial checkpoint: policy version 0
-        self.manifest: list[Any] | None = None  # the broadcasts' names, shapes and dtypes, once the bus is up
-        self.beside: Any = None  # the last call started beside training (a `GroupCall`)
+        self.manifest: list[TensorEntry] | None = None  # the broadcasts' names, shapes and dtypes, once the bus is up
+        self.beside: GroupCall | None = None  # the last call started beside training
 
     def push_if_moved(self) -> dict[str, float]:
         """Hand the policy's weights to the rollout workers when it moved since their last ones."""
@@ -48,35 +53,45 @@ class SeparateEngines:
 
     def _broadcast(self, version: int) -> int:
         """Send the policy over the weight bus (joined at the first push); returns the bytes sent."""
+        from easyrl.workers.actor import ActorWorker
+        from easyrl.workers.rollout_role import RolloutRole
+
         if self.manifest is None:
             self.manifest = self.actor.weight_manifest()
             address = self.actor.weight_bus_address(1 + self.rollout.world_size)
             # Both sides at once: joining blocks until the whole group has connected.
             calls = [
-                self.actor.call_async("join_weight_bus", address),
-                self.rollout.call_async("join_weight_bus", address),
+                self.actor.submit(ActorWorker.join_weight_bus, address),
+                self.rollout.submit(RolloutRole.join_weight_bus, address),
             ]
             for call in calls:
                 call.result()
-        calls = [
-            self.actor.call_async("broadcast_weights"),
-            self.rollout.call_async("receive_broadcast", self.manifest, version),
-        ]
-        for call in calls:
+        for call in self._push(self.manifest, version):
             call.result()
         return manifest_bytes(self.manifest)
+
+    def _push(self, manifest: list[TensorEntry], version: int) -> list[GroupCall]:
+        """Start one broadcast of the policy over the bus (already up): the actor's rank 0 sends, every rollout
+        worker receives."""
+        from easyrl.workers.actor import ActorWorker
+        from easyrl.workers.rollout_role import RolloutRole
+
+        return [
+            self.actor.submit(ActorWorker.broadcast_weights),
+            self.rollout.submit(RolloutRole.receive_broadcast, manifest, version),
+        ]
 
     def open_rollout(self) -> dict[str, float]:
         return self.push_if_moved() | self.rollout.open_rollout()
 
     def policy_version(self) -> int:
-        return self.actor.policy_version()  # type: ignore[no-any-return]
+        return self.actor.policy_version()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        return self.rollout.generate(prompts, params)  # type: ignore[no-any-return]
+        return self.rollout.generate(prompts, params)
 
     def close_rollout(self) -> dict[str, float]:
-        return self.rollout.close_rollout()  # type: ignore[no-any-return]
+        return self.rollout.close_rollout()
 
     def generate_beside(self, prompts: Batch, params: SamplingParams) -> tuple[dict[str, float], Any]:
         """Start one open-generate-close on the rollout workers and return at once, with the push's figures and the
@@ -87,19 +102,18 @@ class SeparateEngines:
         driver made them, so the actor sends these weights before the update the driver asks for next, and the
         rollout workers receive them before they generate. Its cost then lands in the actor's next call (beside the
         driver's reward stage) instead of on the driver's path; `timing_s/weight_transfer` is not measured then."""
+        from easyrl.workers.rollout_role import RolloutRole
+
         version = self.actor.policy_version()
         pushed: dict[str, float] = {}
-        pushes: list[Any] = []
+        pushes: list[GroupCall] = []
         if version != self.version and self.transfer == "broadcast" and self.manifest is not None:
-            pushes = [
-                self.actor.call_async("broadcast_weights"),
-                self.rollout.call_async("receive_broadcast", self.manifest, version),
-            ]
+            pushes = self._push(self.manifest, version)
             self.version = version
             pushed = {"perf/weight_transfer_gb": manifest_bytes(self.manifest) / 2**30}
         else:  # the bus's first push (its rendezvous) or through the driver: waited for
             pushed = self.push_if_moved()
-        self.beside = self.rollout.call_async("generate_beside", prompts, params)
+        self.beside = self.rollout.submit(RolloutRole.generate_beside, prompts, params)
         return pushed, PushedThenGenerated(pushes, self.beside)
 
     def generating(self) -> bool:
@@ -117,7 +131,7 @@ class PushedThenGenerated:
     """A call beside the training and the weight push started before it: `result` waits for both (a failed push
     surfaces here) and gives the call's rows and timings."""
 
-    def __init__(self, pushes: list[Any], call: Any) -> None:
+    def __init__(self, pushes: list[GroupCall], call: GroupCall) -> None:
         self.pushes, self.call = pushes, call
 
     def result(self) -> tuple[Batch, dict[str, float]]:

@@ -13,6 +13,16 @@ from easyrl.config import EasyRLConfig
 from easyrl.config.engines import engine_capabilities, engine_env
 from easyrl.config.worker import RewardConfig
 from easyrl.trainer.engines import SeparateEngines
+from easyrl.trainer.handles import (
+    ActorGroup,
+    CriticGroup,
+    GroupHandle,
+    RefGroup,
+    RefSource,
+    RolloutGroup,
+    SFTGroup,
+    TeacherSource,
+)
 from easyrl.trainer.role_specs import build_role_specs, use_gpu
 
 
@@ -112,11 +122,11 @@ class Workers:
             "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,
             "call_timeout_s": cfg.trainer.worker_timeout_s,
         }
-        self.actor: Any = None
-        self.ref: Any = None
-        self.critic: Any = None
-        self.teacher: Any = None
-        self.rollout: Any = None
+        self.actor: ActorGroup  # set in the `try` below; each typed by what the driver calls (trainer/handles.py)
+        self.ref: RefGroup | None = None
+        self.critic: CriticGroup | None = None
+        self.teacher: TeacherSource | None = None
+        self.rollout: RolloutGroup | None = None
         self.judge_server: Any = None
         self._gpu = gpu
         try:
@@ -155,11 +165,11 @@ class Workers:
                 self.teacher = RemoteTeacher(cfg.algorithm.distill.teacher)
             self._init_models(media_per_prompt or {})
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
-            self.ref_source: Any = self.actor if specs.actor.serves_reference else self.ref
+            self.ref_source: RefSource | None = self.actor if specs.actor.serves_reference else self.ref
             # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
-            self.engines: Any = (
+            self.engines: SeparateEngines | ActorGroup = (
                 SeparateEngines(self.rollout, self.actor, cfg.worker.rollout.weight_transfer)
-                if separate
+                if self.rollout is not None
                 else self.actor
             )
         except BaseException:
@@ -175,7 +185,6 @@ class Workers:
         return self.judge_server.reward_config
 
     def _init_models(self, media_per_prompt: dict[str, int]) -> None:
-        assert self.actor is not None
         logger.info("loading models into the workers")
         pending = [self.actor.call_async("init_model", media_per_prompt)]
         pending += [
@@ -186,11 +195,12 @@ class Workers:
         for handle in pending:
             handle.result()
 
-    def _groups(self) -> list[Any]:
-        """The worker groups started (a remote teacher is a client, not a group)."""
+    def _groups(self) -> list[GroupHandle]:
+        """The worker groups started (a remote teacher is a client, not a group); the actor is unset until its group
+        starts."""
         from easyrl.distributed import WorkerGroup
 
-        groups = (self.actor, self.ref, self.critic, self.teacher, self.rollout)
+        groups = (getattr(self, "actor", None), self.ref, self.critic, self.teacher, self.rollout)
         return [g for g in groups if isinstance(g, WorkerGroup)]
 
     def teacher_call_metrics(self) -> dict[str, float]:
@@ -231,7 +241,7 @@ class Workers:
             self.rollout_pool.remove()
 
 
-def memory_metrics(*groups: Any) -> dict[str, float]:
+def memory_metrics(*groups: GroupHandle | None) -> dict[str, float]:
     """The host's memory in use and the largest of each memory figure over the ranks of `groups` (None skipped)."""
     out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
     calls = [group.call_async("memory_stats") for group in groups if group is not None]
@@ -261,7 +271,7 @@ class SFTWorkers:
         logger.info("starting Ray and %d SFT worker(s) (%s)", self.world_size, "GPU" if gpu else "CPU")
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1))
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
-        self.actor: Any = None
+        self.actor: SFTGroup  # set once its group starts (`shutdown` reads it only then)
         try:
             self.actor = WorkerGroup(
                 SFTWorker,
@@ -284,8 +294,9 @@ class SFTWorkers:
 
     def shutdown(self) -> None:
         """Stop the workers and release the placement group."""
-        if self.actor is not None:
-            self.actor.shutdown()
+        actor = getattr(self, "actor", None)  # unset when its group failed to start
+        if actor is not None:
+            actor.shutdown()
         self.pool.remove()
 
 

@@ -79,7 +79,8 @@ def policy_objective(
     terms = {"actor/pg_loss": pg_loss.detach()}
     if entropy is not None:
         ent = agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=loss_agg_mode)
-        loss = loss - entropy_coeff * ent
+        if entropy_coeff != 0:  # without the bonus the entropy is a metric only: the loss is the bonus-free one
+            loss = loss - entropy_coeff * ent
         terms["actor/entropy"] = ent.detach()
     if spec.kl_in_loss:
         kl = kl_penalty(log_prob=log_prob, ref_log_prob=mb["ref_log_probs"], kl_penalty=spec.kl_penalty)
@@ -217,9 +218,10 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
     @peak_memory("update")
     def update_actor(self, batch: Batch, entropy_coeff: float) -> dict[str, float]:
         """PPO-family update over the batch with the entropy bonus weighted by `entropy_coeff` (the driver's: fixed
-        or adaptive; 0 turns the bonus and its entropy computation off); returns `actor/*` metrics (values over all
-        ranks' rows, averaged over the mini-batches) and, without `old_log_probs` but with the engine's log-probs,
-        the engine-vs-actor `rollout/token_prob_error` and `rollout/logprob_diff_*` (`policy_objective`)."""
+        or adaptive; 0 turns the bonus off, the entropy then a detached metric); returns `actor/*` metrics (values
+        over all ranks' rows, averaged over the mini-batches; `actor/entropy` always) and, without `old_log_probs`
+        but with the engine's log-probs, the engine-vs-actor `rollout/token_prob_error` and `rollout/logprob_diff_*`
+        (`policy_objective`)."""
         self.model.train()
         if "old_log_probs" not in batch and (
             self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size
@@ -245,13 +247,17 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
 
         def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
             # the forward packs rows from the host copy; the loss reads the device copy only
-            with_entropy, at = entropy_coeff != 0, None
+            # The entropy always comes (`actor/entropy`, whether or not an old-log-prob pass ran); without the bonus
+            # it is computed from this forward with no graph, so the loss and its gradient are the bonus-free ones.
+            grad, at = entropy_coeff != 0, None
             if self.spec.loss.distill_topk_coef > 0:  # one forward gives both: the sampled tokens and the top-k ids
                 log_prob, entropy, at = token_log_probs_at(
-                    self.model, mb, device, temperature, mb["teacher_topk_ids"], with_entropy, opts
+                    self.model, mb, device, temperature, mb["teacher_topk_ids"], True, opts, entropy_grad=grad
                 )
             else:
-                log_prob, entropy = token_log_probs(self.model, mb, device, temperature, with_entropy, opts=opts)
+                log_prob, entropy = token_log_probs(
+                    self.model, mb, device, temperature, True, opts=opts, entropy_grad=grad
+                )
             return policy_objective(
                 on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff, at,
                 self._policy_version,

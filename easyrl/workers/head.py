@@ -78,8 +78,9 @@ def _run_head(
     # A family whose forward does more than backbone + head (the Omni thinker merges its audio and image features)
     # computes full logits: the fused head runs the backbone alone
     if temperature is not None and fused and family_of(model).fused_head:
-        lp, stat = fused_forward(model, inputs, temperature, chunk_size, second or "entropy")
-        return lp, (stat if second is not None else None)
+        # The fused head computes the entropy of each chunk it already holds anyway: a metric costs a detach only
+        lp, stat = fused_forward(model, inputs, temperature, chunk_size, "top1" if second == "top1" else "entropy")
+        return lp, (None if second is None else stat.detach() if second == ENTROPY_METRIC else stat)
     logits = _selected_logits(model, inputs, value_head=temperature is None)
     if temperature is None:
         return logits[:, 0].float(), None  # the value head's one output (num_labels=1)
@@ -87,7 +88,21 @@ def _run_head(
     lp = logprobs_from_logits(z, inputs.labels)
     if second == "top1":
         return lp, (z.argmax(dim=-1) == inputs.labels).float()
-    return lp, (entropy_from_logits(z) if second == "entropy" else None)
+    return lp, _entropy_of(z, second)
+
+
+ENTROPY_METRIC = "entropy_metric"
+"""The `second` statistic that is the entropy as a metric: no graph, so no gradient and no saved tensors."""
+
+
+def _entropy_of(z: torch.Tensor, second: str | None) -> torch.Tensor | None:
+    """The (N,) entropy of the scaled logits `z` (N, V) for `second` "entropy" (differentiable), `ENTROPY_METRIC`
+    (detached) or None (not computed)."""
+    if second == ENTROPY_METRIC:
+        # Chunk by chunk under no_grad: one (chunk, V) fp32 block at a time beside the logits the loss holds anyway
+        with torch.no_grad():
+            return entropy_from_logits(z.detach())
+    return entropy_from_logits(z) if second == "entropy" else None
 
 
 def _forward(
@@ -132,14 +147,22 @@ def token_log_probs(
     temperature: float,
     with_entropy: bool,
     opts: ForwardOptions | None = None,
+    *,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token under `model` at `temperature` (> 0): (b, R), and its entropy (b, R).
 
     `opts` picks the layout (padded, trimmed or packed, split over a sequence-parallel group) and the head (full
     logits or fused chunks); every path gives the same values at valid response tokens, for text and
-    vision-language rows alike. The non-plain paths give 0 at padding.
+    vision-language rows alike. The non-plain paths give 0 at padding. `entropy_grad=False`: the entropy is a
+    detached metric, computed from the same forward without a graph (the update's `actor/entropy` without a bonus).
     """
-    return _forward(model, mb, device, opts, temperature, "entropy" if with_entropy else None)
+    return _forward(model, mb, device, opts, temperature, _entropy_kind(with_entropy, entropy_grad))
+
+
+def _entropy_kind(with_entropy: bool, entropy_grad: bool) -> str | None:
+    """The head's `second` statistic for these flags."""
+    return None if not with_entropy else "entropy" if entropy_grad else ENTROPY_METRIC
 
 
 def token_log_probs_and_top1(
@@ -206,14 +229,17 @@ def token_log_probs_at(
     ids: torch.Tensor,
     with_entropy: bool,
     opts: ForwardOptions | None = None,
+    *,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`token_log_probs` (b, R) and entropy, and the log-probs (b, R, k) at the token `ids` (b, R, k) of each
-    response position (another model's top-k: `top_k_log_probs`), all differentiable; zeros at padding."""
+    response position (another model's top-k: `top_k_log_probs`), all differentiable (the entropy detached with
+    `entropy_grad=False`); zeros at padding."""
     inputs = _unfused_layout(model, mb, device, opts, temperature)
     z = scale_logits(_selected_logits(model, inputs, value_head=False), temperature)
     lp = logprobs_from_logits(z, inputs.labels)
     # log p(j) = z_j - logsumexp(z) at the k ids: (N, k) and (N, 1), no (N, V) log-softmax beside the logits
     zf = z.float()
     at = zf.gather(-1, inputs.gather(ids.to(device))) - torch.logsumexp(zf, dim=-1, keepdim=True)
-    ent = entropy_from_logits(z) if with_entropy else None
+    ent = _entropy_of(z, _entropy_kind(with_entropy, entropy_grad))
     return inputs.scatter(lp), (None if ent is None else inputs.scatter(ent)), inputs.scatter(at)

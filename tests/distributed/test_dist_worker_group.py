@@ -193,6 +193,22 @@ def test_rank0_returns_rank0_result(toy: WorkerGroup) -> None:
     assert toy.rank_tagged(7) == 7
 
 
+class OtherWorker:
+    """Another role with a method of the same name."""
+
+    @register(dispatch=Dispatch.RANK0)
+    def rank_tagged(self, x: int) -> int:
+        return x
+
+
+def test_submit_starts_the_worker_classes_own_method_only(toy: WorkerGroup) -> None:
+    """`submit` takes the method itself (typed for mypy) and runs it as `call_async` by its name would; another
+    class's method of the same name is refused before anything runs."""
+    assert toy.submit(ToyWorker.rank_tagged, 7).result() == 7
+    with pytest.raises(AttributeError, match="is not a method of ToyWorker"):
+        toy.submit(OtherWorker.rank_tagged, 7)
+
+
 def test_dp_split_concatenates_in_rank_order(toy: WorkerGroup) -> None:
     out = toy.tag(TinyBatch([0, 1, 2, 3, 4, 5]), scale=2)
     assert out == TinyBatch([0, 2, 4, 1006, 1008, 1010])

@@ -54,6 +54,7 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
         "timing_s/update_actor",
         "perf/throughput",
         "actor/entropy_rollout",
+        "actor/entropy",
     ):
         assert key in rows[-1], key
     # the initial checkpoint samples step 1 (version 0); each update's push makes the next version
@@ -65,6 +66,24 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
     assert before is not None and after is not None and before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters not trained: {unchanged}"
+
+
+def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path, tiny_model_dir, digits_data) -> None:
+    """A default GRPO step (one epoch over one mini-batch: no old-log-prob pass; no entropy bonus) still logs
+    `actor/entropy`, from the update's own forward, and the report draws the entropy curve from it."""
+    from easyrl.report import build_report, metric_series, plan_plots, read_jsonl
+
+    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, {"worker.actor.global_batch_size": 4}, steps=2)
+    assert_finite(rows)
+    assert not any("actor/entropy_rollout" in r for r in rows)  # no pass ran: the update's forward is the source
+    assert [r["actor/entropy_coeff"] for r in rows] == [0.0, 0.0]
+    assert all(r["actor/entropy"] > 0 for r in rows), [r.get("actor/entropy") for r in rows]
+    run_dir = tmp_path / "run"
+    series = metric_series(read_jsonl(str(run_dir / "experiment_log.jsonl")))
+    plot = next(p for p in plan_plots(series) if p.name == "entropy")
+    assert plot.keys == ["actor/entropy"] and series["actor/entropy"][0] == [1, 2]
+    page = Path(build_report(str(run_dir))).read_text()
+    assert 'id="plot-entropy"' in page and (run_dir / "report_entropy.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The one forward head (`easyrl.workers.head`): a 4-token probe gives the same log-probs and entropy through every
 path (plain, trimmed fused, packed, packed fused, Ulysses split 2 ways on gloo ranks, plain and fused), at
-temperature 1 and below; training at temperature 0 is refused on every path with one line naming the key. SFT's
-top-1 flags (`token_log_probs_and_top1`) mark the model's first choices on every path."""
+temperature 1 and below, and the entropy as a detached metric alike; training at temperature 0 is refused on every
+path with one line naming the key. SFT's top-1 flags (`token_log_probs_and_top1`) mark the model's first choices on
+every path."""
 
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ def _run(models: dict[str, torch.nn.Module], opts: ForwardOptions, temperature: 
     return [lp[0].tolist(), ent[0].tolist()]
 
 
+def _run_metric(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> list[Any]:
+    """The entropy as the update computes it without a bonus (`entropy_grad=False`, autograd on): its values at
+    temperature 0.7 and whether it carries a graph, beside the log-probs' (which must)."""
+    from easyrl.workers.forward_backward import token_log_probs
+
+    model = models["split" if opts.ulysses_size > 1 else "packed" if opts.padding_free else "padded"]
+    lp, ent = token_log_probs(model, _probe(), CPU, 0.7, True, opts, entropy_grad=False)
+    assert ent is not None
+    return [ent[0].tolist(), ent.requires_grad, lp.requires_grad]
+
+
 def _refusal(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> str:
     from easyrl.workers.forward_backward import token_log_probs
 
@@ -121,6 +133,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
             f"{name}@{t}": _run(models, opts, t) for name, opts in {**PATHS, **SP_PATHS}.items() for t in (1, 0.7)
         },
         "refusals": {name: _refusal(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
+        "metric": {name: _run_metric(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
         "top1": {name: _run_top1(models, opts) for name, opts in {**PATHS, **SP_PATHS}.items()},
     }
     if rank == 0:
@@ -150,6 +163,16 @@ def test_probe_gives_the_same_log_probs_on_every_path(probe_results: dict[str, A
     for name, got in values.items():
         # Float reduction order differs between attention kernels and head chunkings; nothing else may.
         torch.testing.assert_close(got, plain, atol=2e-6, rtol=0, msg=f"{name} at temperature {temperature}")
+
+
+def test_entropy_metric_is_the_entropy_without_a_graph_on_every_path(probe_results: dict[str, Any]) -> None:
+    """`entropy_grad=False` (the update's `actor/entropy` without a bonus) gives each path's entropy, detached, while
+    the log-probs of the same forward keep their graph."""
+    assert set(probe_results["metric"]) == set(PATHS) | set(SP_PATHS)
+    for name, (ent, ent_grad, lp_grad) in probe_results["metric"].items():
+        want = torch.tensor(probe_results["values"][f"{name}@0.7"][1])
+        torch.testing.assert_close(torch.tensor(ent), want, atol=2e-6, rtol=0, msg=name)
+        assert (ent_grad, lp_grad) == (False, True), name
 
 
 def test_temperature_changes_the_log_probs(probe_results: dict[str, Any]) -> None:

@@ -36,11 +36,17 @@ def _batch(vocab: int = 90) -> Batch:
 
 
 def _update(
-    model_dir: str, batch: Batch, opts: ForwardOptions, old_pass: bool, mini_batch: int | None = None
+    model_dir: str,
+    batch: Batch,
+    opts: ForwardOptions,
+    old_pass: bool,
+    mini_batch: int | None = None,
+    entropy_metric: bool = False,
 ) -> dict[str, Any]:
     """The actor's update (AdamW, 2 micro-batches a mini-batch of `mini_batch` rows, default all) after an
     old-log-prob pass or without one: the parameters before and after it, its metrics, and the batch it trained on
-    (with the pass's log-probs when it ran). A batch that brings `old_log_probs` of its own is bypass mode: no pass."""
+    (with the pass's log-probs when it ran). A batch that brings `old_log_probs` of its own is bypass mode: no pass.
+    `entropy_metric`: the forward also gives the entropy, detached, with no bonus (what the actor's update does)."""
     from easyrl.config import ModelConfig, OptimConfig
     from easyrl.workers.actor import policy_objective
     from easyrl.workers.forward_backward import MicroBatchLoss, batched_log_probs, optimize, token_log_probs
@@ -60,8 +66,9 @@ def _update(
     loss = dataclasses.replace(LOSS, measures_engine=bypass or not old_pass)  # as role_specs resolves it
 
     def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
-        lp, _ = token_log_probs(model, mb, CPU, 1.0, with_entropy=False, opts=opts)
-        return policy_objective(on_device, lp, None, loss, "token-mean", 0.0)
+        lp, ent = token_log_probs(model, mb, CPU, 1.0, entropy_metric, opts=opts, entropy_grad=False)
+        assert ent is None or not ent.requires_grad
+        return policy_objective(on_device, lp, ent, loss, "token-mean", 0.0)
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     metrics = optimize(
@@ -126,3 +133,34 @@ def test_bypass_mode_measures_the_engine_in_the_first_mini_batch_only(tiny_model
     assert first["rollout/token_prob_error"] == pytest.approx((1.1 + 6) / 7, rel=1e-6)
     for key, want in first.items():
         assert bypassed["metrics"][key] == pytest.approx(want, rel=1e-6, abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [ForwardOptions(), ForwardOptions(padding_free=True), ForwardOptions(padding_free=True, fused=True, chunk_size=5)],
+    ids=["padded", "packed", "packed_fused"],
+)
+def test_entropy_metric_is_the_pass_entropy_and_leaves_the_update_bit_identical(
+    tiny_model_dir: str, opts: ForwardOptions
+) -> None:
+    """Without a bonus the update's forward still gives `actor/entropy`, detached: the update moves every parameter
+    bit for bit as without it, and the figure is the token mean the old-log-prob pass's entropy gives
+    (`actor/entropy_rollout` when the pass runs)."""
+    from easyrl.algorithms import masked_mean
+    from easyrl.config import ModelConfig
+    from easyrl.workers.forward_backward import batched_log_probs
+    from easyrl.workers.model_setup import load_model
+    from easyrl.workers.varlen import register_varlen_attention
+
+    plain = _update(tiny_model_dir, _batch(), opts, old_pass=False)
+    metric = _update(tiny_model_dir, _batch(), opts, old_pass=False, entropy_metric=True)
+    assert torch.equal(metric["after"], plain["after"]) and (plain["after"] != plain["before"]).any()
+    assert "actor/entropy" not in plain["metrics"]
+    assert {k: v for k, v in metric["metrics"].items() if k != "actor/entropy"} == plain["metrics"]
+    attn = register_varlen_attention() if opts.padding_free else None
+    model = load_model(ModelConfig(model_path=tiny_model_dir), attn_implementation=attn).eval()
+    _, ent = batched_log_probs(model, _batch(), CPU, 1.0, micro_batch_size=4, with_entropy=True, opts=opts)
+    assert ent is not None
+    want = float(masked_mean(ent, _batch()["loss_mask"].float()))
+    assert math.isfinite(metric["metrics"]["actor/entropy"]) and want > 0
+    assert metric["metrics"]["actor/entropy"] == pytest.approx(want, rel=1e-5)
