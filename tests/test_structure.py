@@ -308,6 +308,31 @@ ENGINE_MODULES = {"easyrl.rollout.hf", "easyrl.rollout.vllm"}
 """The engines' own modules: only the rollout room names their classes (`rollout.worker.build_engine` builds one)."""
 
 
+CONCRETE_LOOP_MODULES = {"easyrl.rollout.carry_over", "easyrl.rollout.multi_turn"}
+CONCRETE_LOOP_CLASSES = {"SingleTurnLoop", "CarryOverLoop", "MultiTurnLoop", "OneSessionLoop"}
+"""The loops themselves: the trainer holds the `RolloutLoop` protocol and gets its loop from `rollout.producer`."""
+
+
+def _concrete_loop_imports(module: str) -> list[str]:
+    return [
+        f"{module} -> {target} {names or '(the whole module)'}"
+        for target, names in _imports(module)
+        if _inside(target, ROLLOUT_ROOM)
+        and (target in CONCRETE_LOOP_MODULES or any(n in CONCRETE_LOOP_CLASSES for n in names))
+    ]
+
+
+def test_the_trainer_never_imports_a_concrete_rollout_loop() -> None:
+    """`trainer/` drives every loop through `RolloutLoop` (run, score, settle, state_dict, load_state_dict, close):
+    no `isinstance` on a loop type, no module of one. The loop is chosen in `rollout.producer`."""
+    assert set(MODULES) >= CONCRETE_LOOP_MODULES
+    assert _concrete_loop_imports("easyrl.rollout.producer"), "the rule must see the producer's own imports"
+    offenders = [line for m in MODULES if _inside(m, "easyrl.trainer") for line in _concrete_loop_imports(m)]
+    assert not offenders, "hold the RolloutLoop protocol; pick the loop in easyrl.rollout.producer:\n" + "\n".join(
+        offenders
+    )
+
+
 def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:
     """Outside `rollout/` code sees the `RolloutEngine` interface (`rollout.engine`), never an engine class (a
     plain helper of an engine's module, such as `easyrl check`'s vLLM CPU head-size check, is fine)."""

@@ -11,12 +11,21 @@ loop, the rows it returns follow one contract (`RolloutEngine.generate`'s fields
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from easyrl.batch import Batch
 from easyrl.rollout.engine import SamplingParams
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
 
+
+logger = logging.getLogger(__name__)
+
+Scored = tuple[list[dict[str, float]], dict[str, float], list[str]]
+"""Per-sample scores, the reward manager's metrics, and the decoded responses of a batch of rows."""
+Scorer = Callable[[Batch], Scored]
+"""The trainer's reward call on rows (decode, call the reward function)."""
 
 ENGINE_COLUMNS = ("multi_modal_inputs", "rollout_prompt")
 """The prompts' non-tensor columns an engine reads (processed media; the raw prompt with its media for vLLM). The
@@ -67,13 +76,63 @@ class BesideSession(EngineSession, Protocol):
 
 
 class RolloutLoop(Protocol):
-    """Turns prompts into trainable rows."""
+    """Turns prompts into trainable rows, and owns whatever it keeps between calls: the trainer holds this protocol,
+    never a concrete loop, so a loop that keeps work in flight (`carry_over.CarryOverLoop`) saves, restores, settles
+    and scores it behind these methods, and one that keeps nothing (`OneSessionLoop`) does nothing there."""
 
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         """The rows for `prompts` (B prompts with the driver's columns in; B*n rows out, sample `j` of prompt `i` at
         row `i*n + j`, each with its prompt's columns) and the session's timings. `params.seed` is set: it seeds
         every sample (`seeded_request`), so the rows do not depend on how many engines share the work."""
         ...
+
+    def score(self, rows: Batch, scorer: Scorer) -> Scored:
+        """The scores of `rows` (a training batch this loop returned, or validation's rows): every reward call of the
+        run goes through here, so a loop that scores finished groups beside the engines hands those results back,
+        calls `scorer` for the rest, and never lets two reward calls run at once."""
+        ...
+
+    def settle(self) -> None:
+        """Collect work still running between steps (a call beside the update), so `state_dict` holds its result."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the loop keeps between calls (JSON-able; empty when nothing): part of the trainer's checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` (a resume, or a step undone on a stop signal); `{}`: a run that kept nothing."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the loop runs in the background (a scorer thread)."""
+        ...
+
+
+class OneSessionLoop:
+    """What a loop that keeps nothing between calls does besides `run` (the synchronous schedule): it scores on the
+    spot, has nothing to settle or save, and warns when given the work in flight of an asynchronous run's checkpoint
+    (resumed with `trainer.max_staleness: 0`, those groups are not trained)."""
+
+    def score(self, rows: Batch, scorer: Scorer) -> Scored:
+        return scorer(rows)
+
+    def settle(self) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            logger.warning(
+                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
+                "max_staleness: 0 does not carry them over",
+                len(state.get("groups", [])) + len(state.get("queue", [])),
+            )
+
+    def close(self) -> None:
+        return None
 
 
 def seeded_request(prompts: Batch, params: SamplingParams) -> Batch:
@@ -93,7 +152,7 @@ def with_prompts(prompts: Batch, rows: Batch, params: SamplingParams) -> Batch:
     return prompts.repeat_interleave(params.n).union(rows)
 
 
-class SingleTurnLoop:
+class SingleTurnLoop(OneSessionLoop):
     """One response per sample, in one engine session per call: today's synchronous loop. The three lifecycle steps
     go as one call per engine (`generate_sequences`): the same work as open / generate / close, one round trip."""
 

@@ -29,16 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from easyrl.agent import Environments, Episode, Observation, ToolCall, has_tool_call, parse_tool_calls, run_tool_calls
 from easyrl.batch import Batch
 from easyrl.rollout.engine import SamplingParams
-from easyrl.rollout.loop import EngineSession, with_prompts
-from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+from easyrl.rollout.loop import EngineSession, OneSessionLoop
+from easyrl.rollout.trajectory import Trajectory, request_of, rows_of
+from easyrl.seeding import derive_seed, prompt_seeds
 
 
-__all__ = ["ChatRenderer", "MultiTurnLoop", "Sample", "ToolSettings", "TurnBudget", "extend_sample"]
+__all__ = ["ChatRenderer", "MultiTurnLoop", "ToolSettings", "Transcript", "TurnBudget", "extend_transcript"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,66 +92,70 @@ class ToolSettings:
 
 
 @dataclass
-class Sample:
-    """One trainable sequence: a prompt and what followed it, as token ids with their loss mask and the engine's
-    log-probs (0 on observation tokens), and its text (what the chat template's rendering must extend)."""
+class Transcript:
+    """A trajectory as the chat template sees it: its record (`Trajectory`) and the text its ids spell (the prompt's
+    text and the text of every token appended since), which the template's next rendering must extend."""
 
-    prompt_ids: list[int]
+    record: Trajectory
     prompt_text: str
-    ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    text: str = field(init=False)
-    """The prompt's text and the text of every token appended since."""
+    text: str = ""
 
     def __post_init__(self) -> None:
-        self.text = self.prompt_text
+        self.text = self.text or self.prompt_text
 
-    def append(self, ids: list[int], text: str, trained: bool, log_probs: list[float] | None = None) -> None:
-        self.ids += ids
-        self.loss_mask += [int(trained)] * len(ids)
-        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+    def append_completion(self, ids: list[int], text: str, log_probs: list[float], version: int) -> None:
+        self.record.append(ids, trained=True, log_probs=log_probs, version=version)
         self.text += text
 
 
-def extend_sample(sample: Sample, rendered: str, chat: ChatRenderer) -> tuple[Sample, int]:
-    """The exact-prefix rule: when `rendered` (the conversation as the template now shows it) extends the sample's
-    text, append the rest as observation tokens (loss 0) and return (the sample, tokens added); otherwise start a
-    new sample whose prompt is `rendered` and return (it, 0)."""
-    if rendered.startswith(sample.text):
-        rest = rendered[len(sample.text) :]
+def extend_transcript(transcript: Transcript, rendered: str, chat: ChatRenderer) -> tuple[Transcript, int]:
+    """The exact-prefix rule: when `rendered` (the conversation as the template now shows it) extends the transcript's
+    text, append the rest as observation tokens (loss 0) and return (the transcript, tokens added); otherwise start a
+    new one whose prompt is `rendered` (its calls' counts carried on) and return (it, 0)."""
+    record = transcript.record
+    version = record.call_versions[-1] if record.call_versions else -1  # the completion the observation answers
+    if rendered.startswith(transcript.text):
+        rest = rendered[len(transcript.text) :]
         ids = chat.encode(rest)
-        sample.append(ids, rest, trained=False)
-        return sample, len(ids)
-    return Sample(chat.encode(rendered), rendered), 0
+        record.append(ids, trained=False, log_probs=None, version=version)
+        transcript.text += rest
+        return transcript, len(ids)
+    fresh = Trajectory(
+        chat.encode(rendered),
+        record.columns,
+        call_versions=list(record.call_versions),
+        logprob_rows=list(record.logprob_rows),
+        sessions=record.sessions,
+        last_session=record.last_session,
+    )
+    return Transcript(fresh, rendered), 0
 
 
 @dataclass
-class Trajectory:
-    """One rollout: its episode (environment and tools), the sample being built and the counts the metrics read."""
+class ToolRollout:
+    """One rollout: its episode (environment and tools), the transcript being built and the counts the metrics
+    read."""
 
     episode: Episode
     seed: int
-    sample: Sample
+    transcript: Transcript
     tools: list[dict[str, Any]]
-    earlier: list[Sample] = field(default_factory=list)
+    earlier: list[Transcript] = field(default_factory=list)
     used: int = 0
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
     observation_tokens: int = 0
-    versions: list[int] = field(default_factory=list)
-    logprob_rows: list[bool] = field(default_factory=list)
     final_response: str = ""
     stop_reason: str | None = None
     pending: list[ToolCall] = field(default_factory=list)
 
     def context(self) -> list[int]:
-        return self.sample.prompt_ids + self.sample.ids
+        return self.transcript.record.context()
 
 
-class MultiTurnLoop:
+class MultiTurnLoop(OneSessionLoop):
     """A `RolloutLoop` of several turns with tools or an environment between them (module docstring)."""
 
     def __init__(
@@ -169,6 +172,7 @@ class MultiTurnLoop:
         self.tool_settings = tools
         self.engines = engines  # the request of each turn is padded to split evenly over them
         self.pad_id = chat.tokenizer.pad_token_id
+        self.sessions = 0  # engine sessions opened: each run is one
         self._warned_split = False
 
     # ------------------------------------------------------------------ the loop
@@ -178,13 +182,14 @@ class MultiTurnLoop:
         if any(prompts.non_tensors.get("multi_modal_inputs") or []):
             raise ValueError("multi-turn rollouts take text prompts only: this batch carries images, videos or audio")
         firsts = prompt_seeds(params.seed, len(prompts), params.n).tolist()
-        rows = prompts["row"]
+        columns = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
         trajectories = [
-            self._start(rows[i // params.n], firsts[i // params.n] + i % params.n)
+            self._start(columns[i // params.n], firsts[i // params.n] + i % params.n)
             for i in range(len(prompts) * params.n)
         ]
         stop_ids = {self.chat.tokenizer.eos_token_id, *params.stop_token_ids}
         timings = engines.open_rollout()
+        self.sessions += 1
         gen_s = tool_s = 0.0
         try:
             for turn in range(self.budget.max_turns):
@@ -199,14 +204,15 @@ class MultiTurnLoop:
                 tool_s += time.perf_counter() - start
         finally:
             timings |= engines.close_rollout()
-        rows_out = self._rows(trajectories)
-        batch = with_prompts(prompts, rows_out, params)
+        batch = rows_of([t.transcript.record for t in trajectories], self.pad_id)
+        if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare against
+            batch.tensors.pop("rollout_log_probs")
         batch.set(**self._driver_columns(batch, trajectories))
         timings |= {"timing_s/generate_turns": gen_s, "timing_s/tools": tool_s}
         return batch, timings | self._metrics(trajectories)
 
-    def _start(self, row: dict[str, Any], seed: int) -> Trajectory:
-        episode = self.environments.start(row)
+    def _start(self, columns: dict[str, Any], seed: int) -> ToolRollout:
+        episode = self.environments.start(columns["row"])
         text = self.chat.render(episode.messages, episode.schemas)
         ids = self.chat.encode(text)
         if len(ids) > self.budget.max_prompt_length:
@@ -214,16 +220,16 @@ class MultiTurnLoop:
                 f"a multi-turn prompt has {len(ids)} tokens (the tools' schemas included) > data.max_prompt_length="
                 f"{self.budget.max_prompt_length}: raise data.max_prompt_length (environment {episode.env_name})"
             )
-        return Trajectory(episode, seed, Sample(ids, text), episode.schemas)
+        return ToolRollout(episode, seed, Transcript(Trajectory(ids, columns), text), episode.schemas)
 
     def _generate(
-        self, engines: EngineSession, live: list[Trajectory], turn: int, params: SamplingParams, stop_ids: set[int]
+        self, engines: EngineSession, live: list[ToolRollout], turn: int, params: SamplingParams, stop_ids: set[int]
     ) -> None:
         """One engine call for every live trajectory; appends each completion (loss 1) and decides what comes next."""
         limits = [min(self.budget.max_tokens_per_turn, self.budget.max_total_tokens - t.used) for t in live]
         max_tokens = max(limits)
         seeds = [t.seed if turn == 0 else derive_seed(t.seed, turn, "attempt") for t in live]
-        request = self._request([t.context() for t in live], seeds)
+        request = request_of([t.context() for t in live], seeds, self.pad_id, self.engines)
         out = engines.generate(request, params.override({"n": 1, "max_tokens": max_tokens}))
         lengths = out["response_mask"].sum(dim=1).tolist()
         for i, (traj, limit) in enumerate(zip(live, limits)):
@@ -232,14 +238,13 @@ class MultiTurnLoop:
             cut = n > limit  # the call's width is the widest budget's: this trajectory's own may be smaller
             ids = ids[:limit]
             stopped = not cut and (n < max_tokens or (n > 0 and ids[-1] in stop_ids))
-            traj.sample.append(
-                ids, self.chat.decode(ids), trained=True, log_probs=out["rollout_log_probs"][i, : len(ids)].tolist()
-            )
+            version = int(out["policy_version"][i])
+            lps = out["rollout_log_probs"][i, : len(ids)].tolist()
+            traj.transcript.append_completion(ids, self.chat.decode(ids), lps, version)
+            has_logprobs = bool(out["rollout_logprob_mask"][i]) if "rollout_logprob_mask" in out else None
+            traj.transcript.record.record_call(self.sessions, version, has_logprobs)
             traj.used += len(ids)
             traj.turns += 1
-            traj.versions.append(int(out["policy_version"][i]))
-            if "rollout_logprob_mask" in out:
-                traj.logprob_rows.append(bool(out["rollout_logprob_mask"][i]))
             content = self.chat.decode(ids[:-1] if stopped and ids and ids[-1] in stop_ids else ids)
             traj.episode.messages.append({"role": "assistant", "content": content})
             traj.final_response = content
@@ -251,22 +256,7 @@ class MultiTurnLoop:
                 traj.pending = parse_tool_calls(content)
                 traj.tool_calls += len(traj.pending)
 
-    def _request(self, contexts: list[list[int]], seeds: list[int]) -> Batch:
-        """Left-padded contexts with their seeds, padded (the last one repeated) to split evenly over the engines."""
-        extra = (-len(contexts)) % self.engines
-        contexts = contexts + [contexts[-1]] * extra
-        seeds = seeds + [seeds[-1]] * extra
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
-            mask[i, width - len(c) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        seed_column = torch.tensor(seeds, dtype=torch.int64)
-        return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions, SEED_COLUMN: seed_column})
-
-    def _run_tools(self, calling: list[Trajectory], last_turn: bool) -> None:
+    def _run_tools(self, calling: list[ToolRollout], last_turn: bool) -> None:
         """Run the calls of this turn; unless the trajectory ends here, append the observations (loss 0)."""
         s = self.tool_settings
         results = run_tool_calls(
@@ -283,62 +273,24 @@ class MultiTurnLoop:
             else:
                 self._observe(traj, observations)
 
-    def _observe(self, traj: Trajectory, observations: list[Observation]) -> None:
+    def _observe(self, traj: ToolRollout, observations: list[Observation]) -> None:
         traj.episode.messages += [o.message() for o in observations]
         rendered = self.chat.render(traj.episode.messages, traj.tools)
-        sample, added = extend_sample(traj.sample, rendered, self.chat)
-        if sample is not traj.sample:
-            traj.earlier.append(traj.sample)
-            traj.sample = sample
+        transcript, added = extend_transcript(traj.transcript, rendered, self.chat)
+        if transcript is not traj.transcript:
+            traj.earlier.append(traj.transcript)
+            traj.transcript = transcript
             return
         traj.observation_tokens += added
         traj.used += added
         if traj.used >= self.budget.max_total_tokens:  # no room left to answer: cut the observation to the budget
             over = traj.used - self.budget.max_total_tokens
             if over:
-                del sample.ids[-over:], sample.loss_mask[-over:], sample.log_probs[-over:]
+                transcript.record.truncate(len(transcript.record.response_ids) - over)
             traj.stop_reason = "budget"
 
     # ------------------------------------------------------------------ rows
-    def _rows(self, trajectories: list[Trajectory]) -> Batch:
-        """The engine's row contract, one row per trajectory (its last sample): prompts left-padded, responses
-        right-padded, `response_mask` over every response token, `loss_mask` over the sampled ones."""
-        samples = [t.sample for t in trajectories]
-        width_p = max(len(s.prompt_ids) for s in samples)
-        width_r = max(1, max(len(s.ids) for s in samples))
-        rows = len(samples)
-        prompts = torch.full((rows, width_p), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros_like(prompts)
-        responses = torch.full((rows, width_r), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros_like(responses)
-        loss_mask = torch.zeros_like(responses)
-        log_probs = torch.zeros((rows, width_r), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            p, r = len(s.prompt_ids), len(s.ids)
-            prompts[i, width_p - p :] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            prompt_mask[i, width_p - p :] = 1
-            if r:
-                responses[i, :r] = torch.tensor(s.ids, dtype=torch.long)
-                response_mask[i, :r] = 1
-                loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.long)
-                log_probs[i, :r] = torch.tensor(s.log_probs, dtype=torch.float32)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        tensors = {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": response_mask,
-            "loss_mask": loss_mask,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-            "rollout_log_probs": log_probs,
-            "policy_version": torch.tensor([min(t.versions) for t in trajectories], dtype=torch.int64),
-        }
-        if all(t.logprob_rows for t in trajectories):  # the engine samples log-probs for some rows only
-            tensors["rollout_logprob_mask"] = torch.tensor([all(t.logprob_rows) for t in trajectories])
-        return Batch(tensors)
-
-    def _driver_columns(self, batch: Batch, trajectories: list[Trajectory]) -> dict[str, list[Any]]:
+    def _driver_columns(self, batch: Batch, trajectories: list[ToolRollout]) -> dict[str, list[Any]]:
         """What the reward function and the logs read: the row with the trajectory's outcome added (its final
         answer, counts, why it stopped, the environment's reward) and the prompt as the model saw it."""
         rows = []
@@ -358,15 +310,15 @@ class MultiTurnLoop:
             rows.append({**row, **outcome})  # a copy per trajectory: the n samples of a prompt shared one dict
         return {
             "row": rows,
-            "raw_prompt": [t.sample.prompt_text for t in trajectories],
+            "raw_prompt": [t.transcript.prompt_text for t in trajectories],
             "stop_reason": [t.stop_reason for t in trajectories],
         }
 
-    def _metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    def _metrics(self, trajectories: list[ToolRollout]) -> dict[str, float]:
         count = len(trajectories)
         calls = sum(t.tool_calls for t in trajectories)
         split = [t for t in trajectories if t.earlier]
-        untrained = sum(sum(s.loss_mask) for t in split for s in t.earlier)
+        untrained = sum(sum(s.record.loss_mask) for t in split for s in t.earlier)
         if split and not self._warned_split:
             self._warned_split = True
             logger.warning(

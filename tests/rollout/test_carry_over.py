@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from easyrl.batch import Batch
-from easyrl.rollout.carry_over import Group, Sample, admission_room, choose_groups, left_padded, staleness_metrics
+from easyrl.rollout.carry_over import Group, admission_room, choose_groups, staleness_metrics
+from easyrl.rollout.trajectory import Trajectory, left_padded
 from tests.conftest import base_config, write_config
 
 
@@ -33,7 +34,7 @@ def test_admission_room_keeps_every_admitted_group_within_the_staleness_bound() 
 
 
 def _group(admitted_at: int, finished_at: int = -1) -> Group:
-    return Group([1], {}, seed=0, samples=[Sample()], admitted_at=admitted_at, finished_at=finished_at)
+    return Group([1], {}, seed=0, samples=[Trajectory([1])], admitted_at=admitted_at, finished_at=finished_at)
 
 
 def test_due_groups_train_first_then_the_groups_that_finished_first() -> None:
@@ -246,7 +247,9 @@ def test_a_resumed_asynchronous_run_continues_every_response_in_flight(
     first, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=2)
     saved = json.loads((tmp_path / "split" / "run" / "global_step_2" / "trainer_state.json").read_text())
     in_flight = saved["state"]["rollout_loop"]["groups"]
-    assert any(len(s["tokens"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), "no partial response"
+    assert any(len(s["response_ids"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), (
+        "no partial response"
+    )
     second, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=4)
     resumed = [r for r in second if r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]

@@ -22,7 +22,15 @@ from easyrl.batch import Batch
 from easyrl.config.multi_turn import MultiTurnConfig
 from easyrl.rollout import SamplingParams, SingleTurnLoop
 from easyrl.rollout.hf import HFRolloutEngine
-from easyrl.rollout.multi_turn import ChatRenderer, MultiTurnLoop, Sample, ToolSettings, TurnBudget, extend_sample
+from easyrl.rollout.multi_turn import (
+    ChatRenderer,
+    MultiTurnLoop,
+    ToolSettings,
+    Transcript,
+    TurnBudget,
+    extend_transcript,
+)
+from easyrl.rollout.trajectory import Trajectory
 from easyrl.seeding import SEED_COLUMN
 
 
@@ -207,36 +215,36 @@ def test_the_exact_prefix_rule_keeps_sampled_ids_and_starts_a_new_sample_when_th
         renderer = ChatRenderer(tok, template)
         convo = [dict(m) for m in messages]
         prompt = renderer.render(convo, [])
-        sample = Sample(renderer.encode(prompt), prompt)
+        sample = Transcript(Trajectory(renderer.encode(prompt)), prompt)
         # the model spelled `<think>` out character by character: decoding and re-tokenizing would give the single
         # `<think>` token instead, another sequence than the one sampled
         completion = "<think>7*8</think>56"
         sampled = [tok.convert_tokens_to_ids(c) for c in completion] + [tok.eos_token_id]
         assert renderer.encode(completion) != sampled[:-1]
-        sample.append(sampled, renderer.decode(sampled), trained=True, log_probs=[-1.0] * len(sampled))
+        sample.append_completion(sampled, renderer.decode(sampled), [-1.0] * len(sampled), version=0)
         convo += [{"role": "assistant", "content": completion}, {"role": "user", "content": "and 9*9?"}]
         rendered = renderer.render(convo, [])
-        same, added = extend_sample(sample, rendered, renderer)
+        same, added = extend_transcript(sample, rendered, renderer)
         if not rewrites:
             assert same is sample and added > 0
-            assert sample.ids[: len(sampled)] == sampled  # the history as sampled, never re-tokenized
-            assert sample.loss_mask == [1] * len(sampled) + [0] * added
+            assert sample.record.response_ids[: len(sampled)] == sampled  # the history as sampled, never re-tokenized
+            assert sample.record.loss_mask == [1] * len(sampled) + [0] * added
             assert (
-                renderer.decode(sample.ids[len(sampled) :])
+                renderer.decode(sample.record.response_ids[len(sampled) :])
                 == "\n<|im_start|>user\nand 9*9?<|im_end|>\n<|im_start|>assistant\n"
             )
         else:
-            assert same is not sample and added == 0 and same.ids == []
+            assert same is not sample and added == 0 and same.record.response_ids == []
             assert (
                 same.prompt_text == rendered
                 and "<think>" not in rendered
-                and same.prompt_ids == renderer.encode(rendered)
+                and same.record.prompt_ids == renderer.encode(rendered)
             )
         # a tool message is no user message: the thinking stays, and the turn stays one sample with either template
         tool_convo = [*convo[:2], {"role": "tool", "content": "56"}]
-        kept = Sample(renderer.encode(prompt), prompt)
-        kept.append(sampled, renderer.decode(sampled), trained=True)
-        assert extend_sample(kept, renderer.render(tool_convo, []), renderer)[0] is kept
+        kept = Transcript(Trajectory(renderer.encode(prompt)), prompt)
+        kept.append_completion(sampled, renderer.decode(sampled), [0.0] * len(sampled), version=0)
+        assert extend_transcript(kept, renderer.render(tool_convo, []), renderer)[0] is kept
 
 
 def test_a_template_that_rewrites_history_starts_a_new_sample_and_trains_the_last(

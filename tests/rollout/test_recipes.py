@@ -11,7 +11,7 @@ import pytest
 
 from easyrl.batch import Batch
 from easyrl.rollout import EngineSession, SamplingParams
-from easyrl.rollout.loop import seeded_request, with_prompts
+from easyrl.rollout.loop import OneSessionLoop, seeded_request, with_prompts
 from tests.conftest import metric_mismatches, train_steps
 
 
@@ -94,8 +94,8 @@ def test_a_registered_engine_is_built_from_its_name_and_trains_like_the_engine_i
     assert "timing_s/update_weights" in step1[1]
 
 
-class TwoCallLoop:
-    """The loop recipe: one engine session, the prompts generated in two `generate` calls (a first half, then the
+class TwoCallLoop(OneSessionLoop):
+    """The loop recipe (`OneSessionLoop` gives it the rest of the protocol: it keeps nothing between calls): one engine session, the prompts generated in two `generate` calls (a first half, then the
     rest), as a loop that feeds the engines in waves would. Each prompt keeps the seed of its index in the whole
     batch (`seeded_request` before the split), so the rows are the single-turn loop's."""
 
