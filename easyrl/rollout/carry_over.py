@@ -49,8 +49,9 @@ import torch
 from easyrl.batch import Batch
 from easyrl.rollout.early_rewards import EarlyRewards, row_keys, score_means
 from easyrl.rollout.engine import SamplingParams
+from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
 from easyrl.rollout.loop import EngineSession, Scored, Scorer
-from easyrl.rollout.trajectory import Trajectory, request_of, rows_of
+from easyrl.rollout.trajectory import Trajectory, append_call, request_of, rows_of
 from easyrl.seeding import derive_seed, prompt_seeds
 
 
@@ -150,6 +151,7 @@ class CarryOverLoop:
         engines: int,
         scorer: Scorer | None = None,
         beside: bool = False,
+        episode: Episode | None = None,
     ) -> None:
         """`scorer(rows)` scores the rows of the groups each engine call finished (as they will be handed over) on a
         thread of its own (`EarlyRewards`) while the engines go on generating; `score` hands those results back."""
@@ -159,7 +161,9 @@ class CarryOverLoop:
         self.active_groups = active_groups
         self.chunk_tokens = chunk_tokens
         self.max_len = max_response_length
-        self.stop_ids = set(stop_ids)
+        self.stop_ids = frozenset(stop_ids)
+        # what follows each completion; a call cut at `chunk_tokens` with room left is a step with no observation
+        self.episode: Episode = episode or SingleTurnEpisode(max_response_length)
         self.pad_id = pad_id
         self.engines = engines
         self.queue: deque[Group] = deque()  # prompts given, not admitted yet
@@ -225,6 +229,7 @@ class CarryOverLoop:
             "async/groups_carried": float(carried),
         }
         metrics |= staleness_metrics(rows, version, self.max_staleness)
+        metrics |= self.episode.metrics([s for g in chosen for s in g.samples])
         metrics |= self.wait_metrics(start, end, session_s + metrics.get("async/beside_engine_s", 0.0))
         self.last_end = end
         return rows, metrics
@@ -245,7 +250,7 @@ class CarryOverLoop:
                     prompt_ids=prompt_ids,
                     columns=columns,
                     seed=int(seeds[i]),
-                    samples=[Trajectory(prompt_ids, columns) for _ in range(params.n)],
+                    samples=[self.episode.start(prompt_ids, columns) for _ in range(params.n)],
                 )
             )
 
@@ -321,21 +326,20 @@ class CarryOverLoop:
         if "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
             raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
         kept = 0
-        # the engine's record: which tokens exist, their behaviour log-probs and the policy version that sampled them
+        ended: list[tuple[Trajectory, bool]] = []
         valid = out["response_mask"].sum(dim=1).tolist()
         for i, (group, j) in enumerate(work):
             sample, count = group.samples[j], int(valid[i])
-            keep = min(count, self.max_len - len(sample.response_ids))  # the last call may overrun max_response_length
-            sample.response_ids += out["responses"][i, :keep].tolist()
-            sample.loss_mask += [1] * keep
-            sample.log_probs += out["rollout_log_probs"][i, :keep].tolist()
-            sample.versions += out["token_policy_version"][i, :keep].tolist()
-            # every row of one call has the call's version; the engine's log-probs were checked above
-            sample.record_call(session, int(out["policy_version"][i]), None)
-            # stopped: fewer tokens than asked (a stop token ended it), or a stop token as the very last one
-            stopped = count < self.chunk_tokens or (count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids)
-            sample.done = stopped or len(sample.response_ids) >= self.max_len
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids
+            # the last call may overrun the episode's limit (max_response_length): its tokens past it are dropped
+            keep, how = after_call(sample, count, self.chunk_tokens, by_token, self.episode.token_limit(sample))
+            append_call(sample, out, i, keep, session, per_row_logprobs=False)  # log-probs checked above
+            if how is not None:
+                sample.turns += 1
+                ended.append((sample, how))
             kept += keep
+        for (sample, _), step in zip(ended, self.episode.after(ended, self.stop_ids)):
+            apply_step(sample, step)
         for group in {id(g): g for g, _ in work}.values():
             group.calls += 1
             if group.finished_at < 0 and all(s.done for s in group.samples):
@@ -353,18 +357,21 @@ class CarryOverLoop:
         later = [g for g in finished if not any(g is f for f in first)]
         for part in (first, later):
             if part:
-                self.early.submit(self.rows_of(part, params))
+                self.early.submit(self.group_rows(part, params))
 
     def hand_over(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of `chosen`; they leave flight, and the step count moves on."""
         self.groups = [g for g in self.groups if not any(g is c for c in chosen)]
         self.handed_over += len(chosen)
         self.steps += 1
-        return self.rows_of(chosen, params)
+        return self.group_rows(chosen, params)
 
-    def rows_of(self, chosen: list[Group], params: SamplingParams) -> Batch:
+    def group_rows(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of finished groups (sample `j` of group `i` at row `i * n + j`) with their prompts' columns."""
-        return rows_of([s for g in chosen for s in g.samples], self.pad_id, self.max_len)
+        samples = [s for g in chosen for s in g.samples]
+        # an episode's observations may take a response past max_response_length: the rows widen to the longest
+        rows = rows_of(samples, self.pad_id, max(self.max_len, *(len(s.response_ids) for s in samples)))
+        return rows.set(**self.episode.columns(samples))
 
     # ------------------------------------------------------------------ scoring
     def score(self, rows: Batch, scorer: Scorer) -> Scored:
@@ -444,6 +451,10 @@ class CarryOverLoop:
         self.per_step = state["per_step"]
         self.queue = deque(Group.from_state(g) for g in state["queue"])
         self.groups = [Group.from_state(g) for g in state["groups"]]
+        if not self.episode.resumable:  # their episodes' state is not in the record (a tool's environment): restart
+            for group in [*self.queue, *self.groups]:
+                group.samples = [self.episode.start(group.prompt_ids, group.columns) for _ in group.samples]
+                group.calls, group.finished_at = 0, -1
         self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
         self.handed_over, self.finished = int(state["handed_over"]), int(state["finished"])
         # a checkpoint from before the count: its samples' last sessions were step numbers, all below `steps`

@@ -46,6 +46,11 @@ class Trajectory:
     last_session: int = -1
     done: bool = False
     stop_reason: str | None = None
+    completion_start: int = 0
+    """Where the completion being sampled starts in `response_ids` (after the last observation): a completion may
+    take several engine calls (carry-over chunks)."""
+    episode_state: Any = field(default=None, repr=False)
+    """What its episode keeps of it (a tool episode: the environment, the conversation); not part of `state_dict`."""
 
     def context(self) -> list[int]:
         """What the next engine call continues: the prompt and every token so far."""
@@ -58,10 +63,15 @@ class Trajectory:
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
         self.versions += [version] * len(ids)
 
-    def truncate(self, length: int) -> None:
-        """Keep the first `length` response tokens (an observation cut to the token budget)."""
-        for values in (self.response_ids, self.loss_mask, self.log_probs, self.versions):
-            del values[length:]
+    def completion(self) -> list[int]:
+        """The tokens of the completion being sampled (or just ended)."""
+        return self.response_ids[self.completion_start :]
+
+    def restart(self, prompt_ids: list[int]) -> None:
+        """A new sample from `prompt_ids` (the chat template rewrote the history): the tokens so far are dropped
+        (untrained); the calls' counts and versions carry on."""
+        self.prompt_ids = prompt_ids
+        self.response_ids, self.loss_mask, self.log_probs, self.versions = [], [], [], []
 
     def record_call(self, session: int, version: int, has_logprobs: bool | None) -> None:
         """Count an engine call of engine session `session`, made with policy `version`."""
@@ -73,7 +83,7 @@ class Trajectory:
 
     def state_dict(self) -> dict[str, Any]:
         """Its tokens and counts, JSON-able, without the prompt (its group holds it once for all its samples)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("prompt_ids", "columns")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("prompt_ids", "columns", "episode_state")}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], prompt_ids: list[int], columns: dict[str, Any]) -> Trajectory:
@@ -83,6 +93,17 @@ class Trajectory:
             state |= {"response_ids": tokens, "loss_mask": [1] * len(tokens)}
             state.setdefault("call_versions", [min(state["versions"])] if state["versions"] else [])
         return cls(prompt_ids, columns, **state)
+
+
+def append_call(trajectory: Trajectory, out: Batch, row: int, keep: int, session: int, per_row_logprobs: bool) -> None:
+    """Append the first `keep` tokens of row `row` of an engine call's output `out` to `trajectory` (sampled: trained,
+    with the engine's log-probs and the call's policy version) and count the call, made in engine session `session`.
+    `per_row_logprobs`: keep the engine's word on whether this row has log-probs (`rollout_logprob_mask`)."""
+    version = int(out["policy_version"][row])
+    ids = out["responses"][row, :keep].tolist()
+    trajectory.append(ids, trained=True, log_probs=out["rollout_log_probs"][row, :keep].tolist(), version=version)
+    told = per_row_logprobs and "rollout_logprob_mask" in out
+    trajectory.record_call(session, version, bool(out["rollout_logprob_mask"][row]) if told else None)
 
 
 def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
