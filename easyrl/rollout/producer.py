@@ -7,6 +7,7 @@ nothing under `trainer/` names a concrete loop).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
@@ -25,16 +26,16 @@ def build_rollout_loop(
 ) -> RolloutLoop:
     """One engine session per batch and one response per sample (`SingleTurnLoop`); several turns with tools between
     them when `worker.rollout.multi_turn` sets an environment or tools (`MultiTurnLoop`); or, with
-    `trainer.max_staleness` >= 1, groups kept in flight across steps (`CarryOverLoop`: it draws prompts of its own
+    `trainer.max_staleness` >= 1, groups kept in flight across steps (`CarryOverLoop`, driving the tool episode when
+    `multi_turn` is on, else the single-turn one: it draws prompts of its own
     with `draw`, ends responses at `eos_id` and `worker.rollout.stop_token_ids` as the engines do, scores each call's
     finished groups with `scorer` beside the engines, and generates beside the training when the engines are
     separate). `engines`: how many engines a call is split over; `chunk_tokens`: the carry-over call's length."""
     staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
-    if rollout.multi_turn.enabled:  # validation refuses multi-turn with max_staleness >= 1 (not built yet)
-        return multi_turn_loop(cfg, engines)
     if staleness == 0:
-        return SingleTurnLoop()
+        return multi_turn_loop(cfg, engines) if rollout.multi_turn.enabled else SingleTurnLoop()
     from easyrl.rollout.carry_over import CarryOverLoop
+    from easyrl.rollout.multi_turn import ToolEpisode
 
     assert draw is not None, "an asynchronous loop draws prompts of its own"
     per_step = cfg.data.rollout_batch_size
@@ -50,23 +51,35 @@ def build_rollout_loop(
         engines=engines,
         scorer=scorer,
         beside=rollout.placement == "separate",  # engines of their own generate while the policy trains
+        episode=ToolEpisode(*tool_parts(cfg)) if rollout.multi_turn.enabled else None,
     )
 
 
-def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop) -> RolloutLoop:
+def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop, engines: int) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
-    in flight: the run's multi-turn loop itself (the tools are part of what is measured), else the single-turn one
-    (a carry-over loop's groups in flight are training work, never validation's)."""
-    return loop if cfg.worker.rollout.multi_turn.enabled else SingleTurnLoop()
+    in flight: with tools, the synchronous multi-turn loop (the run's own when it is synchronous: the tools are part
+    of what is measured), else the single-turn one (a carry-over loop's groups in flight are training work, never
+    validation's)."""
+    if not cfg.worker.rollout.multi_turn.enabled:
+        return SingleTurnLoop()
+    return loop if cfg.trainer.max_staleness == 0 else multi_turn_loop(cfg, engines)
 
 
 def multi_turn_loop(cfg: EasyRLConfig, engines: int) -> RolloutLoop:
-    """The multi-turn loop of `worker.rollout.multi_turn`: its environments and tools imported (a tool without type
-    hints or docstring stops the run here, before any worker starts), the policy's tokenizer and chat template."""
+    """The synchronous multi-turn loop of `worker.rollout.multi_turn` (`tool_parts`)."""
+    from easyrl.rollout.multi_turn import MultiTurnLoop
+
+    return MultiTurnLoop(*tool_parts(cfg), engines)
+
+
+def tool_parts(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
+    """What the tool episode of `worker.rollout.multi_turn` is made of: its environments and tools imported (a tool
+    without type hints or docstring stops the run here, before any worker starts), the policy's tokenizer and chat
+    template, the turn budget and the tool settings."""
     from easyrl.agent import load_environments
     from easyrl.data.prompts import PromptRenderer, load_chat_template
     from easyrl.models import load_tokenizer
-    from easyrl.rollout.multi_turn import ChatRenderer, MultiTurnLoop, ToolSettings, TurnBudget
+    from easyrl.rollout.multi_turn import ChatRenderer, ToolSettings, TurnBudget
 
     mt, model = cfg.worker.rollout.multi_turn, cfg.worker.actor.model
     assert model.tokenizer_path is not None
@@ -78,4 +91,4 @@ def multi_turn_loop(cfg: EasyRLConfig, engines: int) -> RolloutLoop:
     total = mt.max_total_tokens or cfg.data.max_response_length
     budget = TurnBudget(mt.max_turns, total, mt.max_tokens_per_turn or total, cfg.data.max_prompt_length)
     tools = ToolSettings(mt.tool_timeout_s, mt.max_tool_output_chars, mt.max_parallel_tools)
-    return MultiTurnLoop(environments, ChatRenderer(tokenizer, chat_template), budget, tools, engines)
+    return environments, ChatRenderer(tokenizer, chat_template), budget, tools

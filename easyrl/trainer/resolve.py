@@ -15,8 +15,9 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
 from easyrl.rollout import RolloutLoop, WeightSync
 from easyrl.rollout.loop import Scorer
-from easyrl.rollout.producer import build_rollout_loop, one_session_loop
+from easyrl.rollout.producer import build_rollout_loop
 from easyrl.rollout.producer import multi_turn_loop as producer_multi_turn_loop
+from easyrl.rollout.producer import one_session_loop as producer_one_session_loop
 
 
 __all__ = [
@@ -99,6 +100,11 @@ def rollout_loop(
         engines=rollout_engines(cfg),
         chunk_tokens=effective_chunk_tokens(cfg),
     )
+
+
+def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop) -> RolloutLoop:
+    """The loop for validation and ReMax's greedy baselines (`easyrl.rollout.producer.one_session_loop`)."""
+    return producer_one_session_loop(cfg, loop, rollout_engines(cfg))
 
 
 def multi_turn_loop(cfg: EasyRLConfig) -> RolloutLoop:
