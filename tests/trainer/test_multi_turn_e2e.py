@@ -99,6 +99,23 @@ def test_the_tool_demo_learns_with_one_step_of_staleness(tmp_path: Path, monkeyp
     assert sum(r["async/groups_carried"] for r in rows) > 0
 
 
+def test_a_resumed_tool_run_restarts_the_trajectories_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S = 1 with tools: the checkpoint holds the groups in flight but not their environments, so the resumed run
+    starts their trajectories again from their prompts (docs/async.md) and trains on within the bound."""
+    monkeypatch.chdir(REPO)
+    edits = ["trainer.max_staleness=1", "worker.rollout.chunk_tokens=20", "trainer.save_freq=2"]
+    _train(tmp_path, 2, edits)
+    saved = json.loads((tmp_path / "run" / "global_step_2" / "trainer_state.json").read_text())
+    in_flight = saved["state"]["rollout_loop"]["groups"]
+    assert in_flight and all("episode_state" not in s for g in in_flight for s in g["samples"])
+    rows = _train(tmp_path, 4, edits)  # resumes from global_step_2
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["async/staleness_max"] for r in rows) <= 1
+    assert all(r["multi_turn/turns_mean"] >= 1 for r in rows)
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_the_tool_demo_runs_on_the_vllm_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
