@@ -229,6 +229,45 @@ _VOLATILE = (
 )
 
 
+@pytest.mark.slow
+def test_online_filtering_at_one_step_of_staleness_keeps_the_batch_size(
+    ray_session, tmp_path, tiny_model_dir, digits_data
+) -> None:
+    """DAPO's filter under carry-over (S = 1): the trainer asks the loop for groups, `mini_rollout_batch_size` at a
+    time, until `rollout_batch_size` informative ones are kept, so every update trains exactly B * n rows, and none
+    of their tokens is older than the bound."""
+    edits = {
+        **ASYNC_EDITS,
+        "trainer.max_staleness": 1,
+        "algorithm.online_filtering": True,
+        "algorithm.filter_low": 0.0,
+        "algorithm.filter_high": 1.0,
+        "algorithm.max_try_make_batch": 30,
+        "data.mini_rollout_batch_size": 2,
+        "worker.rollout.n": 4,
+    }
+    trainer = _trainer(tmp_path, tiny_model_dir, digits_data, edits, 3)
+    actor, trained = trainer.actor, []
+    update = actor.update_actor
+
+    def record_update(batch: Batch, entropy_coeff: float) -> dict[str, float]:
+        trained.append((actor.policy_version(), batch))
+        return update(batch, entropy_coeff)
+
+    actor.update_actor = record_update
+    try:
+        trainer.fit()
+        want = trainer.cfg.data.rollout_batch_size * 4
+    finally:
+        trainer.close()
+    assert [len(batch) for _, batch in trained] == [want] * 3
+    for version, batch in trained:
+        ages = (version - batch["token_policy_version"])[batch["loss_mask"].bool()]
+        assert int(ages.min()) >= 0 and int(ages.max()) <= 1, (version, ages)
+    rows = [r for r in _log(tmp_path) if "batch/num_gen_batches" in r]
+    assert len(rows) == 3 and all(r["batch/num_gen_batches"] >= 2 for r in rows)
+
+
 def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in rows]
 
