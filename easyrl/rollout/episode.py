@@ -3,7 +3,7 @@
 An `Episode` starts a `Trajectory` from a prompt's columns and, each time a completion ends (a stop token, or the
 token limit the episode set for it), says `Continue(observation)` (append these tokens, attended and never trained,
 and sample again) or `Stop(reason)`. The schedules drive any episode: the synchronous one
-(`multi_turn.EpisodeLoop`, one engine session per batch) and carry-over (`carry_over.CarryOverLoop`, calls of
+(`loop.EpisodeLoop`, one engine session per batch) and carry-over (`carry_over.CarryOverLoop`, calls of
 `chunk_tokens` across steps). An engine call that ends neither way (cut at the schedule's own chunk, with room left)
 is a step with no observation: the schedule continues the trajectory without asking the episode (`after_call`).
 

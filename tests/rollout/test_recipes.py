@@ -114,7 +114,8 @@ def test_a_new_rollout_loop_plugs_into_the_trainer_and_trains_like_the_single_tu
     tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     single, _, _ = train_steps(tmp_path / "single", tiny_model_dir, digits_data, {}, steps=2)
-    # the recipe's one line: `easyrl.trainer.resolve.rollout_loop` returns the new loop
+    # the recipe's one line: the producer (`easyrl.rollout.producer.build_rollout_loop`, which the trainer reaches
+    # through `trainer.resolve.rollout_loop`) returns the new loop
     monkeypatch.setattr("easyrl.trainer.trainer.rollout_loop", lambda cfg, *sources: TwoCallLoop())
     waves, _, _ = train_steps(tmp_path / "waves", tiny_model_dir, digits_data, {}, steps=2)
     assert [row.pop("rollout/generate_calls") for row in waves] == [2.0, 2.0]  # the trainer ran the new loop
