@@ -191,17 +191,16 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
 # throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
-# version, the carry-over loop keeps the tokens an engine call produced, the multi-turn loop reads the engine's
-# completion lengths and writes both masks of its rows, and a remote distillation teacher rebuilds the sequence as it
-# was attended to ask for its log-probs. Everything that trains or scores reads `loss_mask` (tool output is
-# attended, never trained on).
+# version, the two schedules (carry-over, the synchronous `EpisodeLoop`) keep the tokens an engine call produced,
+# and a remote distillation teacher rebuilds the sequence as it was attended to ask for its log-probs. Everything
+# that trains or scores reads `loss_mask` (tool output is attended, never trained on).
 ATTENTION_MASK_READERS = {
     "easyrl.trainer.trainer",
     "easyrl.trainer.step_math",
     "easyrl.workers.head",
     "easyrl.rollout.worker",
     "easyrl.rollout.carry_over",
-    "easyrl.rollout.multi_turn",  # reads the engine's completion lengths, and writes both masks of its rows
+    "easyrl.rollout.loop",  # the synchronous schedule reads the engine's completion lengths (`EpisodeLoop`)
     "easyrl.scorers.teacher",
 }
 
@@ -337,6 +336,54 @@ def test_rooms_import_nothing_above_them(room: str, above: tuple[str, ...]) -> N
 ROLLOUT_ROOM = "easyrl.rollout"
 ENGINE_MODULES = {"easyrl.rollout.hf", "easyrl.rollout.vllm"}
 """The engines' own modules: only the rollout room names their classes (`rollout.worker.build_engine` builds one)."""
+
+
+CONCRETE_LOOP_MODULES = {"easyrl.rollout.carry_over", "easyrl.rollout.multi_turn"}
+CONCRETE_LOOP_CLASSES = {"SingleTurnLoop", "CarryOverLoop", "MultiTurnLoop", "OneSessionLoop"}
+"""The loops themselves: the trainer holds the `RolloutLoop` protocol and gets its loop from `rollout.producer`."""
+
+
+def _concrete_loop_imports(module: str) -> list[str]:
+    return [
+        f"{module} -> {target} {names or '(the whole module)'}"
+        for target, names in _imports(module)
+        if _inside(target, ROLLOUT_ROOM)
+        and (target in CONCRETE_LOOP_MODULES or any(n in CONCRETE_LOOP_CLASSES for n in names))
+    ]
+
+
+def test_the_trainer_never_imports_a_concrete_rollout_loop() -> None:
+    """`trainer/` drives every loop through `RolloutLoop` (run, score, settle, state_dict, load_state_dict, close):
+    no `isinstance` on a loop type, no module of one. The loop is chosen in `rollout.producer`."""
+    assert set(MODULES) >= CONCRETE_LOOP_MODULES
+    assert _concrete_loop_imports("easyrl.rollout.producer"), "the rule must see the producer's own imports"
+    offenders = [line for m in MODULES if _inside(m, "easyrl.trainer") for line in _concrete_loop_imports(m)]
+    assert not offenders, "hold the RolloutLoop protocol; pick the loop in easyrl.rollout.producer:\n" + "\n".join(
+        offenders
+    )
+
+
+ONE_RECORD = {"Sample", "Trajectory", "left_padded", "request_of", "rows_of", "append_call"}
+"""The rollout's token record and its two conversions (to a request, to rows): defined in `rollout.trajectory`
+alone, so every schedule and episode shares them instead of keeping its own."""
+
+
+def _defined_names(module: str) -> set[str]:
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    kinds = (ast.FunctionDef, ast.ClassDef)
+    return {node.name for node in tree.body if isinstance(node, kinds)} | {
+        node.name for cls in tree.body if isinstance(cls, ast.ClassDef) for node in cls.body if isinstance(node, kinds)
+    }
+
+
+def test_one_trajectory_record_and_one_row_builder() -> None:
+    assert ONE_RECORD - {"Sample"} <= _defined_names("easyrl.rollout.trajectory")
+    offenders = [
+        f"{m}: {sorted(_defined_names(m) & ONE_RECORD)}"
+        for m in MODULES
+        if _inside(m, ROLLOUT_ROOM) and m != "easyrl.rollout.trajectory" and _defined_names(m) & ONE_RECORD
+    ]
+    assert not offenders, "use easyrl.rollout.trajectory's record, request and rows:\n" + "\n".join(offenders)
 
 
 def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:

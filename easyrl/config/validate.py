@@ -414,12 +414,6 @@ def _check_async(cfg: EasyRLConfig) -> None:
             "worker.rollout.logprob_sample_ratio",
             f"{ratio}: with trainer.max_staleness >= 1 every token keeps its behaviour log-prob; set null or 1",
         )
-    if cfg.algorithm.online_filtering:
-        raise ConfigError("algorithm.online_filtering", "not with trainer.max_staleness >= 1 yet: set one of them off")
-    if rollout.multi_turn.enabled:  # the carry-over loop resumes single responses, not conversations with tools
-        raise ConfigError(
-            "worker.rollout.multi_turn", "not with trainer.max_staleness >= 1 yet: set trainer.max_staleness: 0"
-        )
     if declared_needs(cfg.algorithm.adv_estimator).needs_greedy_baseline:
         raise ConfigError(
             "algorithm.adv_estimator",

@@ -41,32 +41,22 @@ import copy
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from easyrl.batch import Batch
-from easyrl.rollout.engine import SamplingParams, assemble_sequences
-from easyrl.rollout.loop import EngineSession, with_prompts
-from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+from easyrl.rollout.early_rewards import EarlyRewards, row_keys, score_means
+from easyrl.rollout.engine import SamplingParams
+from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
+from easyrl.rollout.loop import EngineSession, Scored, Scorer
+from easyrl.rollout.trajectory import Trajectory, append_call, request_of, rows_of
+from easyrl.seeding import derive_seed, prompt_seeds
 
 
 PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
 """The prompts' tensors; every other column is per-group data carried as it is (text, answers, rows)."""
-
-
-@dataclass
-class Sample:
-    """One response in progress: its tokens so far, the engine's log-prob of each and the policy version that
-    sampled it."""
-
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    sessions: int = 0  # engine sessions it was generated in: 2 or more is a partial rollout resumed
-    last_session: int = -1  # the last of them (the loop's count of sessions opened, `CarryOverLoop.sessions`)
-    done: bool = False
 
 
 @dataclass
@@ -77,18 +67,19 @@ class Group:
     prompt_ids: list[int]
     columns: dict[str, Any]
     seed: int
-    samples: list[Sample]
+    samples: list[Trajectory]
     admitted_at: int = -1  # the step (batches handed over before it) that admitted it; -1 while queued
     calls: int = 0
     finished_at: int = -1  # place in the order in which groups finished; -1 while any sample runs
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
-        return copy.deepcopy({**self.__dict__, "samples": [s.__dict__ for s in self.samples]})
+        return copy.deepcopy({**self.__dict__, "samples": [s.state_dict() for s in self.samples]})
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
-        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
+        prompt, columns = state["prompt_ids"], state["columns"]
+        return cls(**{**state, "samples": [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]})
 
 
 @dataclass
@@ -141,18 +132,6 @@ def choose_groups(groups: list[Group], step: int, max_staleness: int, per_step: 
     return chosen + rest[: per_step - len(chosen)]
 
 
-def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """`rows` of token ids left-padded to the longest: `input_ids`, `attention_mask`, `position_ids` (N, W)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row) :] = 1
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
-
-
 class CarryOverLoop:
     """The loop above. `draw(k)` gives `k` more prompts (the trainer's sampler, each with a fresh `uid`) when the
     queue cannot fill the admission room; `engines` is how many engines a generate call is split over (a call's
@@ -170,18 +149,21 @@ class CarryOverLoop:
         stop_ids: list[int],
         pad_id: int,
         engines: int,
-        on_finished: Callable[[Batch], None] | None = None,
+        scorer: Scorer | None = None,
         beside: bool = False,
+        episode: Episode | None = None,
     ) -> None:
-        """`on_finished(rows)` gets the rows of the groups each engine call finished (as they will be handed over):
-        the trainer scores them while the engines go on generating."""
+        """`scorer(rows)` scores the rows of the groups each engine call finished (as they will be handed over) on a
+        thread of its own (`EarlyRewards`) while the engines go on generating; `score` hands those results back."""
         self.draw = draw
-        self.on_finished = on_finished
+        self.early = EarlyRewards(scorer) if scorer is not None else None
         self.max_staleness = max_staleness
         self.active_groups = active_groups
         self.chunk_tokens = chunk_tokens
         self.max_len = max_response_length
-        self.stop_ids = set(stop_ids)
+        self.stop_ids = frozenset(stop_ids)
+        # what follows each completion; a call cut at `chunk_tokens` with room left is a step with no observation
+        self.episode: Episode = episode or SingleTurnEpisode(max_response_length)
         self.pad_id = pad_id
         self.engines = engines
         self.queue: deque[Group] = deque()  # prompts given, not admitted yet
@@ -247,6 +229,7 @@ class CarryOverLoop:
             "async/groups_carried": float(carried),
         }
         metrics |= staleness_metrics(rows, version, self.max_staleness)
+        metrics |= self.episode.metrics([s for g in chosen for s in g.samples])
         metrics |= self.wait_metrics(start, end, session_s + metrics.get("async/beside_engine_s", 0.0))
         self.last_end = end
         return rows, metrics
@@ -260,12 +243,14 @@ class CarryOverLoop:
         seeds = prompt_seeds(params.seed, offset + len(prompts), params.n)[offset:].tolist()
         mask = prompts["attention_mask"].bool()
         for i in range(len(prompts)):
+            prompt_ids = prompts["input_ids"][i][mask[i]].tolist()
+            columns = {k: v[i] for k, v in prompts.non_tensors.items()}
             self.queue.append(
                 Group(
-                    prompt_ids=prompts["input_ids"][i][mask[i]].tolist(),
-                    columns={k: v[i] for k, v in prompts.non_tensors.items()},
+                    prompt_ids=prompt_ids,
+                    columns=columns,
                     seed=int(seeds[i]),
-                    samples=[Sample() for _ in range(params.n)],
+                    samples=[self.episode.start(prompt_ids, columns) for _ in range(params.n)],
                 )
             )
 
@@ -330,12 +315,9 @@ class CarryOverLoop:
 
     def request_for(self, work: list[tuple[Group, int]], params: SamplingParams) -> tuple[Batch, SamplingParams]:
         """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call."""
-        rows = [g.prompt_ids + g.samples[j].tokens for g, j in work]
         # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
         seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
-        extra = (-len(rows)) % self.engines  # the call splits evenly over the engines: repeat the last row
-        request = Batch(left_padded(rows + [rows[-1]] * extra, self.pad_id))
-        request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
+        request = request_of([g.samples[j].context() for g, j in work], seeds, self.pad_id, self.engines)
         return request, params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
 
     def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:
@@ -344,20 +326,20 @@ class CarryOverLoop:
         if "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
             raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
         kept = 0
-        # the engine's record: which tokens exist, their behaviour log-probs and the policy version that sampled them
+        ended: list[tuple[Trajectory, bool]] = []
         valid = out["response_mask"].sum(dim=1).tolist()
         for i, (group, j) in enumerate(work):
             sample, count = group.samples[j], int(valid[i])
-            keep = min(count, self.max_len - len(sample.tokens))  # the last call may overrun max_response_length
-            sample.tokens += out["responses"][i, :keep].tolist()
-            sample.log_probs += out["rollout_log_probs"][i, :keep].tolist()
-            sample.versions += out["token_policy_version"][i, :keep].tolist()
-            if sample.last_session != session:
-                sample.sessions, sample.last_session = sample.sessions + 1, session
-            # stopped: fewer tokens than asked (a stop token ended it), or a stop token as the very last one
-            stopped = count < self.chunk_tokens or (count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids)
-            sample.done = stopped or len(sample.tokens) >= self.max_len
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids
+            # the last call may overrun the episode's limit (max_response_length): its tokens past it are dropped
+            keep, how = after_call(sample, count, self.chunk_tokens, by_token, self.episode.token_limit(sample))
+            append_call(sample, out, i, keep, session, per_row_logprobs=False)  # log-probs checked above
+            if how is not None:
+                sample.turns += 1
+                ended.append((sample, how))
             kept += keep
+        for (sample, _), step in zip(ended, self.episode.after(ended, self.stop_ids)):
+            apply_step(sample, step)
         for group in {id(g): g for g, _ in work}.values():
             group.calls += 1
             if group.finished_at < 0 and all(s.done for s in group.samples):
@@ -369,43 +351,57 @@ class CarryOverLoop:
         """Hand the groups an engine call finished to `on_finished`; after the step's last call, the ones it trains on
         first (the trainer waits for their scores, while those of the groups carried over can run during the
         update)."""
-        if self.on_finished is None or not finished:
+        if self.early is None or not finished:
             return
         first = [g for g in finished if chosen is None or any(g is c for c in chosen)]
         later = [g for g in finished if not any(g is f for f in first)]
         for part in (first, later):
             if part:
-                self.on_finished(self.rows_of(part, params))
+                self.early.submit(self.group_rows(part, params))
 
     def hand_over(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of `chosen`; they leave flight, and the step count moves on."""
         self.groups = [g for g in self.groups if not any(g is c for c in chosen)]
         self.handed_over += len(chosen)
         self.steps += 1
-        return self.rows_of(chosen, params)
+        return self.group_rows(chosen, params)
 
-    def rows_of(self, chosen: list[Group], params: SamplingParams) -> Batch:
+    def group_rows(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of finished groups (sample `j` of group `i` at row `i * n + j`) with their prompts' columns."""
-        prompts = Batch(left_padded([g.prompt_ids for g in chosen], self.pad_id))
-        for key in chosen[0].columns:
-            prompts.set(**{key: [g.columns[key] for g in chosen]})
         samples = [s for g in chosen for s in g.samples]
-        responses = torch.full((len(samples), self.max_len), self.pad_id, dtype=torch.long)
-        log_probs = torch.zeros((len(samples), self.max_len), dtype=torch.float32)
-        versions = torch.full((len(samples), self.max_len), -1, dtype=torch.int64)
-        for i, s in enumerate(samples):
-            responses[i, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-            log_probs[i, : len(s.tokens)] = torch.tensor(s.log_probs, dtype=torch.float32)
-            versions[i, : len(s.tokens)] = torch.tensor(s.versions, dtype=torch.int64)
-        repeated = prompts.repeat_interleave(params.n)
-        rows = assemble_sequences(
-            repeated["input_ids"], repeated["attention_mask"], responses, self.stop_ids, self.pad_id, log_probs
-        )
-        # the row's oldest token: what its staleness is judged by
-        oldest = torch.tensor([min(s.versions) for s in samples], dtype=torch.int64)
-        rows.set(policy_version=oldest, token_policy_version=versions)
-        rows.set(rollout_sessions=torch.tensor([s.sessions for s in samples], dtype=torch.int64))
-        return with_prompts(prompts, rows, params.override({"logprobs": True}))
+        # an episode's observations may take a response past max_response_length: the rows widen to the longest
+        rows = rows_of(samples, self.pad_id, max(self.max_len, *(len(s.response_ids) for s in samples)))
+        return rows.set(**self.episode.columns(samples))
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, rows: Batch, scorer: Scorer) -> Scored:
+        """The scores of `rows`: a training batch takes those its groups got when they finished (`scorer` scores the
+        rest: a resumed run's groups, or a step undone on a stop signal); any other rows (validation's) are scored
+        by `scorer` once the early calls are done, as the reward manager runs one batch at a time. `reward/<key>`
+        over the batch, the failure counters of the calls collected, and `async/scored_early`."""
+        if self.early is None:
+            return scorer(rows)
+        if "uid" not in rows:
+            self.early.settle()
+            return scorer(rows)
+        early = self.early.take(row_keys(rows))
+        missing = [i for i, result in enumerate(early) if result is None]
+        scores = [result[0] if result is not None else {} for result in early]
+        texts = [result[1] if result is not None else "" for result in early]
+        counters = self.early.drain_counters()
+        if missing:
+            self.early.settle()  # the reward manager runs one batch at a time
+            counters = {k: v + self.early.drain_counters()[k] for k, v in counters.items()}
+            late_scores, late_metrics, late_texts = scorer(rows.index(missing))
+            for i, score, text in zip(missing, late_scores, late_texts):
+                scores[i], texts[i] = score, text
+            counters = {k: v + late_metrics.get(k, 0.0) for k, v in counters.items()}
+        early_share = 1.0 - len(missing) / max(1, len(rows))
+        return scores, score_means(scores) | counters | {"async/scored_early": early_share}, texts
+
+    def close(self) -> None:
+        if self.early is not None:
+            self.early.close()
 
     def wait_metrics(self, start: float, end: float, session_s: float) -> dict[str, float]:
         """Over the window since the previous call ended: how long the trainer waited for rollouts (this call), how
@@ -441,6 +437,12 @@ class CarryOverLoop:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a step undone, or a resume): the early scores of the work since are dropped (those
+        groups finish, and are scored, again). `{}`: a synchronous run's checkpoint, nothing in flight."""
+        if self.early is not None:
+            self.early.forget()
+        if not state:
+            return
         if state["max_staleness"] > self.max_staleness:  # a smaller bound than the groups in flight were admitted for
             raise ValueError(
                 f"the checkpoint's groups in flight were admitted under trainer.max_staleness={state['max_staleness']}; "
@@ -449,6 +451,10 @@ class CarryOverLoop:
         self.per_step = state["per_step"]
         self.queue = deque(Group.from_state(g) for g in state["queue"])
         self.groups = [Group.from_state(g) for g in state["groups"]]
+        if not self.episode.resumable:  # their episodes' state is not in the record (a tool's environment): restart
+            for group in [*self.queue, *self.groups]:
+                group.samples = [self.episode.start(group.prompt_ids, group.columns) for _ in group.samples]
+                group.calls, group.finished_at = 0, -1
         self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
         self.handed_over, self.finished = int(state["handed_over"]), int(state["finished"])
         # a checkpoint from before the count: its samples' last sessions were step numbers, all below `steps`

@@ -17,7 +17,9 @@ trajectory split into several samples only the last one, which holds the final a
 ones are counted (`multi_turn/split_trajectories`, `multi_turn/untrained_tokens`) and a warning says so once. Tool
 calls with the Qwen2.5 / Qwen3 / Hermes templates never split: tool messages are not user messages.
 
-One engine call per turn serves every live trajectory (`EngineSession.generate` inside one open / close). Turn `t`
+This is an episode (`ToolEpisode`, `easyrl.rollout.episode`): after each completion it runs the calls the model made
+and says "continue with these observation tokens" or "stop". The synchronous schedule (`loop.EpisodeLoop`) drives it
+with one engine call per turn for every live trajectory (`EngineSession.generate` inside one open / close). Turn `t`
 of trajectory `k` samples with the seed `derive_seed(row seed of k, t, "attempt")` (turn 0: the row seed itself, so
 a one-turn trajectory samples as the single-turn loop does).
 """
@@ -25,20 +27,24 @@ a one-turn trajectory samples as the single-turn loop does).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from easyrl.agent import Environments, Episode, Observation, ToolCall, has_tool_call, parse_tool_calls, run_tool_calls
-from easyrl.batch import Batch
-from easyrl.rollout.engine import SamplingParams
-from easyrl.rollout.loop import EngineSession, with_prompts
-from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+from easyrl.rollout.episode import Continue, Stop
+from easyrl.rollout.loop import EpisodeLoop
+from easyrl.rollout.trajectory import Trajectory
 
 
-__all__ = ["ChatRenderer", "MultiTurnLoop", "Sample", "ToolSettings", "TurnBudget", "extend_sample"]
+__all__ = [
+    "ChatRenderer",
+    "MultiTurnLoop",
+    "ToolEpisode",
+    "ToolSettings",
+    "ToolState",
+    "TurnBudget",
+    "extend_transcript",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,67 +99,192 @@ class ToolSettings:
 
 
 @dataclass
-class Sample:
-    """One trainable sequence: a prompt and what followed it, as token ids with their loss mask and the engine's
-    log-probs (0 on observation tokens), and its text (what the chat template's rendering must extend)."""
-
-    prompt_ids: list[int]
-    prompt_text: str
-    ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    text: str = field(init=False)
-    """The prompt's text and the text of every token appended since."""
-
-    def __post_init__(self) -> None:
-        self.text = self.prompt_text
-
-    def append(self, ids: list[int], text: str, trained: bool, log_probs: list[float] | None = None) -> None:
-        self.ids += ids
-        self.loss_mask += [int(trained)] * len(ids)
-        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
-        self.text += text
-
-
-def extend_sample(sample: Sample, rendered: str, chat: ChatRenderer) -> tuple[Sample, int]:
-    """The exact-prefix rule: when `rendered` (the conversation as the template now shows it) extends the sample's
-    text, append the rest as observation tokens (loss 0) and return (the sample, tokens added); otherwise start a
-    new sample whose prompt is `rendered` and return (it, 0)."""
-    if rendered.startswith(sample.text):
-        rest = rendered[len(sample.text) :]
-        ids = chat.encode(rest)
-        sample.append(ids, rest, trained=False)
-        return sample, len(ids)
-    return Sample(chat.encode(rendered), rendered), 0
-
-
-@dataclass
-class Trajectory:
-    """One rollout: its episode (environment and tools), the sample being built and the counts the metrics read."""
+class ToolState:
+    """What the tool episode keeps of one trajectory: its environment and conversation, the text its ids spell (the
+    prompt's text and every token's text since, which the template's next rendering must extend) and the counts the
+    metrics read."""
 
     episode: Episode
-    seed: int
-    sample: Sample
     tools: list[dict[str, Any]]
-    earlier: list[Sample] = field(default_factory=list)
+    prompt_text: str
+    text: str = ""
     used: int = 0
-    turns: int = 0
+    """Tokens after the first prompt, generated and observed (`TurnBudget.max_total_tokens`)."""
+    splits: int = 0
+    untrained: int = 0
+    """Sampled tokens of the samples set aside when the template rewrote the history."""
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
     observation_tokens: int = 0
-    versions: list[int] = field(default_factory=list)
-    logprob_rows: list[bool] = field(default_factory=list)
     final_response: str = ""
-    stop_reason: str | None = None
     pending: list[ToolCall] = field(default_factory=list)
 
-    def context(self) -> list[int]:
-        return self.sample.prompt_ids + self.sample.ids
+    def __post_init__(self) -> None:
+        self.text = self.text or self.prompt_text
 
 
-class MultiTurnLoop:
-    """A `RolloutLoop` of several turns with tools or an environment between them (module docstring)."""
+def extend_transcript(text: str, rendered: str, chat: ChatRenderer) -> Continue:
+    """The exact-prefix rule: when `rendered` (the conversation as the template now shows it) extends `text` (what
+    the trajectory's ids spell), the rest is the observation (its tokens, appended with loss 0); otherwise a new
+    sample starts whose prompt is `rendered`."""
+    if rendered.startswith(text):
+        return Continue(chat.encode(rendered[len(text) :]))
+    return Continue([], prompt=chat.encode(rendered))
+
+
+class ToolEpisode:
+    """The tool-using episode (module docstring): it starts from the environment's messages and, after each
+    completion, runs the tool calls in it."""
+
+    resumable = False  # the environments are the user's objects: a trajectory restored from its record restarts
+
+    def __init__(
+        self, environments: Environments, chat: ChatRenderer, budget: TurnBudget, tools: ToolSettings
+    ) -> None:
+        self.environments = environments
+        self.chat = chat
+        self.budget = budget
+        self.tool_settings = tools
+        self._warned_split = False
+
+    def start(self, prompt_ids: list[int], columns: dict[str, Any]) -> Trajectory:
+        episode = self.environments.start(columns["row"])
+        text = self.chat.render(episode.messages, episode.schemas)
+        ids = self.chat.encode(text)
+        if len(ids) > self.budget.max_prompt_length:
+            raise ValueError(
+                f"a multi-turn prompt has {len(ids)} tokens (the tools' schemas included) > data.max_prompt_length="
+                f"{self.budget.max_prompt_length}: raise data.max_prompt_length (environment {episode.env_name})"
+            )
+        return Trajectory(ids, columns, episode_state=ToolState(episode, episode.schemas, text))
+
+    def token_limit(self, trajectory: Trajectory) -> int:
+        return min(self.budget.max_tokens_per_turn, self.budget.max_total_tokens - _state(trajectory).used)
+
+    def after(self, ended: list[tuple[Trajectory, bool]], stop_ids: frozenset[int]) -> list[Continue | Stop]:
+        """Each completion joins the conversation; the tool calls of those that made some run (in parallel), and
+        their output is the observation."""
+        steps: dict[int, Continue | Stop] = {}
+        calling = []
+        for k, (traj, stopped) in enumerate(ended):
+            state, ids = _state(traj), traj.completion()
+            state.text += self.chat.decode(ids)
+            state.used += len(ids)
+            content = self.chat.decode(ids[:-1] if stopped and ids and ids[-1] in stop_ids else ids)
+            state.episode.messages.append({"role": "assistant", "content": content})
+            state.final_response = content
+            if not stopped:
+                steps[k] = Stop("budget" if state.used >= self.budget.max_total_tokens else "length")
+            elif not has_tool_call(content):
+                steps[k] = Stop("answer")
+            else:
+                state.pending = parse_tool_calls(content)
+                state.tool_calls += len(state.pending)
+                calling.append(k)
+        s = self.tool_settings
+        work = [(_state(ended[k][0]).episode, _state(ended[k][0]).pending) for k in calling]
+        results = run_tool_calls(work, s.timeout_s, s.max_output_chars, s.parallel)
+        for k, observations in zip(calling, results):
+            traj = ended[k][0]
+            state = _state(traj)
+            state.pending = []
+            state.tool_errors += sum(o.error for o in observations)
+            state.tool_timeouts += sum(o.timed_out for o in observations)
+            if state.episode.done:
+                steps[k] = Stop("env_done")
+            elif traj.turns >= self.budget.max_turns:  # the calls ran (the environment saw them); never read
+                steps[k] = Stop("max_turns")
+            else:
+                steps[k] = self._observe(traj, observations)
+        return [steps[k] for k in range(len(ended))]
+
+    def _observe(self, traj: Trajectory, observations: list[Observation]) -> Continue | Stop:
+        state = _state(traj)
+        state.episode.messages += [o.message() for o in observations]
+        rendered = self.chat.render(state.episode.messages, state.tools)
+        step = extend_transcript(state.text, rendered, self.chat)
+        state.text = rendered  # the text so far and the observation, or the new sample's prompt
+        if step.prompt is not None:
+            state.prompt_text = rendered
+            state.splits += 1
+            state.untrained += sum(traj.loss_mask)
+            return step
+        added = len(step.observation)
+        state.observation_tokens += added
+        state.used += added
+        if state.used >= self.budget.max_total_tokens:  # no room left to answer: cut the observation to the budget
+            over = state.used - self.budget.max_total_tokens
+            return Stop("budget", step.observation[: added - over])
+        return step
+
+    def columns(self, trajectories: list[Trajectory]) -> dict[str, list[Any]]:
+        """What the reward function and the logs read: the row with the trajectory's outcome added (its final
+        answer, counts, why it stopped, the environment's reward) and the prompt as the model saw it."""
+        rows = []
+        for traj in trajectories:
+            state = _state(traj)
+            outcome = {
+                "final_response": state.final_response,
+                "turns": traj.turns,
+                "tool_calls": state.tool_calls,
+                "tool_errors": state.tool_errors,
+                "stop_reason": traj.stop_reason,
+                "truncated": traj.stop_reason in TRUNCATED,
+                "conversation": state.episode.messages,
+            }
+            reward = state.episode.reward()
+            if reward is not None:
+                outcome["env_reward"] = reward
+            rows.append({**traj.columns["row"], **outcome})  # a copy per trajectory: a prompt's samples share one
+        return {
+            "row": rows,
+            "raw_prompt": [_state(t).prompt_text for t in trajectories],
+            "stop_reason": [t.stop_reason for t in trajectories],
+        }
+
+    def metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        states = [_state(t) for t in trajectories]
+        count = len(trajectories)
+        calls = sum(s.tool_calls for s in states)
+        split = [s for s in states if s.splits]
+        untrained = sum(s.untrained for s in split)
+        if split and not self._warned_split:
+            self._warned_split = True
+            logger.warning(
+                "the chat template rewrote the history of %d trajectories (the exact-prefix rule started a new sample); "
+                "only each one's last sample is trained (%d sampled tokens untrained, multi_turn/untrained_tokens)",
+                len(split),
+                untrained,
+            )
+        env_errors = [s.episode.reward_error for s in states if s.episode.reward_error]
+        if env_errors:
+            logger.warning("get_reward() failed in %d trajectories, e.g. %s", len(env_errors), env_errors[0])
+        truncated = sum(t.stop_reason in TRUNCATED for t in trajectories)
+        return {
+            "multi_turn/turns_mean": sum(t.turns for t in trajectories) / count,
+            "multi_turn/turns_max": float(max(t.turns for t in trajectories)),
+            "multi_turn/tool_calls_mean": calls / count,
+            "multi_turn/tool_call_rate": sum(s.tool_calls > 0 for s in states) / count,
+            "multi_turn/tool_errors": float(sum(s.tool_errors for s in states)),
+            "multi_turn/tool_error_rate": sum(s.tool_errors for s in states) / max(calls, 1),
+            "multi_turn/tool_timeouts": float(sum(s.tool_timeouts for s in states)),
+            "multi_turn/observation_tokens_mean": sum(s.observation_tokens for s in states) / count,
+            "multi_turn/truncated": truncated / count,
+            "multi_turn/split_trajectories": float(len(split)),
+            "multi_turn/untrained_tokens": float(untrained),
+            "multi_turn/env_reward_errors": float(len(env_errors)),
+        }
+
+
+def _state(trajectory: Trajectory) -> ToolState:
+    state = trajectory.episode_state
+    assert isinstance(state, ToolState), "a trajectory the tool episode did not start"
+    return state
+
+
+class MultiTurnLoop(EpisodeLoop):
+    """The synchronous schedule driving the tool episode: what `worker.rollout.multi_turn` turns on."""
 
     def __init__(
         self,
@@ -163,232 +294,6 @@ class MultiTurnLoop:
         tools: ToolSettings,
         engines: int = 1,
     ) -> None:
-        self.environments = environments
-        self.chat = chat
-        self.budget = budget
-        self.tool_settings = tools
-        self.engines = engines  # the request of each turn is padded to split evenly over them
-        self.pad_id = chat.tokenizer.pad_token_id
-        self._warned_split = False
-
-    # ------------------------------------------------------------------ the loop
-    def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
-        if params.seed is None:
-            raise ValueError("a rollout loop needs params.seed: the trainer derives one per call (easyrl.seeding)")
-        if any(prompts.non_tensors.get("multi_modal_inputs") or []):
-            raise ValueError("multi-turn rollouts take text prompts only: this batch carries images, videos or audio")
-        firsts = prompt_seeds(params.seed, len(prompts), params.n).tolist()
-        rows = prompts["row"]
-        trajectories = [
-            self._start(rows[i // params.n], firsts[i // params.n] + i % params.n)
-            for i in range(len(prompts) * params.n)
-        ]
-        stop_ids = {self.chat.tokenizer.eos_token_id, *params.stop_token_ids}
-        timings = engines.open_rollout()
-        gen_s = tool_s = 0.0
-        try:
-            for turn in range(self.budget.max_turns):
-                live = [t for t in trajectories if t.stop_reason is None]
-                if not live:
-                    break
-                start = time.perf_counter()
-                self._generate(engines, live, turn, params, stop_ids)
-                gen_s += time.perf_counter() - start
-                start = time.perf_counter()
-                self._run_tools([t for t in live if t.pending], last_turn=turn + 1 == self.budget.max_turns)
-                tool_s += time.perf_counter() - start
-        finally:
-            timings |= engines.close_rollout()
-        rows_out = self._rows(trajectories)
-        batch = with_prompts(prompts, rows_out, params)
-        batch.set(**self._driver_columns(batch, trajectories))
-        timings |= {"timing_s/generate_turns": gen_s, "timing_s/tools": tool_s}
-        return batch, timings | self._metrics(trajectories)
-
-    def _start(self, row: dict[str, Any], seed: int) -> Trajectory:
-        episode = self.environments.start(row)
-        text = self.chat.render(episode.messages, episode.schemas)
-        ids = self.chat.encode(text)
-        if len(ids) > self.budget.max_prompt_length:
-            raise ValueError(
-                f"a multi-turn prompt has {len(ids)} tokens (the tools' schemas included) > data.max_prompt_length="
-                f"{self.budget.max_prompt_length}: raise data.max_prompt_length (environment {episode.env_name})"
-            )
-        return Trajectory(episode, seed, Sample(ids, text), episode.schemas)
-
-    def _generate(
-        self, engines: EngineSession, live: list[Trajectory], turn: int, params: SamplingParams, stop_ids: set[int]
-    ) -> None:
-        """One engine call for every live trajectory; appends each completion (loss 1) and decides what comes next."""
-        limits = [min(self.budget.max_tokens_per_turn, self.budget.max_total_tokens - t.used) for t in live]
-        max_tokens = max(limits)
-        seeds = [t.seed if turn == 0 else derive_seed(t.seed, turn, "attempt") for t in live]
-        request = self._request([t.context() for t in live], seeds)
-        out = engines.generate(request, params.override({"n": 1, "max_tokens": max_tokens}))
-        lengths = out["response_mask"].sum(dim=1).tolist()
-        for i, (traj, limit) in enumerate(zip(live, limits)):
-            n = int(lengths[i])
-            ids = out["responses"][i, :n].tolist()
-            cut = n > limit  # the call's width is the widest budget's: this trajectory's own may be smaller
-            ids = ids[:limit]
-            stopped = not cut and (n < max_tokens or (n > 0 and ids[-1] in stop_ids))
-            traj.sample.append(
-                ids, self.chat.decode(ids), trained=True, log_probs=out["rollout_log_probs"][i, : len(ids)].tolist()
-            )
-            traj.used += len(ids)
-            traj.turns += 1
-            traj.versions.append(int(out["policy_version"][i]))
-            if "rollout_logprob_mask" in out:
-                traj.logprob_rows.append(bool(out["rollout_logprob_mask"][i]))
-            content = self.chat.decode(ids[:-1] if stopped and ids and ids[-1] in stop_ids else ids)
-            traj.episode.messages.append({"role": "assistant", "content": content})
-            traj.final_response = content
-            if not stopped:
-                traj.stop_reason = "budget" if traj.used >= self.budget.max_total_tokens else "length"
-            elif not has_tool_call(content):
-                traj.stop_reason = "answer"
-            else:
-                traj.pending = parse_tool_calls(content)
-                traj.tool_calls += len(traj.pending)
-
-    def _request(self, contexts: list[list[int]], seeds: list[int]) -> Batch:
-        """Left-padded contexts with their seeds, padded (the last one repeated) to split evenly over the engines."""
-        extra = (-len(contexts)) % self.engines
-        contexts = contexts + [contexts[-1]] * extra
-        seeds = seeds + [seeds[-1]] * extra
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
-            mask[i, width - len(c) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        seed_column = torch.tensor(seeds, dtype=torch.int64)
-        return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions, SEED_COLUMN: seed_column})
-
-    def _run_tools(self, calling: list[Trajectory], last_turn: bool) -> None:
-        """Run the calls of this turn; unless the trajectory ends here, append the observations (loss 0)."""
-        s = self.tool_settings
-        results = run_tool_calls(
-            [(t.episode, t.pending) for t in calling], s.timeout_s, s.max_output_chars, s.parallel
-        )
-        for traj, observations in zip(calling, results):
-            traj.pending = []
-            traj.tool_errors += sum(o.error for o in observations)
-            traj.tool_timeouts += sum(o.timed_out for o in observations)
-            if traj.episode.done:
-                traj.stop_reason = "env_done"
-            elif last_turn:  # the calls ran (the environment saw them); their output is never read
-                traj.stop_reason = "max_turns"
-            else:
-                self._observe(traj, observations)
-
-    def _observe(self, traj: Trajectory, observations: list[Observation]) -> None:
-        traj.episode.messages += [o.message() for o in observations]
-        rendered = self.chat.render(traj.episode.messages, traj.tools)
-        sample, added = extend_sample(traj.sample, rendered, self.chat)
-        if sample is not traj.sample:
-            traj.earlier.append(traj.sample)
-            traj.sample = sample
-            return
-        traj.observation_tokens += added
-        traj.used += added
-        if traj.used >= self.budget.max_total_tokens:  # no room left to answer: cut the observation to the budget
-            over = traj.used - self.budget.max_total_tokens
-            if over:
-                del sample.ids[-over:], sample.loss_mask[-over:], sample.log_probs[-over:]
-            traj.stop_reason = "budget"
-
-    # ------------------------------------------------------------------ rows
-    def _rows(self, trajectories: list[Trajectory]) -> Batch:
-        """The engine's row contract, one row per trajectory (its last sample): prompts left-padded, responses
-        right-padded, `response_mask` over every response token, `loss_mask` over the sampled ones."""
-        samples = [t.sample for t in trajectories]
-        width_p = max(len(s.prompt_ids) for s in samples)
-        width_r = max(1, max(len(s.ids) for s in samples))
-        rows = len(samples)
-        prompts = torch.full((rows, width_p), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros_like(prompts)
-        responses = torch.full((rows, width_r), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros_like(responses)
-        loss_mask = torch.zeros_like(responses)
-        log_probs = torch.zeros((rows, width_r), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            p, r = len(s.prompt_ids), len(s.ids)
-            prompts[i, width_p - p :] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            prompt_mask[i, width_p - p :] = 1
-            if r:
-                responses[i, :r] = torch.tensor(s.ids, dtype=torch.long)
-                response_mask[i, :r] = 1
-                loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.long)
-                log_probs[i, :r] = torch.tensor(s.log_probs, dtype=torch.float32)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        tensors = {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": response_mask,
-            "loss_mask": loss_mask,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-            "rollout_log_probs": log_probs,
-            "policy_version": torch.tensor([min(t.versions) for t in trajectories], dtype=torch.int64),
-        }
-        if all(t.logprob_rows for t in trajectories):  # the engine samples log-probs for some rows only
-            tensors["rollout_logprob_mask"] = torch.tensor([all(t.logprob_rows) for t in trajectories])
-        return Batch(tensors)
-
-    def _driver_columns(self, batch: Batch, trajectories: list[Trajectory]) -> dict[str, list[Any]]:
-        """What the reward function and the logs read: the row with the trajectory's outcome added (its final
-        answer, counts, why it stopped, the environment's reward) and the prompt as the model saw it."""
-        rows = []
-        for row, traj in zip(batch["row"], trajectories):
-            outcome = {
-                "final_response": traj.final_response,
-                "turns": traj.turns,
-                "tool_calls": traj.tool_calls,
-                "tool_errors": traj.tool_errors,
-                "stop_reason": traj.stop_reason,
-                "truncated": traj.stop_reason in TRUNCATED,
-                "conversation": traj.episode.messages,
-            }
-            reward = traj.episode.reward()
-            if reward is not None:
-                outcome["env_reward"] = reward
-            rows.append({**row, **outcome})  # a copy per trajectory: the n samples of a prompt shared one dict
-        return {
-            "row": rows,
-            "raw_prompt": [t.sample.prompt_text for t in trajectories],
-            "stop_reason": [t.stop_reason for t in trajectories],
-        }
-
-    def _metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        count = len(trajectories)
-        calls = sum(t.tool_calls for t in trajectories)
-        split = [t for t in trajectories if t.earlier]
-        untrained = sum(sum(s.loss_mask) for t in split for s in t.earlier)
-        if split and not self._warned_split:
-            self._warned_split = True
-            logger.warning(
-                "the chat template rewrote the history of %d trajectories (the exact-prefix rule started a new sample); "
-                "only each one's last sample is trained (%d sampled tokens untrained, multi_turn/untrained_tokens)",
-                len(split),
-                untrained,
-            )
-        env_errors = [t.episode.reward_error for t in trajectories if t.episode.reward_error]
-        if env_errors:
-            logger.warning("get_reward() failed in %d trajectories, e.g. %s", len(env_errors), env_errors[0])
-        return {
-            "multi_turn/turns_mean": sum(t.turns for t in trajectories) / count,
-            "multi_turn/turns_max": float(max(t.turns for t in trajectories)),
-            "multi_turn/tool_calls_mean": calls / count,
-            "multi_turn/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / count,
-            "multi_turn/tool_errors": float(sum(t.tool_errors for t in trajectories)),
-            "multi_turn/tool_error_rate": sum(t.tool_errors for t in trajectories) / max(calls, 1),
-            "multi_turn/tool_timeouts": float(sum(t.tool_timeouts for t in trajectories)),
-            "multi_turn/observation_tokens_mean": sum(t.observation_tokens for t in trajectories) / count,
-            "multi_turn/truncated": sum(t.stop_reason in TRUNCATED for t in trajectories) / count,
-            "multi_turn/split_trajectories": float(len(split)),
-            "multi_turn/untrained_tokens": float(untrained),
-            "multi_turn/env_reward_errors": float(len(env_errors)),
-        }
+        self.episode: ToolEpisode = ToolEpisode(environments, chat, budget, tools)
+        super().__init__(self.episode, chat.tokenizer.pad_token_id, engines, chat.tokenizer.eos_token_id)
+        self.environments, self.chat = environments, chat  # what `easyrl check` renders the first prompt with

@@ -13,8 +13,24 @@ from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.rollout import RolloutLoop, SingleTurnLoop, WeightSync
-from easyrl.rollout.carry_over import CarryOverLoop
+from easyrl.rollout import RolloutLoop, WeightSync
+from easyrl.rollout.loop import Scorer
+from easyrl.rollout.producer import build_rollout_loop
+from easyrl.rollout.producer import multi_turn_loop as producer_multi_turn_loop
+from easyrl.rollout.producer import one_session_loop as producer_one_session_loop
+
+
+__all__ = [
+    "data_parallel_size",
+    "effective_chunk_tokens",
+    "effective_padding_free",
+    "effective_sleep_level",
+    "estimator_needs",
+    "multi_turn_loop",
+    "one_session_loop",
+    "rollout_engines",
+    "rollout_loop",
+]
 
 
 def estimator_needs(cfg: EasyRLConfig) -> EstimatorNeeds:
@@ -69,61 +85,28 @@ def rollout_loop(
     draw: Callable[[int], Batch] | None = None,
     eos_id: int | None = None,
     pad_id: int = 0,
-    on_finished: Callable[[Batch], None] | None = None,
+    scorer: Scorer | None = None,
 ) -> RolloutLoop:
-    """How the trainer turns prompts into rows: one engine session per batch, one response per sample
-    (`SingleTurnLoop`), several turns with tools between them when `worker.rollout.multi_turn` sets an environment
-    or tools (`MultiTurnLoop`), or with `trainer.max_staleness` >= 1 groups kept in flight across steps
-    (`CarryOverLoop`, which draws prompts of its own with `draw` to fill them, and ends responses at `eos_id` and
-    `worker.rollout.stop_token_ids` as the engines do, handing each call's finished groups to `on_finished`, and
-    generating beside the training when the engines are separate). A new
-    loop is chosen here from the config section that turns it on; `fit()` does not change (docs/architecture.md,
-    "Adding a rollout loop")."""
-    staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
-    if rollout.multi_turn.enabled:  # validation refuses multi-turn with max_staleness >= 1 (not built yet)
-        return multi_turn_loop(cfg)
-    if staleness == 0:
-        return SingleTurnLoop()
-    assert draw is not None, "an asynchronous loop draws prompts of its own"
-    per_step = cfg.data.rollout_batch_size
-    stop_ids = [] if rollout.ignore_eos else [*([eos_id] if eos_id is not None else []), *rollout.stop_token_ids]
-    return CarryOverLoop(
-        draw,
-        max_staleness=staleness,
-        active_groups=rollout.active_groups or (staleness + 1) * per_step,
-        chunk_tokens=effective_chunk_tokens(cfg),
-        max_response_length=cfg.data.max_response_length,
-        stop_ids=stop_ids,
+    """How the trainer turns prompts into rows (`easyrl.rollout.producer.build_rollout_loop`, with this run's engine
+    count and carry-over chunk): the trainer holds the `RolloutLoop` protocol only, so a new loop is chosen in the
+    rollout room from the config section that turns it on and `fit()` does not change (docs/architecture.md, "Adding
+    a rollout loop")."""
+    return build_rollout_loop(
+        cfg,
+        draw=draw,
+        eos_id=eos_id,
         pad_id=pad_id,
+        scorer=scorer,
         engines=rollout_engines(cfg),
-        on_finished=on_finished,
-        beside=rollout.placement == "separate",  # engines of their own generate while the policy trains
+        chunk_tokens=effective_chunk_tokens(cfg),
     )
 
 
 def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop) -> RolloutLoop:
-    """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
-    in flight: the run's multi-turn loop itself (the tools are part of what is measured), else the single-turn one
-    (a carry-over loop's groups in flight are training work, never validation's)."""
-    return loop if cfg.worker.rollout.multi_turn.enabled else SingleTurnLoop()
+    """The loop for validation and ReMax's greedy baselines (`easyrl.rollout.producer.one_session_loop`)."""
+    return producer_one_session_loop(cfg, loop, rollout_engines(cfg))
 
 
 def multi_turn_loop(cfg: EasyRLConfig) -> RolloutLoop:
-    """The multi-turn loop of `worker.rollout.multi_turn`: its environments and tools imported (a tool without type
-    hints or docstring stops the run here, before any worker starts), the policy's tokenizer and chat template."""
-    from easyrl.agent import load_environments
-    from easyrl.data.prompts import PromptRenderer, load_chat_template
-    from easyrl.models import load_tokenizer
-    from easyrl.rollout.multi_turn import ChatRenderer, MultiTurnLoop, ToolSettings, TurnBudget
-
-    mt, model = cfg.worker.rollout.multi_turn, cfg.worker.actor.model
-    assert model.tokenizer_path is not None
-    tokenizer, _ = load_tokenizer(model.tokenizer_path, trust_remote_code=model.trust_remote_code)
-    chat_template = load_chat_template(cfg.data.override_chat_template)
-    # without an environment a trajectory opens with the dataset's own prompt (the prompt template's message)
-    dataset = PromptRenderer(tokenizer, cfg.data.prompt_key, cfg.data.format_prompt, chat_template)
-    environments = load_environments(mt, dataset.messages)
-    total = mt.max_total_tokens or cfg.data.max_response_length
-    budget = TurnBudget(mt.max_turns, total, mt.max_tokens_per_turn or total, cfg.data.max_prompt_length)
-    tools = ToolSettings(mt.tool_timeout_s, mt.max_tool_output_chars, mt.max_parallel_tools)
-    return MultiTurnLoop(environments, ChatRenderer(tokenizer, chat_template), budget, tools, rollout_engines(cfg))
+    """The multi-turn loop of `worker.rollout.multi_turn` (`easyrl check` builds it to load the tools early)."""
+    return producer_multi_turn_loop(cfg, rollout_engines(cfg))

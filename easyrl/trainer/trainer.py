@@ -12,9 +12,8 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, Secrets
 from easyrl.config.algorithm import KLMode
 from easyrl.rollout import RolloutLoop
-from easyrl.rollout.carry_over import CarryOverLoop
+from easyrl.rollout.loop import Scored
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
-from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
 from easyrl.trainer.resolve import estimator_needs, one_session_loop, rollout_loop
 from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
@@ -55,10 +54,8 @@ class Trainer(RunFolder):
         # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        # asynchronous rollouts: finished groups are scored while the engines go on generating
-        self.early = EarlyRewards(self.score_rows) if cfg.trainer.max_staleness else None
-        on_finished = self.early.submit if self.early is not None else None
-        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, on_finished)
+        # the loop owns its work in flight: state, settling, and (asynchronous) the groups it scored early
+        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, self.score_rows)
         self.one_session = one_session_loop(cfg, self.rollout_loop)  # validation and greedy baselines
         self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
         self.needs = estimator_needs(cfg)
@@ -228,37 +225,13 @@ class Trainer(RunFolder):
         return torch.tensor([s["overall"] for s in scores]).repeat_interleave(self.cfg.worker.rollout.n)
 
     def score(self, batch: Batch, store: bool = True) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. Rows the
-        asynchronous loop's groups were scored early take those scores (`early_rewards`)."""
-        if self.early is not None and "uid" in batch:
-            scores, metrics, texts = self.take_early_scores(batch)
-        else:
-            if self.early is not None:
-                self.early.settle()  # the reward manager runs one batch at a time: the early calls end first
-            scores, metrics, texts = self.score_rows(batch)
+        """Run the reward function on decoded responses; fills `token_level_scores` (B, R) when `store`. The rollout
+        loop decides how (an asynchronous one hands back the scores of groups it scored as they finished)."""
+        scores, metrics, texts = self.rollout_loop.score(batch, self.score_rows)
         if store:
             batch.set(token_level_scores=token_level_scores([s["overall"] for s in scores], batch["loss_mask"]))
             batch.set(response_text=texts)
         return scores, metrics
-
-    def take_early_scores(self, batch: Batch) -> Scored:
-        """The early scores of `batch`'s rows, the rest scored now; `reward/<key>` over the batch, the failure
-        counters of the calls collected."""
-        assert self.early is not None
-        early = self.early.take(row_keys(batch))
-        missing = [i for i, result in enumerate(early) if result is None]
-        scores = [result[0] if result is not None else {} for result in early]
-        texts = [result[1] if result is not None else "" for result in early]
-        counters = self.early.drain_counters()
-        if missing:  # not scored early: a resumed run's groups, or a step undone on a stop signal
-            self.early.settle()  # the reward manager runs one batch at a time
-            counters = {k: v + self.early.drain_counters()[k] for k, v in counters.items()}
-            late_scores, late_metrics, late_texts = self.score_rows(batch.index(missing))
-            for i, score, text in zip(missing, late_scores, late_texts):
-                scores[i], texts[i] = score, text
-            counters = {k: v + late_metrics.get(k, 0.0) for k, v in counters.items()}
-        early_share = 1.0 - len(missing) / max(1, len(batch))
-        return scores, score_means(scores) | counters | {"async/scored_early": early_share}, texts
 
     def score_rows(self, batch: Batch) -> Scored:
         """Decode the responses and call the reward function: per-sample scores, the manager's metrics, the texts."""
@@ -378,15 +351,15 @@ class Trainer(RunFolder):
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "entropy_ctrl": self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None,
         }
-        if isinstance(self.rollout_loop, CarryOverLoop):
-            state["rollout_loop"] = self.rollout_loop.state_dict()
+        in_flight = self.rollout_loop.state_dict()
+        if in_flight:
+            state["rollout_loop"] = in_flight
         return state
 
     def save_checkpoint(self, val_score: float | None) -> None:
         """With a call generating beside the update (separate rollout workers, S >= 1), collect it first: the
         checkpoint then holds its tokens and a resumed run continues them to the bit."""
-        if isinstance(self.rollout_loop, CarryOverLoop):
-            self.rollout_loop.settle()
+        self.rollout_loop.settle()
         super().save_checkpoint(val_score)
 
     def request_stop(self, signal_name: str) -> None:
@@ -406,17 +379,7 @@ class Trainer(RunFolder):
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.entropy_ctrl is not None and state.get("entropy_ctrl"):
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
-        if self.early is not None:
-            self.early.forget()
-        in_flight = state.get("rollout_loop")
-        if isinstance(self.rollout_loop, CarryOverLoop) and in_flight is not None:
-            self.rollout_loop.load_state_dict(in_flight)
-        elif in_flight:  # saved by an asynchronous run, resumed synchronously: its prompts in flight are not trained
-            logger.warning(
-                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
-                "max_staleness: 0 does not carry them over",
-                len(in_flight["groups"]) + len(in_flight["queue"]),
-            )
+        self.rollout_loop.load_state_dict(state.get("rollout_loop") or {})
 
     def after_resume(self) -> None:
         """The policy version of the resumed weights (checkpoints do not record it)."""
@@ -441,7 +404,7 @@ class Trainer(RunFolder):
 
     def close(self) -> None:
         """Release everything this trainer started; safe on a partly built trainer."""
-        for name in ("early", "reward"):  # the background scorer first: it calls into the reward pool
+        for name in ("rollout_loop", "reward"):  # the loop's background scorer first: it calls into the reward pool
             if getattr(self, name, None) is not None:
                 getattr(self, name).close()
         super().close()  # the loggers, the workers, the run folder's lock

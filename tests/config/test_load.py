@@ -237,12 +237,6 @@ BAD = [
         "every token keeps its behaviour log-prob",
     ),
     (
-        "async-online-filtering",
-        {"trainer.max_staleness": 2, "algorithm.online_filtering": True},
-        "algorithm.online_filtering",
-        "not with trainer.max_staleness >= 1",
-    ),
-    (
         "async-remax",
         {"trainer.max_staleness": 1, "algorithm.adv_estimator": "remax"},
         "algorithm.adv_estimator",

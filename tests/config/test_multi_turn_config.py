@@ -29,8 +29,9 @@ def test_off_by_default_and_on_with_an_environment_or_tools(config: str, monkeyp
     cfg = load_config(config, [f"worker.rollout.multi_turn.env={CALC}", "worker.rollout.multi_turn.max_turns=3"])
     assert cfg.worker.rollout.multi_turn.env == f"{REPO / 'envs' / 'calc.py'}:CalcEnv"  # made absolute
     loop = rollout_loop(cfg)
-    assert isinstance(loop, MultiTurnLoop) and loop.budget.max_turns == 3
-    assert loop.budget.max_total_tokens == cfg.data.max_response_length == loop.budget.max_tokens_per_turn
+    assert isinstance(loop, MultiTurnLoop) and loop.episode.budget.max_turns == 3
+    budget = loop.episode.budget
+    assert budget.max_total_tokens == cfg.data.max_response_length == budget.max_tokens_per_turn
     assert loop.engines == 2  # two workers, one HF engine each: every turn's request is padded to split evenly
     cfg = load_config(config, ["worker.rollout.multi_turn.tools=envs/calc_tools.py,python"])
     assert cfg.worker.rollout.multi_turn.tools == f"{REPO / 'envs' / 'calc_tools.py'},python"

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from easyrl.batch import Batch
-from easyrl.rollout.carry_over import Group, Sample, admission_room, choose_groups, left_padded, staleness_metrics
+from easyrl.rollout.carry_over import Group, admission_room, choose_groups, staleness_metrics
+from easyrl.rollout.trajectory import Trajectory, left_padded
 from tests.conftest import base_config, write_config
 
 
@@ -33,7 +34,7 @@ def test_admission_room_keeps_every_admitted_group_within_the_staleness_bound() 
 
 
 def _group(admitted_at: int, finished_at: int = -1) -> Group:
-    return Group([1], {}, seed=0, samples=[Sample()], admitted_at=admitted_at, finished_at=finished_at)
+    return Group([1], {}, seed=0, samples=[Trajectory([1])], admitted_at=admitted_at, finished_at=finished_at)
 
 
 def test_due_groups_train_first_then_the_groups_that_finished_first() -> None:
@@ -228,6 +229,45 @@ _VOLATILE = (
 )
 
 
+@pytest.mark.slow
+def test_online_filtering_at_one_step_of_staleness_keeps_the_batch_size(
+    ray_session, tmp_path, tiny_model_dir, digits_data
+) -> None:
+    """DAPO's filter under carry-over (S = 1): the trainer asks the loop for groups, `mini_rollout_batch_size` at a
+    time, until `rollout_batch_size` informative ones are kept, so every update trains exactly B * n rows, and none
+    of their tokens is older than the bound."""
+    edits = {
+        **ASYNC_EDITS,
+        "trainer.max_staleness": 1,
+        "algorithm.online_filtering": True,
+        "algorithm.filter_low": 0.0,
+        "algorithm.filter_high": 1.0,
+        "algorithm.max_try_make_batch": 30,
+        "data.mini_rollout_batch_size": 2,
+        "worker.rollout.n": 4,
+    }
+    trainer = _trainer(tmp_path, tiny_model_dir, digits_data, edits, 3)
+    actor, trained = trainer.actor, []
+    update = actor.update_actor
+
+    def record_update(batch: Batch, entropy_coeff: float) -> dict[str, float]:
+        trained.append((actor.policy_version(), batch))
+        return update(batch, entropy_coeff)
+
+    actor.update_actor = record_update
+    try:
+        trainer.fit()
+        want = trainer.cfg.data.rollout_batch_size * 4
+    finally:
+        trainer.close()
+    assert [len(batch) for _, batch in trained] == [want] * 3
+    for version, batch in trained:
+        ages = (version - batch["token_policy_version"])[batch["loss_mask"].bool()]
+        assert int(ages.min()) >= 0 and int(ages.max()) <= 1, (version, ages)
+    rows = [r for r in _log(tmp_path) if "batch/num_gen_batches" in r]
+    assert len(rows) == 3 and all(r["batch/num_gen_batches"] >= 2 for r in rows)
+
+
 def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in rows]
 
@@ -246,7 +286,9 @@ def test_a_resumed_asynchronous_run_continues_every_response_in_flight(
     first, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=2)
     saved = json.loads((tmp_path / "split" / "run" / "global_step_2" / "trainer_state.json").read_text())
     in_flight = saved["state"]["rollout_loop"]["groups"]
-    assert any(len(s["tokens"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), "no partial response"
+    assert any(len(s["response_ids"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), (
+        "no partial response"
+    )
     second, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=4)
     resumed = [r for r in second if r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]

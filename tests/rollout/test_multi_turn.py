@@ -21,8 +21,16 @@ from easyrl.agent import load_environments, parse_tool_calls
 from easyrl.batch import Batch
 from easyrl.config.multi_turn import MultiTurnConfig
 from easyrl.rollout import SamplingParams, SingleTurnLoop
+from easyrl.rollout.episode import apply_step
 from easyrl.rollout.hf import HFRolloutEngine
-from easyrl.rollout.multi_turn import ChatRenderer, MultiTurnLoop, Sample, ToolSettings, TurnBudget, extend_sample
+from easyrl.rollout.multi_turn import (
+    ChatRenderer,
+    MultiTurnLoop,
+    ToolSettings,
+    TurnBudget,
+    extend_transcript,
+)
+from easyrl.rollout.trajectory import Trajectory
 from easyrl.seeding import SEED_COLUMN
 
 
@@ -207,36 +215,33 @@ def test_the_exact_prefix_rule_keeps_sampled_ids_and_starts_a_new_sample_when_th
         renderer = ChatRenderer(tok, template)
         convo = [dict(m) for m in messages]
         prompt = renderer.render(convo, [])
-        sample = Sample(renderer.encode(prompt), prompt)
+        traj = Trajectory(renderer.encode(prompt))
         # the model spelled `<think>` out character by character: decoding and re-tokenizing would give the single
         # `<think>` token instead, another sequence than the one sampled
         completion = "<think>7*8</think>56"
         sampled = [tok.convert_tokens_to_ids(c) for c in completion] + [tok.eos_token_id]
         assert renderer.encode(completion) != sampled[:-1]
-        sample.append(sampled, renderer.decode(sampled), trained=True, log_probs=[-1.0] * len(sampled))
+        traj.append(sampled, trained=True, log_probs=[-1.0] * len(sampled), version=0)
+        text = prompt + renderer.decode(sampled)
         convo += [{"role": "assistant", "content": completion}, {"role": "user", "content": "and 9*9?"}]
         rendered = renderer.render(convo, [])
-        same, added = extend_sample(sample, rendered, renderer)
+        step = extend_transcript(text, rendered, renderer)
+        apply_step(traj, step)
         if not rewrites:
-            assert same is sample and added > 0
-            assert sample.ids[: len(sampled)] == sampled  # the history as sampled, never re-tokenized
-            assert sample.loss_mask == [1] * len(sampled) + [0] * added
+            added = len(step.observation)
+            assert step.prompt is None and added > 0
+            assert traj.response_ids[: len(sampled)] == sampled  # the history as sampled, never re-tokenized
+            assert traj.loss_mask == [1] * len(sampled) + [0] * added
             assert (
-                renderer.decode(sample.ids[len(sampled) :])
+                renderer.decode(traj.response_ids[len(sampled) :])
                 == "\n<|im_start|>user\nand 9*9?<|im_end|>\n<|im_start|>assistant\n"
             )
         else:
-            assert same is not sample and added == 0 and same.ids == []
-            assert (
-                same.prompt_text == rendered
-                and "<think>" not in rendered
-                and same.prompt_ids == renderer.encode(rendered)
-            )
+            assert step.observation == [] and traj.response_ids == [] and traj.loss_mask == []
+            assert "<think>" not in rendered and traj.prompt_ids == step.prompt == renderer.encode(rendered)
         # a tool message is no user message: the thinking stays, and the turn stays one sample with either template
         tool_convo = [*convo[:2], {"role": "tool", "content": "56"}]
-        kept = Sample(renderer.encode(prompt), prompt)
-        kept.append(sampled, renderer.decode(sampled), trained=True)
-        assert extend_sample(kept, renderer.render(tool_convo, []), renderer)[0] is kept
+        assert extend_transcript(text, renderer.render(tool_convo, []), renderer).prompt is None
 
 
 def test_a_template_that_rewrites_history_starts_a_new_sample_and_trains_the_last(

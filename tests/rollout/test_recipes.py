@@ -11,7 +11,7 @@ import pytest
 
 from easyrl.batch import Batch
 from easyrl.rollout import EngineSession, SamplingParams
-from easyrl.rollout.loop import seeded_request, with_prompts
+from easyrl.rollout.loop import OneSessionLoop, seeded_request, with_prompts
 from tests.conftest import metric_mismatches, train_steps
 
 
@@ -112,8 +112,8 @@ def test_a_registered_engine_is_built_from_its_name_and_trains_like_the_engine_i
     assert "timing_s/update_weights" in step1[1]
 
 
-class TwoCallLoop:
-    """The loop recipe: one engine session, the prompts generated in two `generate` calls (a first half, then the
+class TwoCallLoop(OneSessionLoop):
+    """The loop recipe (`OneSessionLoop` gives it the rest of the protocol: it keeps nothing between calls): one engine session, the prompts generated in two `generate` calls (a first half, then the
     rest), as a loop that feeds the engines in waves would. Each prompt keeps the seed of its index in the whole
     batch (`seeded_request` before the split), so the rows are the single-turn loop's."""
 
@@ -132,7 +132,8 @@ def test_a_new_rollout_loop_plugs_into_the_trainer_and_trains_like_the_single_tu
     tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     single, _, _ = train_steps(tmp_path / "single", tiny_model_dir, digits_data, {}, steps=2)
-    # the recipe's one line: `easyrl.trainer.resolve.rollout_loop` returns the new loop
+    # the recipe's one line: the producer (`easyrl.rollout.producer.build_rollout_loop`, which the trainer reaches
+    # through `trainer.resolve.rollout_loop`) returns the new loop
     monkeypatch.setattr("easyrl.trainer.trainer.rollout_loop", lambda cfg, *sources: TwoCallLoop())
     waves, _, _ = train_steps(tmp_path / "waves", tiny_model_dir, digits_data, {}, steps=2)
     assert [row.pop("rollout/generate_calls") for row in waves] == [2.0, 2.0]  # the trainer ran the new loop

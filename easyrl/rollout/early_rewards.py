@@ -1,6 +1,6 @@
 """Scoring responses while the engines still generate (asynchronous rollouts, `trainer.max_staleness` >= 1).
 
-The carry-over loop reports each engine call's newly finished groups (`CarryOverLoop.on_finished`); they are scored
+The carry-over loop reports each engine call's newly finished groups; they are scored
 on one thread beside the engines, and the step's reward stage takes their scores instead of calling the reward
 function again, scoring on the spot only what was not scored early (after a resume, say). A slow reward then runs
 while the engines generate rather than after them. The reward manager runs one batch at a time (its deadline and
@@ -20,10 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from easyrl.batch import Batch
+from easyrl.rollout.loop import Scored
 
 
-Scored = tuple[list[dict[str, float]], dict[str, float], list[str]]
-"""Per-sample scores, the reward manager's metrics, and the decoded responses of a batch of rows."""
+__all__ = ["COUNTERS", "EarlyRewards", "Scored", "row_keys", "score_means"]
+
 COUNTERS = ("reward/errors", "reward/timeouts", "reward/invalid", "reward/retried_chunks")
 
 

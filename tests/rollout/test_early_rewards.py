@@ -1,4 +1,4 @@
-"""Scoring finished groups beside the engines (`easyrl.trainer.early_rewards`): results come back under the row they
+"""Scoring finished groups beside the engines (`easyrl.rollout.early_rewards`): results come back under the row they
 were scored for, whatever shares the call, one batch at a time, and errors surface on the driver's thread."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from easyrl.batch import Batch
-from easyrl.trainer.early_rewards import EarlyRewards, Scored, row_keys, score_means
+from easyrl.rollout.early_rewards import EarlyRewards, Scored, row_keys, score_means
 
 
 def _rows(uids: list[str], lengths: list[int]) -> Batch:
