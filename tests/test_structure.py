@@ -603,3 +603,35 @@ def test_the_driver_calls_workers_by_name_only_for_lifecycle_calls() -> None:
     assert not offenders, "call these through the typed handles or submit(Worker.method, ...):\n" + "\n".join(
         offenders
     )
+
+
+def _reward_reads(source: str) -> list[str]:
+    """The functions of `source` that call `<something>.reward()` (an environment episode's `get_reward()`)."""
+    found = []
+    for func in ast.walk(ast.parse(source)):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                call = node.func if isinstance(node, ast.Call) and not node.args else None
+                if isinstance(call, ast.Attribute) and call.attr == "reward":
+                    found.append(func.name)
+    return found
+
+
+def test_reward_read_rule_catches_a_call() -> None:
+    source = "def a(s):\n    return s.episode.reward()\ndef b(s):\n    return s.reward(x)\ndef c(s):\n    s.reward\n"
+    assert _reward_reads(source) == ["a"]
+
+
+def test_an_environments_reward_is_read_in_one_place() -> None:
+    """`get_reward()` may be costly or have side effects (a sandbox, a judge) and must run once per trajectory, while
+    the carry-over schedule makes a finished group's rows twice (early scoring, then the hand-over): the one read is
+    `ToolState.read_reward`, which keeps its result."""
+    reads = [
+        f"{m}.{name}"
+        for m, path in MODULES.items()
+        if m != "easyrl.agent.env"  # where `Episode.reward` calls the environment's get_reward
+        for name in _reward_reads(path.read_text(encoding="utf-8"))
+    ]
+    assert reads == ["easyrl.rollout.multi_turn.read_reward"], (
+        "read an environment's reward through ToolState.read_reward (once per trajectory), found: " + ", ".join(reads)
+    )

@@ -58,7 +58,9 @@ class Episode(Protocol):
 
     def columns(self, trajectories: list[Trajectory]) -> dict[str, list[Any]]:
         """The columns the episode adds to the rows of `trajectories` (what the reward function reads of their
-        outcome), one value per trajectory; called once for the rows handed over, before `metrics`."""
+        outcome), one value per trajectory; called for the rows handed over, before `metrics`, and under carry-over
+        first for the early scoring of the same finished trajectories: the same values each time (an outcome that
+        costs something, an environment's reward, is read once and kept)."""
         ...
 
     def metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:

@@ -119,9 +119,19 @@ class ToolState:
     observation_tokens: int = 0
     final_response: str = ""
     pending: list[ToolCall] = field(default_factory=list)
+    reward_read: bool = False
+    env_reward: float | None = None
 
     def __post_init__(self) -> None:
         self.text = self.text or self.prompt_text
+
+    def read_reward(self) -> float | None:
+        """The environment's `get_reward()`, called once per finished trajectory: the carry-over schedule makes a
+        finished group's rows twice (for early scoring, then at the hand-over), and a reward may be costly or have
+        side effects (a sandbox, a judge); both rows, and so the score trained on, hold this one result."""
+        if not self.reward_read:
+            self.env_reward, self.reward_read = self.episode.reward(), True
+        return self.env_reward
 
 
 def extend_transcript(text: str, rendered: str, chat: ChatRenderer) -> Continue:
@@ -233,7 +243,7 @@ class ToolEpisode:
                 "truncated": traj.stop_reason in TRUNCATED,
                 "conversation": state.episode.messages,
             }
-            reward = state.episode.reward()
+            reward = state.read_reward()
             if reward is not None:
                 outcome["env_reward"] = reward
             rows.append({**traj.columns["row"], **outcome})  # a copy per trajectory: a prompt's samples share one
