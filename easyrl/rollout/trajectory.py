@@ -118,12 +118,38 @@ def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
 
 
-def request_of(contexts: list[list[int]], seeds: list[int], pad_id: int, engines: int) -> Batch:
-    """An engine call: `contexts` left-padded with each one's seed (`sample_seed`), the last row repeated until the
-    call splits evenly over `engines` (its extra rows' output is never read)."""
+def request_of(
+    contexts: list[list[int]],
+    seeds: list[int],
+    pad_id: int,
+    engines: int,
+    columns: dict[str, list[Any]] | None = None,
+) -> Batch:
+    """An engine call: `contexts` left-padded with each one's seed (`sample_seed`) and any per-row `columns` (the
+    media: `media_columns`), the last row repeated until the call splits evenly over `engines` (its extra rows'
+    output is never read)."""
     extra = (-len(contexts)) % engines
     request = Batch(left_padded(contexts + [contexts[-1]] * extra, pad_id))
+    request.set(**{k: list(v) + [v[-1]] * extra for k, v in (columns or {}).items()})
     return request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
+
+
+def media_columns(trajectories: list[Trajectory]) -> dict[str, list[Any]]:
+    """The engine columns (`loop.ENGINE_COLUMNS`) of a call continuing `trajectories` from their `context()`; `{}`
+    when none carries media. `multi_modal_inputs` (the processed pixels and grids: the HF engine) is the prompt's
+    own, so the model computes the same 3D rope positions for the prompt, and the text after it continues them as
+    they continued during the first call. `rollout_prompt` (an engine that expands the media itself: vLLM) is the
+    prompt's unexpanded ids followed by the tokens so far, with the same media: expanded, it is the context."""
+    if not any(t.columns.get("multi_modal_inputs") or t.columns.get("rollout_prompt") for t in trajectories):
+        return {}
+    out: dict[str, list[Any]] = {"multi_modal_inputs": [], "rollout_prompt": []}
+    for t in trajectories:
+        out["multi_modal_inputs"].append(t.columns.get("multi_modal_inputs"))
+        prompt = t.columns.get("rollout_prompt") or {}
+        if prompt.get("multi_modal_data"):
+            prompt = {**prompt, "prompt_token_ids": list(prompt["prompt_token_ids"]) + t.response_ids}
+        out["rollout_prompt"].append(prompt)
+    return out
 
 
 def _right_padded(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
