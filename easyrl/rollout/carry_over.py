@@ -51,7 +51,15 @@ from easyrl.rollout.early_rewards import EarlyRewards, row_keys, score_means
 from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
 from easyrl.rollout.loop import EngineSession, Scored, Scorer
-from easyrl.rollout.trajectory import Trajectory, append_call, media_columns, request_of, rows_of
+from easyrl.rollout.trajectory import (
+    Trajectory,
+    append_call,
+    columns_from_state,
+    columns_state,
+    media_columns,
+    request_of,
+    rows_of,
+)
 from easyrl.seeding import derive_seed, prompt_seeds
 
 
@@ -74,12 +82,18 @@ class Group:
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
-        return copy.deepcopy({**self.__dict__, "samples": [s.state_dict() for s in self.samples]})
+        state = {
+            **self.__dict__,
+            "columns": columns_state(self.columns),
+            "samples": [s.state_dict() for s in self.samples],
+        }
+        return copy.deepcopy(state)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
-        prompt, columns = state["prompt_ids"], state["columns"]
-        return cls(**{**state, "samples": [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]})
+        prompt, columns = state["prompt_ids"], columns_from_state(state["columns"])
+        samples = [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]
+        return cls(**{**state, "columns": columns, "samples": samples})
 
 
 @dataclass

@@ -11,9 +11,11 @@ fields, the prompts' own columns and `policy_version`, plus `token_policy_versio
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from easyrl.batch import Batch
@@ -190,3 +192,47 @@ def rows_of(trajectories: list[Trajectory], pad_id: int, width: int | None = Non
         tensors["rollout_logprob_mask"] = torch.tensor([all(t.logprob_rows) for t in trajectories])
     keys = dict.fromkeys(k for t in trajectories for k in t.columns)
     return Batch(tensors, {k: [t.columns[k] for t in trajectories] for k in keys})
+
+
+def columns_state(columns: dict[str, Any]) -> dict[str, Any]:
+    """A prompt's columns made JSON-able for a checkpoint of work in flight: its media (`multi_modal_inputs`' tensors,
+    `rollout_prompt`'s pixel arrays) as tagged base64 bytes, which `columns_from_state` turns back into equal tensors
+    and arrays. The processed pixels are kept rather than re-read from the data set, so a resumed response continues
+    from the very inputs it started with; the cost is the media of the groups in flight, in the checkpoint."""
+    return {k: _to_json(v) for k, v in columns.items()}
+
+
+def columns_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: _from_json(v) for k, v in state.items()}
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        raw = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()  # bf16 too: no numpy dtype
+        dtype = str(value.dtype).removeprefix("torch.")
+        return {"__tensor__": dtype, "shape": list(value.shape), "data": base64.b64encode(raw).decode("ascii")}
+    if isinstance(value, np.ndarray):
+        raw = np.ascontiguousarray(value).tobytes()
+        return {"__ndarray__": str(value.dtype), "shape": list(value.shape), "data": base64.b64encode(raw).decode()}
+    if isinstance(value, np.generic):  # numpy scalars (a video's frame indices)
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # a video is a (frames, metadata) pair: a list once restored (unpacks alike)
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        data = bytearray(base64.b64decode(value["data"]))  # writable: frombuffer shares it
+        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, value["__tensor__"])).reshape(value["shape"])
+    if isinstance(value, dict) and "__ndarray__" in value:
+        raw = base64.b64decode(value["data"])
+        return np.frombuffer(raw, dtype=value["__ndarray__"]).reshape(value["shape"]).copy()
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value

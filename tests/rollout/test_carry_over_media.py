@@ -4,6 +4,7 @@ the rows handed to the trainer are those of the synchronous loop (plus the async
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +20,7 @@ from easyrl.models import load_processor, mrope_position_ids, stack_media
 from easyrl.rollout import SamplingParams, SingleTurnLoop
 from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.rollout.hf import HFRolloutEngine
+from easyrl.rollout.trajectory import columns_from_state, columns_state
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
 from tests.rollout.test_multi_turn import LocalEngines
 
@@ -52,9 +54,14 @@ def vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
 def _prompts(processor: Any) -> Batch:
     """Two left-padded prompts with an image each (different sizes), with the columns the dataset gives them:
     `multi_modal_inputs` (the HF engine's) and `rollout_prompt` (vLLM's: unexpanded ids and the pixels)."""
-    specs = [("Shape? <image>", (64, 48), (255, 0, 0)), ("Which colour is this one <image> here?", (32, 32), (0, 0, 9))]
+    specs = [
+        ("Shape? <image>", (64, 48), (255, 0, 0)),
+        ("Which colour is this one <image> here?", (32, 32), (0, 0, 9)),
+    ]
     encoded = [
-        encode_multimodal_prompt(processor, [{"role": "user", "content": text}], [Image.new("RGB", size, rgb)], [], DATA_CFG)
+        encode_multimodal_prompt(
+            processor, [{"role": "user", "content": text}], [Image.new("RGB", size, rgb)], [], DATA_CFG
+        )
         for text, size, rgb in specs
     ]
     width = max(len(e["input_ids"]) for e in encoded)
@@ -151,6 +158,68 @@ def _real(batch: Batch, row: int) -> list[int]:
     return batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
 
 
-
 def _keys(batch: Batch) -> set[str]:
     return {*batch.tensors, *batch.non_tensors}
+
+
+def _loop(tok: Any) -> CarryOverLoop:
+    return CarryOverLoop(
+        lambda k: pytest.fail("no prompt is drawn"),
+        max_staleness=1,
+        active_groups=2,
+        chunk_tokens=CHUNK,
+        max_response_length=RESPONSE,
+        stop_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        engines=2,
+    )
+
+
+def test_media_in_flight_survive_a_checkpoint(vl: tuple[str, Any, Any]) -> None:
+    """The state of groups in flight goes through JSON (the trainer's checkpoint) and gives the same next request:
+    same ids, pixels, grids and vLLM prompt."""
+    _, processor, _ = vl
+    tok = processor.tokenizer
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=RESPONSE, seed=7, logprobs=True)
+    loop = _loop(tok)
+    loop.enqueue(_prompts(processor), params, offset=0)
+    loop.queue[1].samples[0].append([40, 41, 42], True, [-0.5, -0.25, -0.125], 0)  # a response under way
+    resumed = _loop(tok)
+    resumed.load_state_dict(json.loads(json.dumps(loop.state_dict())))
+    work = [(g, j) for g in loop.queue for j in range(2)]
+    again = [(g, j) for g in resumed.queue for j in range(2)]
+    first, _ = loop.request_for(work, params)
+    second, _ = resumed.request_for(again, params)
+    for key in first.tensors:
+        assert torch.equal(first[key], second[key]), key
+    for a, b in zip(first["multi_modal_inputs"], second["multi_modal_inputs"], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    for a, b in zip(first["rollout_prompt"], second["rollout_prompt"], strict=True):
+        assert a["prompt_token_ids"] == b["prompt_token_ids"]
+        assert all(
+            np.array_equal(x, y) for x, y in zip(a["multi_modal_data"]["image"], b["multi_modal_data"]["image"])
+        )
+    assert second["rollout_prompt"][2]["prompt_token_ids"][-3:] == [40, 41, 42]
+
+
+def test_a_videos_columns_survive_the_checkpoint_codec() -> None:
+    """A video prompt's columns (bf16 patches, a vLLM (frames, metadata) pair with numpy frame indices) come back
+    equal from JSON."""
+    frames = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    meta = {"fps": 2.0, "frames_indices": [np.int64(0), np.int64(3)], "video_backend": "pyav"}
+    columns = {
+        "multi_modal_inputs": {
+            "pixel_values_videos": torch.randn(4, 6).to(torch.bfloat16),
+            "video_grid_thw": torch.tensor([[1, 2, 2]]),
+        },
+        "rollout_prompt": {"prompt_token_ids": [1, 2], "multi_modal_data": {"video": [(frames, meta)]}},
+        "uid": "v",
+    }
+    back = columns_from_state(json.loads(json.dumps(columns_state(columns))))
+    for key, value in columns["multi_modal_inputs"].items():
+        got = back["multi_modal_inputs"][key]
+        assert got.dtype == value.dtype and torch.equal(got, value), key
+    ((got_frames, got_meta),) = back["rollout_prompt"]["multi_modal_data"]["video"]
+    assert got_frames.dtype == np.uint8 and np.array_equal(got_frames, frames)
+    assert got_meta == {"fps": 2.0, "frames_indices": [0, 3], "video_backend": "pyav"}
+    assert back["uid"] == "v" and back["rollout_prompt"]["prompt_token_ids"] == [1, 2]
