@@ -51,7 +51,15 @@ from easyrl.rollout.early_rewards import EarlyRewards, row_keys, score_means
 from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
 from easyrl.rollout.loop import EngineSession, Scored, Scorer
-from easyrl.rollout.trajectory import Trajectory, append_call, request_of, rows_of
+from easyrl.rollout.trajectory import (
+    Trajectory,
+    append_call,
+    columns_from_state,
+    columns_state,
+    media_columns,
+    request_of,
+    rows_of,
+)
 from easyrl.seeding import derive_seed, prompt_seeds
 
 
@@ -74,12 +82,18 @@ class Group:
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
-        return copy.deepcopy({**self.__dict__, "samples": [s.state_dict() for s in self.samples]})
+        state = {
+            **self.__dict__,
+            "columns": columns_state(self.columns),
+            "samples": [s.state_dict() for s in self.samples],
+        }
+        return copy.deepcopy(state)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
-        prompt, columns = state["prompt_ids"], state["columns"]
-        return cls(**{**state, "samples": [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]})
+        prompt, columns = state["prompt_ids"], columns_from_state(state["columns"])
+        samples = [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]
+        return cls(**{**state, "columns": columns, "samples": samples})
 
 
 @dataclass
@@ -237,8 +251,11 @@ class CarryOverLoop:
     def enqueue(self, prompts: Batch, params: SamplingParams, offset: int) -> None:
         """Queue each prompt as a group, seeded from its place in this call (`prompt_seeds`, as the synchronous loop
         seeds it), after the `offset` groups the call queued before."""
-        if set(prompts.tensors) - set(PROMPT_TENSORS) or "multi_modal_inputs" in prompts:
-            raise ValueError("trainer.max_staleness >= 1 takes text prompts only (no media) for now")
+        if set(prompts.tensors) - set(PROMPT_TENSORS):
+            raise ValueError(
+                f"trainer.max_staleness >= 1 carries the prompts' {PROMPT_TENSORS} only, this batch has tensors "
+                f"{sorted(set(prompts.tensors) - set(PROMPT_TENSORS))}: give them as per-prompt columns"
+            )
         assert params.seed is not None, "the trainer seeds every rollout call"
         seeds = prompt_seeds(params.seed, offset + len(prompts), params.n)[offset:].tolist()
         mask = prompts["attention_mask"].bool()
@@ -317,7 +334,9 @@ class CarryOverLoop:
         """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call."""
         # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
         seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
-        request = request_of([g.samples[j].context() for g, j in work], seeds, self.pad_id, self.engines)
+        samples = [g.samples[j] for g, j in work]
+        # a prompt with media: every call gets its media again (the engines keep nothing between calls)
+        request = request_of([s.context() for s in samples], seeds, self.pad_id, self.engines, media_columns(samples))
         return request, params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
 
     def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:

@@ -11,9 +11,11 @@ fields, the prompts' own columns and `policy_version`, plus `token_policy_versio
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from easyrl.batch import Batch
@@ -118,12 +120,38 @@ def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
 
 
-def request_of(contexts: list[list[int]], seeds: list[int], pad_id: int, engines: int) -> Batch:
-    """An engine call: `contexts` left-padded with each one's seed (`sample_seed`), the last row repeated until the
-    call splits evenly over `engines` (its extra rows' output is never read)."""
+def request_of(
+    contexts: list[list[int]],
+    seeds: list[int],
+    pad_id: int,
+    engines: int,
+    columns: dict[str, list[Any]] | None = None,
+) -> Batch:
+    """An engine call: `contexts` left-padded with each one's seed (`sample_seed`) and any per-row `columns` (the
+    media: `media_columns`), the last row repeated until the call splits evenly over `engines` (its extra rows'
+    output is never read)."""
     extra = (-len(contexts)) % engines
     request = Batch(left_padded(contexts + [contexts[-1]] * extra, pad_id))
+    request.set(**{k: list(v) + [v[-1]] * extra for k, v in (columns or {}).items()})
     return request.set(**{SEED_COLUMN: torch.tensor(seeds + [seeds[-1]] * extra, dtype=torch.int64)})
+
+
+def media_columns(trajectories: list[Trajectory]) -> dict[str, list[Any]]:
+    """The engine columns (`loop.ENGINE_COLUMNS`) of a call continuing `trajectories` from their `context()`; `{}`
+    when none carries media. `multi_modal_inputs` (the processed pixels and grids: the HF engine) is the prompt's
+    own, so the model computes the same 3D rope positions for the prompt, and the text after it continues them as
+    they continued during the first call. `rollout_prompt` (an engine that expands the media itself: vLLM) is the
+    prompt's unexpanded ids followed by the tokens so far, with the same media: expanded, it is the context."""
+    if not any(t.columns.get("multi_modal_inputs") or t.columns.get("rollout_prompt") for t in trajectories):
+        return {}
+    out: dict[str, list[Any]] = {"multi_modal_inputs": [], "rollout_prompt": []}
+    for t in trajectories:
+        out["multi_modal_inputs"].append(t.columns.get("multi_modal_inputs"))
+        prompt = t.columns.get("rollout_prompt") or {}
+        if prompt.get("multi_modal_data"):
+            prompt = {**prompt, "prompt_token_ids": list(prompt["prompt_token_ids"]) + t.response_ids}
+        out["rollout_prompt"].append(prompt)
+    return out
 
 
 def _right_padded(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
@@ -164,3 +192,47 @@ def rows_of(trajectories: list[Trajectory], pad_id: int, width: int | None = Non
         tensors["rollout_logprob_mask"] = torch.tensor([all(t.logprob_rows) for t in trajectories])
     keys = dict.fromkeys(k for t in trajectories for k in t.columns)
     return Batch(tensors, {k: [t.columns[k] for t in trajectories] for k in keys})
+
+
+def columns_state(columns: dict[str, Any]) -> dict[str, Any]:
+    """A prompt's columns made JSON-able for a checkpoint of work in flight: its media (`multi_modal_inputs`' tensors,
+    `rollout_prompt`'s pixel arrays) as tagged base64 bytes, which `columns_from_state` turns back into equal tensors
+    and arrays. The processed pixels are kept rather than re-read from the data set, so a resumed response continues
+    from the very inputs it started with; the cost is the media of the groups in flight, in the checkpoint."""
+    return {k: _to_json(v) for k, v in columns.items()}
+
+
+def columns_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: _from_json(v) for k, v in state.items()}
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        raw = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()  # bf16 too: no numpy dtype
+        dtype = str(value.dtype).removeprefix("torch.")
+        return {"__tensor__": dtype, "shape": list(value.shape), "data": base64.b64encode(raw).decode("ascii")}
+    if isinstance(value, np.ndarray):
+        raw = np.ascontiguousarray(value).tobytes()
+        return {"__ndarray__": str(value.dtype), "shape": list(value.shape), "data": base64.b64encode(raw).decode()}
+    if isinstance(value, np.generic):  # numpy scalars (a video's frame indices)
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # a video is a (frames, metadata) pair: a list once restored (unpacks alike)
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        data = bytearray(base64.b64decode(value["data"]))  # writable: frombuffer shares it
+        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, value["__tensor__"])).reshape(value["shape"])
+    if isinstance(value, dict) and "__ndarray__" in value:
+        raw = base64.b64decode(value["data"])
+        return np.frombuffer(raw, dtype=value["__ndarray__"]).reshape(value["shape"]).copy()
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +111,63 @@ def test_bench_vl_model_has_the_public_3b_shape() -> None:
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(config)
     assert sum(p.numel() for p in model.parameters()) == 3_754_622_976
+
+
+def _video_data(folder: Path) -> dict[str, str]:
+    """16 rows sharing one generated clip (a sweeping bar, 4 sampled frames), each with its own question."""
+    from tests.workers.test_packing_vl import _write_video
+
+    folder.mkdir(parents=True)
+    _write_video(folder / "clip.mp4")
+    rows = [{"prompt": f"<video>How many digits are in {i}{i}?", "answer": str(len(f"{i}{i}")), "videos": ["clip.mp4"]}
+            for i in range(16)]  # fmt: skip
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"train": str(train), "video_dir": str(folder)}
+
+
+@pytest.mark.parametrize(("arch", "media"), [*((arch, "image") for arch in VL_ARCHS), ("qwen2_5_vl", "video")])
+def test_vl_grpo_with_one_step_of_staleness(tmp_path: Path, arch: str, media: str) -> None:
+    """Carry-over (`trainer.max_staleness: 1`) on image or video prompts: responses cut at a step's end resume in
+    the next with their media (chunks of 2 tokens, variable lengths), no trained token is older than one update, and
+    the policy learns from the pixels: the vision tower changes, as in the synchronous run above."""
+    from easyrl.config import load_config_and_secrets
+    from easyrl.trainer.trainer import Trainer
+    from tests.conftest import apply_edits, base_config, write_config
+    from tests.rollout.test_carry_over import ASYNC_EDITS
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
+    if media == "image":
+        data = _image_data(tmp_path / "data")
+        edits = vl_edits(data)
+    else:
+        data = _video_data(tmp_path / "data")
+        edits = {"data.video_dir": data["video_dir"], "data.max_prompt_length": 160, "data.max_pixels": 64 * 64}
+    edits |= ASYNC_EDITS | {"trainer.max_staleness": 1, "trainer.max_steps": 4}
+    conf = apply_edits(base_config(model, {"train": data["train"]}, tmp_path / "run"), edits)
+    trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
+    trained: list[tuple[int, Any]] = []
+    update = trainer.actor.update_actor
+
+    def record_update(batch: Any, entropy_coeff: float) -> dict[str, float]:  # the real update, its batch kept
+        trained.append((trainer.actor.policy_version(), batch))
+        return update(batch, entropy_coeff)
+
+    trainer.actor.update_actor = record_update
+    try:
+        before = trainer.actor.full_weights()
+        trainer.fit()
+        after = trainer.actor.full_weights()
+    finally:
+        trainer.close()
+    assert len(trained) == 4
+    for version, batch in trained:
+        assert all(media is not None for media in batch["multi_modal_inputs"])  # every row kept its image
+        ages = (version - batch["token_policy_version"])[batch["loss_mask"].bool()]
+        assert int(ages.min()) >= 0 and int(ages.max()) <= 1, ages
+    rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
+    assert_finite(rows)
+    assert max(r["async/resumed_fraction"] for r in rows) > 0  # some responses resumed with newer weights
+    assert max(r["async/version_span_max"] for r in rows) == 1.0
+    vision = [n for n in before if ".visual." in f".{n}" or n.startswith(("visual.", "model.visual."))]
+    assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not learn"
