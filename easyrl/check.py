@@ -10,13 +10,8 @@ from typing import TYPE_CHECKING, Any
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.models.family import unlisted_family_warning
-from easyrl.trainer.resolve import (
-    data_parallel_size,
-    effective_chunk_tokens,
-    effective_padding_free,
-    estimator_needs,
-)
-from easyrl.trainer.role_specs import cpu_threads, old_log_prob_pass, use_gpu
+from easyrl.trainer.plan import RunPlan, plan_of
+from easyrl.trainer.role_specs import cpu_threads
 from easyrl.workers.varlen import attention_kernel
 
 
@@ -27,16 +22,15 @@ if TYPE_CHECKING:
 def plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What will run: algorithm, engines, workers and the batch arithmetic."""
     alg, w, d, t = cfg.algorithm, cfg.worker, cfg.data, cfg.trainer
-    workers = t.nnodes * t.n_gpus_per_node
+    plan = plan_of(cfg)
+    workers, separate = plan.world_size, plan.separate
     samples = d.rollout_batch_size * w.rollout.n
     updates = d.rollout_batch_size // w.actor.global_batch_size
-    dp = data_parallel_size(cfg)
+    dp = plan.data_parallel_size
     per_worker = w.actor.global_batch_size * w.rollout.n // dp
     sp = f"; sequence parallel {w.actor.ulysses_size} ({dp} data-parallel groups)" if w.actor.ulysses_size > 1 else ""
-    tp = w.rollout.ranks_per_engine
-    separate = w.rollout.placement == "separate"
-    rollout_workers = w.rollout.n_gpus if separate else workers
-    engines = f"{rollout_workers // tp} (tensor parallel {tp})" if tp > 1 else str(rollout_workers)
+    tp = plan.ranks_per_engine
+    engines = f"{plan.rollout_engines} (tensor parallel {tp})" if tp > 1 else str(plan.rollout_workers)
     where = (
         f", on {w.rollout.n_gpus} rollout worker(s) of their own (resident, weights pushed after each update)"
         if separate
@@ -61,16 +55,16 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
             else ""
         ),
         f"model: {w.actor.model.model_path}{adapters}",
-        f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
+        f"attention (training, on this machine): {attention_kernel(plan.padding_free)}",
         f"rollout: {engines} {w.rollout.name} engine(s), n={w.rollout.n}, temperature={w.rollout.temperature}, "
         f"top_p={w.rollout.top_p}, top_k={w.rollout.top_k}, max {d.max_response_length} new tokens{where}",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor"
         + ("" if separate else "+rollout")
         + ref
-        + (", critic" if estimator_needs(cfg).needs_critic else "")
-        + (", teacher" if dist.teacher.local else "")
+        + (", critic" if plan.critic else "")
+        + (", teacher" if plan.teacher_worker else "")
         + sp
-        + ("" if use_gpu(cfg) else f"; {cpu_threads(cfg)} torch thread(s) each"),
+        + ("" if plan.use_gpu else f"; {cpu_threads(cfg, plan)} torch thread(s) each"),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         + (
@@ -78,18 +72,18 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
             if w.actor.dynamic_batching
             else f"micro-batches of {w.actor.micro_batch_size_per_device_for_update}"
         ),
-        "old log-probs: " + old_log_probs_line(cfg),
-        *async_lines(cfg),
+        "old log-probs: " + old_log_probs_line(cfg, plan),
+        *async_lines(cfg, plan),
         validation_line(cfg),
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
     ]
 
 
-def async_lines(cfg: EasyRLConfig) -> list[str]:
+def async_lines(cfg: EasyRLConfig, plan: RunPlan) -> list[str]:
     """With `trainer.max_staleness` >= 1: the carry-over loop's settings, and whether the loss sees the staleness."""
-    staleness, rollout, per_step = cfg.trainer.max_staleness, cfg.worker.rollout, cfg.data.rollout_batch_size
-    if staleness == 0:
+    staleness, rollout, per_step = plan.staleness, cfg.worker.rollout, cfg.data.rollout_batch_size
+    if plan.schedule == "synchronous":
         return []
     corr = cfg.algorithm.correction
     seen = (
@@ -100,7 +94,7 @@ def async_lines(cfg: EasyRLConfig) -> list[str]:
     return [
         f"asynchronous: a trained token is at most {staleness} policy version(s) old; "
         f"{rollout.active_groups or (staleness + 1) * per_step} prompt groups in flight for {per_step} a step, "
-        f"{effective_chunk_tokens(cfg)} tokens per engine call; {seen} (docs/async.md)"
+        f"{plan.chunk_tokens} tokens per engine call; {seen} (docs/async.md)"
     ]
 
 
@@ -138,12 +132,12 @@ def rerun_line(cfg: EasyRLConfig) -> str:
     )
 
 
-def old_log_probs_line(cfg: EasyRLConfig) -> str:
+def old_log_probs_line(cfg: EasyRLConfig, plan: RunPlan) -> str:
     """Where the update's old log-probs come from, and the rollout correction applied to them."""
     corr = cfg.algorithm.correction
     if corr.bypass_mode:
         return "the rollout engine's (rollout_correction.bypass_mode: no forward pass)"
-    source = "a forward pass before the update" if old_log_prob_pass(cfg) else "the update's own, detached (1 pass)"
+    source = "a forward pass before the update" if plan.old_log_prob_pass else "the update's own, detached (1 pass)"
     parts = [f"rollout_is: {corr.rollout_is}"] if corr.rollout_is is not None else []
     parts += [f"rollout_rs: {corr.rollout_rs}"] if corr.rollout_rs is not None else []
     parts += ["token veto"] if corr.rollout_token_veto_threshold is not None else []
@@ -172,7 +166,7 @@ def memory_plan_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) ->
     --gpu-memory`: a login node planning the run it sends to the GPUs). Nothing without either."""
     import torch
 
-    on_gpu = use_gpu(cfg) and torch.cuda.is_available()
+    on_gpu = plan_of(cfg).use_gpu and torch.cuda.is_available()
     if gpu_memory_gib is None and not on_gpu:
         return [], []
     from transformers import AutoConfig
@@ -228,7 +222,7 @@ def cpu_noop_warning(cfg: EasyRLConfig) -> str | None:
     """The one warning a CPU run gives for its GPU-only settings (None on GPU runs or when there are none)."""
 
     found = cpu_noop_settings(cfg)
-    if not found or use_gpu(cfg):
+    if not found or plan_of(cfg).use_gpu:
         return None
     return f"running on CPU: GPU-only settings have no effect here (see docs/faq.md): {', '.join(found)}"
 
@@ -253,7 +247,7 @@ def _engine_check(cfg: EasyRLConfig) -> EngineCheck:
 def rollout_problem(cfg: EasyRLConfig) -> str | None:
     """What would stop the rollout engine from starting on this machine, found without starting it (the engine's
     `EngineCheck`: for vLLM, `easyrl.rollout.vllm_check`)."""
-    return _engine_check(cfg).problem(cfg, use_gpu(cfg))
+    return _engine_check(cfg).problem(cfg, plan_of(cfg).use_gpu)
 
 
 def engine_lines(cfg: EasyRLConfig) -> list[str]:
@@ -263,7 +257,7 @@ def engine_lines(cfg: EasyRLConfig) -> list[str]:
 
 def engine_version_line(cfg: EasyRLConfig) -> str | None:
     """Why the installed engine is not a version easyrl has run on this kind of machine, if so."""
-    return _engine_check(cfg).version_warning(use_gpu(cfg))
+    return _engine_check(cfg).version_warning(plan_of(cfg).use_gpu)
 
 
 def print_memory_plan(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
@@ -304,7 +298,7 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     out = sys.stdout
     problem = rollout_problem(cfg)
     if problem is not None:
-        if cfg.trainer.device == "auto" and not use_gpu(cfg):  # a login node, maybe: only a warning
+        if cfg.trainer.device == "auto" and not plan_of(cfg).use_gpu:  # a login node, maybe: only a warning
             print(f"easyrl: warning: {problem} (no GPU on this machine: ignore this if the run goes to one)", file=out)
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
@@ -413,7 +407,7 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
 
     print("== first multi-turn prompt, rendered with the tools", file=sys.stdout)
     try:
-        loop: Any = multi_turn_loop(cfg)
+        loop: Any = multi_turn_loop(cfg, plan_of(cfg))
         episode = loop.environments.start(first["row"])
         text = loop.chat.render(episode.messages, episode.schemas)
     except (AgentLoadError, ValueError) as exc:
@@ -436,8 +430,8 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
 def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
     a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
-    workers = t.nnodes * t.n_gpus_per_node
-    dp = data_parallel_size(cfg)
+    plan = plan_of(cfg)
+    workers, dp = plan.world_size, plan.data_parallel_size
     sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
     adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
     micro = (
@@ -456,7 +450,7 @@ def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"supervised fine-tuning: next-token loss on the assistant's tokens ({a.loss_avg_mode}), conversations of up "
         f"to {cfg.sft.max_length} tokens",
         f"model: {a.model.model_path}{adapters}",
-        f"attention (training, on this machine): {attention_kernel(effective_padding_free(cfg, use_gpu(cfg)))}",
+        f"attention (training, on this machine): {attention_kernel(plan.padding_free)}",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers}{sp}",
         f"batch: {a.global_batch_size} rows per step (one optimizer step, lr {a.optim.lr:g}, "
         f"{a.optim.lr_scheduler_type}); {a.global_batch_size // dp} rows per worker in {micro}",

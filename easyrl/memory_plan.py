@@ -254,17 +254,14 @@ def _micro_batch_tokens(cfg: Any) -> int:
     return int(per_rank // actor.ulysses_size)
 
 
-def _sleep_level(cfg: Any) -> int:
-    """`worker.rollout.sleep_level`, derived when null."""
-    from easyrl.trainer.resolve import effective_sleep_level
-
-    return effective_sleep_level(cfg)
-
-
 def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
-    """The per-GPU plan of the run `cfg` (an `EasyRLConfig`) on GPUs of `device_total` bytes."""
+    """The per-GPU plan of the run `cfg` (an `EasyRLConfig`) on GPUs of `device_total` bytes: its roles, ranks, tensor
+    parallelism and sleep level as the run plan decides them (`easyrl.trainer.plan`)."""
+    from easyrl.trainer.plan import plan_of
+
+    run = plan_of(cfg)
     w = cfg.worker
-    ranks = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    ranks = run.world_size
     actor = w.actor
     tokens = _micro_batch_tokens(cfg)
     params = shape.parameter_count()
@@ -273,14 +270,14 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     head = head_tokens * shape.vocab_size * (8 if fused else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
     actor_mem = _training(shape, actor, params, ranks, tokens, head)
     # the reference is a process of its own, unless the LoRA actor serves it (its base, adapters off)
-    ref_process = not cfg.algorithm.disable_kl and actor.model.lora.rank == 0
+    ref_process = run.ref_worker
     ref_weights = _sharded(params, DTYPE_BYTES[w.ref.fsdp.torch_dtype or "fp32"], ranks) if ref_process else 0
     critic = None
-    if cfg.algorithm.adv_estimator == "gae":
+    if run.critic:
         critic = _training(shape, w.critic, params - shape.vocab_size * shape.hidden_size, ranks, tokens, 0)
     rollout = w.rollout
     caps = engine_capabilities(rollout.name)
-    tp = rollout.ranks_per_engine
+    tp = run.ranks_per_engine
     engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
@@ -310,7 +307,7 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         kv_cache_tokens=kv_tokens,
         processes=processes,
         per_process=per_process,
-        pinned_host=engine_weights if sleeps and _sleep_level(cfg) == 1 else 0,
+        pinned_host=engine_weights if sleeps and run.sleep_level == 1 else 0,
         device_total=device_total,
         generating=engine + resident + ref_resident + critic_resident + per_process,
         # asleep, the engine still holds its CUDA graphs (without sleep mode, all of its budget)

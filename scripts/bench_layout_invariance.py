@@ -49,12 +49,13 @@ def make_engine(name: str, model_dir: str, tokenizer, max_tokens: int) -> Rollou
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from easyrl.config import EasyRLConfig
     from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import rollout_spec
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     cfg.data.max_prompt_length, cfg.data.max_response_length = 128, max_tokens
-    return VLLMRolloutEngine(rollout_spec(cfg), eos, pad)
+    return VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), eos, pad)
 
 
 def main() -> None:

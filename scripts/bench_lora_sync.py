@@ -70,6 +70,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str) -> dict[str, A
     from easyrl.config.worker import LoraConfig, ModelConfig
     from easyrl.rollout.engine import SamplingParams
     from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import rollout_spec
     from easyrl.workers.lora import apply_lora, gathered_adapter, merged_weights
     from easyrl.workers.model_setup import load_model
@@ -80,7 +81,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str) -> dict[str, A
     mcfg.lora = LoraConfig(rank=args.rank, alpha=2 * args.rank, rollout_sync=mode)
     cfg.data.max_prompt_length, cfg.data.max_response_length = 16, args.max_tokens
     cfg.worker.rollout.logprob_sample_ratio = 1.0
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [0], 0)
+    engine = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [0], 0)
     model = load_model(ModelConfig(model_path=model_dir))
     apply_lora(model, mcfg.lora)
     gen = torch.Generator().manual_seed(0)

@@ -62,6 +62,7 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     from easyrl.config import EasyRLConfig
     from easyrl.rollout.vllm import VLLMRolloutEngine
     from easyrl.testing.tiny import load_tokenizer
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import rollout_spec
 
     tok = load_tokenizer(model_dir)
@@ -70,7 +71,7 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     cfg.data.max_prompt_length, cfg.data.max_response_length = args.prompt_len + 16, args.max_tokens
     cfg.worker.rollout.logprob_sample_ratio = args.logprob_sample_ratio
     cfg.worker.rollout.dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    return VLLMRolloutEngine(rollout_spec(cfg), [int(tok.eos_token_id)], int(tok.pad_token_id))
+    return VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [int(tok.eos_token_id)], int(tok.pad_token_id))
 
 
 def prompt_batch(args: argparse.Namespace, vocab_low: int, vocab_high: int) -> Any:

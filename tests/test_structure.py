@@ -635,3 +635,45 @@ def test_an_environments_reward_is_read_in_one_place() -> None:
     assert reads == ["easyrl.rollout.multi_turn.read_reward"], (
         "read an environment's reward through ToolState.read_reward (once per trajectory), found: " + ", ".join(reads)
     )
+
+
+PLAN_DECIDERS = ("easyrl.config", "easyrl.rollout", "easyrl.trainer.plan")
+"""Where `trainer.max_staleness` and `worker.rollout.placement` are read: the config (its checks), the rollout room
+(the producer picks its loop from them) and the run plan; everything else reads `RunPlan.staleness`/`.schedule` and
+`RunPlan.placement`/`.separate`."""
+
+
+def _plan_rereads(source: str) -> list[int]:
+    """Lines of `source` that read `.max_staleness` or compare a placement: `x.placement == ...`, or any comparison
+    with the strings "separate" / "colocated"."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "max_staleness" and isinstance(node.ctx, ast.Load):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            placement = any(isinstance(o, ast.Attribute) and o.attr == "placement" for o in operands)
+            names = any(isinstance(o, ast.Constant) and o.value in ("separate", "colocated") for o in operands)
+            if placement or names:
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_plan_reread_rule_catches_staleness_reads_and_placement_comparisons() -> None:
+    source = (
+        "s = cfg.trainer.max_staleness\nif r.placement == p:\n    pass\nb = 'separate' != x\n"
+        "ok = plan.staleness\nok = plan.separate\nok = Placement('separate')\nok = dict(max_staleness=1)\n"
+    )
+    assert _plan_rereads(source) == [1, 2, 4]
+
+
+def test_only_the_run_plan_decides_staleness_and_placement() -> None:
+    """Decided once (`easyrl.trainer.plan.plan_of`): the role specs, the trainer, `easyrl check` and the memory plan
+    read the plan's typed fields, never the config's staleness or placement string again."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if not any(_inside(m, room) for room in PLAN_DECIDERS)
+        for line in _plan_rereads(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "read easyrl.trainer.plan.RunPlan's fields (plan_of(cfg)):\n" + "\n".join(offenders)

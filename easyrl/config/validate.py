@@ -337,7 +337,7 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
         if role == "critic" and not needs.needs_critic:
             continue
         wcfg = getattr(cfg.worker, role)
-        # the data-parallel size the run will use (`trainer.resolve.data_parallel_size`, which sits above config)
+        # the data-parallel size the run will use (`trainer.plan.data_parallel_size`, which sits above config)
         gbs, dp = wcfg.global_batch_size, workers // wcfg.ulysses_size
         sp_note = (
             f" (data-parallel groups: workers / ulysses_size {wcfg.ulysses_size})" if wcfg.ulysses_size > 1 else ""

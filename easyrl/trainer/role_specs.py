@@ -1,4 +1,5 @@
-"""The driver's half of the worker contract: one frozen spec per role, built once from the validated config.
+"""The driver's half of the worker contract: one frozen spec per role, built once from the validated config and
+the run plan decided from it (`easyrl.trainer.plan`: device, placement, weight sync, sleep level, passes).
 
 Everything a worker needs that depends on another section (the reference and the critic follow the actor's
 forward settings, the rollout engine loads the actor's model, the per-rank mini-batch depends on `rollout.n` and
@@ -11,21 +12,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from easyrl.algorithms import policy_loss_params
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.distributed.memory import MemoryLevers
-from easyrl.rollout import RolloutSpec, SamplingParams, WeightSync
-from easyrl.trainer.resolve import (
-    effective_chunk_tokens,
-    effective_padding_free,
-    effective_sleep_level,
-    estimator_needs,
-)
-from easyrl.trainer.step_math import needs_old_log_prob_pass
+from easyrl.rollout import RolloutSpec, SamplingParams
+from easyrl.trainer.plan import RunPlan
 from easyrl.workers.specs import (
     ActorSpec,
     CriticSpec,
@@ -41,11 +34,6 @@ from easyrl.workers.specs import (
 )
 
 
-DEFAULT_LOGPROB_RATIO = 0.125
-"""Share of prompts whose samples get vLLM log-probs when `worker.rollout.logprob_sample_ratio` is null and no rollout
-correction reads them: enough for the engine-vs-actor figures (`rollout/token_prob_error`) at a small cost."""
-
-
 @dataclass(frozen=True)
 class RoleSpecs:
     actor: ActorSpec
@@ -57,14 +45,12 @@ class RoleSpecs:
     """None unless `algorithm.distill.teacher` is a local checkpoint (a remote one is the driver's client)."""
 
 
-def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> RoleSpecs:
-    """The spec of every role this run starts: a reference when KL is on, a critic when the advantage estimator
-    declared it needs one. `optimizer_steps`: the actor's optimizer steps over the run."""
-    need_ref = cfg.algorithm.kl_mode != KLMode.OFF and not lora_on(cfg)
-    need_critic = estimator_needs(cfg).needs_critic
-    process = process_spec(cfg)
+def build_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> RoleSpecs:
+    """The spec of every role `plan` starts: a reference when KL is on (without LoRA), a critic when the advantage
+    estimator declared it needs one, a local teacher. `optimizer_steps`: the actor's optimizer steps over the run."""
+    process = process_spec(cfg, plan)
     ref = None
-    if need_ref:
+    if plan.ref_worker:
         ref_micro = cfg.worker.ref.micro_batch_size_per_device_for_experience
         ref = RefSpec(
             process=process,
@@ -73,19 +59,19 @@ def build_role_specs(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -
                 torch_dtype=cfg.worker.ref.fsdp.torch_dtype,
                 fsdp=cfg.worker.ref.fsdp,
                 offload=cfg.worker.ref.offload,
-                forward=forward_options(cfg),
+                forward=forward_options(cfg, plan),
             ),
             temperature=cfg.worker.rollout.temperature,
             micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
         )
-    critic = _critic_spec(cfg, process, optimizer_steps, world_size) if need_critic else None
-    teacher = _teacher_spec(cfg, process) if cfg.algorithm.distill.teacher.local else None
+    critic = _critic_spec(cfg, plan, process, optimizer_steps, world_size) if plan.critic else None
+    teacher = _teacher_spec(cfg, plan, process) if plan.teacher_worker else None
     return RoleSpecs(
-        actor=_actor_spec(cfg, process, optimizer_steps, world_size), ref=ref, critic=critic, teacher=teacher
+        actor=_actor_spec(cfg, plan, process, optimizer_steps, world_size), ref=ref, critic=critic, teacher=teacher
     )
 
 
-def _teacher_spec(cfg: EasyRLConfig, process: ProcessSpec) -> TeacherSpec:
+def _teacher_spec(cfg: EasyRLConfig, plan: RunPlan, process: ProcessSpec) -> TeacherSpec:
     """The teacher: its own checkpoint, frozen, sharded and offloaded as the reference, with the actor's forward
     settings (the same layout of the same token ids) and the rollout's temperature (as the student's log-probs)."""
     ref_cfg, teacher = cfg.worker.ref, cfg.algorithm.distill.teacher
@@ -102,7 +88,7 @@ def _teacher_spec(cfg: EasyRLConfig, process: ProcessSpec) -> TeacherSpec:
             torch_dtype=ref_cfg.fsdp.torch_dtype,
             fsdp=ref_cfg.fsdp,
             offload=ref_cfg.offload,
-            forward=forward_options(cfg),
+            forward=forward_options(cfg, plan),
         ),
         temperature=cfg.worker.rollout.temperature,
         micro_batch_size_for_experience=micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
@@ -110,12 +96,7 @@ def _teacher_spec(cfg: EasyRLConfig, process: ProcessSpec) -> TeacherSpec:
     )
 
 
-def lora_on(cfg: EasyRLConfig) -> bool:
-    """The actor trains LoRA adapters: its frozen base under them is the reference model."""
-    return cfg.worker.actor.model.lora.rank > 0
-
-
-def _policy_model_spec(cfg: EasyRLConfig, optimizer_steps: int) -> ModelSpec:
+def _policy_model_spec(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int) -> ModelSpec:
     """The policy's model as the actor (RL) and the SFT worker train it: its checkpoint, FSDP, optimizer, offload and
     forward settings."""
     acfg = cfg.worker.actor
@@ -125,17 +106,19 @@ def _policy_model_spec(cfg: EasyRLConfig, optimizer_steps: int) -> ModelSpec:
         fsdp=acfg.fsdp,
         optim=acfg.optim,
         offload=acfg.offload,
-        forward=forward_options(cfg),
+        forward=forward_options(cfg, plan),
         total_optimizer_steps=optimizer_steps,
         checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
     )
 
 
-def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> ActorSpec:
+def _actor_spec(
+    cfg: EasyRLConfig, plan: RunPlan, process: ProcessSpec, optimizer_steps: int, world_size: int
+) -> ActorSpec:
     acfg, alg = cfg.worker.actor, cfg.algorithm
     return ActorSpec(
         process=process,
-        model=_policy_model_spec(cfg, optimizer_steps),
+        model=_policy_model_spec(cfg, plan, optimizer_steps),
         update=_update_spec(acfg, cfg.worker.rollout.n, world_size),
         loss=PolicyLossSpec(
             loss_type=acfg.loss_type,
@@ -144,24 +127,24 @@ def _actor_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, w
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
             distill_topk_coef=alg.distill.coef if alg.distill.enabled and alg.distill.mode == "topk_fkl" else 0.0,
-            measures_engine=not old_log_prob_pass(cfg),
+            measures_engine=not plan.old_log_prob_pass,
         ),
-        rollout=rollout_spec(cfg),
+        rollout=rollout_spec(cfg, plan),
         temperature=cfg.worker.rollout.temperature,
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
         memory_levers=memory_levers(cfg),
-        serves_reference=lora_on(cfg) and cfg.algorithm.kl_mode != KLMode.OFF,
-        colocated_engine=cfg.worker.rollout.placement == "colocated",
+        serves_reference=plan.ref_log_probs and not plan.ref_worker,  # a LoRA actor's base, adapters off
+        colocated_engine=not plan.separate,
     )
 
 
-def sft_spec(cfg: EasyRLConfig, optimizer_steps: int, world_size: int) -> SFTSpec:
+def sft_spec(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> SFTSpec:
     """The spec of `easyrl sft`'s one role: the actor's model, optimizer, FSDP and forward settings, one response
     per row (`global_batch_size` rows an optimizer step)."""
     acfg = cfg.worker.actor
     return SFTSpec(
-        process=process_spec(cfg),
-        model=_policy_model_spec(cfg, optimizer_steps),
+        process=process_spec(cfg, plan),
+        model=_policy_model_spec(cfg, plan, optimizer_steps),
         update=_update_spec(acfg, 1, world_size),
         micro_batch_size_for_experience=acfg.micro_batch_size_per_device_for_experience,
     )
@@ -179,7 +162,9 @@ def memory_levers(cfg: EasyRLConfig) -> MemoryLevers:
     )
 
 
-def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, world_size: int) -> CriticSpec:
+def _critic_spec(
+    cfg: EasyRLConfig, plan: RunPlan, process: ProcessSpec, optimizer_steps: int, world_size: int
+) -> CriticSpec:
     ccfg, acfg = cfg.worker.critic, cfg.worker.actor
     # The critic makes global/critic-global times the actor's optimizer steps per step.
     critic_steps = optimizer_steps // acfg.global_batch_size * ccfg.global_batch_size
@@ -194,7 +179,7 @@ def _critic_spec(cfg: EasyRLConfig, process: ProcessSpec, optimizer_steps: int, 
             optim=ccfg.optim,
             offload=ccfg.offload,
             forward=ForwardOptions(
-                padding_free=effective_padding_free(cfg, use_gpu(cfg)),
+                padding_free=plan.padding_free,
                 max_token_len=acfg.max_token_len_per_gpu * ccfg.ulysses_size if acfg.dynamic_batching else None,
                 ulysses_size=ccfg.ulysses_size,
             ),
@@ -225,14 +210,14 @@ def _checkpoint_files(own: ModelConfig, actor: ModelConfig) -> tuple[str | None,
     return model_path, own.tokenizer_path or actor.tokenizer_path or model_path
 
 
-def process_spec(cfg: EasyRLConfig) -> ProcessSpec:
+def process_spec(cfg: EasyRLConfig, plan: RunPlan) -> ProcessSpec:
     """What every worker process sets up first: its seed, the user's modules, its CPU threads."""
     return ProcessSpec(
-        seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules), cpu_threads=cpu_threads(cfg)
+        seed=cfg.trainer.seed, user_modules=tuple(cfg.algorithm.user_modules), cpu_threads=cpu_threads(cfg, plan)
     )
 
 
-def cpu_threads(cfg: EasyRLConfig, cores: int | None = None) -> int:
+def cpu_threads(cfg: EasyRLConfig, plan: RunPlan, cores: int | None = None) -> int:
     """torch threads per CPU worker: a node's cores (`node_cores`) shared among the workers that run at once on it,
     at least 1. `EASYRL_NUM_THREADS` overrides it.
 
@@ -241,8 +226,7 @@ def cpu_threads(cfg: EasyRLConfig, cores: int | None = None) -> int:
     worker of 2 threads trains as fast as two workers of 1 (docs/benchmarks.md, issue 29)."""
     if "EASYRL_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["EASYRL_NUM_THREADS"]))
-    rollout = cfg.worker.rollout
-    per_node = cfg.trainer.n_gpus_per_node + (rollout.n_gpus if rollout.placement == "separate" else 0)
+    per_node = cfg.trainer.n_gpus_per_node + plan.own_rollout_workers
     return max(1, (node_cores(cfg) if cores is None else cores) // max(1, per_node))
 
 
@@ -261,23 +245,14 @@ def node_cores(cfg: EasyRLConfig) -> int:
     return max(1, min(counts))
 
 
-def use_gpu(cfg: EasyRLConfig) -> bool:
-    """Whether the workers train on GPUs (`trainer.device`, `auto`: when CUDA is available)."""
-    if cfg.trainer.device == "cpu":
-        return False
-    if cfg.trainer.device == "cuda":
-        return True
-    return torch.cuda.is_available()
-
-
-def forward_options(cfg: EasyRLConfig) -> ForwardOptions:
+def forward_options(cfg: EasyRLConfig, plan: RunPlan) -> ForwardOptions:
     """`ForwardOptions` from `worker.actor` (the reference follows all of them, the critic all but its split), with
     `padding_free` resolved for this run's device. The token budget is per rank: a sequence-parallel group's
     micro-batch holds `ulysses_size` times as many tokens."""
     actor_cfg = cfg.worker.actor
     budget = actor_cfg.max_token_len_per_gpu * actor_cfg.ulysses_size
     return ForwardOptions(
-        padding_free=effective_padding_free(cfg, use_gpu(cfg)),
+        padding_free=plan.padding_free,
         fused=actor_cfg.fused_logprobs,
         chunk_size=actor_cfg.logprob_chunk_size,
         max_token_len=budget if actor_cfg.dynamic_batching else None,
@@ -285,7 +260,7 @@ def forward_options(cfg: EasyRLConfig) -> ForwardOptions:
     )
 
 
-def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
+def rollout_spec(cfg: EasyRLConfig, plan: RunPlan) -> RolloutSpec:
     """The rollout engine's spec: the actor's model, the rollout section, and what the data bounds."""
     rcfg = cfg.worker.rollout
     return RolloutSpec(
@@ -295,54 +270,22 @@ def rollout_spec(cfg: EasyRLConfig) -> RolloutSpec:
         max_model_len=rcfg.max_model_len
         or cfg.data.max_prompt_length
         + cfg.data.max_response_length
-        + (effective_chunk_tokens(cfg) - 1 if cfg.trainer.max_staleness else 0),
-        logprob_ratio=effective_logprob_ratio(cfg),
-        weight_sync=weight_sync(cfg),
-        sleep_level=effective_sleep_level(cfg),  # an explicit level, else the one `weight_sync` implies
+        + (plan.chunk_tokens - 1 if plan.schedule == "carry_over" else 0),
+        logprob_ratio=plan.logprob_ratio,
+        weight_sync=plan.weight_sync,
+        sleep_level=plan.sleep_level,  # an explicit level, else the one `weight_sync` implies
     )
 
 
-def weight_sync(cfg: EasyRLConfig) -> WeightSync:
-    """How the actor pushes its weights into its engine: all of them, a LoRA policy merged, or its adapters."""
-    lora = cfg.worker.actor.model.lora
-    return WeightSync.resolve(lora.rank, lora.rollout_sync)
-
-
-def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
-    """`worker.rollout.logprob_sample_ratio`, or when null: 1 when a rollout correction (or bypass mode) reads them or
-    rollouts are asynchronous (`trainer.max_staleness` >= 1), else 1/8. The vLLM engine applies it per prompt; the
-    HF engine gives every sample's log-probs whenever it is above 0."""
-    ratio = cfg.worker.rollout.logprob_sample_ratio
-    if ratio is not None:
-        return ratio
-    # asynchronous rollouts keep every token's behaviour log-prob (the versioned record)
-    reads = cfg.algorithm.correction.reads_rollout_log_probs or cfg.trainer.max_staleness > 0
-    return 1.0 if reads else DEFAULT_LOGPROB_RATIO
-
-
-def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
-    """Whether each step runs the actor's old-log-prob pass (`step_math.needs_old_log_prob_pass` on this config)."""
-    acfg, alg = cfg.worker.actor, cfg.algorithm
-    return needs_old_log_prob_pass(
-        distill=alg.distill.enabled,
-        ppo_epochs=acfg.ppo_epochs,
-        mini_batches=cfg.data.rollout_batch_size // acfg.global_batch_size,
-        kl_in_reward=alg.kl_mode == KLMode.IN_REWARD,
-        correction=alg.correction.active,
-        adaptive_entropy=alg.adaptive_entropy,
-        bypass=alg.correction.bypass_mode,
-    )
-
-
-def sampling_params(cfg: EasyRLConfig) -> SamplingParams:
+def sampling_params(cfg: EasyRLConfig, plan: RunPlan) -> SamplingParams:
     """The training sampling of `worker.rollout` (`n` responses per prompt); the trainer seeds each call. The
-    engine's log-probs are asked for whenever `effective_logprob_ratio` is above 0: a rollout correction or bypass
+    engine's log-probs are asked for whenever the plan's `logprob_ratio` is above 0: a rollout correction or bypass
     mode reads them (ratio 1), and otherwise the engine-vs-actor figures (`rollout/token_prob_error`,
     `rollout/logprob_diff_*`) do, measured against the old-log-prob pass or, without it, the update's own forward.
     `worker.rollout.logprob_sample_ratio: 0` asks for none."""
     rcfg = cfg.worker.rollout
     return SamplingParams(
-        logprobs=effective_logprob_ratio(cfg) > 0,
+        logprobs=plan.logprob_ratio > 0,
         n=rcfg.n,
         temperature=rcfg.temperature,
         top_p=rcfg.top_p,

@@ -14,6 +14,7 @@ from typing import Any
 from easyrl.algorithms.sft import validation_metrics
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, Secrets
+from easyrl.trainer.plan import plan_of
 from easyrl.trainer.run import RunFolder, TrainingError
 from easyrl.trainer.sft_math import count_sft_steps, fill_for_workers, step_metrics
 from easyrl.trainer.timer import timer
@@ -64,7 +65,7 @@ class SFTTrainer(RunFolder):
             resume_from = self.open_run(cfg, secrets, higher_is_better=False)
             if self.trained_to is not None:
                 return  # trained to the end already: no Ray, no workers to start
-            self.workers = SFTWorkers(cfg, self.total_steps)
+            self.workers = SFTWorkers(cfg, plan_of(cfg), self.total_steps)
             self.actor = self.workers.actor
             if resume_from is not None:
                 self.resume(resume_from)

@@ -14,8 +14,9 @@ from easyrl.config.algorithm import KLMode
 from easyrl.rollout import RolloutLoop
 from easyrl.rollout.loop import Scored
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
-from easyrl.trainer.resolve import estimator_needs, one_session_loop, rollout_loop
-from easyrl.trainer.role_specs import old_log_prob_pass, sampling_params
+from easyrl.trainer.plan import plan_of
+from easyrl.trainer.resolve import one_session_loop, rollout_loop
+from easyrl.trainer.role_specs import sampling_params
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
     apply_distillation,
@@ -48,17 +49,18 @@ class Trainer(RunFolder):
         from easyrl.rewards import RewardManager
 
         self.cfg = cfg
+        self.plan = plan_of(cfg)  # decided once: the role specs, the loops and `fit()` read it
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
-        self.sampling = sampling_params(cfg)
+        self.sampling = sampling_params(cfg, self.plan)
         # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # the loop owns its work in flight: state, settling, and (asynchronous) the groups it scored early
-        self.rollout_loop = rollout_loop(cfg, self.next_prompts, tok.eos_token_id, pad, self.score_rows)
-        self.one_session = one_session_loop(cfg, self.rollout_loop)  # validation and greedy baselines
-        self.old_pass = old_log_prob_pass(cfg)  # off: the update takes its own forward's log-probs, detached
-        self.needs = estimator_needs(cfg)
+        self.rollout_loop = rollout_loop(cfg, self.plan, self.next_prompts, tok.eos_token_id, pad, self.score_rows)
+        self.one_session = one_session_loop(cfg, self.plan, self.rollout_loop)  # validation and greedy baselines
+        self.old_pass = self.plan.old_log_prob_pass  # off: the update takes its own forward's log-probs, detached
+        self.needs = self.plan.needs
         self.rollout_seed = cfg.worker.rollout.seed
         alg = cfg.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_type, alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -84,7 +86,7 @@ class Trainer(RunFolder):
             local_judge = cfg.worker.reward.judge.model.local
             if not local_judge:  # first: a reward that cannot load stops the run before any worker starts
                 self.reward = RewardManager(cfg.worker.reward)
-            self.workers = build_workers(cfg, self.optimizer_steps, self.train_data, self.val_data)
+            self.workers = build_workers(cfg, self.plan, self.optimizer_steps, self.train_data, self.val_data)
             if local_judge:  # its server runs beside the workers (Ray places it); the reward workers call it
                 self.reward = RewardManager(self.workers.serve_judge(cfg.worker.reward))
             self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref_source, self.workers.critic

@@ -23,7 +23,8 @@ from easyrl.trainer.handles import (
     SFTGroup,
     TeacherSource,
 )
-from easyrl.trainer.role_specs import build_role_specs, use_gpu
+from easyrl.trainer.plan import RunPlan
+from easyrl.trainer.role_specs import build_role_specs
 
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class Workers:
     rollout workers of their own with `worker.rollout.placement: separate`."""
 
     def __init__(
-        self, cfg: EasyRLConfig, optimizer_steps: int, media_per_prompt: dict[str, int] | None = None
+        self, cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, media: dict[str, int] | None = None
     ) -> None:
         from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
         from easyrl.workers.actor import ActorWorker
@@ -105,17 +106,16 @@ class Workers:
         from easyrl.workers.ref import RefWorker
         from easyrl.workers.teacher import TeacherWorker
 
-        gpu = use_gpu(cfg)
-        self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        gpu = plan.use_gpu
+        self.world_size = plan.world_size
         env = engine_env(cfg.worker.rollout.name, gpu)
-        separate = cfg.worker.rollout.placement == "separate"
-        rollout_workers = cfg.worker.rollout.n_gpus if separate else 0
+        rollout_workers = plan.own_rollout_workers
         logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
         slots = self.world_size + rollout_workers  # a CPU run's logical CPUs: one per worker of either pool
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(slots, psutil.cpu_count() or 1), env_vars=env)
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
         self.rollout_pool: Any = None
-        specs = build_role_specs(cfg, optimizer_steps, self.world_size)
+        specs = build_role_specs(cfg, plan, optimizer_steps, self.world_size)
         roles = 1 + sum(spec is not None for spec in (specs.ref, specs.critic, specs.teacher))
         share: dict[str, Any] = {
             "num_cpus_per_worker": 1.0 / roles,
@@ -130,7 +130,7 @@ class Workers:
         self.judge_server: Any = None
         self._gpu = gpu
         try:
-            tp = cfg.worker.rollout.ranks_per_engine
+            tp = plan.ranks_per_engine
             sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
             self.actor = WorkerGroup(
                 ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
@@ -144,7 +144,7 @@ class Workers:
                 self.teacher = WorkerGroup(
                     TeacherWorker, self.pool, "teacher", specs.teacher, ranks_per_dp=sp, **share
                 )
-            if separate:  # rollout workers of their own, on `n_gpus` devices of their own (resident engines)
+            if plan.separate:  # rollout workers of their own, on `n_gpus` devices of their own (resident engines)
                 from easyrl.trainer.role_specs import rollout_role_spec
                 from easyrl.workers.rollout_role import RolloutRole
 
@@ -163,7 +163,7 @@ class Workers:
                 from easyrl.scorers.teacher import RemoteTeacher
 
                 self.teacher = RemoteTeacher(cfg.algorithm.distill.teacher)
-            self._init_models(media_per_prompt or {})
+            self._init_models(media or {})
             # Who answers `compute_ref_log_probs`: the ref workers, or the LoRA actor (its base, adapters off).
             self.ref_source: RefSource | None = self.actor if specs.actor.serves_reference else self.ref
             # What the rollout loop drives: the actor's own engines, or the rollout workers fed its weights.
@@ -257,7 +257,7 @@ class SFTWorkers:
     """`easyrl sft`'s one worker group: the policy (`SFTWorker`), one worker per GPU (or CPU slot), named `actor`
     as the RL policy is (its checkpoints are the actor's)."""
 
-    def __init__(self, cfg: EasyRLConfig, optimizer_steps: int) -> None:
+    def __init__(self, cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int) -> None:
         from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
         from easyrl.trainer.role_specs import sft_spec
         from easyrl.workers.sft import SFTWorker
@@ -266,8 +266,8 @@ class SFTWorkers:
             from easyrl.workers.lora import check_targets
 
             check_targets(cfg.worker.actor.model)
-        gpu = use_gpu(cfg)
-        self.world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        gpu = plan.use_gpu
+        self.world_size = plan.world_size
         logger.info("starting Ray and %d SFT worker(s) (%s)", self.world_size, "GPU" if gpu else "CPU")
         init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1))
         self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
@@ -277,7 +277,7 @@ class SFTWorkers:
                 SFTWorker,
                 self.pool,
                 "actor",
-                sft_spec(cfg, optimizer_steps, self.world_size),
+                sft_spec(cfg, plan, optimizer_steps, self.world_size),
                 ranks_per_dp=cfg.worker.actor.ulysses_size,
                 num_cpus_per_worker=1.0,
                 num_gpus_per_worker=1.0 if gpu else 0.0,
@@ -300,7 +300,7 @@ class SFTWorkers:
         self.pool.remove()
 
 
-def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Workers:
+def build_workers(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, *datasets: Any) -> Workers:
     """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
     prompt may carry."""
     if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
@@ -312,4 +312,4 @@ def build_workers(cfg: EasyRLConfig, optimizer_steps: int, *datasets: Any) -> Wo
         if data is not None:
             for kind, count in data.media_per_row().items():
                 media[kind] = max(media.get(kind, 0), count)
-    return Workers(cfg, optimizer_steps, media)
+    return Workers(cfg, plan, optimizer_steps, media)

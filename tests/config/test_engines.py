@@ -13,7 +13,7 @@ from easyrl.config.engines import BUILTIN_ENGINE_CAPABILITIES, engine_capabiliti
 from easyrl.rollout import EngineCapabilities, register_engine
 from easyrl.rollout.hf import HFRolloutEngine
 from easyrl.rollout.registry import EngineContext, engine_check, engine_factory
-from easyrl.trainer.resolve import rollout_engines
+from easyrl.trainer.plan import rollout_engines
 from tests.conftest import apply_edits, base_config, write_config
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from easyrl.config import ConfigError, load_config
+from easyrl.trainer.plan import plan_of
 from easyrl.trainer.resolve import rollout_loop
 from tests.conftest import REPO, base_config, write_config
 
@@ -25,17 +26,17 @@ def test_off_by_default_and_on_with_an_environment_or_tools(config: str, monkeyp
 
     monkeypatch.chdir(REPO)  # relative paths are read from the working directory, as the reward's
     cfg = load_config(config)
-    assert not cfg.worker.rollout.multi_turn.enabled and isinstance(rollout_loop(cfg), SingleTurnLoop)
+    assert not cfg.worker.rollout.multi_turn.enabled and isinstance(rollout_loop(cfg, plan_of(cfg)), SingleTurnLoop)
     cfg = load_config(config, [f"worker.rollout.multi_turn.env={CALC}", "worker.rollout.multi_turn.max_turns=3"])
     assert cfg.worker.rollout.multi_turn.env == f"{REPO / 'envs' / 'calc.py'}:CalcEnv"  # made absolute
-    loop = rollout_loop(cfg)
+    loop = rollout_loop(cfg, plan_of(cfg))
     assert isinstance(loop, MultiTurnLoop) and loop.episode.budget.max_turns == 3
     budget = loop.episode.budget
     assert budget.max_total_tokens == cfg.data.max_response_length == budget.max_tokens_per_turn
     assert loop.engines == 2  # two workers, one HF engine each: every turn's request is padded to split evenly
     cfg = load_config(config, ["worker.rollout.multi_turn.tools=envs/calc_tools.py,python"])
     assert cfg.worker.rollout.multi_turn.tools == f"{REPO / 'envs' / 'calc_tools.py'},python"
-    assert isinstance(rollout_loop(cfg), MultiTurnLoop)
+    assert isinstance(rollout_loop(cfg, plan_of(cfg)), MultiTurnLoop)
 
 
 @pytest.mark.parametrize(

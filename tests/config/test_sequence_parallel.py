@@ -51,13 +51,15 @@ def test_bad_sequence_parallel_settings_stop_with_one_line(
 
 def test_role_specs_divide_the_batch_over_data_parallel_groups(tmp_path: Path, conf: dict[str, Any]) -> None:
     from easyrl.check import plan_lines
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import build_role_specs
 
     path = write_config(tmp_path / "c.yaml", conf)
     overrides = [PACKED, "worker.actor.dynamic_batching=true", "worker.actor.max_token_len_per_gpu=100"]
-    plain = build_role_specs(load_config(path, [*overrides, "algorithm.disable_kl=false"]), 2, 2)
+    plain_cfg = load_config(path, [*overrides, "algorithm.disable_kl=false"])
+    plain = build_role_specs(plain_cfg, plan_of(plain_cfg), 2, 2)
     cfg = load_config(path, [*overrides, "worker.actor.ulysses_size=2", "algorithm.disable_kl=false"])
-    split = build_role_specs(cfg, 2, 2)
+    split = build_role_specs(cfg, plan_of(cfg), 2, 2)
     assert (plain.actor.update.mini_batch_size, split.actor.update.mini_batch_size) == (2, 4)
     assert (plain.actor.model.forward.max_token_len, split.actor.model.forward.max_token_len) == (100, 200)
     assert split.actor.model.forward.ulysses_size == 2

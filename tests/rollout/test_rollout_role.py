@@ -11,6 +11,7 @@ import torch
 
 from easyrl.config import load_config
 from easyrl.rollout import SingleTurnLoop
+from easyrl.trainer.plan import plan_of
 from easyrl.trainer.role_specs import build_role_specs, rollout_role_spec, sampling_params
 from tests.conftest import base_config, left_padded_prompts, write_config
 
@@ -26,7 +27,7 @@ def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
     from easyrl.workers.rollout_role import RolloutRole
 
     cfg = load_config(write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path)), [])
-    specs = build_role_specs(cfg, optimizer_steps=1, world_size=2)
+    specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=1, world_size=2)
     init_ray(num_cpus=4)
     pool = ResourcePool(1, 2, False)
     actor = rollout = None
@@ -36,7 +37,7 @@ def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
         rollout = WorkerGroup(RolloutRole, pool, "rollout", rollout_role_spec(specs.actor), **share)
         for handle in [actor.call_async("init_model"), rollout.call_async("init_model")]:
             handle.result()
-        loop, params = SingleTurnLoop(), sampling_params(cfg).override({"seed": 11, "n": 2})
+        loop, params = SingleTurnLoop(), sampling_params(cfg, plan_of(cfg)).override({"seed": 11, "n": 2})
         prompts = left_padded_prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3", "Copy: 2", "Copy: 3 1 0 2"])
 
         def tokens(group: WorkerGroup) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,6 +112,7 @@ def test_the_engine_hands_the_users_arguments_to_llm(tiny_model_dir: str, monkey
     import vllm
 
     from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import rollout_spec
 
     given: dict[str, Any] = {}
@@ -125,14 +126,14 @@ def test_the_engine_hands_the_users_arguments_to_llm(tiny_model_dir: str, monkey
     cfg.worker.actor.model.model_path = tiny_model_dir
     cfg.worker.actor.model.lora.rank, cfg.worker.actor.model.lora.rollout_sync = 8, "adapter"  # the LoRA arguments
     cfg.worker.rollout.engine_kwargs = {"max_num_seqs": 8, "enable_prefix_caching": False}
-    VLLMRolloutEngine(rollout_spec(cfg), [0], 0)
+    VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [0], 0)
     assert given["max_num_seqs"] == 8 and given["enable_prefix_caching"] is False  # the user's value wins
     assert "gdn_prefill_backend" not in given  # Qwen2: no Gated DeltaNet layer
     derived = {"enable_prefix_caching", "max_num_seqs"}
     assert set(given) - derived <= set(VLLM_OWNED), set(given) - derived - set(VLLM_OWNED)
     cfg.worker.rollout.engine_kwargs = {"max_num_seq": 8}
     with pytest.raises(ConfigError, match="closest: max_num_seqs"):
-        VLLMRolloutEngine(rollout_spec(cfg), [0], 0)
+        VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [0], 0)
 
 
 @pytest.mark.vllm

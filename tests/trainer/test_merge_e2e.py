@@ -35,11 +35,12 @@ def test_merge_after_training_loads_in_transformers_and_vllm(tmp_path: Path, tin
     from easyrl.config import EasyRLConfig
     from easyrl.rollout.engine import SamplingParams
     from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import rollout_spec
 
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = str(merged)
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     out = engine.generate(
         Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
         SamplingParams(temperature=0.0, max_tokens=1, seed=0),

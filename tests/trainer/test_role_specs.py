@@ -15,7 +15,8 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, load_config
 from easyrl.rollout import WeightSync
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
-from easyrl.trainer.role_specs import build_role_specs, old_log_prob_pass, sampling_params
+from easyrl.trainer.plan import old_log_prob_pass, plan_of
+from easyrl.trainer.role_specs import build_role_specs, sampling_params
 from tests.conftest import base_config, left_padded_prompts, write_config
 
 
@@ -60,10 +61,10 @@ def test_a_user_estimator_declaring_needs_critic_gets_a_critic(tmp_path, tiny_mo
     with_critic = _config(
         tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_gae", user_modules=users
     )
-    specs = build_role_specs(with_critic, optimizer_steps=4, world_size=1)
+    specs = build_role_specs(with_critic, plan_of(with_critic), optimizer_steps=4, world_size=1)
     assert specs.critic is not None and specs.critic.model.kind == "value"
     plain = _config(tmp_path, tiny_model_dir, digits_data, adv_estimator="spec_test_user_plain", user_modules=users)
-    assert build_role_specs(plain, optimizer_steps=4, world_size=1).critic is None
+    assert build_role_specs(plain, plan_of(plain), optimizer_steps=4, world_size=1).critic is None
     # the validator reads the same declarations: a grouped user estimator needs n >= 2
     from easyrl.config import ConfigError
 
@@ -123,7 +124,8 @@ def test_a_user_loss_gets_its_own_params_from_the_config(tmp_path, tiny_model_di
     raw = base_config(tiny_model_dir, digits_data, tmp_path / "ckpt")
     raw["algorithm"]["user_modules"] = [str(module)]
     raw["worker"]["actor"].update(loss_type="spec_test_user_gate", tau_negative=2.5, clip_ratio_low=0.1)
-    loss = build_role_specs(load_config(write_config(tmp_path / "cfg.yaml", raw), []), 4, 1).actor.loss
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", raw), [])
+    loss = build_role_specs(cfg, plan_of(cfg), 4, 1).actor.loss
     assert loss.params == (("tau_negative", 2.5), ("clip_ratio_low", 0.1))  # its own knobs, none of ppo's
     # Ray unpickles a spec before the worker imports `user_modules`: the spec must not name the user's class
     sent = pickle.dumps(loss)
@@ -188,7 +190,7 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
 
 def test_specs_carry_no_config_and_do_the_batch_arithmetic(tmp_path, tiny_model_dir, digits_data) -> None:
     cfg = _config(tmp_path, tiny_model_dir, digits_data)
-    specs = build_role_specs(cfg, optimizer_steps=4, world_size=2)
+    specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=4, world_size=2)
     assert specs.ref is not None and specs.critic is not None
     for spec in (specs.actor, specs.ref, specs.critic):
         assert not _reaches_config(spec)
@@ -206,8 +208,8 @@ def test_workers_built_from_their_spec_alone(tmp_path, tiny_model_dir, digits_da
     from easyrl.workers.ref import RefWorker
 
     cfg = _config(tmp_path, tiny_model_dir, digits_data)
-    specs = build_role_specs(cfg, optimizer_steps=4, world_size=1)
-    sampling = sampling_params(cfg).override({"seed": 5})
+    specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=4, world_size=1)
+    sampling = sampling_params(cfg, plan_of(cfg)).override({"seed": 5})
     sent = pickle.dumps(specs)  # what crosses to the worker processes
     del cfg, specs
     specs = pickle.loads(sent)
@@ -255,9 +257,9 @@ def test_an_engine_session_generates_the_rows_of_generate_sequences(
     from easyrl.workers.actor import ActorWorker
 
     cfg = _config(tmp_path, tiny_model_dir, digits_data)
-    actor = ActorWorker(build_role_specs(cfg, optimizer_steps=4, world_size=1).actor)
+    actor = ActorWorker(build_role_specs(cfg, plan_of(cfg), optimizer_steps=4, world_size=1).actor)
     actor.init_model()
-    sampling = sampling_params(cfg).override({"seed": 7})
+    sampling = sampling_params(cfg, plan_of(cfg)).override({"seed": 7})
     first = left_padded_prompts(tiny_model_dir, ["Copy: 1 2 3", "Copy: 0 3"])
     second = left_padded_prompts(tiny_model_dir, ["Copy: 2", "Copy: 3 1 0 2"])
     for prompts in (first, second):
@@ -292,7 +294,7 @@ def test_the_actor_spec_carries_how_weights_reach_the_engine(
 ) -> None:
     """The driver resolves the WeightSync from the LoRA settings; the sleep level follows from it."""
     cfg = load_config(DEMO, ["worker.rollout.name=vllm", *overrides])
-    rollout = build_role_specs(cfg, optimizer_steps=4, world_size=2).actor.rollout
+    rollout = build_role_specs(cfg, plan_of(cfg), optimizer_steps=4, world_size=2).actor.rollout
     assert rollout.weight_sync is sync and rollout.sleep_level == level
 
 
@@ -301,7 +303,7 @@ def test_sleep_level_is_derived_from_how_weights_reach_the_engine() -> None:
     engine keeps its base weights); an explicit level wins."""
     from omegaconf import OmegaConf
 
-    from easyrl.trainer.resolve import effective_sleep_level
+    from easyrl.trainer.plan import effective_sleep_level
 
     def level(**overrides: object) -> int:
         raw = OmegaConf.merge(
@@ -330,7 +332,8 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 )
 def test_padding_free_null_picks_the_layout_per_device_for_every_role(overrides: list[str], packed: bool) -> None:
     gae = ["algorithm.adv_estimator=gae", "algorithm.disable_kl=false", "worker.critic.global_batch_size=16"]
-    specs = build_role_specs(load_config(DEMO, [*overrides, *gae]), optimizer_steps=4, world_size=2)
+    cfg = load_config(DEMO, [*overrides, *gae])
+    specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=4, world_size=2)
     assert specs.ref is not None and specs.critic is not None
     layouts = {specs.actor.model.forward.padding_free, specs.ref.model.forward.padding_free}
     assert layouts | {specs.critic.model.forward.padding_free} == {packed}
@@ -341,13 +344,14 @@ def test_engine_log_probs_are_asked_for_whenever_the_sample_ratio_is_above_zero(
     it, in the update's own forward: the engines report log-probs whenever a share of the prompts gets them (1 in
     8 by default), pass or no pass, and none at `logprob_sample_ratio: 0`; the figures force no pass."""
     demo = load_config(DEMO, [])  # 1 epoch over 1 mini-batch: the pass is skipped
-    assert not old_log_prob_pass(demo) and sampling_params(demo).logprobs is True
-    assert sampling_params(load_config(DEMO, ["worker.actor.ppo_epochs=2"])).logprobs is True
+    assert not old_log_prob_pass(demo) and sampling_params(demo, plan_of(demo)).logprobs is True
+    two = load_config(DEMO, ["worker.actor.ppo_epochs=2"])
+    assert sampling_params(two, plan_of(two)).logprobs is True
     explicit = load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])
-    assert sampling_params(explicit).logprobs is True and not old_log_prob_pass(explicit)
+    assert sampling_params(explicit, plan_of(explicit)).logprobs is True and not old_log_prob_pass(explicit)
     for overrides in ([], ["worker.actor.ppo_epochs=2"]):  # pass or no pass: 0 asks for none
         off = load_config(DEMO, [*overrides, "worker.rollout.logprob_sample_ratio=0"])
-        assert sampling_params(off).logprobs is False
+        assert sampling_params(off, plan_of(off)).logprobs is False
 
 
 def test_cpu_workers_share_the_nodes_cores(monkeypatch) -> None:
@@ -359,19 +363,19 @@ def test_cpu_workers_share_the_nodes_cores(monkeypatch) -> None:
     monkeypatch.delenv("EASYRL_NUM_THREADS", raising=False)
     cfg = EasyRLConfig()
     cfg.trainer.n_gpus_per_node = 1
-    assert cpu_threads(cfg, cores=2) == 2
+    assert cpu_threads(cfg, plan_of(cfg), cores=2) == 2
     cfg.trainer.n_gpus_per_node = 2
-    assert cpu_threads(cfg, cores=2) == 1
-    assert cpu_threads(cfg, cores=1) == 1  # never 0
+    assert cpu_threads(cfg, plan_of(cfg), cores=2) == 1
+    assert cpu_threads(cfg, plan_of(cfg), cores=1) == 1  # never 0
     cfg.worker.rollout.placement, cfg.worker.rollout.n_gpus = "separate", 1
-    assert cpu_threads(cfg, cores=6) == 2
+    assert cpu_threads(cfg, plan_of(cfg), cores=6) == 2
     # the machine's cores bound Ray's logical CPUs (the tests' private instance has 4 on 2 cores), and the reverse
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     cfg.trainer.ray_num_cpus = 9
-    assert cpu_threads(cfg) == 2
+    assert cpu_threads(cfg, plan_of(cfg)) == 2
     cfg.trainer.ray_num_cpus = 3
-    assert cpu_threads(cfg) == 1
+    assert cpu_threads(cfg, plan_of(cfg)) == 1
     monkeypatch.setenv("EASYRL_NUM_THREADS", "5")
-    assert cpu_threads(cfg, cores=2) == 5
-    specs = build_role_specs(cfg, optimizer_steps=1, world_size=2)
+    assert cpu_threads(cfg, plan_of(cfg), cores=2) == 5
+    specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=1, world_size=2)
     assert specs.actor.process.cpu_threads == 5

@@ -14,7 +14,8 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, RolloutCorrectionConfig, load_config
-from easyrl.trainer.role_specs import effective_logprob_ratio, old_log_prob_pass, sampling_params
+from easyrl.trainer.plan import effective_logprob_ratio, old_log_prob_pass, plan_of
+from easyrl.trainer.role_specs import sampling_params
 from easyrl.trainer.step_math import apply_rollout_correction, token_level_scores
 from tests.conftest import base_config, metric_mismatches, train_steps, write_config
 
@@ -90,8 +91,9 @@ def test_tis_cap_is_the_token_tis_preset(tmp_path: Path, tiny_model_dir: str, di
         {f"{RC}.rollout_is": "token", f"{RC}.rollout_is_threshold": 1.5},
     )
     assert preset.algorithm.correction == explicit.algorithm.correction
-    for resolve in (old_log_prob_pass, effective_logprob_ratio, sampling_params):
+    for resolve in (old_log_prob_pass, effective_logprob_ratio, plan_of):
         assert resolve(preset) == resolve(explicit), resolve.__name__
+    assert sampling_params(preset, plan_of(preset)) == sampling_params(explicit, plan_of(explicit))
     batches = [_batch([[1.0, 1.2, 4.0], [3.0, 0.5]], [1.0, 0.0]) for _ in range(2)]
     metrics = [apply_rollout_correction(b, c.algorithm.correction) for b, c in zip(batches, (preset, explicit))]
     assert metrics[0] == metrics[1]
@@ -105,7 +107,7 @@ def test_bypass_mode_skips_the_pass_and_asks_the_engine_for_every_log_prob(
     bypass = _config(tmp_path, tiny_model_dir, digits_data, "bypass", {f"{RC}.bypass_mode": True})
     assert old_log_prob_pass(recomputed)  # two mini-batches per step: the second runs moved weights
     assert not old_log_prob_pass(bypass)
-    assert sampling_params(bypass).logprobs and effective_logprob_ratio(bypass) == 1.0
+    assert sampling_params(bypass, plan_of(bypass)).logprobs and effective_logprob_ratio(bypass) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------- end to end (slow)

@@ -33,6 +33,7 @@ def _scenario(model_dir: str, mode: str) -> str:
     from easyrl.config import EasyRLConfig
     from easyrl.distributed.memory import EngineWakeError, MemoryLedger
     from easyrl.rollout.vllm import VLLMRolloutEngine
+    from easyrl.trainer.plan import plan_of
     from easyrl.trainer.role_specs import memory_levers, rollout_spec
 
     cfg = EasyRLConfig()
@@ -40,7 +41,7 @@ def _scenario(model_dir: str, mode: str) -> str:
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 8
     cfg.worker.rollout.gpu_memory_utilization = 0.5
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [tok.eos_token_id], tok.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tok.eos_token_id], tok.pad_token_id)
     ledger = MemoryLedger("actor", torch.device("cuda"), memory_levers(cfg))
     ledger.sleep(engine)
     assert ledger.slept_bytes is not None and ledger.slept_bytes > MARGIN

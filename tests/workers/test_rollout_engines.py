@@ -14,6 +14,7 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
 from easyrl.rollout.engine import RolloutEngine, SamplingParams
 from easyrl.seeding import prompt_seeds
+from easyrl.trainer.plan import plan_of
 from easyrl.trainer.role_specs import rollout_spec
 
 
@@ -56,7 +57,7 @@ def make_engine(name: str, model_dir: str, tokenizer) -> RolloutEngine:
             cfg.worker.rollout.max_num_batched_tokens = 128
             # fewer sequences at once than the largest batch here (48): the rest wait their turn, samples unchanged
             cfg.worker.rollout.engine_kwargs = {"max_num_seqs": ENGINE_MAX_SEQS}
-            _ENGINES[name] = VLLMRolloutEngine(rollout_spec(cfg), eos, pad)
+            _ENGINES[name] = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), eos, pad)
     return _ENGINES[name]
 
 
@@ -296,7 +297,7 @@ def test_vllm_serves_qwen3_and_llama(arch: str, tmp_path, tokenizer) -> None:
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
     cfg.worker.rollout.logprob_sample_ratio = 1.0
     cfg.worker.rollout.dtype = "fp32"  # compared with transformers in fp32 (on a GPU too)
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts = left_padded(tokenizer, PROMPTS)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -331,7 +332,7 @@ def test_vllm_cpu_refuses_an_unsupported_head_size(tmp_path, tokenizer) -> None:
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     with pytest.raises(ValueError, match=r"head size is 16 .*worker\.rollout\.name=hf") as err:
-        VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     assert model_dir in str(err.value)
 
 
@@ -349,14 +350,14 @@ def test_vllm_cpu_refuses_a_mixture_of_experts_policy(tmp_path, tokenizer) -> No
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path = model_dir
     with pytest.raises(ValueError, match=r"packs the 4 routed experts once.*worker\.rollout\.name=hf") as err:
-        VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     assert model_dir in str(err.value)
 
 
 def test_logprob_sample_ratio_defaults() -> None:
     """vLLM log-probs for one request (a prompt with its samples) in 8 by default, for all with TIS, as set otherwise."""
     from easyrl.rollout.vllm import _logprob_sample
-    from easyrl.trainer.role_specs import effective_logprob_ratio
+    from easyrl.trainer.plan import effective_logprob_ratio
 
     cfg = EasyRLConfig()
     assert effective_logprob_ratio(cfg) == 0.125
@@ -392,7 +393,7 @@ def test_vllm_serves_the_adapters_themselves(tiny_model_dir: str, tokenizer) -> 
     mcfg.lora = LoraConfig(rank=4, alpha=8, rollout_sync="adapter")
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, MAX_TOKENS
     cfg.worker.rollout.logprob_sample_ratio = 1.0
-    engine = VLLMRolloutEngine(rollout_spec(cfg), [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    engine = VLLMRolloutEngine(rollout_spec(cfg, plan_of(cfg)), [tokenizer.eos_token_id], tokenizer.pad_token_id)
     prompts, params = left_padded(tokenizer, PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, seed=3)
     for seed in (1, 2):  # two updates: the second adapter replaces the first
         model = lora_model(tiny_model_dir, seed=seed)
