@@ -29,6 +29,7 @@ PAIRS = [
     (handles.TeacherSource, TeacherWorker),
     (handles.SFTGroup, SFTWorker),
 ]
+RAY_TRACE_CTX = "_ray_trace_ctx"
 # The group's own members (`WorkerGroup`'s), not a worker method's.
 GROUP_MEMBERS = {"call_async", "shutdown", "submit"}
 
@@ -61,7 +62,9 @@ def mismatches(proto: type, worker: type) -> list[str]:
             continue
         theirs = inspect.signature(getattr(worker, name))
         ours = [(p.name, p.annotation, p.default) for p in sig.parameters.values()]
-        want = [(p.name, p.annotation, p.default) for p in theirs.parameters.values()]
+        # Ray injects `_ray_trace_ctx` into an actor class's methods once `ray.remote` has wrapped the class in this
+        # process (its tracing hook edits the signatures in place): the driver never passes it
+        want = [(p.name, p.annotation, p.default) for p in theirs.parameters.values() if p.name != RAY_TRACE_CTX]
         if ours != want:
             bad.append(f"{proto.__name__}.{name}: parameters {ours} vs {worker.__name__}'s {want}")
         expected = gathered(str(theirs.return_annotation), declared[name].dispatch)
