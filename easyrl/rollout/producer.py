@@ -23,6 +23,9 @@ def build_rollout_loop(
     scorer: Scorer | None,
     engines: int,
     chunk_tokens: int,
+    staleness: int,
+    tools: bool,
+    beside: bool,
 ) -> RolloutLoop:
     """One engine session per batch and one response per sample (`SingleTurnLoop`); several turns with tools between
     them when `worker.rollout.multi_turn` sets an environment or tools (`MultiTurnLoop`); or, with
@@ -30,10 +33,13 @@ def build_rollout_loop(
     `multi_turn` is on, else the single-turn one: it draws prompts of its own
     with `draw`, ends responses at `eos_id` and `worker.rollout.stop_token_ids` as the engines do, scores each call's
     finished groups with `scorer` beside the engines, and generates beside the training when the engines are
-    separate). `engines`: how many engines a call is split over; `chunk_tokens`: the carry-over call's length."""
-    staleness, rollout = cfg.trainer.max_staleness, cfg.worker.rollout
+    separate). The schedule and episode come decided (the trainer's run plan, `easyrl.trainer.plan`), not re-read:
+    `engines`, how many engines a call is split over; `chunk_tokens`, the carry-over call's length; `staleness`, the
+    bound (0: synchronous); `tools`, the tool episode; `beside`, engines of their own that generate while the policy
+    trains."""
+    rollout = cfg.worker.rollout
     if staleness == 0:
-        return multi_turn_loop(cfg, engines) if rollout.multi_turn.enabled else SingleTurnLoop()
+        return multi_turn_loop(cfg, engines) if tools else SingleTurnLoop()
     from easyrl.rollout.carry_over import CarryOverLoop
     from easyrl.rollout.multi_turn import ToolEpisode
 
@@ -50,19 +56,21 @@ def build_rollout_loop(
         pad_id=pad_id,
         engines=engines,
         scorer=scorer,
-        beside=rollout.placement == "separate",  # engines of their own generate while the policy trains
-        episode=ToolEpisode(*tool_parts(cfg)) if rollout.multi_turn.enabled else None,
+        beside=beside,
+        episode=ToolEpisode(*tool_parts(cfg)) if tools else None,
     )
 
 
-def one_session_loop(cfg: EasyRLConfig, loop: RolloutLoop, engines: int) -> RolloutLoop:
+def one_session_loop(
+    cfg: EasyRLConfig, loop: RolloutLoop, engines: int, *, staleness: int, tools: bool
+) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
     in flight: with tools, the synchronous multi-turn loop (the run's own when it is synchronous: the tools are part
     of what is measured), else the single-turn one (a carry-over loop's groups in flight are training work, never
     validation's)."""
-    if not cfg.worker.rollout.multi_turn.enabled:
+    if not tools:
         return SingleTurnLoop()
-    return loop if cfg.trainer.max_staleness == 0 else multi_turn_loop(cfg, engines)
+    return loop if staleness == 0 else multi_turn_loop(cfg, engines)
 
 
 def multi_turn_loop(cfg: EasyRLConfig, engines: int) -> RolloutLoop:

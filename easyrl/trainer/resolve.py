@@ -38,12 +38,17 @@ def rollout_loop(
         scorer=scorer,
         engines=plan.rollout_engines,
         chunk_tokens=plan.chunk_tokens,
+        staleness=plan.staleness,
+        tools=plan.episode == "tools",
+        beside=plan.separate,
     )
 
 
 def one_session_loop(cfg: EasyRLConfig, plan: RunPlan, loop: RolloutLoop) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines (`easyrl.rollout.producer.one_session_loop`)."""
-    return producer_one_session_loop(cfg, loop, plan.rollout_engines)
+    return producer_one_session_loop(
+        cfg, loop, plan.rollout_engines, staleness=plan.staleness, tools=plan.episode == "tools"
+    )
 
 
 def multi_turn_loop(cfg: EasyRLConfig, plan: RunPlan) -> RolloutLoop:
