@@ -18,7 +18,7 @@ def text_model(ctx: Context, arch: str) -> str:
     return ctx.built(arch, lambda folder: build_tiny_checkpoint(folder, arch, num_heads=2, num_kv_heads=1))
 
 
-def _vl(ctx: Context, arch: str, linear_head: int | None = None) -> str:
+def vl_model(ctx: Context, arch: str, linear_head: int | None = None) -> str:
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
     # head size 32 in the language model and the vision tower (vLLM's kernels reject 16)
@@ -46,7 +46,7 @@ def digits_recipe_data(ctx: Context) -> dict[str, str]:
     return _digits(ctx)
 
 
-def _images(ctx: Context) -> tuple[dict[str, str], dict[str, Any]]:
+def image_recipe_data(ctx: Context) -> tuple[dict[str, str], dict[str, Any]]:
     from tests.trainer.test_vl_e2e import _image_data, vl_edits
 
     folder = Path(ctx.built("images", lambda f: _image_data(f)["image_dir"])).parent
@@ -81,8 +81,8 @@ def text_family(ctx: Context, arch: str, parts: tuple[str, ...], one_mini_batch:
 
 
 def vl_family(ctx: Context, arch: str, parts: tuple[str, ...], media: str = "image", linear_head: int | None = None) -> Outcome:  # fmt: skip
-    data, edits = _images(ctx) if media == "image" else _videos(ctx)
-    rows, before, after = ctx.train(_vl(ctx, arch, linear_head), data, edits, weights=True)
+    data, edits = image_recipe_data(ctx) if media == "image" else _videos(ctx)
+    rows, before, after = ctx.train(vl_model(ctx, arch, linear_head), data, edits, weights=True)
     still = [p for p in parts if not moved(before, after, p)]
     expect(not still, f"{arch}: no gradient reached {still} (no {media} pixels?)")
     prompt = rows[0]["prompt_length/mean"]

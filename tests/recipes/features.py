@@ -17,7 +17,7 @@ import yaml
 
 from tests.conftest import REPO, apply_edits, base_config
 from tests.recipes.base import Context, Outcome, Recipe, expect, moved
-from tests.recipes.families import digits_recipe_data, text_model
+from tests.recipes.families import digits_recipe_data, image_recipe_data, text_model, vl_model
 
 
 def _qwen(ctx: Context) -> str:
@@ -170,6 +170,31 @@ def async_staleness(ctx: Context) -> Outcome:
     return Outcome(f"carry-over at S=1: staleness max {worst:.0f}, groups carried {carried}", rows, staleness=1)
 
 
+def async_vl(ctx: Context) -> Outcome:
+    """Carry-over with image prompts: a response cut at a chunk resumes in the next engine call with its prompt's
+    media (the HF engine: the processed pixels; vLLM: its raw prompt with the tokens so far appended, expanded again
+    by its processor), and the vision tower learns from the pixels."""
+
+    data, vl = image_recipe_data(ctx)
+    # stop tokens end responses at different lengths, so some are cut at a step's end and resume in the next
+    edits = vl | {
+        "trainer.max_staleness": 1,
+        "data.max_response_length": 16,
+        "worker.rollout.chunk_tokens": 2,
+        "worker.rollout.stop_token_ids": list(range(100, 160)),
+    }
+    # 4 steps, as async_staleness_1: the last trains what versions >= 2 sampled
+    rows, before, after = ctx.train(vl_model(ctx, "qwen2_5_vl"), data, edits, steps=4, weights=True)
+    worst = max(r.get("async/staleness_max", 0.0) for r in rows)
+    expect(worst <= 1, f"a trained token {worst} versions old with max_staleness 1")
+    resumed = max(r.get("async/resumed_fraction", 0.0) for r in rows)
+    expect(resumed > 0, "no response resumed in a later engine call: the continuation with media never ran")
+    expect(moved(before, after, "visual."), "the vision tower got no gradient: the continued calls lost the pixels?")
+    return Outcome(
+        f"carry-over with images at S=1: staleness max {worst:.0f}, resumed {resumed:.2f}", rows, staleness=1
+    )
+
+
 def sft(ctx: Context) -> Outcome:
     from tests.trainer.test_sft_e2e import _train
 
@@ -266,5 +291,6 @@ FEATURES = (
     _feature("teacher_topk_fkl", partial(distill, mode="topk_fkl"), limit_s=50),
     _feature("sft", sft),
     _feature("async_staleness_1", async_staleness, limit_s=50),
+    _feature("async_vl_image", async_vl, limit_s=60),
     _feature("kill9_resume", kill_and_resume, limit_s=120),
 )
