@@ -7,7 +7,10 @@ The ground truth holds the tests, as a dict or as its JSON text, in one of three
 - call-based (APPS/TACO with ``fn_name``, as Skywork-OR1 and DeepCoder data hold it):
   ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [ret, ...]}``; ``f`` (or ``Solution().f``) is called
   with each argument list and its return value must equal the output (compared as JSON).
-- assert statements: a list of strings (or ``{"asserts": [...]}``), each run after the code.
+- assert statements: a list of strings (or ``{"asserts": [...]}``), each checked after the code by a harness whose
+  verdict the program cannot forge (:mod:`easyrl.sandbox.checks`): the operands of each assert are evaluated in
+  the sandbox and reported as plain values, the comparison is made here, and a program that ends before every
+  operand was reported (an early exit of any kind) fails the test.
 
 Each test runs in its own sandbox (:mod:`easyrl.sandbox`: no network, read-only filesystem but a scratch dir, no
 inherited environment, limits on CPU, memory, processes and output) with ``timeout_s`` seconds; once a row has
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from easyrl.sandbox import SandboxLimits, SandboxResult, run_code, run_code_remote
+from easyrl.sandbox.checks import AssertProgram, assert_program
 
 
 REWARD_TYPE = "batch"
@@ -53,6 +57,7 @@ class _Test:
     expected: Any
     kind: str  # "stdio", "call" or "assert"
     marker: str = ""
+    checks: AssertProgram | None = None  # for "assert": reads the verdict from the harness's value lines
 
 
 def last_code_block(response: str) -> str | None:
@@ -102,7 +107,8 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
     if isinstance(tests, list):
         if not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError("code reward: a list ground_truth must be a non-empty list of assert statements")
-        return [_Test(f"{code}\n\n{statement}\n", "", None, "assert") for statement in tests]
+        programs = [assert_program(code, statement) for statement in tests]
+        return [_Test(p.source, "", None, "assert", p.marker, p) for p in programs]
     if not isinstance(tests, dict) or not {"inputs", "outputs"} <= tests.keys():
         raise ValueError(
             "code reward: ground_truth must be {'inputs': [...], 'outputs': [...]} (optionally with 'fn_name'), "
@@ -128,7 +134,8 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
 
 def _passed(test: _Test, stdout: str) -> bool:
     if test.kind == "assert":
-        return True  # the run ended with status ok: every assert held
+        assert test.checks is not None
+        return test.checks.passed(stdout)  # exit status 0 proves nothing: the harness's values must be there
     if test.kind == "stdio":
         return _lines(stdout) == _lines(test.expected)
     _, found, result = stdout.rpartition(test.marker)

@@ -1,0 +1,243 @@
+"""Assert-form tests (MBPP, HumanEval style: ``assert f(3) == 9``) whose verdict the program cannot forge.
+
+Such a test used to pass whenever the program exited with status 0, so a program that ended itself before the
+asserts ran (``sys.exit(0)``, ``os._exit(0)``, an ``atexit`` hook, a signal to itself, closing stdout) or returned
+an object whose ``__eq__`` always answers True scored full marks. The verdict is now taken out of its hands:
+
+- this (trusted) process splits each assert into the operands of its top-level comparison (``f(3)`` and ``9``
+  with ``==``; ``a and b`` into two checks; a bare ``assert x`` or ``assert not x`` into a truth test). Operands
+  that are literals are read here with ``ast.literal_eval`` and never enter the sandbox: the program cannot learn
+  an expected value from its own source;
+- the sandbox runs the program, then evaluates every other operand and writes its value on one line tagged with a
+  random marker, encoded from exact builtin types only (``type(x) is int``, never ``isinstance``: a subclass with
+  its own ``__eq__`` is refused). Functions the program defines are wrapped so that what they return must be such
+  a plain value too (an object whose ``__sub__`` always gives 0 cannot pass ``abs(f(x) - 2.5) < 1e-9``), and
+  builtins or standard modules the program patched or shadowed are restored before the operands run;
+- this process decodes the values into fresh builtin objects and applies the comparison itself. An operand whose
+  line is missing (the program ended early), repeated (the program printed one too) or malformed fails the test.
+
+A program that prints a value line itself must print the right value, which is solving the test. What no check
+inside one interpreter can stop is a program that walks the harness's frames to tamper with it while an operand is
+evaluated; it still has to produce the right value of every non-literal operand.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+__all__ = ["AssertProgram", "assert_program"]
+
+_MAX_DEPTH = 64  # nesting of a reported value (deeper is refused both here and in the sandbox)
+_COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], Any]] = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+
+# Runs in the sandbox. Everything it needs is bound before the program's code runs, so a program that replaces
+# `exec`, `print`, `repr` or `sys.stdout` changes nothing here; values go out on a copy of fd 1 taken first.
+_HARNESS = r"""
+def _easyrl_harness(code, steps, marker):
+    import builtins, os, sys, types
+    write, dup, tasks = os.write, os.dup, os.listdir
+    _type, _repr, _hex, _len, _exec, _eval, _compile = type, repr, hex, len, exec, eval, compile
+    _str, _function, _base = str, types.FunctionType, BaseException
+    out = dup(1)
+    builtin_names = dict(builtins.__dict__)
+    stdlib = {}
+    for step in steps:
+        for name in step[2]:
+            if name in sys.stdlib_module_names and name not in builtin_names:
+                try:
+                    stdlib[name] = __import__(name)
+                except ImportError:
+                    pass
+    saved = {name: dict(module.__dict__) for name, module in stdlib.items()}
+    plain_atoms = {type(None), bool, int, float, complex, str, bytes}
+    plain_boxes = {list, tuple, set, frozenset, dict}
+
+    def encode(x, depth):
+        t = _type(x)
+        if depth > DEPTH or (t not in plain_atoms and t not in plain_boxes):
+            raise TypeError("not a plain value: " + t.__name__)
+        if t is int:
+            return "('i'," + _repr(_hex(x)) + ")"
+        if t is float:
+            return "('f'," + _repr(float.__repr__(x)) + ")"
+        if t is complex:
+            return "('c'," + _repr(complex.__repr__(x)) + ")"
+        if t in plain_atoms:
+            return "('a'," + t.__repr__(x) + ")"
+        items = dict.items(x) if t is dict else x
+        if t is dict:
+            inner = ",".join("(" + encode(k, depth + 1) + "," + encode(v, depth + 1) + ")" for k, v in items)
+        else:
+            inner = ",".join(encode(v, depth + 1) for v in items)
+        return "(" + _repr(t.__name__) + ",[" + inner + "])"
+
+    def plain(fn):
+        def checked(*args, **kwargs):
+            value = fn(*args, **kwargs)
+            encode(value, 0)  # raises for anything but a plain value: its methods are the program's own
+            return value
+        return checked
+
+    g = {"__name__": "__main__", "__builtins__": builtins}
+    _exec(_compile(code, "<solution>", "exec"), g)
+    builtins.__dict__.update(builtin_names)  # builtins the program replaced are restored
+    for name, module in stdlib.items():
+        module.__dict__.update(saved[name])  # and so are the functions of the standard modules the tests name
+    ns = {k: (plain(v) if _type(v) is _function else v) for k, v in g.items()}
+    for name in builtin_names:
+        ns.pop(name, None)  # a program's own `abs` or `set` does not stand in for the builtin in a test
+    ns.update(stdlib)
+    for step in steps:
+        kind, body, _ = step
+        if _len(tasks("/proc/self/task")) != 1:
+            write(out, ("\n" + marker + " threads\n").encode())
+            break  # a thread of the program's could tamper with the checks: nothing more is reported
+        sys.settrace(None)
+        sys.setprofile(None)
+        if kind == "exec":
+            _exec(_compile(body, "<test>", "exec"), ns)
+            continue
+        try:
+            line = encode(_eval(_compile(body, "<test>", "eval"), ns), 0)
+        except _base:
+            line = "!"
+        write(out, ("\n" + marker + " " + _str(kind) + " " + line + "\n").encode())
+"""
+
+
+@dataclass(frozen=True)
+class _Operand:
+    value: Any = None
+    expr: int | None = None  # index of the sandbox expression that gives it; None: ``value`` is a literal
+
+
+@dataclass(frozen=True)
+class _Check:
+    ops: tuple[str, ...]  # comparison operator names (ast class names), or ("truthy",) / ("falsy",)
+    operands: tuple[_Operand, ...]
+
+
+@dataclass(frozen=True)
+class AssertProgram:
+    """One assert statement turned into a program to run and a verdict to read from its stdout."""
+
+    source: str
+    marker: str
+    checks: tuple[_Check, ...]
+    n_exprs: int
+
+    def passed(self, stdout: str) -> bool:
+        """Whether every operand was reported exactly once and every comparison holds on the decoded values."""
+        values: dict[int, Any] = {}
+        for line in stdout.splitlines():
+            if not line.startswith(self.marker + " "):
+                continue
+            index, _, encoded = line[len(self.marker) + 1 :].partition(" ")
+            if not index.isdigit() or int(index) in values or int(index) >= self.n_exprs or encoded == "!":
+                return False  # a repeat means the program printed a line of its own; "!" an operand raised
+            try:
+                values[int(index)] = _decode(ast.literal_eval(encoded), 0)
+            except Exception:  # malformed or deeper than allowed: the program wrote it, not the harness
+                return False
+        if len(values) != self.n_exprs:
+            return False  # an operand never ran: the program ended or was ended before it
+        return all(_holds(check, values) for check in self.checks)
+
+
+def _decode(encoded: Any, depth: int) -> Any:
+    """Fresh builtin objects from the harness's tagged encoding; raises on anything else."""
+    if depth > _MAX_DEPTH or type(encoded) is not tuple or len(encoded) != 2:
+        raise ValueError("malformed value")
+    tag, payload = encoded
+    if tag == "i" and type(payload) is str:
+        return int(payload, 16)
+    if tag == "f" and type(payload) is str:
+        return float(payload)
+    if tag == "a" and type(payload) in (type(None), bool, str, bytes):
+        return payload
+    if tag == "c" and type(payload) is str:
+        return complex(payload)
+    if tag == "dict" and type(payload) is list:
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in payload}
+    boxes: dict[str, Callable[[Any], Any]] = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
+    if tag in boxes and type(payload) is list:
+        return boxes[tag](_decode(item, depth + 1) for item in payload)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _holds(check: _Check, values: dict[int, Any]) -> bool:
+    found = [values[o.expr] if o.expr is not None else o.value for o in check.operands]
+    try:
+        if check.ops == ("truthy",):
+            return bool(found[0])
+        if check.ops == ("falsy",):
+            return not found[0]
+        return all(_COMPARE[getattr(ast, op)](a, b) for op, a, b in zip(check.ops, found, found[1:]))
+    except Exception:  # `<` between a list and an int, say: the assert would have raised
+        return False
+
+
+def _split(test: ast.expr) -> list[tuple[tuple[str, ...], list[ast.expr]]]:
+    """The checks one assert's test stands for, as (operators, operand nodes)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [check for value in test.values for check in _split(value)]
+    if isinstance(test, ast.Compare) and all(type(op) in _COMPARE for op in test.ops):
+        return [(tuple(type(op).__name__ for op in test.ops), [test.left, *test.comparators])]
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return [(("falsy",), [test.operand])]
+    return [(("truthy",), [test])]
+
+
+def _names(node: ast.AST) -> list[str]:
+    return sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
+
+
+def assert_program(code: str, statement: str) -> AssertProgram:
+    """The program that checks ``statement`` (assert statements, with any setup lines between them) against
+    ``code``; raises ``ValueError`` naming the statement when it holds no top-level ``assert``."""
+    try:
+        tree = ast.parse(statement)
+    except SyntaxError as error:
+        raise ValueError(f"code reward: assert test is not Python ({error.msg}): {statement[:200]!r}") from None
+    if not any(isinstance(node, ast.Assert) for node in tree.body):
+        raise ValueError(
+            f"code reward: an assert test must hold top-level `assert` statements (a `check(f)` call cannot be "
+            f"verified); got {statement[:200]!r}"
+        )
+    steps: list[tuple[Any, str, list[str]]] = []
+    checks: list[_Check] = []
+    for node in tree.body:
+        if not isinstance(node, ast.Assert):
+            steps.append(("exec", ast.unparse(node), _names(node)))
+            continue
+        for ops, operand_nodes in _split(node.test):
+            operands = []
+            for operand in operand_nodes:
+                try:
+                    operands.append(_Operand(value=ast.literal_eval(operand)))
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    operands.append(_Operand(expr=len([s for s in steps if s[0] != "exec"])))
+                    steps.append((operands[-1].expr, ast.unparse(operand), _names(operand)))
+            checks.append(_Check(ops, tuple(operands)))
+    marker = f"@@easyrl-check-{secrets.token_hex(8)}@@"
+    n_exprs = len([s for s in steps if s[0] != "exec"])
+    harness = _HARNESS.replace("DEPTH", str(_MAX_DEPTH))
+    source = f"{harness}\n_easyrl_harness({code!r}, {steps!r}, {marker!r})\n"
+    return AssertProgram(source, marker, tuple(checks), n_exprs)

@@ -1,0 +1,116 @@
+"""Forged code rewards (issue 45 item 1): a program that ends before the asserts run, or returns an object that
+compares equal to anything, scores 0 in every test form, while real solutions still score 1. Real sandbox runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from easyrl.rewards import load_reward_function
+from easyrl.sandbox.checks import assert_program
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSERTS = [
+    "assert inc(1) == 2",
+    "assert abs(inc(0.5) - 1.5) < 1e-9",
+    "assert math.isclose(inc(2), 3)",
+    "assert inc(3) in (4, 5) and inc(-1) == 0",
+]
+REAL = "import math\ndef inc(x):\n    return x + 1"
+
+# Each ends the program before the asserts run, hides a failure, or returns something that is not the answer.
+FORGERIES = {
+    "sys.exit": "import sys\nsys.exit(0)",
+    "os._exit": "import os\nos._exit(0)",
+    "raise SystemExit": "raise SystemExit",
+    "exit inside the function": "def inc(x):\n    raise SystemExit(0)",
+    "atexit hook": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef inc(x):\n    raise ValueError",
+    "signal to itself": "import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: os._exit(0))\n"
+    "os.kill(os.getpid(), signal.SIGUSR1)",
+    "kill -9 itself": "import os\ndef inc(x):\n    os.kill(os.getpid(), 9)",
+    "excepthook exits 0": "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\ndef inc(x):\n    raise ValueError",
+    "__eq__ always True": "class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
+    "    __sub__ = lambda s, o: 0.0\n    __contains__ = lambda s, o: True\n    __hash__ = object.__hash__\n"
+    "def inc(x):\n    return E()",
+    "int subclass with __eq__": "class E(int):\n    __eq__ = lambda s, o: True\n    __sub__ = lambda s, o: 0.0\n"
+    "    __hash__ = int.__hash__\ndef inc(x):\n    return E(0)",
+    "exec and eval replaced": "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.eval = lambda *a, **k: True",
+    "stdout closed, asserts wrong": "import os, sys\nsys.stdout.close()\nos.close(1)\ndef inc(x):\n    return 7",
+    "marker read from its own source": "import os, re, sys\nm = re.search(r'@@easyrl-check-[0-9a-f]+@@', "
+    "open(sys.argv[0]).read()).group(0)\nfor i in range(6):\n    os.write(1, f'\\n{m} {i} (\"a\", True)\\n'.encode())\n"
+    "os._exit(0)",
+    "math.isclose and abs patched": "import math, builtins\nmath.isclose = lambda *a, **k: True\n"
+    "builtins.abs = lambda x: 0\ndef abs(x):\n    return 0\ndef inc(x):\n    return 100",
+    "a thread ends it": "import os, threading, time\ndef inc(x):\n"
+    "    threading.Thread(target=lambda: (time.sleep(0.05), os._exit(0))).start()\n    time.sleep(2)",
+}
+
+
+def _reward() -> Any:
+    kwargs = {"timeout_s": 3.0, "memory_mb": 512, "max_processes": 16, "max_output_bytes": 64 * 1024}
+    return load_reward_function(str(ROOT / "reward_functions" / "code.py"), kwargs).fn
+
+
+def _overall(code: str, truth: Any) -> list[float]:
+    return [s["overall"] for s in _reward()([{"response": f"```python\n{code}\n```", "ground_truth": truth}])]
+
+
+def test_every_forgery_of_assert_tests_scores_zero_and_the_real_solution_one() -> None:
+    codes = [REAL, *FORGERIES.values()]
+    scores = _reward()([{"response": f"```python\n{c}\n```", "ground_truth": ASSERTS} for c in codes])
+    overall = dict(zip(["real", *FORGERIES], [s["overall"] for s in scores]))
+    assert overall == {"real": 1.0, **dict.fromkeys(FORGERIES, 0.0)}
+
+
+def test_a_half_right_solution_gets_its_pass_rate_and_plain_values_compare_as_python_does() -> None:
+    # inc(x) = x + 1 only for x > 2, else 0: only the last assert holds.
+    assert _overall("def inc(x):\n    return x + 1 if x > 2 else 0", ASSERTS) == [0.25]
+    truth = [
+        "assert pair(2) == (2, 2.0)",  # 2 == 2.0 as in Python
+        "assert sorted(pair(1)) == [1, 1]",
+        "assert pair(0) != [0, 0]",  # a tuple is not a list
+        "assert set(pair(3)) == {3}",
+        "assert pair(5)[0] is not None",
+    ]
+    assert _overall("def pair(x):\n    return (x, float(x))", truth) == [1.0]
+
+
+def test_the_expected_literal_never_reaches_the_sandbox() -> None:
+    program = assert_program("def f(x):\n    return x", "assert f(12345) == 987654321")
+    assert "987654321" not in program.source and "12345" in program.source
+    assert program.n_exprs == 1
+
+
+def test_a_test_without_a_top_level_assert_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match="top-level `assert`"):
+        assert_program("", "check(f)")
+    with pytest.raises(ValueError, match="not Python"):
+        assert_program("", "assert f(")
+
+
+CALL = {"fn_name": "double", "inputs": [[1], [4]], "outputs": [2, 8]}
+STDIO = {"inputs": ["1\n", "4\n"], "outputs": ["2\n", "8\n"]}
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "def double(x):\n    raise SystemExit(0)",
+        "class E:\n    __eq__ = lambda s, o: True\ndef double(x):\n    return E()",
+        "class E(int):\n    __eq__ = lambda s, o: True\ndef double(x):\n    return E(0)",
+    ],
+)
+def test_call_based_forgeries_score_zero(code: str) -> None:
+    assert _overall(code, CALL) == [0.0]
+
+
+def test_call_based_and_stdio_real_solutions_score_one_and_early_exits_zero() -> None:
+    assert _overall("def double(x):\n    return 2 * x", CALL) == [1.0]
+    assert _overall("print(2 * int(input()))", STDIO) == [1.0]
+    for early in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "import os, sys\nos.close(1)\nsys.exit(0)"):
+        assert _overall(early, STDIO) == [0.0]
