@@ -19,7 +19,7 @@ base URL, e.g. ``http://sandbox:8080``) the tests run there (``POST /run_code``)
 error naming what is wrong, which the reward manager counts as that sample's error.
 
 Scores: ``overall`` = ``pass_rate`` = the fraction of tests passed; ``accuracy`` = 1 only when all pass;
-``format`` = the response has a fenced python block; ``timeout``, ``memory``, ``output_limit`` and
+``format`` = the response has a fenced python block; ``timeout``, ``memory``, ``disk``, ``output_limit`` and
 ``sandbox_error`` = 1 when any test of the row ended so (their batch means count the contained escapes)::
 
     worker.reward.reward_function=reward_functions/code.py:compute_score
@@ -45,7 +45,7 @@ REWARD_TYPE = "batch"
 REWARD_NAME = "code"
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_COUNTED = ("timeout", "memory", "output_limit", "sandbox_error")
+_COUNTED = ("timeout", "memory", "disk", "output_limit", "sandbox_error")
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,18 @@ def compute_score(
     memory_mb: int = 1024,
     max_processes: int = 32,
     max_output_bytes: int = 1 << 20,
+    max_disk_mb: int = 64,
     max_parallel: int | None = None,
     isolation: str | None = None,
     sandbox_url: str | None = None,
 ) -> list[dict[str, float]]:
     """Batch reward: one dict of scores per input (``response``, ``ground_truth``), rows run in parallel."""
     limits = SandboxLimits(
-        timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        max_output_bytes=max_output_bytes,
+        max_disk_mb=max_disk_mb,
     )
     workers = max_parallel or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -90,7 +90,7 @@ def test_assert_based_tests() -> None:
     asserts = ["assert inc(1) == 2", "assert inc(-1) == 0", "assert inc(10) == 12"]
     assert _score("def inc(x):\n    return x + 1", asserts) == pytest.approx(
         {"overall": 2 / 3, "pass_rate": 2 / 3, "accuracy": 0.0, "format": 1.0}
-        | dict.fromkeys(("timeout", "memory", "output_limit", "sandbox_error"), 0.0)
+        | dict.fromkeys(("timeout", "memory", "disk", "output_limit", "sandbox_error"), 0.0)
     )
     assert _score("def inc(x):\n    return x + 1", {"asserts": asserts[:2]})["accuracy"] == 1.0
 
