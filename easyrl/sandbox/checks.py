@@ -60,32 +60,63 @@ def _easyrl_harness(code, steps, marker):
     stdlib = {}
     for step in steps:
         for name in step[2]:
-            if name in sys.stdlib_module_names and name not in builtin_names:
+            if name in getattr(sys, "stdlib_module_names", ()) and name not in builtin_names:
                 try:
                     stdlib[name] = __import__(name)
                 except ImportError:
                     pass
     saved = {name: dict(module.__dict__) for name, module in stdlib.items()}
-    plain_atoms = {type(None), bool, int, float, complex, str, bytes}
-    plain_boxes = {list, tuple, set, frozenset, dict}
+    plain_atoms = (type(None), bool, int, float, complex, str, bytes)
+    plain_boxes = (list, tuple, set, frozenset, dict)
+    import collections
+    trusted = (collections.Counter, collections.OrderedDict, collections.defaultdict)  # read as dict
+    mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
+    operators = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
+                 "__iter__", "__contains__", "__getitem__", "__getattribute__", "__getattr__", "__index__",
+                 "__int__", "__float__", "__complex__", "__abs__", "__neg__", "__pos__", "__round__", "__str__",
+                 "__format__", "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__",
+                 "__pow__", "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rfloordiv__", "__rmod__",
+                 "__rpow__", "__and__", "__or__", "__xor__", "__rand__", "__ror__", "__rxor__", "__invert__",
+                 "__lshift__", "__rshift__", "__matmul__", "keys", "items", "values"}
+
+    def one_of(t, group):
+        # By identity: `in` would ask the program's metaclass `__eq__` whether its class is `int`.
+        for member in group:
+            if t is member:
+                return member
+        return None
+
+    def base_of(t):
+        # The builtin type a value is read as: its own when plain; a standard dict subclass (Counter, ...) as
+        # dict; a subclass (a namedtuple) as its builtin base only when it overrides no operator, since the
+        # test's own expression may apply one to it. `type`'s own descriptors: a metaclass cannot lie here.
+        if one_of(t, trusted) is not None:
+            return dict
+        for cls in mro_of(t):
+            found = one_of(cls, plain_atoms) or one_of(cls, plain_boxes)
+            if found is not None:
+                return found
+            if any(_type(name) is _str and name in operators for name in dict_of(cls)):
+                return None
+        return None
 
     def encode(x, depth):
-        t = _type(x)
-        if depth > DEPTH or (t not in plain_atoms and t not in plain_boxes):
-            raise TypeError("not a plain value: " + t.__name__)
+        t = base_of(_type(x))
+        if depth > DEPTH or t is None:
+            raise TypeError("not a plain value: " + _type(x).__name__)
         if t is int:
-            return "('i'," + _repr(_hex(x)) + ")"
+            return "('i'," + _repr(_hex(int.__index__(x))) + ")"
         if t is float:
             return "('f'," + _repr(float.__repr__(x)) + ")"
         if t is complex:
             return "('c'," + _repr(complex.__repr__(x)) + ")"
-        if t in plain_atoms:
+        if one_of(t, plain_atoms) is not None:
             return "('a'," + t.__repr__(x) + ")"
-        items = dict.items(x) if t is dict else x
         if t is dict:
-            inner = ",".join("(" + encode(k, depth + 1) + "," + encode(v, depth + 1) + ")" for k, v in items)
+            pairs = dict.items(x)
+            inner = ",".join("(" + encode(k, depth + 1) + "," + encode(v, depth + 1) + ")" for k, v in pairs)
         else:
-            inner = ",".join(encode(v, depth + 1) for v in items)
+            inner = ",".join(encode(v, depth + 1) for v in t.__iter__(x))
         return "(" + _repr(t.__name__) + ",[" + inner + "])"
 
     def plain(fn):

@@ -44,6 +44,9 @@ FORGERIES = {
     "os._exit(0)",
     "math.isclose and abs patched": "import math, builtins\nmath.isclose = lambda *a, **k: True\n"
     "builtins.abs = lambda x: 0\ndef abs(x):\n    return 0\ndef inc(x):\n    return 100",
+    "metaclass claims to be int": "class M(type):\n    __eq__ = lambda s, o: True\n    __hash__ = lambda s: hash(int)\n"
+    "class E(metaclass=M):\n    __repr__ = lambda s: '2'\n    __sub__ = lambda s, o: 0.0\n"
+    "def inc(x):\n    return E()",
     "a thread ends it": "import os, threading, time\ndef inc(x):\n"
     "    threading.Thread(target=lambda: (time.sleep(0.05), os._exit(0))).start()\n    time.sleep(2)",
 }
@@ -76,6 +79,17 @@ def test_a_half_right_solution_gets_its_pass_rate_and_plain_values_compare_as_py
         "assert pair(5)[0] is not None",
     ]
     assert _overall("def pair(x):\n    return (x, float(x))", truth) == [1.0]
+
+
+def test_standard_dict_subclasses_and_namedtuples_are_read_as_their_builtin_base() -> None:
+    counter = "from collections import Counter, namedtuple\nP = namedtuple('P', 'x y')\n"
+    counter += "def freq(xs):\n    return Counter(xs)\ndef point(x):\n    return P(x, x)"
+    truth = ["assert freq([1, 1, 2]) == {1: 2, 2: 1}", "assert point(3) == (3, 3)", "assert point(1).x == 1"]
+    assert _overall(counter, truth) == [1.0]
+    # A namedtuple that overrides an operator is the program's own object again.
+    forged = "from collections import namedtuple\nclass P(namedtuple('P', 'x y')):\n    __eq__ = lambda s, o: True\n"
+    forged += "def point(x):\n    return P(0, 0)"
+    assert _overall(forged, truth[1:2]) == [0.0]
 
 
 def test_the_expected_literal_never_reaches_the_sandbox() -> None:
