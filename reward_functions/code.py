@@ -132,10 +132,11 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
     return [_Test(code, _as_text(given), _as_text(expected), "stdio") for given, expected in zip(inputs, outputs)]
 
 
-def _passed(test: _Test, stdout: str) -> bool:
+def _passed(test: _Test, stdout: str, clean_stdout: str) -> bool:
     if test.kind == "assert":
         assert test.checks is not None
-        return test.checks.passed(stdout)  # exit status 0 proves nothing: the harness's values must be there
+        # Exit status 0 proves nothing: the harness's values must be there.
+        return test.checks.passed(stdout, clean_stdout)
     if test.kind == "stdio":
         return _lines(stdout) == _lines(test.expected)
     _, found, result = stdout.rpartition(test.marker)
@@ -148,6 +149,10 @@ def _passed(test: _Test, stdout: str) -> bool:
     expected = json.loads(json.dumps(test.expected, default=repr))  # tuples as lists, like the result
     # APPS wraps some call-based outputs in a one-item list.
     return value == expected or [value] == expected
+
+
+def _run(source: str, stdin: str, limits: SandboxLimits, isolation: str | None, url: str | None) -> SandboxResult:
+    return run_code_remote(url, source, stdin, limits) if url else run_code(source, stdin, limits, isolation)
 
 
 def score_one(
@@ -170,14 +175,15 @@ def score_one(
         if time.monotonic() >= deadline:
             scores["timeout"] = 1.0
             break  # the row's budget is spent: the tests left count as failed
-        result: SandboxResult = (
-            run_code_remote(sandbox_url, test.source, test.stdin, limits)
-            if sandbox_url
-            else run_code(test.source, test.stdin, limits, isolation)
-        )
-        if result.status in _COUNTED:
-            scores[result.status] = 1.0
-        passed += result.status == "ok" and _passed(test, result.stdout)
+        results = [_run(test.source, test.stdin, limits, isolation, sandbox_url)]
+        if test.checks is not None and test.checks.clean_source:
+            # The expected values that are not literals, computed where the program never runs.
+            results.append(_run(test.checks.clean_source, "", limits, isolation, sandbox_url))
+        for result in results:
+            if result.status in _COUNTED:
+                scores[result.status] = 1.0
+        clean_stdout = results[-1].stdout if len(results) > 1 else ""
+        passed += all(r.status == "ok" for r in results) and _passed(test, results[0].stdout, clean_stdout)
     rate = passed / len(tests)
     scores.update(overall=rate, pass_rate=rate, accuracy=float(passed == len(tests)))
     return scores

@@ -6,8 +6,9 @@ an object whose ``__eq__`` always answers True scored full marks. The verdict is
 
 - this (trusted) process splits each assert into the operands of its top-level comparison (``f(3)`` and ``9``
   with ``==``; ``a and b`` into two checks; a bare ``assert x`` or ``assert not x`` into a truth test). Operands
-  that are literals are read here with ``ast.literal_eval`` and never enter the sandbox: the program cannot learn
-  an expected value from its own source;
+  that are literals are read here with ``ast.literal_eval``; those naming only builtins and standard modules
+  (``set([4, 5])``, ``float('inf')``) are evaluated by a second sandboxed run that holds no program code. Neither
+  enters the program's run: it cannot learn an expected value from its source, its memory or the harness's frames;
 - the sandbox runs the program, then evaluates every other operand and writes its value on one line tagged with a
   random marker, encoded from exact builtin types only (``type(x) is int``, never ``isinstance``: a subclass with
   its own ``__eq__`` is refused). Functions the program defines are wrapped so that what they return must be such
@@ -16,16 +17,18 @@ an object whose ``__eq__`` always answers True scored full marks. The verdict is
 - this process decodes the values into fresh builtin objects and applies the comparison itself. An operand whose
   line is missing (the program ended early), repeated (the program printed one too) or malformed fails the test.
 
-A program that prints a value line itself must print the right value, which is solving the test. What no check
-inside one interpreter can stop is a program that walks the harness's frames to tamper with it while an operand is
-evaluated; it still has to produce the right value of every non-literal operand.
+A program that prints a value line itself, or tampers with the harness through its frames, must still produce the
+value its own operand should have, which is solving the test. What stays in the program's run: operands naming a
+setup line's variable (``expected = [1]; assert f(1) == expected``), which it could read.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import operator
 import secrets
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +53,7 @@ _COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], Any]] = {
 # Runs in the sandbox. Everything it needs is bound before the program's code runs, so a program that replaces
 # `exec`, `print`, `repr` or `sys.stdout` changes nothing here; values go out on a copy of fd 1 taken first.
 _HARNESS = r"""
-def _easyrl_harness(code, steps, marker):
+def _easyrl_harness(code, steps, marker, modules):
     import builtins, os, sys, types
     write, dup, tasks = os.write, os.dup, os.listdir
     _type, _repr, _hex, _len, _exec, _eval, _compile = type, repr, hex, len, exec, eval, compile
@@ -58,13 +61,11 @@ def _easyrl_harness(code, steps, marker):
     out = dup(1)
     builtin_names = dict(builtins.__dict__)
     stdlib = {}
-    for step in steps:
-        for name in step[2]:
-            if name in getattr(sys, "stdlib_module_names", ()) and name not in builtin_names:
-                try:
-                    stdlib[name] = __import__(name)
-                except ImportError:
-                    pass
+    for name in modules:
+        try:
+            stdlib[name] = __import__(name)
+        except ImportError:
+            pass
     saved = {name: dict(module.__dict__) for name, module in stdlib.items()}
     plain_atoms = (type(None), bool, int, float, complex, str, bytes)
     plain_boxes = (list, tuple, set, frozenset, dict)
@@ -136,7 +137,7 @@ def _easyrl_harness(code, steps, marker):
         ns.pop(name, None)  # a program's own `abs` or `set` does not stand in for the builtin in a test
     ns.update(stdlib)
     for step in steps:
-        kind, body, _ = step
+        kind, body = step
         if _len(tasks("/proc/self/task")) != 1:
             write(out, ("\n" + marker + " threads\n").encode())
             break  # a thread of the program's could tamper with the checks: nothing more is reported
@@ -170,26 +171,41 @@ class AssertProgram:
     """One assert statement turned into a program to run and a verdict to read from its stdout."""
 
     source: str
+    """The program's code, then the harness evaluating the operands that need it."""
+    clean_source: str
+    """The harness alone (no program code) evaluating the operands that name only builtins and standard modules
+    (``set([4, 5])``, ``float('inf')``), so that the program cannot read them; ``""`` when there are none."""
     marker: str
     checks: tuple[_Check, ...]
-    n_exprs: int
+    exprs: frozenset[int]
+    clean_exprs: frozenset[int]
 
-    def passed(self, stdout: str) -> bool:
-        """Whether every operand was reported exactly once and every comparison holds on the decoded values."""
+    def passed(self, stdout: str, clean_stdout: str = "") -> bool:
+        """Whether every operand was reported exactly once, by the run it belongs to, and every comparison holds on
+        the decoded values."""
         values: dict[int, Any] = {}
-        for line in stdout.splitlines():
-            if not line.startswith(self.marker + " "):
-                continue
-            index, _, encoded = line[len(self.marker) + 1 :].partition(" ")
-            if not index.isdigit() or int(index) in values or int(index) >= self.n_exprs or encoded == "!":
-                return False  # a repeat means the program printed a line of its own; "!" an operand raised
-            try:
-                values[int(index)] = _decode(ast.literal_eval(encoded), 0)
-            except Exception:  # malformed or deeper than allowed: the program wrote it, not the harness
+        for text, expected in ((stdout, self.exprs), (clean_stdout, self.clean_exprs)):
+            reported = _reported(text, self.marker, expected)
+            if reported is None:
                 return False
-        if len(values) != self.n_exprs:
-            return False  # an operand never ran: the program ended or was ended before it
+            values.update(reported)
         return all(_holds(check, values) for check in self.checks)
+
+
+def _reported(stdout: str, marker: str, expected: frozenset[int]) -> dict[int, Any] | None:
+    """The decoded value of each operand in ``expected`` from a run's stdout; ``None`` unless each is there once."""
+    values: dict[int, Any] = {}
+    for line in stdout.splitlines():
+        if not line.startswith(marker + " "):
+            continue
+        index, _, encoded = line[len(marker) + 1 :].partition(" ")
+        if not index.isdigit() or int(index) in values or int(index) not in expected or encoded == "!":
+            return None  # a repeat means the program printed a line of its own; "!" an operand raised
+        try:
+            values[int(index)] = _decode(ast.literal_eval(encoded), 0)
+        except Exception:  # malformed or deeper than allowed: the program wrote it, not the harness
+            return None
+    return values if len(values) == len(expected) else None  # one missing: the program ended before it ran
 
 
 def _decode(encoded: Any, depth: int) -> Any:
@@ -236,8 +252,16 @@ def _split(test: ast.expr) -> list[tuple[tuple[str, ...], list[ast.expr]]]:
     return [(("truthy",), [test])]
 
 
-def _names(node: ast.AST) -> list[str]:
-    return sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _modules(tree: ast.AST) -> list[str]:
+    """Standard modules the test uses as modules (``math`` in ``math.isclose(...)``): the harness imports them
+    before the program runs and gives the test the real ones. A standard name the test calls (``array(3)``) is left
+    to the program, which may define a function of that name."""
+    bases = {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    return sorted(bases & set(sys.stdlib_module_names))
 
 
 def assert_program(code: str, statement: str) -> AssertProgram:
@@ -252,23 +276,32 @@ def assert_program(code: str, statement: str) -> AssertProgram:
             f"code reward: an assert test must hold top-level `assert` statements (a `check(f)` call cannot be "
             f"verified); got {statement[:200]!r}"
         )
-    steps: list[tuple[Any, str, list[str]]] = []
+    modules = _modules(tree)
+    standard = set(dir(builtins)) | set(modules)
+    steps: list[tuple[Any, str]] = []  # (expression index or "exec", source)
+    clean: list[tuple[Any, str]] = []
     checks: list[_Check] = []
     for node in tree.body:
         if not isinstance(node, ast.Assert):
-            steps.append(("exec", ast.unparse(node), _names(node)))
+            steps.append(("exec", ast.unparse(node)))
             continue
         for ops, operand_nodes in _split(node.test):
             operands = []
             for operand in operand_nodes:
                 try:
                     operands.append(_Operand(value=ast.literal_eval(operand)))
+                    continue
                 except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                    operands.append(_Operand(expr=len([s for s in steps if s[0] != "exec"])))
-                    steps.append((operands[-1].expr, ast.unparse(operand), _names(operand)))
+                    pass
+                index = len(steps) + len(clean)
+                operands.append(_Operand(expr=index))
+                # An operand naming only builtins and standard modules is an expected value: evaluate it where the
+                # program never runs. Any other name may be the program's (or a setup line's).
+                (clean if _names(operand) <= standard else steps).append((index, ast.unparse(operand)))
             checks.append(_Check(ops, tuple(operands)))
     marker = f"@@easyrl-check-{secrets.token_hex(8)}@@"
-    n_exprs = len([s for s in steps if s[0] != "exec"])
     harness = _HARNESS.replace("DEPTH", str(_MAX_DEPTH))
-    source = f"{harness}\n_easyrl_harness({code!r}, {steps!r}, {marker!r})\n"
-    return AssertProgram(source, marker, tuple(checks), n_exprs)
+    source = f"{harness}\n_easyrl_harness({code!r}, {steps!r}, {marker!r}, {modules!r})\n"
+    clean_source = f"{harness}\n_easyrl_harness('', {clean!r}, {marker!r}, {modules!r})\n" if clean else ""
+    exprs = frozenset(s[0] for s in steps if s[0] != "exec")
+    return AssertProgram(source, clean_source, marker, tuple(checks), exprs, frozenset(s[0] for s in clean))

@@ -92,10 +92,27 @@ def test_standard_dict_subclasses_and_namedtuples_are_read_as_their_builtin_base
     assert _overall(forged, truth[1:2]) == [0.0]
 
 
-def test_the_expected_literal_never_reaches_the_sandbox() -> None:
+def test_no_expected_value_reaches_the_program() -> None:
     program = assert_program("def f(x):\n    return x", "assert f(12345) == 987654321")
-    assert "987654321" not in program.source and "12345" in program.source
-    assert program.n_exprs == 1
+    assert "987654321" not in program.source and "12345" in program.source and not program.clean_source
+    # An expected value that is not a literal is computed in a run of its own, without the program.
+    program = assert_program("def f(x):\n    return x", "assert f(3) == set(range(777, 779)) != math.floor(2.5)")
+    assert "777" not in program.source and "math.floor" not in program.source
+    assert "777" in program.clean_source and "math.floor" in program.clean_source and "f(3)" not in program.clean_source
+    # A standard module's name the test calls (`array(3)`) may be the program's own function: it runs with it.
+    program = assert_program("def array(n):\n    return [0] * n", "assert array(2) == list(range(2)) * 0 + [0, 0]")
+    assert "array(2)" in program.source and "list(range(2))" in program.clean_source
+
+
+def test_a_program_that_reads_the_harness_frames_finds_no_expected_value() -> None:
+    peek = (
+        "import sys\ndef f(x):\n    frame = sys._getframe(1)\n    while 'steps' not in frame.f_locals:\n"
+        "        frame = frame.f_back\n    for index, source in frame.f_locals['steps']:\n"
+        "        if index != 'exec' and 'f(' not in source:\n            return eval(source)\n    return 0"
+    )
+    truth = ["assert f(3) == set([4, 5])", "assert f(1) == float('inf')", "assert f(2) == 6"]
+    assert _overall(peek, truth) == [0.0]
+    assert _overall("def f(x):\n    return {3: {4, 5}, 1: float('inf'), 2: 6}[x]", truth) == [1.0]
 
 
 def test_a_test_without_a_top_level_assert_is_one_clear_error() -> None:
