@@ -277,10 +277,20 @@ def pick_isolation(bwrap_works: bool, unshare_works: bool) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def _detected() -> str | RuntimeError:
+    try:
+        return pick_isolation(_bwrap_drops_root() is not None, _unshare_works())
+    except RuntimeError as refusal:
+        return refusal  # cached too: a machine without isolation is not probed again for every run
+
+
 def detect_isolation() -> str:
     """The best isolation mode that works on this machine (probed once per process); raises ``RuntimeError`` with
     one line naming the fix when there is none."""
-    return pick_isolation(_bwrap_drops_root() is not None, _unshare_works())
+    found = _detected()
+    if isinstance(found, RuntimeError):
+        raise RuntimeError(str(found))
+    return found
 
 
 def process_limit_enforced(mode: str) -> bool:
