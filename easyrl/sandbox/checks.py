@@ -276,6 +276,12 @@ def assert_program(code: str, statement: str) -> AssertProgram:
             f"code reward: an assert test must hold top-level `assert` statements (a `check(f)` call cannot be "
             f"verified); got {statement[:200]!r}"
         )
+    top = {id(node) for node in tree.body}
+    if any(isinstance(node, ast.Assert) and id(node) not in top for node in ast.walk(tree)):
+        raise ValueError(
+            "code reward: only top-level `assert` statements can be verified; unroll the loop or function that holds "
+            f"one into top-level asserts: {statement[:200]!r}"
+        )
     modules = _modules(tree)
     standard = set(dir(builtins)) | set(modules)
     steps: list[tuple[Any, str]] = []  # (expression index or "exec", source)

@@ -98,7 +98,9 @@ def test_no_expected_value_reaches_the_program() -> None:
     # An expected value that is not a literal is computed in a run of its own, without the program.
     program = assert_program("def f(x):\n    return x", "assert f(3) == set(range(777, 779)) != math.floor(2.5)")
     assert "777" not in program.source and "math.floor" not in program.source
-    assert "777" in program.clean_source and "math.floor" in program.clean_source and "f(3)" not in program.clean_source
+    assert (
+        "777" in program.clean_source and "math.floor" in program.clean_source and "f(3)" not in program.clean_source
+    )
     # A standard module's name the test calls (`array(3)`) may be the program's own function: it runs with it.
     program = assert_program("def array(n):\n    return [0] * n", "assert array(2) == list(range(2)) * 0 + [0, 0]")
     assert "array(2)" in program.source and "list(range(2))" in program.clean_source
@@ -120,6 +122,8 @@ def test_a_test_without_a_top_level_assert_is_one_clear_error() -> None:
         assert_program("", "check(f)")
     with pytest.raises(ValueError, match="not Python"):
         assert_program("", "assert f(")
+    with pytest.raises(ValueError, match="only top-level `assert`"):
+        assert_program("", "assert f(0) == 1\nfor x in range(3):\n    assert f(x) == x + 1")
 
 
 CALL = {"fn_name": "double", "inputs": [[1], [4]], "outputs": [2, 8]}
