@@ -120,9 +120,18 @@ def _easyrl_harness(code, steps, marker, modules):
             inner = ",".join(encode(v, depth + 1) for v in t.__iter__(x))
         return "(" + _repr(t.__name__) + ",[" + inner + "])"
 
+    iterators = (types.GeneratorType, map, filter, zip, enumerate, reversed)
+
+    def plain_items(iterator):
+        for item in iterator:
+            encode(item, 0)
+            yield item
+
     def plain(fn):
         def checked(*args, **kwargs):
             value = fn(*args, **kwargs)
+            if one_of(_type(value), iterators) is not None:
+                return plain_items(value)  # `list(f(x))` in a test: each item must be plain
             encode(value, 0)  # raises for anything but a plain value: its methods are the program's own
             return value
         return checked

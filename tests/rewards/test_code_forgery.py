@@ -92,6 +92,15 @@ def test_standard_dict_subclasses_and_namedtuples_are_read_as_their_builtin_base
     assert _overall(forged, truth[1:2]) == [0.0]
 
 
+def test_generators_and_maps_are_checked_item_by_item() -> None:
+    truth = ["assert list(evens([1, 2, 3, 4])) == [2, 4]", "assert sum(evens([2, 4])) == 6"]
+    assert _overall("def evens(xs):\n    return filter(lambda v: v % 2 == 0, xs)", truth) == [1.0]
+    assert _overall("def evens(xs):\n    yield from (v for v in xs if v % 2 == 0)", truth) == [1.0]
+    forged = "class S:\n    __radd__ = lambda s, o: 6\n    __eq__ = lambda s, o: True\n"
+    forged += "def evens(xs):\n    yield S()"
+    assert _overall(forged, truth) == [0.0]
+
+
 def test_no_expected_value_reaches_the_program() -> None:
     program = assert_program("def f(x):\n    return x", "assert f(12345) == 987654321")
     assert "987654321" not in program.source and "12345" in program.source and not program.clean_source
