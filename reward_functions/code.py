@@ -132,11 +132,8 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
     return [_Test(code, _as_text(given), _as_text(expected), "stdio") for given, expected in zip(inputs, outputs)]
 
 
-def _passed(test: _Test, stdout: str, clean_stdout: str) -> bool:
-    if test.kind == "assert":
-        assert test.checks is not None
-        # Exit status 0 proves nothing: the harness's values must be there.
-        return test.checks.passed(stdout, clean_stdout)
+def _passed(test: _Test, stdout: str) -> bool:
+    """A stdin/stdout or call-based test's verdict (assert tests are judged by their AssertProgram)."""
     if test.kind == "stdio":
         return _lines(stdout) == _lines(test.expected)
     _, found, result = stdout.rpartition(test.marker)
@@ -175,15 +172,16 @@ def score_one(
         if time.monotonic() >= deadline:
             scores["timeout"] = 1.0
             break  # the row's budget is spent: the tests left count as failed
-        results = [_run(test.source, test.stdin, limits, isolation, sandbox_url)]
-        if test.checks is not None and test.checks.clean_source:
-            # The expected values that are not literals, computed where the program never runs.
-            results.append(_run(test.checks.clean_source, "", limits, isolation, sandbox_url))
+        if test.checks is not None:
+            # Exit status 0 proves nothing: the verdict comes from the values the harness reported.
+            ok, results = test.checks.judge(lambda source: _run(source, "", limits, isolation, sandbox_url))
+        else:
+            results = [_run(test.source, test.stdin, limits, isolation, sandbox_url)]
+            ok = results[0].status == "ok" and _passed(test, results[0].stdout)
         for result in results:
             if result.status in _COUNTED:
                 scores[result.status] = 1.0
-        clean_stdout = results[-1].stdout if len(results) > 1 else ""
-        passed += all(r.status == "ok" for r in results) and _passed(test, results[0].stdout, clean_stdout)
+        passed += ok
     rate = passed / len(tests)
     scores.update(overall=rate, pass_rate=rate, accuracy=float(passed == len(tests)))
     return scores

@@ -5,33 +5,38 @@ asserts ran (``sys.exit(0)``, ``os._exit(0)``, an ``atexit`` hook, a signal to i
 an object whose ``__eq__`` always answers True scored full marks. The verdict is now taken out of its hands:
 
 - this (trusted) process splits each assert into the operands of its top-level comparison (``f(3)`` and ``9``
-  with ``==``; ``a and b`` into two checks; a bare ``assert x`` or ``assert not x`` into a truth test). Operands
-  that are literals are read here with ``ast.literal_eval``; those naming only builtins and standard modules
-  (``set([4, 5])``, ``float('inf')``) are evaluated by a second sandboxed run that holds no program code. Neither
-  enters the program's run: it cannot learn an expected value from its source, its memory or the harness's frames;
-- the sandbox runs the program, then evaluates every other operand and writes its value on one line tagged with a
-  random marker, encoded from exact builtin types only (``type(x) is int``, never ``isinstance``: a subclass with
-  its own ``__eq__`` is refused). Functions the program defines are wrapped so that what they return must be such
-  a plain value too (an object whose ``__sub__`` always gives 0 cannot pass ``abs(f(x) - 2.5) < 1e-9``), and
-  builtins or standard modules the program patched or shadowed are restored before the operands run;
-- this process decodes the values into fresh builtin objects and applies the comparison itself. An operand whose
-  line is missing (the program ended early), repeated (the program printed one too) or malformed fails the test.
+  with ``==``; ``a and b`` into two checks; a bare ``assert x`` or ``assert not x`` into a truth test), and each
+  operand into the calls that reach the program (``f(x)``, ``Solution().f(x)``: every largest expression rooted
+  at a name that is not a builtin or a standard module) and what the test does with them;
+- the program's run executes the code, then evaluates only those calls and writes each value on one line tagged
+  with a random marker, encoded from exact builtin types only (``type(x) is int``, never ``isinstance``: a subclass
+  that overrides an operator is refused; ``Counter`` and namedtuples read as dict and tuple). Functions the program
+  defines are wrapped so that what they return must be such a plain value too;
+- a second run that holds no program code evaluates the rest (``abs(<value of f(x)> - 2.5) < 1e-9``,
+  ``set([4, 5])``, ``math.isclose(...)``) on those values, now fresh builtin objects; literals are read here with
+  ``ast.literal_eval``. No expected value enters the program's run, and what it returns meets only builtins;
+- this process applies each comparison to the decoded values. A value whose line is missing (the program ended
+  early), repeated (the program printed one too) or malformed fails the test.
 
 A program that prints a value line itself, or tampers with the harness through its frames, must still produce the
-value its own operand should have, which is solving the test. What stays in the program's run: operands naming a
-setup line's variable (``expected = [1]; assert f(1) == expected``), which it could read.
+value its own call should return, which is solving the test. Left in the program's run: an operand that wraps its
+calls in a lambda or comprehension (evaluated whole there), and a setup line's variable it names
+(``expected = [1]; assert f(1) == expected``), which it could read.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import itertools
 import operator
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from easyrl.sandbox.local import SandboxResult
 
 
 __all__ = ["AssertProgram", "assert_program"]
@@ -57,7 +62,7 @@ def _easyrl_harness(code, steps, marker, modules):
     import builtins, os, sys, types
     write, dup, tasks = os.write, os.dup, os.listdir
     _type, _repr, _hex, _len, _exec, _eval, _compile = type, repr, hex, len, exec, eval, compile
-    _str, _function, _base = str, types.FunctionType, BaseException
+    _str, _list, _function, _base = str, list, types.FunctionType, BaseException
     out = dup(1)
     builtin_names = dict(builtins.__dict__)
     stdlib = {}
@@ -146,7 +151,7 @@ def _easyrl_harness(code, steps, marker, modules):
         ns.pop(name, None)  # a program's own `abs` or `set` does not stand in for the builtin in a test
     ns.update(stdlib)
     for step in steps:
-        kind, body = step
+        kind, body, listed = step
         if _len(tasks("/proc/self/task")) != 1:
             write(out, ("\n" + marker + " threads\n").encode())
             break  # a thread of the program's could tamper with the checks: nothing more is reported
@@ -156,7 +161,10 @@ def _easyrl_harness(code, steps, marker, modules):
             _exec(_compile(body, "<test>", "exec"), ns)
             continue
         try:
-            line = encode(_eval(_compile(body, "<test>", "eval"), ns), 0)
+            value = _eval(_compile(body, "<test>", "eval"), ns)
+            if listed and one_of(_type(value), iterators) is not None:
+                value = _list(value)  # a call the clean run goes on with (`list(f(x))`): its items, each checked
+            line = encode(value, 0)
         except _base:
             line = "!"
         write(out, ("\n" + marker + " " + _str(kind) + " " + line + "\n").encode())
@@ -177,28 +185,59 @@ class _Check:
 
 @dataclass(frozen=True)
 class AssertProgram:
-    """One assert statement turned into a program to run and a verdict to read from its stdout."""
+    """One assert statement turned into a program to run, a second run without the program where needed, and a
+    verdict read from what they report."""
 
     source: str
-    """The program's code, then the harness evaluating the operands that need it."""
-    clean_source: str
-    """The harness alone (no program code) evaluating the operands that name only builtins and standard modules
-    (``set([4, 5])``, ``float('inf')``), so that the program cannot read them; ``""`` when there are none."""
+    """The program's code, then the harness evaluating the operands (or parts of operands) that call into it."""
     marker: str
     checks: tuple[_Check, ...]
     exprs: frozenset[int]
-    clean_exprs: frozenset[int]
+    """What the program's run must report: values of calls into the program (``f(x)``, ``Solution().f(x)``)."""
+    clean_steps: tuple[tuple[int, str, bool], ...]
+    """Operands evaluated by a run that holds no program code: expected values (``set([4, 5])``) and what a test
+    does with the program's values (``abs(_easyrl_v3 - 2.5)``, with ``_easyrl_v3`` the value ``f(x)`` reported)."""
+    chains: tuple[int, ...]
+    """The reported values the clean run is given, as ``_easyrl_v<index>``."""
+    modules: tuple[str, ...]
 
-    def passed(self, stdout: str, clean_stdout: str = "") -> bool:
-        """Whether every operand was reported exactly once, by the run it belongs to, and every comparison holds on
-        the decoded values."""
-        values: dict[int, Any] = {}
-        for text, expected in ((stdout, self.exprs), (clean_stdout, self.clean_exprs)):
-            reported = _reported(text, self.marker, expected)
+    def judge(self, run: Callable[[str], SandboxResult]) -> tuple[bool, list[SandboxResult]]:
+        """Run the program (and the clean run when there is one) with ``run``; whether the test passed, and every
+        run's result."""
+        results = [run(self.source)]
+        values = _reported(results[0].stdout, self.marker, self.exprs) if results[0].status == "ok" else None
+        if values is None:
+            return False, results  # an operand missing, repeated or malformed, or the program failed
+        if self.clean_steps:
+            bindings = "".join(f"_easyrl_v{index} = {_literal(values[index], 0)}\n" for index in self.chains)
+            clean = f"{_harness()}\n_easyrl_harness({bindings!r}, {self.clean_steps!r}, {self.marker!r}, "
+            results.append(run(clean + f"{self.modules!r})\n"))
+            expected = frozenset(index for index, _, _ in self.clean_steps)
+            reported = _reported(results[1].stdout, self.marker, expected) if results[1].status == "ok" else None
             if reported is None:
-                return False
+                return False, results
             values.update(reported)
-        return all(_holds(check, values) for check in self.checks)
+        return all(_holds(check, values) for check in self.checks), results
+
+
+def _harness() -> str:
+    return _HARNESS.replace("DEPTH", str(_MAX_DEPTH))
+
+
+def _literal(value: Any, depth: int) -> str:
+    """Python source for a decoded plain value (``float('inf')`` where ``repr`` would not read back)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("value nested too deep")
+    if type(value) is float:
+        return f"float({repr(value)!r})"
+    if type(value) is complex:
+        return f"complex({repr(value)!r})"
+    if type(value) in (list, tuple, set, frozenset):
+        items = ", ".join(_literal(item, depth + 1) for item in value)
+        return f"{type(value).__name__}([{items}])"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{_literal(k, depth + 1)}: {_literal(v, depth + 1)}" for k, v in value.items()) + "}"
+    return repr(value)  # None, bool, int, str, bytes: exact builtin types, whose repr reads back
 
 
 def _reported(stdout: str, marker: str, expected: frozenset[int]) -> dict[int, Any] | None:
@@ -273,6 +312,51 @@ def _modules(tree: ast.AST) -> list[str]:
     return sorted(bases & set(sys.stdlib_module_names))
 
 
+_SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.NamedExpr)
+
+
+class _Chains(ast.NodeTransformer):
+    """Replaces each largest expression rooted at a name the program (or a setup line) may define (``f(x)``,
+    ``Solution().f(x)``, ``p.a``, ``x``) by ``_easyrl_v<index>``, collecting (index, source) of each."""
+
+    def __init__(self, standard: set[str], counter: Iterator[int]) -> None:
+        self.standard, self.counter = standard, counter
+        self.found: list[tuple[int, str, bool]] = []
+
+    def rooted(self, node: ast.AST) -> bool:
+        while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return isinstance(node, ast.Name) and node.id not in self.standard
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if isinstance(node, (ast.Name, ast.Call, ast.Attribute, ast.Subscript)) and self.rooted(node):
+            index = next(self.counter)
+            self.found.append((index, ast.unparse(node), True))  # True: an iterator it gives is reported as a list
+            return ast.copy_location(ast.Name(id=f"_easyrl_v{index}", ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+
+def _operand(
+    node: ast.expr, standard: set[str], counter: Iterator[int], steps: list[tuple[Any, str, bool]], clean: list[Any]
+) -> _Operand:
+    """Where one operand is evaluated: here (a literal), by the clean run (nothing of the program's in it, or only
+    the values its calls reported), or whole by the program's run (a lambda or comprehension around its names)."""
+    try:
+        return _Operand(value=ast.literal_eval(node))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    chains = _Chains(standard, counter)
+    if _names(node) <= standard or not (any(isinstance(n, _SCOPED) for n in ast.walk(node)) or chains.rooted(node)):
+        skeleton = chains.visit(ast.parse(ast.unparse(node), mode="eval").body)  # a copy: the tree is kept
+        steps += chains.found
+        index = next(counter)
+        clean.append((index, ast.unparse(skeleton), False))
+        return _Operand(expr=index)
+    index = next(counter)
+    steps.append((index, ast.unparse(node), False))
+    return _Operand(expr=index)
+
+
 def assert_program(code: str, statement: str) -> AssertProgram:
     """The program that checks ``statement`` (assert statements, with any setup lines between them) against
     ``code``; raises ``ValueError`` naming the statement when it holds no top-level ``assert``."""
@@ -293,30 +377,17 @@ def assert_program(code: str, statement: str) -> AssertProgram:
         )
     modules = _modules(tree)
     standard = set(dir(builtins)) | set(modules)
-    steps: list[tuple[Any, str]] = []  # (expression index or "exec", source)
-    clean: list[tuple[Any, str]] = []
-    checks: list[_Check] = []
+    steps: list[tuple[Any, str, bool]] = []  # the program's run: (expression index or "exec", source, as a list)
+    clean: list[tuple[int, str, bool]] = []  # the clean run
+    checks, counter = [], itertools.count()
     for node in tree.body:
         if not isinstance(node, ast.Assert):
-            steps.append(("exec", ast.unparse(node)))
+            steps.append(("exec", ast.unparse(node), False))
             continue
         for ops, operand_nodes in _split(node.test):
-            operands = []
-            for operand in operand_nodes:
-                try:
-                    operands.append(_Operand(value=ast.literal_eval(operand)))
-                    continue
-                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                    pass
-                index = len(steps) + len(clean)
-                operands.append(_Operand(expr=index))
-                # An operand naming only builtins and standard modules is an expected value: evaluate it where the
-                # program never runs. Any other name may be the program's (or a setup line's).
-                (clean if _names(operand) <= standard else steps).append((index, ast.unparse(operand)))
-            checks.append(_Check(ops, tuple(operands)))
+            operands = tuple(_operand(operand, standard, counter, steps, clean) for operand in operand_nodes)
+            checks.append(_Check(ops, operands))
     marker = f"@@easyrl-check-{secrets.token_hex(8)}@@"
-    harness = _HARNESS.replace("DEPTH", str(_MAX_DEPTH))
-    source = f"{harness}\n_easyrl_harness({code!r}, {steps!r}, {marker!r}, {modules!r})\n"
-    clean_source = f"{harness}\n_easyrl_harness('', {clean!r}, {marker!r}, {modules!r})\n" if clean else ""
-    exprs = frozenset(s[0] for s in steps if s[0] != "exec")
-    return AssertProgram(source, clean_source, marker, tuple(checks), exprs, frozenset(s[0] for s in clean))
+    source = f"{_harness()}\n_easyrl_harness({code!r}, {tuple(steps)!r}, {marker!r}, {tuple(modules)!r})\n"
+    exprs = frozenset(index for index, _, _ in steps if index != "exec")
+    return AssertProgram(source, marker, tuple(checks), exprs, tuple(clean), tuple(sorted(exprs)), tuple(modules))
