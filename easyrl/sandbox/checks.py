@@ -357,6 +357,31 @@ def _operand(
     return _Operand(expr=index)
 
 
+def _inline_check(tree: ast.Module) -> ast.Module:
+    """HumanEval's form, ``def check(candidate): assert candidate(1) == 2 ...`` then ``check(f)``: its body at the
+    top level with ``candidate`` named ``f``, so that each of its asserts is verified like any other."""
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check" and len(n.args.args) == 1]
+    calls = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.Expr)
+        and isinstance(n.value, ast.Call)
+        and isinstance(n.value.func, ast.Name)
+        and n.value.func.id == "check"
+        and [type(a) for a in n.value.args] == [ast.Name]
+    ]
+    if len(defs) != 1 or len(calls) != 1:
+        return tree
+    param, entry = defs[0].args.args[0].arg, calls[0].value.args[0].id  # type: ignore[attr-defined]
+    for node in ast.walk(defs[0]):
+        if isinstance(node, ast.Name) and node.id == param:
+            node.id = entry
+    body: list[ast.stmt] = []
+    for node in tree.body:
+        body += defs[0].body if node is defs[0] else [] if node is calls[0] else [node]
+    return ast.Module(body=body, type_ignores=[])
+
+
 def assert_program(code: str, statement: str) -> AssertProgram:
     """The program that checks ``statement`` (assert statements, with any setup lines between them) against
     ``code``; raises ``ValueError`` naming the statement when it holds no top-level ``assert``."""
@@ -364,10 +389,11 @@ def assert_program(code: str, statement: str) -> AssertProgram:
         tree = ast.parse(statement)
     except SyntaxError as error:
         raise ValueError(f"code reward: assert test is not Python ({error.msg}): {statement[:200]!r}") from None
+    tree = _inline_check(tree)
     if not any(isinstance(node, ast.Assert) for node in tree.body):
         raise ValueError(
-            f"code reward: an assert test must hold top-level `assert` statements (a `check(f)` call cannot be "
-            f"verified); got {statement[:200]!r}"
+            f"code reward: an assert test must hold top-level `assert` statements (or HumanEval's `def check"
+            f"(candidate)` and `check(f)`); got {statement[:200]!r}"
         )
     top = {id(node) for node in tree.body}
     if any(isinstance(node, ast.Assert) and id(node) not in top for node in ast.walk(tree)):

@@ -129,9 +129,25 @@ def test_a_program_that_reads_the_harness_frames_finds_no_expected_value() -> No
     assert _overall("def f(x):\n    return {3: {4, 5}, 1: float('inf'), 2: 6}[x]", truth) == [1.0]
 
 
+HUMANEVAL = (
+    "METADATA = {'author': 'x'}\n\ndef check(candidate):\n    assert candidate(1) == 2\n"
+    "    assert abs(candidate(0.5) - 1.5) < 1e-6, 'close'\n    assert candidate(-1) == 0\n\ncheck(inc)\n"
+)
+
+
+def test_humaneval_check_functions_are_inlined_and_verified() -> None:
+    assert _overall("def inc(x):\n    return x + 1", [HUMANEVAL]) == [1.0]
+    assert _overall("import sys\nsys.exit(0)", [HUMANEVAL]) == [0.0]
+    assert _overall(FORGERIES["__eq__ always True"], [HUMANEVAL]) == [0.0]
+    looped = "def check(candidate):\n    assert candidate(0) == 1\n    for x in range(3):\n"
+    looped += "        assert candidate(x) == x + 1\n\ncheck(inc)\n"
+    with pytest.raises(ValueError, match="only top-level `assert`"):
+        assert_program("", looped)
+
+
 def test_a_test_without_a_top_level_assert_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="top-level `assert`"):
-        assert_program("", "check(f)")
+        assert_program("", "check(f)")  # no `def check` to inline
     with pytest.raises(ValueError, match="not Python"):
         assert_program("", "assert f(")
     with pytest.raises(ValueError, match="only top-level `assert`"):
