@@ -77,13 +77,13 @@ def _easyrl_harness(code, steps, marker, modules):
     import collections
     trusted = (collections.Counter, collections.OrderedDict, collections.defaultdict)  # read as dict
     mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
-    operators = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
+    operators = frozenset({"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
                  "__iter__", "__contains__", "__getitem__", "__getattribute__", "__getattr__", "__index__",
                  "__int__", "__float__", "__complex__", "__abs__", "__neg__", "__pos__", "__round__", "__str__",
                  "__format__", "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__",
                  "__pow__", "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rfloordiv__", "__rmod__",
                  "__rpow__", "__and__", "__or__", "__xor__", "__rand__", "__ror__", "__rxor__", "__invert__",
-                 "__lshift__", "__rshift__", "__matmul__", "keys", "items", "values"}
+                 "__lshift__", "__rshift__", "__matmul__", "keys", "items", "values"})
 
     def one_of(t, group):
         # By identity: `in` would ask the program's metaclass `__eq__` whether its class is `int`.
@@ -141,7 +141,10 @@ def _easyrl_harness(code, steps, marker, modules):
             return value
         return checked
 
-    g = {"__name__": "__main__", "__builtins__": builtins}
+    main = types.ModuleType("__main__")  # the program's own `__main__` (pickle finds its functions there)
+    sys.modules["__main__"] = main
+    g = main.__dict__
+    g["__builtins__"] = builtins
     _exec(_compile(code, "<solution>", "exec"), g)
     builtins.__dict__.update(builtin_names)  # builtins the program replaced are restored
     for name, module in stdlib.items():
