@@ -199,6 +199,11 @@ for d in null zero full random urandom; do touch "dev/$d"; mount --bind "/dev/$d
 mount -t tmpfs -o "size=$disk,mode=0777" easyrl-scratch sandbox
 cp "$src/main.py" sandbox/main.py
 mount -t proc proc proc
+# Every bind read-only, the mounts it carried along (a host /usr/local, say) included: the program's uid may own them.
+for m in $(awk '{print $2}' /proc/self/mounts); do
+  m=$(printf '%b' "$m")
+  case "$m" in "$root"/sandbox|"$root"/proc|"$root"/dev/*) ;; "$root"/*) mount -o remount,bind,ro "$m" ;; esac
+done
 pivot_root . .old
 umount -l /.old
 rmdir /.old

@@ -81,6 +81,25 @@ def test_writing_a_host_file_fails_and_host_paths_are_not_there(mode: str) -> No
         shutil.rmtree(outside)
 
 
+def test_every_host_file_the_sandbox_shows_is_read_only(mode: str) -> None:
+    # As root outside bwrap's own uid, the program's uid owns these files on the host: only the mount stops a write.
+    program = (
+        "import os, sys\n"
+        "for path in ('/etc/ld.so.cache', '/usr/bin/env', os.path.dirname(os.path.realpath(sys.executable))):\n"
+        "    try:\n"
+        "        open(os.path.join(path, 'escaped') if os.path.isdir(path) else path, 'ab').close()\n"
+        "        print('ESCAPED', path)\n"
+        "    except OSError as error:\n"
+        "        print('refused', error.errno)\n"
+        "for line in open('/proc/self/mounts'):\n"
+        "    point, options = line.split()[1], line.split()[3].split(',')\n"
+        "    if not point.startswith(('/sandbox', '/proc', '/dev')) and 'ro' not in options:\n"
+        "        print('WRITABLE MOUNT', point)\n"
+    )
+    result = run_code(program, limits=LIMITS, isolation=mode)
+    assert result.status == "ok" and "ESCAPED" not in result.stdout and "WRITABLE" not in result.stdout, result
+
+
 def test_unmounting_proc_fails_and_no_host_process_is_visible(mode: str) -> None:
     program = LIBC + (
         "MNT_DETACH = 2\n"
