@@ -12,7 +12,8 @@ only when named:
   default container) gets bwrap in a user namespace, without the process limit.
 - ``unshare`` (util-linux, user namespaces), for a machine where bwrap does not run: the same namespaces and the
   same fresh root as bwrap (a read-only tmpfs holding ``/usr``, the Python installation and ``/lib*`` read-only,
-  a few ``/dev`` nodes, a fresh ``/proc``, the scratch tmpfs; the host root detached with ``pivot_root``), then
+  a few ``/dev`` nodes, a fresh ``/proc`` whose ``sys`` and ``sysrq-trigger`` are read-only, the scratch tmpfs;
+  the host root detached with ``pivot_root``), then
   every capability dropped, the bounding set included (``setpriv``), before the program starts: it cannot
   remount, unmount, see host files or reach host unix sockets. As root its process limit is not enforced.
 - ``rlimits``: resource limits and a process group only, with no network, filesystem or process isolation. Never
@@ -199,6 +200,11 @@ for d in null zero full random urandom; do touch "dev/$d"; mount --bind "/dev/$d
 mount -t tmpfs -o "size=$disk,mode=0777" easyrl-scratch sandbox
 cp "$src/main.py" sandbox/main.py
 mount -t proc proc proc
+# As the host's root (without capabilities), /proc/sys and sysrq-trigger would still be writable by their mode bits:
+# read-only, as Docker makes them.
+for p in sys sysrq-trigger bus fs irq; do
+  if [ -e "proc/$p" ]; then mount --bind "proc/$p" "proc/$p"; fi
+done
 # Every bind read-only, the mounts it carried along (a host /usr/local, say) included: the program's uid may own them.
 for m in $(awk '{print $2}' /proc/self/mounts); do
   m=$(printf '%b' "$m")
