@@ -159,6 +159,9 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool, disk_mb: int) -> list
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-user"]
+        if os.geteuid() == 0:
+            # As root bwrap would keep every capability inside the user namespace: the program gets none.
+            args += ["--cap-drop", "ALL"]
     args += ["--ro-bind", "/usr", "/usr"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(path):
@@ -172,6 +175,8 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool, disk_mb: int) -> list
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev"]
+    # As the host's root in a user namespace, /proc/sys and sysrq-trigger are writable by mode bits alone: read-only.
+    args += ["--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
     # The scratch is a tmpfs of its own size: the kernel bounds what all the program's files hold together.
     args += ["--perms", "0777", "--size", str(disk_mb << 20), "--tmpfs", _SCRATCH]
     args += ["--ro-bind", f"{scratch}/main.py", f"{_SCRATCH}/main.py", "--chdir", _SCRATCH, "--remount-ro", "/", "--"]

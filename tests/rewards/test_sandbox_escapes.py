@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from easyrl.sandbox import SandboxLimits, run_code
+from easyrl.sandbox import SandboxLimits, local, run_code
 from easyrl.sandbox.local import pick_isolation
 
 
@@ -195,6 +196,29 @@ def test_no_capability_is_left_and_a_nested_user_namespace_cannot_undo_a_mount(m
     assert result.status == "ok", result
     assert result.stdout.splitlines()[0] == "0 0 1", result.stdout
     assert "ESCAPED" not in result.stdout and not Path("/usr/escaped").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the case of root without the privilege to make namespaces")
+def test_bwrap_in_a_user_namespace_as_root_keeps_no_capability_and_no_writable_sysctl() -> None:
+    # Root in a default container runs bwrap in a user namespace (`as_root=False`): forced here through the prefix.
+    with tempfile.TemporaryDirectory() as work:
+        scratch = Path(work) / "scratch"
+        scratch.mkdir()
+        (scratch / "main.py").write_text(
+            "status = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
+            "print(int(status['CapEff'], 16), int(status['CapBnd'], 16) != 0)\n"
+            "for path in ('/proc/sysrq-trigger', '/proc/sys/vm/drop_caches'):\n"
+            "    try:\n"
+            "        open(path, 'w').close()\n"  # opened, never written
+            "        print('ESCAPED', path)\n"
+            "    except OSError as error:\n"
+            "        print('refused', error.errno)\n"
+        )
+        prefix = local._bwrap_prefix(local._bwrap_binary() or "bwrap", str(scratch), False, 4)
+        done = subprocess.run([*prefix, local._python(), "-I", "/sandbox/main.py"], capture_output=True, text=True)
+    if done.returncode != 0 and done.stderr.startswith("bwrap:"):
+        pytest.skip(f"bwrap in a user namespace does not run here: {done.stderr.strip()}")
+    assert done.stdout.splitlines()[0].startswith("0 ") and "ESCAPED" not in done.stdout, done
 
 
 def test_no_isolation_is_refused_with_one_line_naming_the_fix() -> None:
