@@ -58,7 +58,8 @@ def _reward() -> Any:
         detect_isolation()
     except RuntimeError as refusal:  # no isolation works here: the sandbox refuses to run by design
         pytest.skip(str(refusal))
-    kwargs = {"timeout_s": 3.0, "memory_mb": 512, "max_processes": 16, "max_output_bytes": 64 * 1024}
+    # A generous per-test time: no program here loops, and a loaded CI machine must not fail a real solution.
+    kwargs = {"timeout_s": 15.0, "memory_mb": 512, "max_processes": 16, "max_output_bytes": 64 * 1024}
     return load_reward_function(str(ROOT / "reward_functions" / "code.py"), kwargs).fn
 
 
