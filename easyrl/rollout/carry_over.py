@@ -80,17 +80,25 @@ class Group:
     calls: int = 0
     finished_at: int = -1  # place in the order in which groups finished; -1 while any sample runs
 
-    def state_dict(self) -> dict[str, Any]:
-        """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it)."""
-        state = {
-            **self.__dict__,
-            "columns": columns_state(self.columns),
-            "samples": [s.state_dict() for s in self.samples],
-        }
-        return copy.deepcopy(state)
+    def state_dict(self, episode: Episode) -> dict[str, Any]:
+        """A copy: the samples' lists keep growing after a snapshot (a step undone on a stop signal restores it). Each
+        sample's record holds what its episode keeps of it (`episode_state`: a tool trajectory's conversation and
+        environment) and its own prompt where the chat template gave it another (`prompt_ids`)."""
+        samples = []
+        for sample in self.samples:
+            record = sample.state_dict()
+            if sample.prompt_ids != self.prompt_ids:
+                record["prompt_ids"] = sample.prompt_ids
+            kept = episode.state_of(sample)
+            if kept is not None:
+                record["episode_state"] = kept
+            samples.append(record)
+        return copy.deepcopy({**self.__dict__, "columns": columns_state(self.columns), "samples": samples})
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
+        """The group of `state` (`state_dict`); its samples' episode states are the episode's to give back
+        (`CarryOverLoop.load_state_dict`)."""
         prompt, columns = state["prompt_ids"], columns_from_state(state["columns"])
         samples = [Trajectory.from_state(s, prompt, columns) for s in state["samples"]]
         return cls(**{**state, "columns": columns, "samples": samples})
@@ -192,6 +200,7 @@ class CarryOverLoop:
         self.sessions = 0  # engine sessions opened (a call beside the training is one)
         self.beside: BesideCall | None = None  # started before the last hand-over, not collected yet
         self.beside_metrics: dict[str, float] = {}  # of a call collected between steps (`settle`), for the next one
+        self.resume_metrics: dict[str, float] = {}  # how a resume rebuilt the episodes in flight, for the next step
 
     # ------------------------------------------------------------------ the step
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
@@ -207,6 +216,8 @@ class CarryOverLoop:
         self.per_step = per_step
         self.settle()  # the call beside the last update first: its tokens precede any made with newer weights
         metrics, self.beside_metrics = self.beside_metrics, {}
+        metrics |= self.resume_metrics
+        self.resume_metrics = {}
         self.enqueue(prompts, params, offset=0)
         admitted = self.admit(per_step, params)
         calls, tokens, engine_s = 0, 0, 0.0
@@ -445,8 +456,8 @@ class CarryOverLoop:
         return {
             "max_staleness": self.max_staleness,
             "per_step": self.per_step,
-            "queue": [g.state_dict() for g in self.queue],
-            "groups": [g.state_dict() for g in self.groups],
+            "queue": [g.state_dict(self.episode) for g in self.queue],
+            "groups": [g.state_dict(self.episode) for g in self.groups],
             "steps": self.steps,
             "admitted": self.admitted,
             "handed_over": self.handed_over,
@@ -460,6 +471,7 @@ class CarryOverLoop:
         groups finish, and are scored, again). `{}`: a synchronous run's checkpoint, nothing in flight."""
         if self.early is not None:
             self.early.forget()
+        self.resume_metrics = {}
         if not state:
             return
         if state["max_staleness"] > self.max_staleness:  # a smaller bound than the groups in flight were admitted for
@@ -470,10 +482,7 @@ class CarryOverLoop:
         self.per_step = state["per_step"]
         self.queue = deque(Group.from_state(g) for g in state["queue"])
         self.groups = [Group.from_state(g) for g in state["groups"]]
-        if not self.episode.resumable:  # their episodes' state is not in the record (a tool's environment): restart
-            for group in [*self.queue, *self.groups]:
-                group.samples = [self.episode.start(group.prompt_ids, group.columns) for _ in group.samples]
-                group.calls, group.finished_at = 0, -1
+        self.resume_episodes([*state["queue"], *state["groups"]])
         self.steps, self.admitted = int(state["steps"]), int(state["admitted"])
         self.handed_over, self.finished = int(state["handed_over"]), int(state["finished"])
         # a checkpoint from before the count: its samples' last sessions were step numbers, all below `steps`
@@ -481,6 +490,25 @@ class CarryOverLoop:
         self.beside = None  # started after this state: the state's own work redoes it
         self.beside_metrics = dict(state.get("beside_metrics", {}))
         self.last_end = None
+
+    def resume_episodes(self, saved: list[dict[str, Any]]) -> None:
+        """Give the restored samples of every group (queued, then in flight: `saved`'s order) what their episode
+        held of them. One it cannot rebuild exactly (a tool whose replay differs) starts again from its prompt: its
+        group keeps its place and deadline, and waits for it (`rollout/resume_restarts` at the next step)."""
+        groups = [*self.queue, *self.groups]
+        where = [(g, j) for g in groups for j in range(len(g.samples))]
+        kept = [s.get("episode_state") for g in saved for s in g["samples"]]
+        ok = self.episode.resume([(g.samples[j], k) for (g, j), k in zip(where, kept, strict=True)])
+        for (group, j), exact in zip(where, ok, strict=True):
+            if not exact:  # the group's call count goes on: the new sample's calls draw seeds no other call drew
+                group.samples[j] = self.episode.start(group.prompt_ids, group.columns)
+                group.finished_at = -1
+        if any(k is not None for k in kept) or not all(ok):  # an episode with state of its own: a tool's
+            restarts = ok.count(False)
+            self.resume_metrics = {
+                "rollout/resume_restarts": float(restarts),
+                "rollout/resume_exact": float(len(ok) - restarts),
+            }
 
 
 def staleness_metrics(rows: Batch, version: int, max_staleness: int) -> dict[str, float]:

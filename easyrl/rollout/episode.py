@@ -38,10 +38,6 @@ class Stop:
 
 
 class Episode(Protocol):
-    resumable: bool
-    """Whether a trajectory restored from its record (`Trajectory.state_dict`) can go on: all its state is in the
-    record. A tool episode's environments are the user's objects, never saved: its trajectories restart."""
-
     def start(self, prompt_ids: list[int], columns: dict[str, Any]) -> Trajectory:
         """The trajectory of one sample of the prompt with these ids and columns (an episode may render its own)."""
         ...
@@ -67,11 +63,21 @@ class Episode(Protocol):
         """The episode's figures over `trajectories` (`multi_turn/*`)."""
         ...
 
+    def state_of(self, trajectory: Trajectory) -> Any:
+        """What a checkpoint keeps beside the trajectory's record (`Trajectory.state_dict`) of what the episode holds
+        of it, JSON-able: None when the record is all of it (a single turn); a tool episode's conversation, the calls
+        it ran and its environment's own state."""
+        ...
+
+    def resume(self, restored: list[tuple[Trajectory, Any]]) -> list[bool]:
+        """Give trajectories restored from their records back what the episode held of them (`state_of`'s value,
+        None when the checkpoint has none); False for each it cannot rebuild exactly: the schedule then starts that
+        one again from its prompt. Batched, so that one resume warns once."""
+        ...
+
 
 class SingleTurnEpisode:
     """One completion per trajectory, up to `max_response_length` tokens."""
-
-    resumable = True
 
     def __init__(self, max_response_length: int) -> None:
         self.max_len = max_response_length
@@ -90,6 +96,12 @@ class SingleTurnEpisode:
 
     def metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
         return {}
+
+    def state_of(self, trajectory: Trajectory) -> Any:
+        return None
+
+    def resume(self, restored: list[tuple[Trajectory, Any]]) -> list[bool]:
+        return [True] * len(restored)
 
 
 def apply_step(trajectory: Trajectory, step: Continue | Stop) -> None:

@@ -26,11 +26,13 @@ a one-turn trajectory samples as the single-turn loop does).
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from easyrl.agent import Environments, Episode, Observation, ToolCall, has_tool_call, parse_tool_calls, run_tool_calls
+from easyrl.agent.resume import call_record, describe, environment_state, rebuild_episode
 from easyrl.rollout.episode import Continue, Stop
 from easyrl.rollout.loop import EpisodeLoop
 from easyrl.rollout.trajectory import Trajectory
@@ -121,6 +123,8 @@ class ToolState:
     pending: list[ToolCall] = field(default_factory=list)
     reward_read: bool = False
     env_reward: float | None = None
+    ran: list[dict[str, Any]] = field(default_factory=list)
+    """Every tool call run so far and what it returned (`agent.resume.call_record`): a resume replays them."""
 
     def __post_init__(self) -> None:
         self.text = self.text or self.prompt_text
@@ -132,6 +136,27 @@ class ToolState:
         if not self.reward_read:
             self.env_reward, self.reward_read = self.episode.reward(), True
         return self.env_reward
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (JSON-able): its counts and texts, the conversation, the calls run, and the
+        environment's own state where it defines `state_dict` (`easyrl.agent.resume`)."""
+        assert not self.pending, "a trajectory is saved between turns, when its calls have run"
+        kept = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("episode", "tools", "pending")}
+        episode = self.episode
+        return copy.deepcopy(kept) | {
+            "env_name": episode.env_name,
+            "messages": copy.deepcopy(episode.messages),
+            "reward_error": episode.reward_error,
+            "env_state": environment_state(episode),
+        }
+
+    @classmethod
+    def restored(cls, episode: Episode, saved: dict[str, Any]) -> ToolState:
+        """The state `saved` kept, around `episode` (rebuilt for it: `agent.resume.rebuild_episode`)."""
+        kept = copy.deepcopy(saved)
+        episode.messages, episode.reward_error = kept.pop("messages"), kept.pop("reward_error")
+        del kept["env_name"], kept["env_state"]
+        return cls(episode, episode.schemas, **kept)
 
 
 def extend_transcript(text: str, rendered: str, chat: ChatRenderer) -> Continue:
@@ -146,8 +171,6 @@ def extend_transcript(text: str, rendered: str, chat: ChatRenderer) -> Continue:
 class ToolEpisode:
     """The tool-using episode (module docstring): it starts from the environment's messages and, after each
     completion, runs the tool calls in it."""
-
-    resumable = False  # the environments are the user's objects: a trajectory restored from its record restarts
 
     def __init__(
         self, environments: Environments, chat: ChatRenderer, budget: TurnBudget, tools: ToolSettings
@@ -198,6 +221,7 @@ class ToolEpisode:
         for k, observations in zip(calling, results):
             traj = ended[k][0]
             state = _state(traj)
+            state.ran += [call_record(c, o) for c, o in zip(state.pending, observations, strict=True)]
             state.pending = []
             state.tool_errors += sum(o.error for o in observations)
             state.tool_timeouts += sum(o.timed_out for o in observations)
@@ -285,6 +309,46 @@ class ToolEpisode:
             "multi_turn/untrained_tokens": float(untrained),
             "multi_turn/env_reward_errors": float(len(env_errors)),
         }
+
+    def state_of(self, trajectory: Trajectory) -> dict[str, Any]:
+        return _state(trajectory).saved()
+
+    def resume(self, restored: list[tuple[Trajectory, Any]]) -> list[bool]:
+        """Each trajectory's environment rebuilt (`easyrl.agent.resume`: its own state loaded, or its calls
+        replayed and checked); False for those that cannot be, which one warning names with the fix."""
+        ok, failed = [], []
+        for traj, saved in restored:
+            failure = self._resume(traj, saved)
+            ok.append(failure is None)
+            failed += [failure] if failure is not None else []
+        if failed:
+            where = sorted({name for name, _ in failed})
+            logger.warning(
+                "%d tool trajectories in flight start again from their prompts (rollout/resume_restarts): their "
+                "environments could not be rebuilt (environment %s: %s); define state_dict() and "
+                "load_state_dict(state) on the environment for an exact resume (docs/agentic.md)",
+                len(failed),
+                ", ".join(where),
+                failed[0][1],
+            )
+        return ok
+
+    def _resume(self, traj: Trajectory, saved: dict[str, Any] | None) -> tuple[str, str] | None:
+        """Give `traj` its tool state back; (environment, why) when it cannot be rebuilt."""
+        row = traj.columns["row"]
+        if saved is None:
+            name = row.get(self.environments.key) if self.environments.key else next(iter(self.environments.types))
+            return str(name), "the checkpoint holds no record of them (saved by an earlier easyrl)"
+        if traj.done and saved["reward_read"]:  # nothing asks its environment anything again
+            episode = Episode(saved["env_name"], None, {}, [], [])
+        else:
+            s = self.tool_settings
+            args = (saved["env_state"], saved["ran"], s.timeout_s, s.max_output_chars)
+            episode, reason = rebuild_episode(self.environments, row, *args)
+            if reason is not None:
+                return describe(episode), reason
+        traj.episode_state = ToolState.restored(episode, saved)
+        return None
 
 
 def _state(trajectory: Trajectory) -> ToolState:

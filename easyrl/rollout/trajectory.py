@@ -89,7 +89,10 @@ class Trajectory:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], prompt_ids: list[int], columns: dict[str, Any]) -> Trajectory:
-        state = dict(state)
+        """The trajectory of `state` (`state_dict`) on its group's prompt, or on its own where the record holds one
+        (a sample the chat template restarted); an episode's state kept beside it is its episode's to restore."""
+        state = {k: v for k, v in state.items() if k != "episode_state"}
+        prompt_ids = state.pop("prompt_ids", prompt_ids)
         if "tokens" in state:  # a checkpoint from before the one record: every token sampled, none observed
             tokens = state.pop("tokens")
             state |= {"response_ids": tokens, "loss_mask": [1] * len(tokens)}
