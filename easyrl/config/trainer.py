@@ -31,7 +31,8 @@ class TrainerConfig:
     """Asynchronous rollouts with carry-over (colocated): a trained token may come from a policy up to this many
     updates older than the one it trains. 0 is the synchronous loop. With S >= 1 more prompt groups are in flight
     than a step trains on (`worker.rollout.active_groups`), each step trains on the groups that finish first, and
-    unfinished responses carry over to the next step, resumed with the new weights (docs/async.md)."""
+    unfinished responses carry over to the next step, resumed with the new weights (docs/async.md). At most 64, and
+    the groups in flight must fit 2^32 tokens (checked at load)."""
     val_freq: int = -1
     """Validate every N steps; -1: never (except before training/at the end when asked)."""
     val_before_train: bool = True
