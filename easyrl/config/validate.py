@@ -69,6 +69,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
+    _check_hang_bounds(cfg)
     check_engine_kwargs(cfg.worker.rollout)
     check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
@@ -216,6 +217,19 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.reward.fallback_score", "must be a finite float32 value (|x| <= 3.4e38)")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
+
+
+def _check_hang_bounds(cfg: EasyRLConfig) -> None:
+    """`trainer.hang_timeout_s` must leave room for heartbeats (one a second) and stay below a call's own deadline;
+    `trainer.stop_grace_s` is a wait, so >= 0."""
+    hang, calls = cfg.trainer.hang_timeout_s, cfg.trainer.worker_timeout_s
+    if not 3 <= hang <= max(calls, 3):
+        raise ConfigError(
+            "trainer.hang_timeout_s",
+            f"{hang:g} must be between 3 s (workers beat once a second) and trainer.worker_timeout_s ({calls:g} s)",
+        )
+    if not 0 <= cfg.trainer.stop_grace_s <= 3600:
+        raise ConfigError("trainer.stop_grace_s", f"{cfg.trainer.stop_grace_s:g} must be between 0 and 3600 s")
 
 
 # verl's newest rejection modes that are ours under another name (theirs judge -log r; the band is the same).
