@@ -251,13 +251,7 @@ class WorkerGroup(Generic[W]):
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pings: list[Any | None] = [None] * self.world_size
-        self._ping_sent: list[float] = [0.0] * self.world_size
-        self._failures: dict[int, BaseException] = {}
-        self.stack_dir = stack_dir or os.path.join(tempfile.gettempdir(), f"easyrl-stacks-{os.getpid()}")
-        self._watch: HangWatch | None = None
+        self._init_watch(stack_dir)
 
         self.master_addr = pool.rendezvous_host()
         # free on rank 0's node, where the rendezvous store listens
@@ -378,6 +372,16 @@ class WorkerGroup(Generic[W]):
         liveness.check_alive()
 
     # ---------------------------------------------------------------------------------------------- liveness
+    def _init_watch(self, stack_dir: str | None) -> None:
+        """The liveness state: pings in flight, ranks known dead, the heartbeats (once armed), the stack folder."""
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pings: list[Any | None] = [None] * self.world_size
+        self._ping_sent: list[float] = [0.0] * self.world_size
+        self._failures: dict[int, BaseException] = {}
+        self.stack_dir = stack_dir or os.path.join(tempfile.gettempdir(), f"easyrl-stacks-{os.getpid()}")
+        self._watch: HangWatch | None = None
+
     def _arm(self, hang_timeout_s: float) -> None:
         """Start every rank's heartbeat and stack dump on signal (:mod:`easyrl.distributed.hang_watch`)."""
         keys = [f"{self.role}-{id(self):x}-{os.getpid()}-{rank}" for rank in range(self.world_size)]
