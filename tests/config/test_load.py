@@ -213,6 +213,12 @@ BAD = [
     ),
     ("staleness-negative", {"trainer.max_staleness": -1}, "trainer.max_staleness", "must be an integer >= 0"),
     (
+        "hang-timeout-below-a-heartbeat",
+        {"trainer.hang_timeout_s": 1},
+        "trainer.hang_timeout_s",
+        "1 must be between 3 s (workers beat once a second) and trainer.worker_timeout_s (3600 s)",
+    ),
+    (
         "staleness-in-the-millions",
         {"trainer.max_staleness": 2_000_000},
         "trainer.max_staleness",
