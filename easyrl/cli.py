@@ -124,6 +124,7 @@ def _main(argv: list[str] | None) -> int:
 def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
     from easyrl.check import rerun_line, start_lines
     from easyrl.config import ConfigError
+    from easyrl.distributed.errors import WorkerCallInterrupted
     from easyrl.trainer.run import StopRequested
 
     log = logging.getLogger("easyrl")
@@ -142,12 +143,12 @@ def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
             from easyrl.trainer.trainer import Trainer
 
             trainer = Trainer(cfg, secrets)
-        install_stop_handlers(trainer.request_stop, lambda: trainer.stop_signal is not None)
+        install_stop_handlers(trainer.request_stop, lambda: trainer.stop_signal is not None, cfg.trainer.stop_grace_s)
         trainer.fit()
     except ConfigError as exc:
         print(f"easyrl: config error: {exc}", file=sys.stderr)
         return 2
-    except StopRequested as exc:
+    except (StopRequested, WorkerCallInterrupted) as exc:  # the latter: a call that outlived the stop's grace
         _say(f"easyrl: {exc}; {rerun_line(cfg)}")
         stopped_by = trainer.stop_signal if trainer is not None else None
         return exit_code(signal.Signals[stopped_by or "SIGTERM"])

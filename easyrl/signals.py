@@ -7,7 +7,9 @@ command was started with it ignored (``nohup``), which stays so.
   :class:`StartupInterrupted`, the partly built trainer releases what it started, and the command exits with
   ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) and one line on stderr, never a traceback.
 * Once the trainer runs, :func:`install_stop_handlers` takes over: the first signal stops at the next stage
-  boundary (saving if asked; exit code again 143 / 130), a second one stops at once.
+  boundary (saving if asked; exit code again 143 / 130), a second one stops at once. A worker call the driver is
+  waiting on gets `trainer.stop_grace_s` to end; past that the wait gives up (`easyrl.distributed.liveness`) and the
+  run stops without saving, since the workers are still inside the call.
 
 ``ray.init`` installs its own SIGTERM handler (it exits with 15, or 1 after killing Ray's processes);
 :func:`keep_handlers` puts ours back around it, and turns an exit raised by Ray's handler during the call into
@@ -24,18 +26,21 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 
 __all__ = [
     "StartupInterrupted",
+    "clear_stop_request",
     "exit_code",
     "exit_promptly",
     "install_early_handlers",
     "install_stop_handlers",
     "keep_handlers",
     "startup_interruption",
+    "stop_requested",
 ]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -86,14 +91,37 @@ def install_early_handlers() -> None:
             signal.signal(signum, _raise_startup_interrupted)
 
 
-def install_stop_handlers(request_stop: Callable[[str], None], already_stopping: Callable[[], bool]) -> None:
-    """First SIGTERM/SIGINT/SIGHUP: `request_stop(name)` (stop at the next stage boundary); a second: stop now."""
+_stop: tuple[float, str, float] | None = None  # (time.monotonic() of the request, signal name, wait grace in s)
+
+
+def stop_requested() -> tuple[float, str, float] | None:
+    """(when, by which signal, the grace a worker call already running gets) of the run's stop request, if any:
+    `easyrl.distributed.liveness` stops waiting on a call started before it once the grace has passed, so a stop
+    is honoured even while the driver waits on a call that never ends."""
+    return _stop
+
+
+def clear_stop_request() -> None:
+    """Forget the stop request (a new run in the same process, as tests make)."""
+    global _stop
+    _stop = None
+
+
+def install_stop_handlers(
+    request_stop: Callable[[str], None], already_stopping: Callable[[], bool], wait_grace_s: float = 30.0
+) -> None:
+    """First SIGTERM/SIGINT/SIGHUP: `request_stop(name)` (stop at the next stage boundary; a worker call in flight
+    gets `wait_grace_s` to end, see :func:`stop_requested`); a second: stop now."""
+    clear_stop_request()
 
     def handle(signum: int, frame: object) -> None:
+        global _stop
         del frame
         if already_stopping():
             raise KeyboardInterrupt
-        request_stop(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        _stop = (time.monotonic(), name, wait_grace_s)
+        request_stop(name)
 
     for signum in _handled:
         signal.signal(signum, handle)

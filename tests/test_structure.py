@@ -757,3 +757,67 @@ def test_an_environments_own_state_is_saved_and_loaded_in_one_place() -> None:
         for line in _environment_state_calls(path.read_text(encoding="utf-8"))
     ]
     assert not offenders, "save and load an environment's state through easyrl.agent.resume:\n" + "\n".join(offenders)
+
+
+def _unchecked_reads(source: str) -> list[str]:
+    """Functions of `source` that open a file for reading (builtin `open` without a write mode) with no regular-file
+    check (`require_regular` / `read_regular` / `fstat`) of their own; reads of `/proc/...` are the kernel's."""
+    found = []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+        names = {c.func.id if isinstance(c.func, ast.Name) else getattr(c.func, "attr", "") for c in calls}
+        if names & {"require_regular", "read_regular", "fstat"}:
+            continue
+        for call in calls:
+            if not (isinstance(call.func, ast.Name) and call.func.id == "open" and call.args):
+                continue
+            modes = [k.value for k in call.keywords if k.arg == "mode"] + call.args[1:2]
+            mode = modes[0].value if modes and isinstance(modes[0], ast.Constant) else "r"
+            path = ast.unparse(call.args[0])
+            if not set(str(mode)) & set("wax") and "/proc/" not in path:
+                found.append(func.name)
+    return found
+
+
+def test_unchecked_read_rule_catches_a_bare_open() -> None:
+    source = (
+        "def a(p):\n    return open(p, 'rb').read()\ndef b(p):\n    require_regular(p)\n    return open(p).read()\n"
+        "def c(p):\n    open(p, mode='wb')\ndef d():\n    open('/proc/self/stat')\ndef e(p):\n    open(p)\n"
+    )
+    assert _unchecked_reads(source) == ["a", "e"]
+
+
+def test_checkpoint_files_are_read_only_after_a_regular_file_check() -> None:
+    """A FIFO or `/dev/zero` planted in a run folder blocks or never ends a plain read: the checkpoint package opens
+    files for reading only where it checks they are regular files (`fsio.read_regular`, issue 45)."""
+    offenders = [
+        f"{m}.{name}"
+        for m, path in MODULES.items()
+        if _inside(m, "easyrl.checkpoint")
+        for name in _unchecked_reads(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "read through easyrl.checkpoint.fsio.read_regular / require_regular:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_no_worker_group_opts_out_of_the_heartbeat() -> None:
+    """A group without a heartbeat can freeze unseen (issue 45): `WorkerGroup` watches by default and no module of
+    the package passes `hang_timeout_s=None`."""
+    import inspect
+
+    from easyrl.distributed.worker_group import WorkerGroup
+
+    assert inspect.signature(WorkerGroup.__init__).parameters["hang_timeout_s"].default is not None
+    offenders = [
+        f"{m}:{node.lineno}"
+        for m, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.keyword)
+        and node.arg == "hang_timeout_s"
+        and isinstance(node.value, ast.Constant)
+        and node.value.value is None
+    ]
+    assert not offenders, "every worker group keeps its heartbeat:\n" + "\n".join(offenders)

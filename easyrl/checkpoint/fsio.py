@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -148,15 +149,71 @@ def current_umask() -> int:
     return mask
 
 
-def read_json(path: str) -> Any:
-    """Parse a JSON file; anything else (a pickle, binary junk, a missing file) raises CheckpointError."""
+METADATA_CAP_BYTES = 256 << 20
+"""The largest JSON metadata file read (manifest, run config, scores, optimizer layout): far above what a save
+writes, far below what would take the driver's memory."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+
+
+def _not_regular(path: str, mode: int) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint file {path} is {_kind(mode)}, not a regular file: refusing to read it (replace it with the "
+        "file the save wrote, or move the checkpoint away)"
+    )
+
+
+def require_regular(path: str) -> None:
+    """Raise CheckpointError unless `path` (symlinks followed) is a regular file: a FIFO, `/dev/zero` or a socket
+    planted in a checkpoint would block or never end a read (safetensors and the hashing open files themselves)."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-        return json.loads(raw.decode("utf-8"))
+        mode = os.stat(path).st_mode
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint file {path} is missing") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+
+
+def read_regular(path: str, cap: int = METADATA_CAP_BYTES) -> bytes:
+    """The bytes of the regular file `path`, at most `cap` of them; CheckpointError naming the file otherwise.
+
+    Opened with O_NONBLOCK: opening a FIFO for reading blocks until a writer comes, so the type is checked on the
+    open descriptor (no window between a check and the open), never by a read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path, info.st_mode)
+        if info.st_size > cap:
+            raise CheckpointError(
+                f"checkpoint file {path} is {info.st_size} bytes, more than the {cap} a metadata file of easyrl can "
+                "be: refusing to read it (replace it with the file the save wrote, or move the checkpoint away)"
+            )
+        data = handle.read(cap + 1)  # a file growing while read is still capped
+    if len(data) > cap:
+        raise CheckpointError(f"checkpoint file {path} grew past {cap} bytes while read: refusing it")
+    return data
+
+
+def read_json(path: str, cap: int = METADATA_CAP_BYTES) -> Any:
+    """Parse a JSON file of at most `cap` bytes; anything else (a pickle, binary junk, a missing file, a FIFO or
+    device, a huge file) raises CheckpointError naming the file."""
+    try:
+        return json.loads(read_regular(path, cap).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: 100k-deep nesting
         raise CheckpointError(f"checkpoint file {path} is not valid JSON; refusing to load it ({exc})") from exc
 
 
@@ -164,6 +221,7 @@ def read_tensor_metadata(path: str) -> dict[str, str]:
     """The `__metadata__` of a safetensors header, validating the file (CheckpointError if it is not safetensors)."""
     from safetensors import safe_open
 
+    require_regular(path)
     try:
         with safe_open(path, framework="pt") as handle:
             return dict(handle.metadata() or {})
@@ -179,6 +237,7 @@ def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors and the header metadata of a safetensors file (CheckpointError if it is not safetensors)."""
     from safetensors import safe_open
 
+    require_regular(path)
     try:
         with safe_open(path, framework="pt") as handle:
             meta = dict(handle.metadata() or {})

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from typing import IO, Any
 
 from easyrl.checkpoint.errors import CheckpointError
@@ -59,7 +60,15 @@ class RunLock:
     def acquire(self) -> RunLock:
         """Take the lock, or raise `RunLockedError` naming the folder and the holder's pid and host."""
         os.makedirs(self.run_dir, exist_ok=True)
-        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  (held open for the run's lifetime)
+        # O_NONBLOCK: a FIFO planted as the lock file must not block the open; checked as a regular file right after.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.path} is not a regular file (a FIFO, device or socket?): remove it; easyrl makes a new one"
+            )
+        os.set_blocking(fd, True)
+        handle = open(fd, "a+", encoding="utf-8")  # noqa: SIM115  (held open for the run's lifetime)
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -107,7 +116,7 @@ class RunLock:
 def _read(handle: IO[str]) -> dict[str, Any]:
     handle.seek(0)
     try:
-        holder = json.loads(handle.read() or "{}")
-    except json.JSONDecodeError:
+        holder = json.loads(handle.read(64 << 10) or "{}")  # a pid, a host, a time: a larger file is not ours
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}

@@ -46,6 +46,10 @@ SCORES = "checkpoint_scores.json"
 TRAINER_STATE = "trainer_state.json"
 TRAINER_RNG = "trainer_rng.safetensors"
 RUN_CONFIG = "experiment_config.json"  # the masked config the checkpoint was saved under (compared on resume)
+TRAINER_STATE_CAP_BYTES = 4 << 30
+"""The largest `trainer_state.json` read: it carries the tokens of the groups in flight under carry-over (up to a
+few GB at the largest `active_groups` x n x response lengths a config allows), so its cap is above the other
+metadata files'."""
 MANIFEST_FORMAT = "easyrl-checkpoint-v1"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(?:tmp|old|trash)_global_step_(\d+)_[0-9a-f]+$")
@@ -54,6 +58,7 @@ _HIDDEN_RE = re.compile(r"^\.(?:tmp|old|trash)_global_step_(\d+)_[0-9a-f]+$")
 def file_sha256(path: str) -> str:
     """SHA-256 of a file, read in 4 MiB blocks (hashlib releases the GIL, so threads hash files in parallel)."""
     digest = hashlib.sha256()
+    fsio.require_regular(path)  # a FIFO or /dev/zero listed in a manifest would never end the loop below
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(4 << 20), b""):
             digest.update(block)
@@ -104,9 +109,10 @@ def is_complete(folder: str, verify_checksums: bool = False) -> bool:
         if not path.startswith(root + os.sep) or not isinstance(entry, dict):
             return False
         try:
+            fsio.require_regular(path)
             if os.path.getsize(path) != entry.get("size"):
                 return False
-        except OSError:
+        except (OSError, CheckpointError):
             return False
         if verify_checksums and "sha256" in entry and file_sha256(path) != entry["sha256"]:
             return False
@@ -145,9 +151,9 @@ def _check_steps(folder: str, manifest: dict[str, Any]) -> None:
             f"{os.path.join(folder, MANIFEST)} records step {saved}, but the folder is global_step_{named}"
         )
     state_path = os.path.join(folder, TRAINER_STATE)
-    if not os.path.isfile(state_path):
+    if not os.path.lexists(state_path):
         return
-    doc = fsio.read_json(state_path)
+    doc = fsio.read_json(state_path, TRAINER_STATE_CAP_BYTES)
     state = doc.get("state") if isinstance(doc, dict) else None
     step = state.get("global_step") if isinstance(state, dict) else None
     if step != saved:
@@ -180,8 +186,9 @@ def verify_checkpoint(folder: str, checksums: bool = True) -> None:
         path = os.path.abspath(os.path.join(folder, rel))
         if not path.startswith(root + os.sep) or not isinstance(entry, dict):
             raise CheckpointError(f"{manifest_path} lists {rel!r}, which is not a file of the checkpoint")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise CheckpointError(f"checkpoint file {path} is missing (listed in {manifest_path})")
+        fsio.require_regular(path)  # a FIFO or device is named as such, never read
         size = os.path.getsize(path)
         if size != entry.get("size"):
             raise CheckpointError(
@@ -219,7 +226,7 @@ def write_trainer_state(folder: str, state: dict[str, Any], rng: RngState | None
 def read_run_config(folder: str) -> dict[str, Any] | None:
     """The config saved with the checkpoint `folder` (JSON only), or None for a checkpoint saved before it was kept."""
     path = os.path.join(folder, RUN_CONFIG)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     doc = fsio.read_json(path)
     if not isinstance(doc, dict):
@@ -230,7 +237,7 @@ def read_run_config(folder: str) -> dict[str, Any] | None:
 def read_trainer_state(folder: str) -> tuple[dict[str, Any], RngState]:
     """(state, RNG) written by :func:`write_trainer_state`; only JSON and safetensors are parsed."""
     path = os.path.join(folder, TRAINER_STATE)
-    doc = fsio.read_json(path)
+    doc = fsio.read_json(path, TRAINER_STATE_CAP_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict) or not isinstance(doc.get("rng"), dict):
         raise CheckpointError(f"{path} is not a trainer state written by easyrl")
     tensors, _ = fsio.read_tensors(os.path.join(folder, TRAINER_RNG))
@@ -426,11 +433,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------ finding
     def _tracked_step(self) -> int | None:
         path = os.path.join(self.root, TRACKER)
+        if not os.path.lexists(path):
+            return None
         try:
-            with open(path, "rb") as handle:
-                # a step number: never read a stray large file whole
-                return int(handle.read(64).decode("ascii").strip())
-        except (OSError, ValueError, UnicodeDecodeError):
+            # a step number: a FIFO, a device or a stray large file is refused, never read whole (or waited on)
+            return int(fsio.read_regular(path, 64).decode("ascii").strip())
+        except (OSError, ValueError, UnicodeDecodeError, CheckpointError) as exc:
+            logger.warning("ignoring the checkpoint tracker %s (%s): using the newest complete checkpoint", path, exc)
             return None
 
     def latest(self, resumable_only: bool = False) -> str | None:

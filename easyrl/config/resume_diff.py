@@ -46,6 +46,8 @@ _RUN_MANAGEMENT = frozenset(
         "fallback_to_older_checkpoint",
         "allow_model_change_on_resume",
         "worker_timeout_s",
+        "hang_timeout_s",
+        "stop_grace_s",
         "ray_num_cpus",
     )
 )

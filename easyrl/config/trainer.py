@@ -31,7 +31,8 @@ class TrainerConfig:
     """Asynchronous rollouts with carry-over (colocated): a trained token may come from a policy up to this many
     updates older than the one it trains. 0 is the synchronous loop. With S >= 1 more prompt groups are in flight
     than a step trains on (`worker.rollout.active_groups`), each step trains on the groups that finish first, and
-    unfinished responses carry over to the next step, resumed with the new weights (docs/async.md)."""
+    unfinished responses carry over to the next step, resumed with the new weights (docs/async.md). At most 64, and
+    the groups in flight must fit 2^32 tokens (checked at load)."""
     val_freq: int = -1
     """Validate every N steps; -1: never (except before training/at the end when asked)."""
     val_before_train: bool = True
@@ -66,5 +67,13 @@ class TrainerConfig:
     """On SIGTERM/SIGINT/SIGHUP, save a checkpoint before exiting."""
     worker_timeout_s: float = 3600.0
     """Longest a single worker call may take before the run stops naming the role."""
+    hang_timeout_s: float = 120.0
+    """A worker that stops answering (no heartbeat: stopped by SIGSTOP, or stuck on a device or file system) while
+    the driver waits ends the run within this many seconds, with one line naming the call, role and rank, after every
+    rank's Python stack is written to `<save_checkpoint_path>/hang_stacks/` (docs/reliability.md)."""
+    stop_grace_s: float = 30.0
+    """On SIGTERM/SIGINT/SIGHUP, how long a worker call in flight may take to end: the run then stops at that stage
+    boundary (saving with `save_on_interrupt`); a call still running after it is given up and the run stops without
+    saving, since the workers are still inside it."""
     ray_num_cpus: int | None = None
     """CPUs given to a local Ray cluster; default: all."""

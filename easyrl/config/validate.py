@@ -69,6 +69,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
+    _check_hang_bounds(cfg)
     check_engine_kwargs(cfg.worker.rollout)
     check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
@@ -216,6 +217,19 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.reward.fallback_score", "must be a finite float32 value (|x| <= 3.4e38)")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
+
+
+def _check_hang_bounds(cfg: EasyRLConfig) -> None:
+    """`trainer.hang_timeout_s` must leave room for heartbeats (one a second) and stay below a call's own deadline;
+    `trainer.stop_grace_s` is a wait, so >= 0."""
+    hang, calls = cfg.trainer.hang_timeout_s, cfg.trainer.worker_timeout_s
+    if not 3 <= hang <= max(calls, 3):
+        raise ConfigError(
+            "trainer.hang_timeout_s",
+            f"{hang:g} must be between 3 s (workers beat once a second) and trainer.worker_timeout_s ({calls:g} s)",
+        )
+    if not 0 <= cfg.trainer.stop_grace_s <= 3600:
+        raise ConfigError("trainer.stop_grace_s", f"{cfg.trainer.stop_grace_s:g} must be between 0 and 3600 s")
 
 
 # verl's newest rejection modes that are ours under another name (theirs judge -log r; the band is the same).
@@ -382,6 +396,31 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             )
 
 
+MAX_STALENESS = 64
+"""The largest `trainer.max_staleness`: published asynchronous RL runs use 1 to 8; each step of the carry-over loop
+walks S + 1 layers of groups and logs S + 1 staleness shares, so millions cost memory and time with no use."""
+
+MAX_TOKENS_IN_FLIGHT = 1 << 32
+"""The most tokens the carry-over loop may hold for groups in flight: the driver keeps each in-flight sequence's
+token ids (int64) and per-token policy versions, so 2^32 tokens is at least 64 GiB of host memory, far above the
+largest published settings (512 groups x 16 x 36k tokens x 5 in flight is 1.5 x 2^30); a larger queue cannot be
+held."""
+
+
+def _check_in_flight(cfg: EasyRLConfig, groups: int) -> None:
+    """Refuse a carry-over queue whose tokens cannot be held: `groups` x n x (prompt + response) tokens."""
+    rollout, data = cfg.worker.rollout, cfg.data
+    tokens = groups * rollout.n * (data.max_prompt_length + data.max_response_length)
+    if tokens > MAX_TOKENS_IN_FLIGHT:
+        raise ConfigError(
+            "trainer.max_staleness",
+            f"{groups} prompt groups in flight (worker.rollout.active_groups, null: (max_staleness + 1) * "
+            f"data.rollout_batch_size) x n {rollout.n} x {data.max_prompt_length + data.max_response_length} "
+            f"tokens each is {tokens:,} tokens, more than the {MAX_TOKENS_IN_FLIGHT:,} a driver can hold: lower "
+            "trainer.max_staleness or set worker.rollout.active_groups",
+        )
+
+
 def _check_async(cfg: EasyRLConfig) -> None:
     """`trainer.max_staleness` and the keys of the carry-over loop it turns on (`worker.rollout.active_groups`,
     `chunk_tokens`); what that loop cannot do yet is refused by name."""
@@ -395,8 +434,16 @@ def _check_async(cfg: EasyRLConfig) -> None:
                     f"worker.rollout.{key}", "is read only by asynchronous rollouts: set trainer.max_staleness >= 1"
                 )
         return
+    if staleness > MAX_STALENESS:
+        raise ConfigError(
+            "trainer.max_staleness",
+            f"{staleness} is above {MAX_STALENESS}: the loop keeps (and logs) one layer per version of lag, and a "
+            f"token more than {MAX_STALENESS} updates old has importance ratios no correction keeps useful; "
+            "use a value between 1 and 8 (docs/async.md)",
+        )
     per_step = cfg.data.rollout_batch_size
     groups = rollout.active_groups
+    _check_in_flight(cfg, groups if groups is not None else (staleness + 1) * per_step)
     if groups is not None and not per_step <= groups <= (staleness + 1) * per_step:
         raise ConfigError(
             "worker.rollout.active_groups",

@@ -4,15 +4,18 @@
 * :class:`WorkerGroup` starts one Ray actor per bundle from a plain worker class; methods declared with
   :func:`register` (see :class:`Dispatch`) are called on every rank from the driver.
 * Worker deaths and errors surface on the driver as :class:`WorkerDiedError` / :class:`WorkerError` /
-  :class:`WorkerTimeoutError` instead of hangs (see :mod:`easyrl.distributed.liveness`).
+  :class:`WorkerTimeoutError` instead of hangs (see :mod:`easyrl.distributed.liveness`); a frozen worker (no
+  heartbeat) as :class:`WorkerFrozenError`, with every rank's stack written out (:mod:`easyrl.distributed.hang_watch`).
 * :func:`init_ray` starts Ray for a driver; :func:`init_distributed` sets up ``torch.distributed`` in a worker.
 """
 
 from easyrl.distributed.dispatch import Dispatch, merge_metrics, register
 from easyrl.distributed.errors import (
     ResourceUnavailableError,
+    WorkerCallInterrupted,
     WorkerDiedError,
     WorkerError,
+    WorkerFrozenError,
     WorkerGroupError,
     WorkerTimeoutError,
 )
@@ -29,8 +32,10 @@ __all__ = [
     "GroupCall",
     "ResourcePool",
     "ResourceUnavailableError",
+    "WorkerCallInterrupted",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerFrozenError",
     "WorkerGroup",
     "WorkerGroupError",
     "WorkerTimeoutError",

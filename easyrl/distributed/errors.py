@@ -6,8 +6,10 @@ from __future__ import annotations
 __all__ = [
     "ClusterUnreachableError",
     "ResourceUnavailableError",
+    "WorkerCallInterrupted",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerFrozenError",
     "WorkerGroupError",
     "WorkerTimeoutError",
 ]
@@ -61,6 +63,51 @@ class WorkerTimeoutError(WorkerGroupError):
         self.timeout_s = timeout_s
         after = f" after {timeout_s:g} s" if timeout_s is not None else ""
         super().__init__(f"the call of {method!r} on the {role} workers timed out{after}")
+
+
+class WorkerFrozenError(WorkerGroupError):
+    """A worker stopped answering (no heartbeat) while the driver waited on a call: a process stopped by SIGSTOP, or
+    stuck on a device or file system. Every rank's Python stack was written to ``stacks``.
+
+    Attributes:
+        role: the role of the frozen worker's group.
+        rank: the frozen rank.
+        method: the call the driver was waiting on (of ``waited_role``'s group, which may be another group).
+        silent_s: seconds since the rank's last heartbeat.
+        stacks: the report holding every rank's stack.
+    """
+
+    def __init__(self, role: str, rank: int, method: str, waited_role: str, silent_s: float, stacks: str) -> None:
+        self.role = role
+        self.rank = rank
+        self.method = method
+        self.silent_s = silent_s
+        self.stacks = stacks
+        super().__init__(
+            f"the {role} worker of rank {rank} is frozen (no heartbeat for {silent_s:.0f} s: stopped by SIGSTOP, or "
+            f"stuck on a device or file system) while the driver waited on {method!r} of the {waited_role} workers; "
+            f"every rank's Python stack is in {stacks} (bound: trainer.hang_timeout_s)"
+        )
+
+
+class WorkerCallInterrupted(WorkerGroupError):
+    """A stop signal came while the driver waited on a call that did not end within the stop's grace: the run stops
+    without waiting for it (nothing can be saved while the workers are still in the call).
+
+    Attributes:
+        role: the role of the called group.
+        method: the call left running.
+        signal_name: the signal that asked for the stop.
+    """
+
+    def __init__(self, role: str, method: str, signal_name: str, grace_s: float) -> None:
+        self.role = role
+        self.method = method
+        self.signal_name = signal_name
+        super().__init__(
+            f"{signal_name}: the call of {method!r} on the {role} workers did not end within {grace_s:g} s "
+            "(trainer.stop_grace_s), so the run stopped without waiting for it and without saving"
+        )
 
 
 class ResourceUnavailableError(RuntimeError):

@@ -22,6 +22,12 @@ When a method raises on some rank, the error is reported as :class:`WorkerError`
 ``death_grace_s`` (a rank blocked in a collective usually fails *because* a peer died; the death is the cause).
 The first error is raised without waiting for the other ranks, which may be blocked in a collective the failed
 rank will never join: :meth:`GroupCall.result <easyrl.distributed.worker_group.GroupCall.result>` then stops them.
+
+Two more ways out of a wait, checked every tick: a worker of any live group whose heartbeat stopped for the
+group's ``hang_timeout_s`` (:mod:`easyrl.distributed.hang_watch`) raises :class:`WorkerFrozenError` after every
+rank's stack is written out; and a stop signal (:func:`easyrl.signals.stop_requested`) makes a wait on a call
+started before it give up once the stop's grace has passed (:class:`WorkerCallInterrupted`), so SIGTERM is honoured
+while the driver waits on a call that never ends.
 """
 
 from __future__ import annotations
@@ -34,14 +40,28 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from easyrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from easyrl import signals
+from easyrl.distributed.errors import (
+    WorkerCallInterrupted,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFrozenError,
+    WorkerTimeoutError,
+)
+from easyrl.distributed.hang_watch import Rank, dump_stacks
 
 
 class WatchedGroup(Protocol):
     """What liveness needs of a worker group (`WorkerGroup` is one): its role, the pings in flight, and where to
-    record their outcome. A protocol, so this module does not import the group that imports it."""
+    record their outcome; its heartbeats and where its stacks go. A protocol, so this module does not import the
+    group that imports it."""
 
     role: str
+    stack_dir: str
+
+    def _frozen_rank(self) -> tuple[int, float] | None: ...
+
+    def _armed_ranks(self) -> list[tuple[int, Rank]]: ...
 
     def _liveness_refs(self) -> dict[Any, int]: ...
 
@@ -207,6 +227,34 @@ def _explain_by_death(error: WorkerError, pending: dict[Any, int], role: str, gr
                     raise died from error
 
 
+def _check_frozen(groups: Sequence[WatchedGroup], role: str, method: str) -> None:
+    """Raise :class:`WorkerFrozenError` for the first rank of `groups` whose heartbeat stopped, after writing every
+    armed rank's stack (and the driver's) to that group's stack folder."""
+    for group in groups:
+        frozen = group._frozen_rank()
+        if frozen is None:
+            continue
+        rank, silent_s = frozen
+        reason = (
+            f"the {group.role} worker of rank {rank} sent no heartbeat for {silent_s:.0f} s while the driver waited "
+            f"on {method!r} of the {role} workers"
+        )
+        logger.error("%s: writing every rank's stack", reason)
+        targets = [(g.role, index, armed) for g in groups for index, armed in g._armed_ranks()]
+        path = dump_stacks(targets, group.stack_dir, reason)
+        raise WorkerFrozenError(group.role, rank, method, role, silent_s, path)
+
+
+def _check_stop(started_at: float | None, role: str, method: str) -> None:
+    """Give up the wait on a call started before a stop request once the stop's grace has passed."""
+    stop = signals.stop_requested()
+    if stop is None or started_at is None:
+        return
+    requested_at, name, grace_s = stop
+    if started_at < requested_at and time.monotonic() >= requested_at + grace_s:
+        raise WorkerCallInterrupted(role, method, name, grace_s)
+
+
 def wait_for_results(
     refs: Sequence[Any],
     role: str,
@@ -214,6 +262,7 @@ def wait_for_results(
     timeout_s: float | None = None,
     deadline: float | None = None,
     death_grace_s: float = DEATH_GRACE_S,
+    started_at: float | None = None,
 ) -> list[Any]:
     """Wait for one result per rank (``refs[rank]``) while watching every live group's workers.
 
@@ -224,6 +273,8 @@ def wait_for_results(
         timeout_s: the call's total timeout, reported in :class:`WorkerTimeoutError`.
         deadline: a ``time.monotonic()`` instant after which :class:`WorkerTimeoutError` is raised.
         death_grace_s: how long a method error waits for a death that explains it.
+        started_at: the ``time.monotonic()`` instant the call was started: a stop requested after it gives up the
+            wait once the stop's grace has passed (``None``: the wait starts now).
 
     Returns:
         The results, by rank.
@@ -232,14 +283,19 @@ def wait_for_results(
         WorkerDiedError: a worker of this or of another live group died.
         WorkerError: a method raised on some rank.
         WorkerTimeoutError: ``deadline`` passed.
+        WorkerFrozenError: a worker of any live group stopped beating.
+        WorkerCallInterrupted: a stop signal's grace passed while waiting.
     """
     import ray
 
     results: list[Any] = [None] * len(refs)
     pending: dict[Any, int] = {ref: rank for rank, ref in enumerate(refs)}
+    started_at = time.monotonic() if started_at is None else started_at
     while pending:
         groups = live_groups()
         _raise_recorded_deaths(groups)
+        _check_stop(started_at, role, method)
+        _check_frozen(groups, role, method)
         pings = _ping_refs(groups)
         tick = PING_INTERVAL_S
         if deadline is not None:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from easyrl.distributed import liveness
+from easyrl.distributed import hang_watch, liveness
 from easyrl.distributed.dispatch import (
     Dispatch,
     DispatchSpec,
@@ -30,6 +32,7 @@ from easyrl.distributed.dispatch import (
     split_grouped_args,
 )
 from easyrl.distributed.errors import WorkerError
+from easyrl.distributed.hang_watch import HangWatch
 from easyrl.distributed.resource_pool import ResourcePool
 
 
@@ -86,7 +89,8 @@ class GroupCall:
         self.spec = spec
         self._refs = refs
         self._timeout_s = timeout_s
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._started_at = time.monotonic()  # a stop requested after this gives up the wait once its grace passed
+        self._deadline = None if timeout_s is None else self._started_at + timeout_s
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -109,11 +113,18 @@ class GroupCall:
             WorkerError: the method raised on some rank. The first rank to raise is reported, without waiting
                 for the others; if some of them are still running the call then, the group is shut down.
             WorkerTimeoutError: the call's ``timeout_s`` passed.
+            WorkerFrozenError: a worker of any live group stopped beating (its stacks are written out).
+            WorkerCallInterrupted: a stop signal came after the call started and its grace passed.
         """
         if not self._done:
             try:
                 results = liveness.wait_for_results(
-                    self._refs, self.group.role, self.method, timeout_s=self._timeout_s, deadline=self._deadline
+                    self._refs,
+                    self.group.role,
+                    self.method,
+                    timeout_s=self._timeout_s,
+                    deadline=self._deadline,
+                    started_at=self._started_at,
                 )
                 self._value = self._gather(results)
             except WorkerError as exc:
@@ -193,6 +204,10 @@ class WorkerGroup(Generic[W]):
         env: extra environment variables for the workers.
         call_timeout_s: the default total timeout of a call (``None``: no timeout).
         init_timeout_s: how long the actors may take to start (their ``__init__`` included).
+        hang_timeout_s: a worker whose heartbeat stops this long while the driver waits is frozen: every rank's
+            stack is written to ``stack_dir`` and the wait raises :class:`~easyrl.distributed.WorkerFrozenError`
+            (``None``: no heartbeat).
+        stack_dir: where the stack files go (default: ``<tmp>/easyrl-stacks-<driver pid>``).
         ranks_per_engine: consecutive ranks that share one tensor-parallel rollout engine (``ENGINE_SPLIT`` calls
             give them the same chunk and keep the first one's result).
         ranks_per_dp: consecutive ranks that hold the same samples (a sequence-parallel group, ``ulysses_size``):
@@ -215,6 +230,8 @@ class WorkerGroup(Generic[W]):
         env: dict[str, str] | None = None,
         call_timeout_s: float | None = None,
         init_timeout_s: float | None = 600.0,
+        hang_timeout_s: float | None = 120.0,
+        stack_dir: str | None = None,
         ranks_per_engine: int = 1,
         ranks_per_dp: int = 1,
         **init_kwargs: Any,
@@ -234,11 +251,7 @@ class WorkerGroup(Generic[W]):
         self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pings: list[Any | None] = [None] * self.world_size
-        self._ping_sent: list[float] = [0.0] * self.world_size
-        self._failures: dict[int, BaseException] = {}
+        self._init_watch(stack_dir)
 
         self.master_addr = pool.rendezvous_host()
         # free on rank 0's node, where the rendezvous store listens
@@ -272,6 +285,8 @@ class WorkerGroup(Generic[W]):
             ready = [actor.__ray_ready__.remote() for actor in self._actors]  # resolves once __init__ has run
             deadline = None if init_timeout_s is None else time.monotonic() + init_timeout_s
             liveness.wait_for_results(ready, role, "__init__", timeout_s=init_timeout_s, deadline=deadline)
+            if hang_timeout_s is not None:
+                self._arm(hang_timeout_s)
         except BaseException:  # Ctrl-C during startup too: never leave actors behind
             self.shutdown()
             raise
@@ -357,6 +372,49 @@ class WorkerGroup(Generic[W]):
         liveness.check_alive()
 
     # ---------------------------------------------------------------------------------------------- liveness
+    def _init_watch(self, stack_dir: str | None) -> None:
+        """The liveness state: pings in flight, ranks known dead, the heartbeats (once armed), the stack folder."""
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pings: list[Any | None] = [None] * self.world_size
+        self._ping_sent: list[float] = [0.0] * self.world_size
+        self._failures: dict[int, BaseException] = {}
+        self.stack_dir = stack_dir or os.path.join(tempfile.gettempdir(), f"easyrl-stacks-{os.getpid()}")
+        self._watch: HangWatch | None = None
+
+    def _arm(self, hang_timeout_s: float) -> None:
+        """Start every rank's heartbeat and stack dump on signal (:mod:`easyrl.distributed.hang_watch`)."""
+        keys = [f"{self.role}-{id(self):x}-{os.getpid()}-{rank}" for rank in range(self.world_size)]
+        paths = [os.path.join(self.stack_dir, f"{self.role}_rank{rank}.stack") for rank in range(self.world_size)]
+        refs = [
+            actor.__ray_call__.remote(hang_watch.arm, key, path)
+            for actor, key, path in zip(self._actors, keys, paths, strict=True)
+        ]
+        armed = liveness.wait_for_results(
+            refs, self.role, "arm (heartbeat)", timeout_s=60, deadline=time.monotonic() + 60
+        )
+        ranks = [
+            hang_watch.Rank(key, int(pid), str(node), path)
+            for key, path, (pid, node) in zip(keys, paths, armed, strict=True)
+        ]
+        self._watch = hang_watch.HangWatch(self.role, ranks, hang_timeout_s)
+
+    def _frozen_rank(self) -> tuple[int, float] | None:
+        """(rank, seconds without a heartbeat) of a frozen rank not known dead, if any (used by the wait loop)."""
+        if self._watch is None or self._closed:
+            return None
+        with self._lock:
+            dead = set(self._failures)
+        return self._watch.frozen(dead)
+
+    def _armed_ranks(self) -> list[tuple[int, hang_watch.Rank]]:
+        """Every armed rank not known dead, for a stack dump."""
+        if self._watch is None or self._closed:
+            return []
+        with self._lock:
+            dead = set(self._failures)
+        return [(index, rank) for index, rank in enumerate(self._watch.ranks) if index not in dead]
+
     def _liveness_refs(self) -> dict[Any, int]:
         """The outstanding pings of this group, by ref, after re-sending those due (used by the wait loop)."""
         now = time.monotonic()

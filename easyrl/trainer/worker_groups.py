@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,12 @@ def check_teacher_tokenizer(cfg: EasyRLConfig, student: Any) -> None:
         )
 
 
+def hang_watch_args(cfg: EasyRLConfig) -> dict[str, Any]:
+    """Every worker group's heartbeat bound and where a frozen worker's stacks go: `<run folder>/hang_stacks`."""
+    run_dir = cfg.trainer.save_checkpoint_path or "."
+    return {"hang_timeout_s": cfg.trainer.hang_timeout_s, "stack_dir": os.path.join(run_dir, "hang_stacks")}
+
+
 def count_steps(cfg: EasyRLConfig, steps_per_epoch: int) -> tuple[int, int]:
     """(training steps, optimizer steps of the actor over the run) for the LR schedule."""
     total = steps_per_epoch * cfg.trainer.total_epochs
@@ -121,6 +128,7 @@ class Workers:
             "num_cpus_per_worker": 1.0 / roles,
             "num_gpus_per_worker": (1.0 / roles) if gpu else 0.0,
             "call_timeout_s": cfg.trainer.worker_timeout_s,
+            **hang_watch_args(cfg),
         }
         self.actor: ActorGroup  # set in the `try` below; each typed by what the driver calls (trainer/handles.py)
         self.ref: RefGroup | None = None
@@ -158,6 +166,7 @@ class Workers:
                     num_cpus_per_worker=1.0,
                     num_gpus_per_worker=1.0 if gpu else 0.0,
                     call_timeout_s=cfg.trainer.worker_timeout_s,
+                    **hang_watch_args(cfg),
                 )
             if cfg.algorithm.distill.teacher.remote:  # a server: the driver asks it, no worker of its own
                 from easyrl.scorers.teacher import RemoteTeacher
@@ -282,6 +291,7 @@ class SFTWorkers:
                 num_cpus_per_worker=1.0,
                 num_gpus_per_worker=1.0 if gpu else 0.0,
                 call_timeout_s=cfg.trainer.worker_timeout_s,
+                **hang_watch_args(cfg),
             )
             logger.info("loading the model into the workers")
             self.actor.call_async("init_model").result()

@@ -213,6 +213,24 @@ BAD = [
     ),
     ("staleness-negative", {"trainer.max_staleness": -1}, "trainer.max_staleness", "must be an integer >= 0"),
     (
+        "hang-timeout-below-a-heartbeat",
+        {"trainer.hang_timeout_s": 1},
+        "trainer.hang_timeout_s",
+        "1 must be between 3 s (workers beat once a second) and trainer.worker_timeout_s (3600 s)",
+    ),
+    (
+        "staleness-in-the-millions",
+        {"trainer.max_staleness": 2_000_000},
+        "trainer.max_staleness",
+        "2000000 is above 64: the loop keeps (and logs) one layer per version of lag",
+    ),
+    (
+        "in-flight-queue-too-large-to-hold",
+        {"trainer.max_staleness": 64, "data.rollout_batch_size": 4096, "worker.rollout.n": 1024},
+        "trainer.max_staleness",
+        "266240 prompt groups in flight (worker.rollout.active_groups, null: (max_staleness + 1) * data.rollout_batch_size) x n 1024 x 56 tokens each is 15,267,266,560 tokens, more than the 4,294,967,296",
+    ),
+    (
         "active-groups-when-sync",
         {"worker.rollout.active_groups": 8},
         "worker.rollout.active_groups",
