@@ -125,3 +125,60 @@ def test_sigterm_saves_the_last_step_and_the_run_resumes_on_its_curve(
     full, _, _ = run(tmp_path / "full", tiny_model_dir, digits_data, {**ONE_WORKER, "trainer.backend": "inline"}, 4)
     assert [r["step"] for r in rows] == list(range(1, 5))
     assert _stable(rows) == _stable(full), "the resumed inline run left the uninterrupted curve"
+
+
+LOSS_WITH_BREAKPOINT = """
+from easyrl.algorithms import PpoParams, get_policy_loss, register_policy_loss
+
+STOPPED = [False]
+
+@register_policy_loss("ppo_with_breakpoint", params=PpoParams)
+def ppo_with_breakpoint(**kwargs):
+    if not STOPPED[0]:
+        STOPPED[0] = True
+        in_the_loss = 6 * 7
+        breakpoint()
+    return get_policy_loss("ppo")(**kwargs)
+"""
+
+REWARD_WITH_BREAKPOINT = """
+import sys
+sys.path.insert(0, {assets!r})
+from digit_fraction_reward import compute_score as digits
+
+REWARD_TYPE = "batch"
+STOPPED = [False]
+
+def compute_score(reward_inputs, **kwargs):
+    if not STOPPED[0]:
+        STOPPED[0] = True
+        in_the_reward = 1000 + len(reward_inputs)
+        breakpoint()
+    return digits(reward_inputs)
+"""
+
+
+def test_breakpoint_in_a_loss_and_an_in_process_reward_stops_in_the_terminal(
+    tmp_path: Path, tiny_model_dir, digits_data
+) -> None:
+    """Under inline, `breakpoint()` in a loss (a worker's code) and in a reward function run in the driver
+    (`worker.reward.num_workers: 0`) opens pdb on the run's own stdin: the commands typed there are answered and
+    `c` lets the run finish."""
+    loss = tmp_path / "loss_bp.py"
+    loss.write_text(LOSS_WITH_BREAKPOINT)
+    reward = tmp_path / "reward_bp.py"
+    reward.write_text(REWARD_WITH_BREAKPOINT.replace("{assets!r}", repr(str(REPO / "tests" / "assets"))))
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    conf["algorithm"]["user_modules"] = [str(loss)]
+    conf["worker"]["actor"]["loss_type"] = "ppo_with_breakpoint"
+    conf["worker"]["reward"].update({"reward_function": f"{reward}:compute_score", "num_workers": 0})
+    conf["trainer"].update({"max_steps": 1, "n_gpus_per_node": 1, "backend": "inline"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONBREAKPOINT", None)
+    cmd = [sys.executable, "-m", "easyrl.cli", "train", write_config(tmp_path / "cfg.yaml", conf)]
+    # the reward is scored before the update: its stop comes first
+    typed = "p in_the_reward\nc\np in_the_loss\nc\n"
+    done = subprocess.run(cmd, env=env, input=typed, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("(Pdb)") >= 2, done.stdout[-3000:]
+    assert "(Pdb) 1008" in done.stdout and "(Pdb) 42" in done.stdout, done.stdout[-3000:]  # 4 prompts x n=2
