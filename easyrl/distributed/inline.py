@@ -15,7 +15,7 @@ own back afterwards (:class:`RoleProcess`):
 * its random generators (Python's, NumPy's, torch's CPU and, once CUDA is up, CUDA's): a worker seeds them in its
   ``__init__`` (`setup_process`) and draws from them in its methods; the driver's draws and the other roles' never
   interleave with them, as they do not across processes;
-* its torch thread count on CPU (`setup_process` sets it; a Ray worker starts at 1 from ``OMP_NUM_THREADS``);
+* its torch thread count (a Ray worker starts at 1 from ``OMP_NUM_THREADS``; `setup_process` sets it on CPU);
 * arguments and results by value (deep copies, as Ray's serialization makes them): a worker that writes into a batch
   it was given, or a driver that writes into a result, changes nothing on the other side.
 
@@ -39,6 +39,9 @@ import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+
+import numpy as np
+import torch
 
 from easyrl.distributed.dispatch import Dispatch, DispatchSpec, registered_methods, split_grouped_args
 from easyrl.distributed.errors import WorkerError
@@ -89,33 +92,31 @@ class InlinePool:
 class RoleProcess:
     """What a worker process has of its own, kept for one inline role and swapped in around each of its calls."""
 
-    def __init__(self, env: dict[str, str], use_gpu: bool) -> None:
-        import torch
-
+    def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        self.threads = None if use_gpu else 1  # a Ray CPU worker starts at OMP_NUM_THREADS=1
+        # A Ray worker starts at one torch thread (OMP_NUM_THREADS=1, ours on CPU, Ray's own default on GPU);
+        # `setup_process` raises it on CPU.
+        self.threads = 1
         # A new process's generators: Python's and NumPy's seeded from the OS, torch's at its fixed default seed.
-        rng = random.Random()
-        self.rng: dict[str, Any] = {"python": rng.getstate(), "numpy": _fresh_numpy_state()}
-        self.rng["torch"] = _fresh_torch_state(torch)
+        # CUDA's joins once CUDA is up: the role's `__init__` seeds it (`torch.manual_seed` seeds every device).
+        self.rng: dict[str, Any] = {
+            "python": random.Random().getstate(),
+            "numpy": np.random.RandomState().get_state(),
+            "torch": torch.Generator().manual_seed(_TORCH_DEFAULT_SEED).get_state(),
+        }
 
     def __enter__(self) -> RoleProcess:
-        import torch
-
         self._saved_env = {key: os.environ.get(key) for key in self.env}
         os.environ.update(self.env)
         self._saved_rng = _rng_state()
         _set_rng_state(self.rng)
         self._saved_threads = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import torch
-
-        self.rng = _rng_state()
-        self.threads = torch.get_num_threads() if self.threads is not None else None
+        self.rng, self.threads = _rng_state(), torch.get_num_threads()
+        # The driver's CUDA generator is restored only when CUDA was up before the call (else there was none to save).
         _set_rng_state(self._saved_rng)
         torch.set_num_threads(self._saved_threads)
         for key, value in self._saved_env.items():
@@ -125,22 +126,11 @@ class RoleProcess:
                 os.environ[key] = value
 
 
-def _fresh_numpy_state() -> Any:
-    import numpy as np
-
-    return np.random.RandomState().get_state()
-
-
-def _fresh_torch_state(torch: Any) -> Any:
-    generator = torch.Generator()
-    generator.manual_seed(67280421310721)  # torch's default generator starts here in every new process
-    return generator.get_state()
+_TORCH_DEFAULT_SEED = 67280421310721
+"""The seed of torch's default generator in every new process."""
 
 
 def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # asking earlier would start CUDA
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -148,9 +138,6 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -267,16 +254,18 @@ class InlineGroup(Generic[W]):
         self._methods: dict[str, DispatchSpec] = registered_methods(worker_cls)
         self._closed = False
         role_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "EASYRL_ROLE": role, INLINE_ENV: "inline"}
-        self._process = RoleProcess({**pool.env, **(env or {}), **role_env}, pool.use_gpu)
+        self._process = RoleProcess({**pool.env, **(env or {}), **role_env})
         with _call_lock, self._process:
             _init_process_group(pool.use_gpu)
             _live_groups.add(id(self))
             try:
                 self._worker: Any = worker_cls(*_by_value(init_args), **_by_value(init_kwargs))
-            except Exception as exc:
+            except BaseException as exc:  # a signal during start-up too: leave no process group behind
                 _live_groups.discard(id(self))
                 _release_process_group()
-                raise _worker_error(role, exc) from exc
+                if isinstance(exc, Exception):
+                    raise _worker_error(role, exc) from exc
+                raise
         logger.info("started the %s worker (%s) in this process", role, worker_cls.__name__)
 
     # ----------------------------------------------------------------------------------------------- calling
@@ -342,8 +331,6 @@ class InlineGroup(Generic[W]):
         self._worker = None
         _live_groups.discard(id(self))
         gc.collect()  # the model, optimizer and engine go now, not at the next collection
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         _release_process_group()
