@@ -437,7 +437,7 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
 def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
     a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
-    plan = plan_of(cfg)
+    plan = plan_of(cfg, "sft")
     workers, dp = plan.world_size, plan.data_parallel_size
     sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
     adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""

@@ -68,8 +68,8 @@ class TrainerConfig:
     """Longest a single worker call may take before the run stops naming the role."""
     ray_num_cpus: int | None = None
     """CPUs given to a local Ray cluster; default: all."""
-    backend: str = "ray"
-    """Where the workers run: `ray` (a Ray worker process per role and rank), `inline` (each role's worker in the
-    driver's own process: no Ray, a debugger's `breakpoint()` works in a loss or an environment) or `auto` (inline
-    exactly when every role is one rank on this node and nothing needs a process of its own; the plan says which and
-    why). Same results either way (docs/distributed.md)."""
+    backend: str = "auto"
+    """Where the workers run: `auto` (inline exactly when every role is one rank on this node and nothing needs a
+    process of its own, else Ray; the plan says which and why), `ray` (a Ray worker process per role and rank) or
+    `inline` (each role's worker in the driver's own process: no Ray, a `breakpoint()` in a loss stops in the
+    terminal). The same results either way (docs/distributed.md, "One process")."""

@@ -71,7 +71,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_numbers(cfg)
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
-    _check_backend(cfg)
+    _check_backend(cfg, task)
     check_engine_kwargs(cfg.worker.rollout)
     check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
@@ -91,8 +91,8 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     check_reward_scorers(cfg.worker.reward, _check_reward_function)
 
 
-def _check_backend(cfg: EasyRLConfig) -> None:
-    blockers = inline_blockers(cfg) if cfg.trainer.backend == "inline" else []
+def _check_backend(cfg: EasyRLConfig, task: str) -> None:
+    blockers = inline_blockers(cfg, task) if cfg.trainer.backend == "inline" else []
     if blockers:
         raise ConfigError(
             "trainer.backend", f"inline runs every role in this process, but {'; '.join(blockers)}: set auto or ray"

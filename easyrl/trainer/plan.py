@@ -134,15 +134,16 @@ class RunPlan:
         return self.rollout_workers if self.separate else 0
 
 
-def plan_of(cfg: EasyRLConfig) -> RunPlan:
-    """The run plan of the validated config `cfg`: every decider called once."""
+def plan_of(cfg: EasyRLConfig, task: str = "rl") -> RunPlan:
+    """The run plan of the validated config `cfg` for `task` (`rl`, or `sft`: `easyrl sft`): every decider called
+    once."""
     rollout = cfg.worker.rollout
     world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     placement = Placement(rollout.placement)
     gpu = use_gpu(cfg)
     kl_on = cfg.algorithm.kl_mode != KLMode.OFF
     needs = estimator_needs(cfg)
-    runner, reason = backend(cfg)
+    runner, reason = backend(cfg, task)
     return RunPlan(
         use_gpu=gpu,
         world_size=world_size,
@@ -170,15 +171,15 @@ def plan_of(cfg: EasyRLConfig) -> RunPlan:
     )
 
 
-def backend(cfg: EasyRLConfig) -> tuple[Backend, str]:
+def backend(cfg: EasyRLConfig, task: str = "rl") -> tuple[Backend, str]:
     """(what runs the workers, why). `trainer.backend: auto` picks inline exactly when nothing rules it out
-    (`easyrl.config.backend.inline_blockers`: more than one rank per role or node, rollout workers of their own, a
-    served judge) and no Ray cluster is named to join (`RAY_ADDRESS`); an explicit choice is taken as it is (the
-    config's validation refuses an `inline` that cannot be)."""
+    (`easyrl.config.backend.inline_blockers`: more than one rank per role or node, rollout workers of their own, an
+    engine that has not run inline, a served judge) and no Ray cluster is named to join (`RAY_ADDRESS`); an explicit
+    choice is taken as it is (the config's validation refuses an `inline` that cannot be)."""
     chosen = cfg.trainer.backend
     if chosen != "auto":
         return Backend(chosen), "trainer.backend"
-    blockers = inline_blockers(cfg)
+    blockers = inline_blockers(cfg, task)
     if os.environ.get("RAY_ADDRESS"):
         blockers.append("RAY_ADDRESS names a cluster to join")
     if blockers:

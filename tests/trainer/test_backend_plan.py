@@ -15,9 +15,10 @@ from easyrl.trainer.plan import Backend, plan_of
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def test_auto_picks_inline_for_one_worker_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_is_the_default_and_picks_inline_for_one_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    cfg = load_config(DEMO, ["trainer.backend=auto"])
+    cfg = load_config(DEMO, [])
+    assert cfg.trainer.backend == "auto"
     plan = plan_of(cfg)
     assert plan.backend is Backend.INLINE
     assert plan.backend_reason == "auto: one worker per role on this node and nothing needs a process of its own"
@@ -29,6 +30,7 @@ def test_auto_picks_inline_for_one_worker_and_says_so(monkeypatch: pytest.Monkey
     [
         (["trainer.n_gpus_per_node=2"], "trainer.n_gpus_per_node is 2 (inline runs one worker per role)"),
         (["trainer.nnodes=2"], "trainer.nnodes is 2 (one process cannot span nodes)"),
+        (["worker.rollout.name=vllm"], "the vllm engine has not run in the driver's process yet"),
         (
             ["trainer.n_gpus_per_node=2", "worker.rollout.placement=separate", "worker.rollout.n_gpus=1"],
             "worker.rollout.placement is separate (rollout workers of their own)",
@@ -40,6 +42,17 @@ def test_auto_picks_ray_naming_what_needs_it(edits: list[str], reason: str, monk
     plan = plan_of(load_config(DEMO, ["trainer.backend=auto", *edits]))
     assert plan.backend is Backend.RAY and plan.backend_reason.startswith("auto: ")
     assert reason in plan.backend_reason
+
+
+def test_sft_has_no_engine_to_rule_inline_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`easyrl sft` starts no rollout engine: the RL engine's default (vLLM) does not keep it on Ray."""
+    from easyrl.config.schema import EasyRLConfig
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = EasyRLConfig()
+    cfg.trainer.n_gpus_per_node = 1
+    assert cfg.worker.rollout.name == "vllm"
+    assert plan_of(cfg, "sft").backend is Backend.INLINE and plan_of(cfg).backend is Backend.RAY
 
 
 def test_a_cluster_to_join_means_ray_and_an_explicit_choice_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
