@@ -29,7 +29,12 @@ def test_golden_trajectory_is_bit_identical_inline_and_on_ray(tmp_path: Path, ti
     """The golden run (GRPO with a KL loss to a reference: actor, rollout and ref roles) on one worker per role, five
     steps: every metric but wall-time ones equal (==) between Ray's worker processes and this process."""
     on_ray, _, ray_weights = run(
-        tmp_path / "ray", tiny_model_dir, digits_data, {**GOLDEN_EDITS, **ONE_WORKER}, steps=5, weights=True
+        tmp_path / "ray",
+        tiny_model_dir,
+        digits_data,
+        {**GOLDEN_EDITS, **ONE_WORKER, "trainer.backend": "ray"},
+        steps=5,
+        weights=True,
     )
     inline, _, inline_weights = run(
         tmp_path / "inline",

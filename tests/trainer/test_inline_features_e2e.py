@@ -37,14 +37,16 @@ def test_lora_is_bit_identical_inline_and_on_ray(tmp_path: Path, tiny_model_dir,
         "algorithm.kl_coef": 0.1,
         "worker.actor.optim.lr": 3e-2,
     }
-    on_ray, _, _ = run(tmp_path / "ray", tiny_model_dir, digits_data, edits, steps=3)
+    on_ray, _, _ = run(tmp_path / "ray", tiny_model_dir, digits_data, {**edits, "trainer.backend": "ray"}, steps=3)
     inline, _, _ = run(tmp_path / "inline", tiny_model_dir, digits_data, {**edits, "trainer.backend": "inline"}, 3)
     assert "actor/kl_loss" in inline[-1]  # the LoRA actor served the reference
     assert _stable(inline) == _stable(on_ray)
 
 
 def test_sft_is_bit_identical_inline_and_on_ray(tmp_path: Path, tiny_model_dir, sft_data) -> None:  # noqa: F811
-    rows, _, ray_after = sft_train(tmp_path / "ray", tiny_model_dir, sft_data, ONE_WORKER)
+    rows, _, ray_after = sft_train(
+        tmp_path / "ray", tiny_model_dir, sft_data, {**ONE_WORKER, "trainer.backend": "ray"}
+    )
     inline, _, inline_after = sft_train(
         tmp_path / "inline", tiny_model_dir, sft_data, {**ONE_WORKER, "trainer.backend": "inline"}
     )
@@ -87,7 +89,7 @@ def test_the_tool_demo_is_bit_identical_inline_and_on_ray(
     tmp_path: Path, schedule: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(REPO)  # the demo's paths are the repository's
-    on_ray = _tools(tmp_path / "ray", schedule)
+    on_ray = _tools(tmp_path / "ray", [*schedule, "trainer.backend=ray"])
     inline = _tools(tmp_path / "inline", [*schedule, "trainer.backend=inline"])
     assert any(r.get("multi_turn/tool_call_rate", 0) > 0 for r in inline)  # tools were called
     assert all(("async/groups_carried" in r) == bool(schedule) for r in inline)  # the schedule asked for ran
