@@ -30,6 +30,7 @@ method hangs the run, Ctrl-C stops it), and nothing runs beside the driver (Ray'
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import gc
 import logging
@@ -42,7 +43,9 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from easyrl.distributed.device import use_process_device
 from easyrl.distributed.dispatch import Dispatch, DispatchSpec, registered_methods, split_grouped_args
 from easyrl.distributed.errors import WorkerError
 from easyrl.distributed.runtime import default_worker_env, local_only_env
@@ -161,14 +164,8 @@ def _worker_error(role: str, exc: BaseException) -> WorkerError:
 def _init_process_group(use_gpu: bool) -> None:
     """The default process group of world size 1 over an in-memory store (no port), once per process."""
     global _made_process_group
-    import datetime
-
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
-    from easyrl.distributed.device import use_process_device
-
     if use_gpu:
         use_process_device()  # before NCCL starts: a communicator binds to the current device
     backend = "nccl" if use_gpu else "gloo"
@@ -180,8 +177,6 @@ def _init_process_group(use_gpu: bool) -> None:
 def _release_process_group() -> None:
     """Destroy the process group the inline groups made once none of them is left (a later run makes its own)."""
     global _made_process_group
-    import torch.distributed as dist
-
     if _made_process_group and not _live_groups and dist.is_initialized():
         dist.destroy_process_group()
         _made_process_group = False
