@@ -65,6 +65,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         + (", teacher" if plan.teacher_worker else "")
         + sp
         + ("" if plan.use_gpu else f"; {cpu_threads(cfg, plan)} torch thread(s) each"),
+        backend_line(plan),
         f"batch: {d.rollout_batch_size} prompts x {w.rollout.n} = {samples} samples per step; {updates} optimizer "
         f"step(s) of {w.actor.global_batch_size} prompts; {per_worker} samples per worker per optimizer step in "
         + (
@@ -78,6 +79,12 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"reward: {w.reward.reward_function} ({w.reward.num_workers} processes, {w.reward.timeout_s:g} s timeout)",
         f"output: {t.save_checkpoint_path}",
     ]
+
+
+def backend_line(plan: RunPlan) -> str:
+    """What runs the workers and why (`trainer.backend`; `auto` decided by the plan)."""
+    where = "Ray worker processes" if plan.backend.value == "ray" else "this process (no Ray)"
+    return f"backend: {plan.backend.value}, workers in {where} ({plan.backend_reason})"
 
 
 def async_lines(cfg: EasyRLConfig, plan: RunPlan) -> list[str]:
@@ -430,7 +437,7 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
 def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
     a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
-    plan = plan_of(cfg)
+    plan = plan_of(cfg, "sft")
     workers, dp = plan.world_size, plan.data_parallel_size
     sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
     adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
@@ -452,6 +459,7 @@ def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"model: {a.model.model_path}{adapters}",
         f"attention (training, on this machine): {attention_kernel(plan.padding_free)}",
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers}{sp}",
+        backend_line(plan),
         f"batch: {a.global_batch_size} rows per step (one optimizer step, lr {a.optim.lr:g}, "
         f"{a.optim.lr_scheduler_type}); {a.global_batch_size // dp} rows per worker in {micro}",
         validation,

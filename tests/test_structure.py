@@ -821,3 +821,48 @@ def test_no_worker_group_opts_out_of_the_heartbeat() -> None:
         and node.value.value is None
     ]
     assert not offenders, "every worker group keeps its heartbeat:\n" + "\n".join(offenders)
+
+
+BACKEND_NAMERS = ("easyrl.distributed", "easyrl.config", "easyrl.trainer.plan", "easyrl.trainer.worker_groups")
+"""Where the backend is named: the distributed room (the groups themselves), the config (`trainer.backend`, its
+check), the run plan (the decision) and the one builder that picks the group class (`start_backend`); `easyrl check`
+prints the plan's line too. The trainer, the roles and the rollout loops see a worker group and never ask which."""
+
+
+def _backend_namings(source: str) -> list[int]:
+    """Lines of `source` that name the backend: an import of `easyrl.distributed.inline` or of `InlineGroup`, a read
+    of a plan's or the trainer config's `.backend` (`plan.backend`, `cfg.trainer.backend`; a kernel's `.backend` is
+    another thing), or the name `Backend`."""
+
+    def names_it(node: ast.AST) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            return module.endswith("distributed.inline") or any(a.name == "InlineGroup" for a in node.names)
+        if isinstance(node, ast.Attribute):
+            read_of_backend = node.attr == "backend" and ast.unparse(node.value).endswith(("plan", "trainer"))
+            return read_of_backend or node.attr == "InlineGroup"
+        return isinstance(node, ast.Name) and node.id == "Backend"
+
+    lines = [node.lineno for node in ast.walk(ast.parse(source)) if names_it(node)]  # type: ignore[attr-defined]
+    return sorted(set(lines))
+
+
+def test_backend_rule_catches_imports_reads_and_the_enum() -> None:
+    source = (
+        "from easyrl.distributed.inline import InlinePool\nif self.plan.backend is b:\n    pass\nx = Backend.RAY\n"
+        "from easyrl.distributed import InlineGroup\nok = group.call_async('init_model')\nok = 'inline'\n"
+        "ok = kernel_choice.backend\ny = cfg.trainer.backend\n"
+    )
+    assert _backend_namings(source) == [1, 2, 4, 5, 9]
+
+
+def test_only_the_builder_and_the_plan_name_the_backend() -> None:
+    """Ray or inline is decided once (`easyrl.trainer.plan.backend`) and acted on once (`start_backend` in
+    `easyrl.trainer.worker_groups`): nothing else branches on it."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m != "easyrl.check" and not any(_inside(m, room) for room in BACKEND_NAMERS)
+        for line in _backend_namings(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "only start_backend (trainer/worker_groups.py) acts on the backend:\n" + "\n".join(offenders)

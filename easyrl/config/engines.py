@@ -50,6 +50,8 @@ class EngineCapabilities:
     """Takes `worker.rollout.engine_kwargs`; False refuses any."""
     owned_engine_kwargs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Engine arguments easyrl sets or derives itself, each with the fix; `engine_kwargs` may not hold them."""
+    inline: bool = True
+    """May run in the driver's own process (`trainer.backend: inline`); False keeps its runs on Ray."""
 
 
 _LORA = "set worker.actor.model.lora.rollout_sync: adapter (vLLM then serves the adapters of lora.rank) instead"
@@ -98,6 +100,9 @@ BUILTIN_ENGINE_CAPABILITIES: Mapping[str, EngineCapabilities] = MappingProxyType
             env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
             cpu_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),  # GiB of KV cache: the CPU build's default is 4
             owned_engine_kwargs=VLLM_OWNED,
+            # Its process-wide state (parallel groups, the sleep-mode allocator) has not run in a driver's process,
+            # nor two engines one after the other in one process: a Ray worker's process ends with its engine.
+            inline=False,
         ),
     }
 )

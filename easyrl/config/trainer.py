@@ -77,3 +77,8 @@ class TrainerConfig:
     saving, since the workers are still inside it."""
     ray_num_cpus: int | None = None
     """CPUs given to a local Ray cluster; default: all."""
+    backend: str = "auto"
+    """Where the workers run: `auto` (inline exactly when every role is one rank on this node and nothing needs a
+    process of its own, else Ray; the plan says which and why), `ray` (a Ray worker process per role and rank) or
+    `inline` (each role's worker in the driver's own process: no Ray, a `breakpoint()` in a loss stops in the
+    terminal). The same results either way (docs/distributed.md, "One process")."""

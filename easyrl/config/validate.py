@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from easyrl.config.backend import BACKENDS, inline_blockers
 from easyrl.config.engine_kwargs import check_engine_kwargs
 from easyrl.config.engines import check_engine_capabilities, declared_engines
 from easyrl.config.errors import ConfigError
@@ -40,6 +41,7 @@ _ENUMS: dict[str, tuple[str, ...]] = {
     "worker.actor.fsdp.mp_reduce_dtype": ("bf16", "fp16", "fp32"),
     "data.on_bad_row": ("drop", "error"),
     "trainer.device": ("auto", "cuda", "cpu"),
+    "trainer.backend": BACKENDS,
 }
 
 
@@ -70,6 +72,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_rollout_correction(cfg)
     _check_sequence_parallel(cfg)
     _check_hang_bounds(cfg)
+    _check_backend(cfg, task)
     check_engine_kwargs(cfg.worker.rollout)
     check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
@@ -87,6 +90,14 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     check_distill(cfg)
     check_multi_turn(cfg.worker.rollout.multi_turn, cfg.data.max_response_length)
     check_reward_scorers(cfg.worker.reward, _check_reward_function)
+
+
+def _check_backend(cfg: EasyRLConfig, task: str) -> None:
+    blockers = inline_blockers(cfg, task) if cfg.trainer.backend == "inline" else []
+    if blockers:
+        raise ConfigError(
+            "trainer.backend", f"inline runs every role in this process, but {'; '.join(blockers)}: set auto or ray"
+        )
 
 
 def _check_enums(cfg: EasyRLConfig) -> None:

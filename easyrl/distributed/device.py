@@ -74,7 +74,10 @@ def choose_device(
 
 def detect_launcher(env: dict[str, str] | os._Environ[str] = os.environ) -> Launcher:
     """``ray`` in a WorkerGroup's actor (it sets ``EASYRL_ROLE``), ``torchrun`` under torch elastic, else ``single``
-    (a script that starts its own processes, one per GPU, and sets ``LOCAL_RANK`` itself)."""
+    (a script that starts its own processes, one per GPU, and sets ``LOCAL_RANK`` itself; and an inline worker,
+    `easyrl.distributed.inline`, which runs in the driver's process and has no Ray GPU ids to ask)."""
+    if env.get("EASYRL_BACKEND") == "inline":
+        return "single"
     if env.get("EASYRL_ROLE"):
         return "ray"
     if env.get("TORCHELASTIC_RUN_ID"):

@@ -12,7 +12,7 @@ in step with the worker class behind it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, runtime_checkable
 
 from easyrl.batch import Batch
 
@@ -41,6 +41,7 @@ __all__ = [
 P = ParamSpec("P")
 
 
+@runtime_checkable  # `Workers` tells its groups (Ray's or inline) from a remote teacher's client by it
 class GroupHandle(Protocol):
     """Any worker group: the lifecycle calls every role declares (`init_model`, `memory_stats`, checkpoints) go by
     name to groups of different roles alike; and its end."""

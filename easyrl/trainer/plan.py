@@ -10,6 +10,7 @@ must not import (it sits below the algorithms). Only this module (with `config/`
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
@@ -20,14 +21,17 @@ from easyrl.algorithms import EstimatorNeeds
 from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.config.backend import inline_blockers
 from easyrl.rollout import WeightSync
 from easyrl.trainer.step_math import needs_old_log_prob_pass
 
 
 __all__ = [
     "DEFAULT_LOGPROB_RATIO",
+    "Backend",
     "Placement",
     "RunPlan",
+    "backend",
     "data_parallel_size",
     "effective_chunk_tokens",
     "effective_logprob_ratio",
@@ -54,6 +58,15 @@ class Placement(str, Enum):
     """In the actor's processes (the HybridEngine), asleep while it trains."""
     SEPARATE = "separate"
     """Rollout workers of their own on `worker.rollout.n_gpus` more GPUs, resident, fed the policy's weights."""
+
+
+class Backend(str, Enum):
+    """What runs the workers (`trainer.backend`, `auto` resolved by `backend`)."""
+
+    RAY = "ray"
+    """A Ray worker process per role and rank (`easyrl.distributed.WorkerGroup`)."""
+    INLINE = "inline"
+    """Every role's one worker in the driver's own process (`easyrl.distributed.inline`)."""
 
 
 Schedule = Literal["synchronous", "carry_over"]
@@ -104,6 +117,10 @@ class RunPlan:
     """A critic runs (the estimator needs one) and each step computes values."""
     teacher_worker: bool
     """A local distillation teacher runs in workers of its own and each step computes its log-probs."""
+    backend: Backend
+    """What runs the workers (`backend`)."""
+    backend_reason: str
+    """Why: the config's explicit choice, or what `auto` saw."""
 
     @property
     def separate(self) -> bool:
@@ -117,14 +134,16 @@ class RunPlan:
         return self.rollout_workers if self.separate else 0
 
 
-def plan_of(cfg: EasyRLConfig) -> RunPlan:
-    """The run plan of the validated config `cfg`: every decider called once."""
+def plan_of(cfg: EasyRLConfig, task: str = "rl") -> RunPlan:
+    """The run plan of the validated config `cfg` for `task` (`rl`, or `sft`: `easyrl sft`): every decider called
+    once."""
     rollout = cfg.worker.rollout
     world_size = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     placement = Placement(rollout.placement)
     gpu = use_gpu(cfg)
     kl_on = cfg.algorithm.kl_mode != KLMode.OFF
     needs = estimator_needs(cfg)
+    runner, reason = backend(cfg, task)
     return RunPlan(
         use_gpu=gpu,
         world_size=world_size,
@@ -147,7 +166,25 @@ def plan_of(cfg: EasyRLConfig) -> RunPlan:
         ref_worker=kl_on and cfg.worker.actor.model.lora.rank == 0,
         critic=needs.needs_critic,
         teacher_worker=cfg.algorithm.distill.teacher.local,
+        backend=runner,
+        backend_reason=reason,
     )
+
+
+def backend(cfg: EasyRLConfig, task: str = "rl") -> tuple[Backend, str]:
+    """(what runs the workers, why). `trainer.backend: auto` picks inline exactly when nothing rules it out
+    (`easyrl.config.backend.inline_blockers`: more than one rank per role or node, rollout workers of their own, an
+    engine that has not run inline, a served judge) and no Ray cluster is named to join (`RAY_ADDRESS`); an explicit
+    choice is taken as it is (the config's validation refuses an `inline` that cannot be)."""
+    chosen = cfg.trainer.backend
+    if chosen != "auto":
+        return Backend(chosen), "trainer.backend"
+    blockers = inline_blockers(cfg, task)
+    if os.environ.get("RAY_ADDRESS"):
+        blockers.append("RAY_ADDRESS names a cluster to join")
+    if blockers:
+        return Backend.RAY, "auto: " + "; ".join(blockers)
+    return Backend.INLINE, "auto: one worker per role on this node and nothing needs a process of its own"
 
 
 def use_gpu(cfg: EasyRLConfig) -> bool:

@@ -65,7 +65,7 @@ class SFTTrainer(RunFolder):
             resume_from = self.open_run(cfg, secrets, higher_is_better=False)
             if self.trained_to is not None:
                 return  # trained to the end already: no Ray, no workers to start
-            self.workers = SFTWorkers(cfg, plan_of(cfg), self.total_steps)
+            self.workers = SFTWorkers(cfg, plan_of(cfg, "sft"), self.total_steps)
             self.actor = self.workers.actor
             if resume_from is not None:
                 self.resume(resume_from)

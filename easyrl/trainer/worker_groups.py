@@ -1,9 +1,11 @@
-"""Building what `fit()` drives: the data, the step arithmetic and the worker groups on Ray."""
+"""Building what `fit()` drives: the data, the step arithmetic and the worker groups, on Ray or in this process
+(`start_backend`, as the run plan says)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +109,7 @@ class Workers:
     def __init__(
         self, cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, media: dict[str, int] | None = None
     ) -> None:
-        from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+        from easyrl.distributed import ResourcePool
         from easyrl.workers.actor import ActorWorker
         from easyrl.workers.critic import CriticWorker
         from easyrl.workers.ref import RefWorker
@@ -115,12 +117,9 @@ class Workers:
 
         gpu = plan.use_gpu
         self.world_size = plan.world_size
-        env = engine_env(cfg.worker.rollout.name, gpu)
         rollout_workers = plan.own_rollout_workers
-        logger.info("starting Ray and %d worker(s) per role (%s)", self.world_size, "GPU" if gpu else "CPU")
         slots = self.world_size + rollout_workers  # a CPU run's logical CPUs: one per worker of either pool
-        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(slots, psutil.cpu_count() or 1), env_vars=env)
-        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
+        self.pool, group_cls = start_backend(cfg, plan, slots, engine_env(cfg.worker.rollout.name, gpu))
         self.rollout_pool: Any = None
         specs = build_role_specs(cfg, plan, optimizer_steps, self.world_size)
         roles = 1 + sum(spec is not None for spec in (specs.ref, specs.critic, specs.teacher))
@@ -140,24 +139,22 @@ class Workers:
         try:
             tp = plan.ranks_per_engine
             sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
-            self.actor = WorkerGroup(
+            self.actor = group_cls(
                 ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
             )
             if specs.ref is not None:
-                self.ref = WorkerGroup(RefWorker, self.pool, "ref", specs.ref, ranks_per_dp=sp, **share)
+                self.ref = group_cls(RefWorker, self.pool, "ref", specs.ref, ranks_per_dp=sp, **share)
             if specs.critic is not None:
                 csp = cfg.worker.critic.ulysses_size
-                self.critic = WorkerGroup(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
+                self.critic = group_cls(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
             if specs.teacher is not None:  # the teacher follows the actor's split, as the reference does
-                self.teacher = WorkerGroup(
-                    TeacherWorker, self.pool, "teacher", specs.teacher, ranks_per_dp=sp, **share
-                )
+                self.teacher = group_cls(TeacherWorker, self.pool, "teacher", specs.teacher, ranks_per_dp=sp, **share)
             if plan.separate:  # rollout workers of their own, on `n_gpus` devices of their own (resident engines)
                 from easyrl.trainer.role_specs import rollout_role_spec
                 from easyrl.workers.rollout_role import RolloutRole
 
                 self.rollout_pool = ResourcePool(1, rollout_workers, gpu, name="easyrl-rollout")
-                self.rollout = WorkerGroup(
+                self.rollout = group_cls(
                     RolloutRole,
                     self.rollout_pool,
                     "rollout",
@@ -207,10 +204,8 @@ class Workers:
     def _groups(self) -> list[GroupHandle]:
         """The worker groups started (a remote teacher is a client, not a group); the actor is unset until its group
         starts."""
-        from easyrl.distributed import WorkerGroup
-
         groups = (getattr(self, "actor", None), self.ref, self.critic, self.teacher, self.rollout)
-        return [g for g in groups if isinstance(g, WorkerGroup)]
+        return [g for g in groups if isinstance(g, GroupHandle)]
 
     def teacher_call_metrics(self) -> dict[str, float]:
         """A remote teacher's request counts of the step (`teacher/requests`, ...); {} for a local teacher role."""
@@ -250,6 +245,28 @@ class Workers:
             self.rollout_pool.remove()
 
 
+def start_backend(
+    cfg: EasyRLConfig, plan: RunPlan, slots: int, env: dict[str, str] | None
+) -> tuple[Any, Callable[..., Any]]:
+    """(the trainer's pool, the group class to start each role with) for the plan's backend: the one place that
+    names it (`tests/test_structure.py`). `slots`: the workers of a CPU run (Ray's logical CPUs); `env`: what the
+    engine needs in every worker. Both group classes take the same arguments and answer the same calls."""
+    from easyrl.trainer.plan import Backend
+
+    gpu = plan.use_gpu
+    where = "GPU" if gpu else "CPU"
+    if plan.backend is Backend.INLINE:
+        from easyrl.distributed.inline import InlineGroup, InlinePool
+
+        logger.info("workers in this process, one per role (%s; %s)", where, plan.backend_reason)
+        return InlinePool(gpu, env), InlineGroup
+    from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+
+    logger.info("starting Ray and %d worker(s) per role (%s; %s)", plan.world_size, where, plan.backend_reason)
+    init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(slots, psutil.cpu_count() or 1), env_vars=env)
+    return ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu), WorkerGroup
+
+
 def memory_metrics(*groups: GroupHandle | None) -> dict[str, float]:
     """The host's memory in use and the largest of each memory figure over the ranks of `groups` (None skipped)."""
     out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
@@ -267,7 +284,6 @@ class SFTWorkers:
     as the RL policy is (its checkpoints are the actor's)."""
 
     def __init__(self, cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int) -> None:
-        from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
         from easyrl.trainer.role_specs import sft_spec
         from easyrl.workers.sft import SFTWorker
 
@@ -277,12 +293,10 @@ class SFTWorkers:
             check_targets(cfg.worker.actor.model)
         gpu = plan.use_gpu
         self.world_size = plan.world_size
-        logger.info("starting Ray and %d SFT worker(s) (%s)", self.world_size, "GPU" if gpu else "CPU")
-        init_ray(num_cpus=cfg.trainer.ray_num_cpus or max(self.world_size, psutil.cpu_count() or 1))
-        self.pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, gpu)
+        self.pool, group_cls = start_backend(cfg, plan, self.world_size, None)
         self.actor: SFTGroup  # set once its group starts (`shutdown` reads it only then)
         try:
-            self.actor = WorkerGroup(
+            self.actor = group_cls(
                 SFTWorker,
                 self.pool,
                 "actor",
