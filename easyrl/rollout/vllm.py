@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.faults import InjectedEngineFault, next_fault
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.rollout.vllm_args import extra_engine_args
 
@@ -179,6 +181,9 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for (start, count), wanted in zip(units, unit_logprobs)
         ]
+        fault = next_fault()
+        if fault is not None:
+            self._inject(fault)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
         responses, log_probs = self._collect(outputs, units, requests, rows, params.max_tokens)
         with_logprobs = [wanted for (_, count), wanted in zip(units, unit_logprobs) for _ in range(count)]
@@ -208,6 +213,54 @@ class VLLMRolloutEngine(RolloutEngine):
                     # One dict per generated token, keyed by token id; the sampled token is always in it.
                     log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
         return responses, log_probs
+
+    def _inject(self, kind: str) -> None:
+        """Act out `EASYRL_ENGINE_FAULT` (`easyrl.rollout.faults`) on this engine, before the call's requests run."""
+        if kind != "kill":
+            raise InjectedEngineFault(f"injected by EASYRL_ENGINE_FAULT ({kind}) in the vLLM engine")
+        # The core's worker goes, with the model's weights and the KV cache: the call's requests are added, and the
+        # core's first step fails on the missing worker, as when a core dies under its requests. (Not the core's
+        # `shutdown`: that also destroys torch.distributed's default group, which the trainer shares in the actor.)
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # an InprocClient holds its core
+        if core is None:
+            raise ValueError(
+                "EASYRL_ENGINE_FAULT=kill needs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+        core.model_executor.driver_worker = None
+
+    def recover(self) -> bool:
+        """Abort the requests the failed call left in the engine and probe it with a one-token request: a core that
+        raised in a step (an OOM) serves again with the weights it holds; a dead one (its worker gone, its process
+        killed) fails the probe and is rebuilt."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        try:
+            engine.abort_request(list(getattr(engine.output_processor, "request_states", {})))
+            probe = TokensPrompt(prompt_token_ids=[self.pad_token_id])
+            self.llm.generate([probe], VSamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+            self.llm.reset_prefix_cache()  # KV of the failed call's prompts may be half written
+        except Exception as exc:  # any failure of the probe means the engine is dead
+            logger.warning(
+                "the vLLM engine does not recover in place (%s: %s): it is rebuilt", type(exc).__name__, exc
+            )
+            return False
+        return True
+
+    def discard(self) -> None:
+        """Drop the engine without vLLM's own shutdown, which would destroy torch.distributed's default process group
+        (in the actor's process the trainer's): its memory goes with the last reference, once the collector may see
+        the objects vLLM froze at start-up."""
+        client = self.llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        del self.llm
+        gc.unfreeze()  # vLLM's EngineCore gc.freeze()s what it built; frozen objects are never collected
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder. The
