@@ -101,6 +101,9 @@ class EngineFailedError(RuntimeError):
     """A rollout engine failed again after its restart in the same step, or could not be restarted: the run stops
     with this one line (the engine, the step, the first error)."""
 
+    one_line = True
+    """The driver shows the message alone, not the remote traceback (`distributed.liveness.to_group_error`)."""
+
 
 class EngineCheck:
     """What `easyrl check` asks of an engine before a run, without starting it; registered with the engine
