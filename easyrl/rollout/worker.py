@@ -202,12 +202,14 @@ class RolloutWorker:
         if self.first_failure is not None:
             raise EngineFailedError(self.failure_line(f"failed again after its restart: {describe(error)}")) from error
         self.first_failure = describe(error)
+        start = time.perf_counter()
         how = self.restart()
         self.restarts += 1
         logger.warning(
-            "rollout engine %r of rank %s failed in engine session %d (%s); %s, its %d-row call re-sent "
-            "(rollout/engine_restarts)",
-            self.spec.config.name, os.environ.get("RANK", "0"), self.sessions, self.first_failure, how, len(prompts),
+            "rollout engine %r of rank %s failed in engine session %d (%s); %s in %.1f s, its %d-prompt call "
+            "re-sent (rollout/engine_restarts)",
+            self.spec.config.name, os.environ.get("RANK", "0"), self.sessions, self.first_failure, how,
+            time.perf_counter() - start, len(prompts),
         )  # fmt: skip
         try:
             return self.engine.generate(prompts, params)

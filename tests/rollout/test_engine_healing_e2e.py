@@ -15,28 +15,36 @@ pytestmark = pytest.mark.slow
 _VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/engine_restarts")
 
 
-def run(tmp_path, model: str, data: dict[str, str], workers: int) -> list[dict[str, float]]:
+SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
+"""One rollout worker of its own: its engine is rebuilt from the weights the policy's bus sent it (on the host)."""
+
+
+def run(tmp_path, model: str, data: dict[str, str], workers: int, edits: dict | None = None) -> list[dict[str, float]]:
     """Two training steps in a Ray instance of their own (its workers inherit this process's environment)."""
     import ray
 
     ray.shutdown()
     try:
-        rows, _, _ = train_steps(tmp_path, model, data, {"trainer.n_gpus_per_node": workers}, steps=2)
+        rows, _, _ = train_steps(tmp_path, model, data, {"trainer.n_gpus_per_node": workers, **(edits or {})}, steps=2)
     finally:
         ray.shutdown()
     return rows
 
 
-@pytest.mark.parametrize(("workers", "fault"), [(2, "oom@2"), (1, "kill@2")])
+@pytest.mark.parametrize(
+    ("workers", "edits", "fault", "restarts"),
+    [(2, {}, "oom@2", 2.0), (1, {}, "kill@2", 1.0), (1, SEPARATE, "kill@2", 1.0)],
+    ids=["two-ranks-oom", "one-rank-killed", "separate-killed"],
+)
 def test_a_failed_engine_finishes_the_step_as_if_healthy(
-    workers: int, fault: str, tmp_path, tiny_model_dir, digits_data, monkeypatch
+    workers: int, edits: dict, fault: str, restarts: float, tmp_path, tiny_model_dir, digits_data, monkeypatch
 ) -> None:
     monkeypatch.delenv(FAULT_ENV, raising=False)
-    healthy = run(tmp_path / "healthy", tiny_model_dir, digits_data, workers)
-    monkeypatch.setenv(FAULT_ENV, fault)  # each actor process's second generate call: step 2's
-    healed = run(tmp_path / "healed", tiny_model_dir, digits_data, workers)
+    healthy = run(tmp_path / "healthy", tiny_model_dir, digits_data, workers, edits)
+    monkeypatch.setenv(FAULT_ENV, fault)  # each engine process's second generate call: step 2's
+    healed = run(tmp_path / "healed", tiny_model_dir, digits_data, workers, edits)
     assert [r["rollout/engine_restarts"] for r in healthy] == [0.0, 0.0]
-    assert [r["rollout/engine_restarts"] for r in healed] == [0.0, float(workers)]  # every rank restarted once
+    assert [r["rollout/engine_restarts"] for r in healed] == [0.0, restarts]  # every engine restarted once
     stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in healthy]
     assert stable == [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in healed]
 
