@@ -400,6 +400,38 @@ def test_rollout_engines_are_imported_only_inside_the_rollout_room() -> None:
     assert not offenders, "use rollout.engine's interface, not an engine class:\n" + "\n".join(offenders)
 
 
+def _calls_of(module: str, name: str, on: str | None = None) -> list[int]:
+    """Lines of `module` that call a function or method called `name` (with `on`: a method of an object whose name
+    holds `on`, e.g. `self.engine.recover()` for `on="engine"`; a set's `discard` is no engine's)."""
+    lines = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if on is None and getattr(func, "id", None) == name:
+            lines.append(node.lineno)
+        elif isinstance(func, ast.Attribute) and func.attr == name:
+            owner = func.value
+            owner_name = getattr(owner, "attr", None) or getattr(owner, "id", None) or ""
+            if on is None or on in owner_name.lower():
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_engine_heals_and_takes_injected_faults() -> None:
+    """Self-healing (issue 45, item 8): each built-in engine says whether it recovers in place and releases itself
+    before a rebuild (`recover`, `discard`), and acts out `EASYRL_ENGINE_FAULT` in its own `generate`
+    (`rollout.faults.next_fault`), so the restart path is tested on every engine. Only the rollout worker restarts
+    an engine, and only the engines count faults."""
+    for module in ENGINE_MODULES:
+        assert {"recover", "discard"} <= _defined_names(module), f"{module}: define recover() and discard()"
+        assert _calls_of(module, "next_fault"), f"{module}: call easyrl.rollout.faults.next_fault() in generate"
+    restarters = {m for m in MODULES if _calls_of(m, "recover", on="engine") or _calls_of(m, "discard", on="engine")}
+    assert restarters == {"easyrl.rollout.worker"}, f"only RolloutWorker restarts an engine: {sorted(restarters)}"
+    injectors = {m for m in MODULES if _calls_of(m, "next_fault")}
+    assert injectors == ENGINE_MODULES, f"only the engines count injected faults: {sorted(injectors)}"
+
+
 def _engine_name_comparisons(source: str, names: frozenset[str]) -> list[int]:
     """Lines of `source` that compare a value with an engine's name: `x == "vllm"`, `x != "vllm"`,
     `x in ("hf", "vllm")` (a string anywhere among the compared operands, or in a tuple / list / set of them)."""

@@ -130,6 +130,9 @@ def to_group_error(role: str, rank: int, error: BaseException) -> WorkerDiedErro
         if getattr(error, "_actor_init_failed", False):  # __init__ raised: a traceback to show, not a death
             return WorkerError(role, rank, summarize_remote_error(error))
         return WorkerDiedError(role, rank, _death_cause(error))
+    cause = getattr(error, "cause", None)  # a RayTaskError carries the worker's exception itself
+    if getattr(cause, "one_line", False):  # its message names the culprit (e.g. EngineFailedError): no traceback
+        return WorkerError(role, rank, f"{type(cause).__name__}: {cause}")
     return WorkerError(role, rank, summarize_remote_error(error))
 
 

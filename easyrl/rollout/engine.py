@@ -87,6 +87,23 @@ class RolloutEngine(ABC):
     def wake_up(self, tags: list[str] | None = None) -> None:  # noqa: B027
         """Re-acquire memory: `["weights"]` before `load_weights`, `["kv_cache"]` before generating."""
 
+    def recover(self) -> bool:
+        """After a `generate` that raised: drop what the failed call left behind (its requests, cached memory) and say
+        whether the engine can take requests again with the weights it holds. False (the default: nothing known about
+        the engine's state) means its state is lost: `RolloutWorker` then rebuilds it and pushes the weights again."""
+        return False
+
+    def discard(self) -> None:  # noqa: B027  (optional hook: an engine with nothing to release keeps the no-op)
+        """Release what this engine holds before a replacement is built in the same process (it is not used again)."""
+
+
+class EngineFailedError(RuntimeError):
+    """A rollout engine failed again after its restart in the same step, or could not be restarted: the run stops
+    with this one line (the engine, the step, the first error)."""
+
+    one_line = True
+    """The driver shows the message alone, not the remote traceback (`distributed.liveness.to_group_error`)."""
+
 
 class EngineCheck:
     """What `easyrl check` asks of an engine before a run, without starting it; registered with the engine

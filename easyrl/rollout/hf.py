@@ -13,6 +13,7 @@ generator is an exact draw from the softmax of those scores. `generate` then run
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +32,7 @@ from transformers import (
 from easyrl.batch import Batch
 from easyrl.models import generate_with_media, model_class_for
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.faults import InjectedEngineFault, next_fault
 
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,21 @@ class RowGumbelNoise(LogitsProcessor):
         )
         gumbel = -torch.log(-torch.log(uniform))
         return scores + gumbel.to(scores.dtype)  # type: ignore[return-value]
+
+
+class FailAtStep(LogitsProcessor):
+    """The fault `EASYRL_ENGINE_FAULT` asked for (`easyrl.rollout.faults`), raised from decoding step `step` (from 1):
+    a failure in the middle of a generation, as a real OOM of the decoding loop would be."""
+
+    def __init__(self, kind: str, step: int) -> None:
+        self.kind, self.step, self.seen = kind, step, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.seen += 1
+        if self.seen == self.step:
+            message = f"injected by EASYRL_ENGINE_FAULT at decoding step {self.step}"
+            raise torch.OutOfMemoryError(message) if self.kind == "oom" else InjectedEngineFault(message)
+        return scores
 
 
 def row_sampler(params: SamplingParams, seeds: list[int], device: torch.device) -> LogitsProcessorList:
@@ -110,11 +127,17 @@ class HFRolloutEngine(RolloutEngine):
             output_logits=params.logprobs,  # the raw logits, before any processor: log-probs of the policy
             return_dict_in_generate=True,
         )
-        extra: dict[str, Any] = {}
+        processors = LogitsProcessorList()
         if not greedy:
             # Sample j gets the prompt's seed + j, as vLLM seeds the j-th sample of a request.
             seeds = [s + j for s in seeds_of_prompts(prompts, params, unseeded=0) for j in range(params.n)]
-            extra["logits_processor"] = row_sampler(params, seeds, self.device)
+            processors = row_sampler(params, seeds, self.device)
+        fault = next_fault()
+        if fault == "kill":  # the engine's state is gone: this call and any later one fail until it is rebuilt
+            self.model = None
+        elif fault is not None:  # fails inside the decoding loop, after the first token of every row was drawn
+            processors.append(FailAtStep(fault, min(2, params.max_tokens)))
+        extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
         out: Any = generate_with_media(
             self.model, input_ids, attention_mask, media, generation_config=gen_cfg, **extra
         )
@@ -134,6 +157,18 @@ class HFRolloutEngine(RolloutEngine):
         return assemble_sequences(
             input_ids.cpu(), attention_mask.cpu(), responses.cpu(), stop, self.pad_token_id, log_probs.cpu()
         )
+
+    def recover(self) -> bool:
+        """A failed `generate` (an OOM, a raise inside a decoding step) leaves nothing behind but freed tensors and
+        the weights untouched (they are only read): give the cached memory back and go on, unless the model is
+        gone."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.model is not None
+
+    def discard(self) -> None:
+        self.model, self._params = None, {}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

