@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from easyrl.agent.guard import CallGuard, clean_text
+from easyrl.agent.guard import CallGuard, Outcome, clean_text
 from easyrl.agent.tools import AgentLoadError, Tool, import_file, load_tool_file, python_tool, tool_from_function
 from easyrl.config.multi_turn import MultiTurnConfig
 
@@ -112,6 +113,8 @@ class Episode:
         if get is None:
             return None
         outcome = self.guard.call(self.owner, lambda: float(get()), {}, self.env_timeout_s)
+        if outcome.error is None and not math.isfinite(outcome.value):
+            outcome = Outcome(error=f"returned {outcome.value}: return a finite number")
         if outcome.error is not None:  # user code: counted by the loop, never a crash mid-step
             self.reward_error = outcome.error
             return None
