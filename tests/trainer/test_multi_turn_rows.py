@@ -43,3 +43,15 @@ def test_a_row_naming_an_unknown_environment_stops_check_and_train_at_load(tmp_p
     assert train.returncode == 1 and "Traceback" not in train.stderr, train.stderr[-3000:]
     assert train.stderr.strip().splitlines()[-1] == f"easyrl: DataError: {line}"
     assert not (tmp_path / "run").exists()  # stopped before anything started
+
+
+def test_check_names_an_environment_whose_constructor_needs_arguments(tmp_path: Path) -> None:
+    env = tmp_path / "needs.py"
+    env.write_text(
+        "class Needs:\n    def __init__(self, board):\n        pass\n    def reset(self, **row):\n        return 'x'\n"
+    )
+    check = _easyrl("check", "configs/demo_tools.yaml", f"worker.rollout.multi_turn.env={env}:Needs")
+    assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr[-3000:]
+    last = check.stderr.strip().splitlines()[-1]
+    assert last.startswith("easyrl: multi-turn error: the first row's episode did not open: environment default: ")
+    assert "Needs() failed: TypeError:" in last and "build it with no arguments" in last
