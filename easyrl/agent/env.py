@@ -95,7 +95,8 @@ class Episode:
             return False
         cls = type(self.instance)
         static = inspect.getattr_static(self.instance, "done", False)
-        plain = not hasattr(static, "__get__") and "__getattr__" not in vars(cls)
+        # a plain attribute is read without a thread; a descriptor or a custom attribute lookup is user code
+        plain = not hasattr(static, "__get__") and not hasattr(cls, "__getattr__")
         if plain and cls.__getattribute__ is object.__getattribute__:
             return static is True
         outcome = self.guard.call(
@@ -109,10 +110,12 @@ class Episode:
     def reward(self) -> float | None:
         """The environment's `get_reward()`, or None without one (or when it raised or passed the deadline:
         `reward_error` says why, and the reward function then sees no `env_reward`)."""
-        get = getattr(self.instance, "get_reward", None)
-        if get is None:
+        instance = self.instance
+        own = getattr(instance, "__dict__", {})  # a get_reward set on the instance counts too
+        if instance is None or (getattr(type(instance), "get_reward", None) is None and "get_reward" not in own):
             return None
-        outcome = self.guard.call(self.owner, lambda: float(get()), {}, self.env_timeout_s)
+        # the lookup is inside the guarded call too: a `__getattr__` is user code
+        outcome = self.guard.call(self.owner, lambda: float(instance.get_reward()), {}, self.env_timeout_s)
         if outcome.error is None and not math.isfinite(outcome.value):
             outcome = Outcome(error=f"returned {outcome.value}: return a finite number")
         if outcome.error is not None:  # user code: counted by the loop, never a crash mid-step
