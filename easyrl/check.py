@@ -416,6 +416,8 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
     try:
         loop: Any = multi_turn_loop(cfg, plan_of(cfg))
         episode = loop.environments.start(first["row"])
+        if episode.error is not None:  # in training only this row's trajectories would be dropped; here: say it
+            raise AgentLoadError(f"the first row's episode did not open: {episode.error}")
         text = loop.chat.render(episode.messages, episode.schemas)
     except (AgentLoadError, ValueError) as exc:
         print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)

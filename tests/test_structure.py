@@ -898,3 +898,39 @@ def test_only_the_builder_and_the_plan_name_the_backend() -> None:
         for line in _backend_namings(path.read_text(encoding="utf-8"))
     ]
     assert not offenders, "only start_backend (trainer/worker_groups.py) acts on the backend:\n" + "\n".join(offenders)
+
+
+GUARDED_USER_CODE = ("easyrl.agent", "easyrl.rollout.multi_turn")
+"""Where a multi-turn run's user code (environments, tools) is called: only on `easyrl.agent.guard.CallGuard`'s
+threads, which carry the deadline, refuse `os._exit` and `os.fork`, and count hung calls."""
+
+
+def _thread_starts(source: str) -> list[int]:
+    """Lines of `source` that make a thread of their own: `threading.Thread(...)` or a bare `Thread(...)`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name == "Thread":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_thread_rule_catches_the_ways_to_start_one() -> None:
+    source = "import threading\nt = threading.Thread(target=f)\nu = Thread(target=g)\npool = ThreadPoolExecutor(2)\n"
+    assert _thread_starts(source) == [2, 3]
+
+
+def test_environments_and_tools_are_called_only_under_the_call_guard() -> None:
+    """A thread made anywhere else in `easyrl.agent` or the multi-turn loop would run user code without a deadline
+    or the exit and fork guard (issue 45, item 6): the thread pools there only wait for guarded calls."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if any(_inside(m, room) for room in GUARDED_USER_CODE) and m != "easyrl.agent.guard"
+        for line in _thread_starts(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "call environment and tool code through easyrl.agent.guard.CallGuard:\n" + "\n".join(
+        offenders
+    )

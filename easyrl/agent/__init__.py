@@ -5,12 +5,13 @@ nothing of engines, tokens or the trainer (docs/agentic.md).
 """
 
 from easyrl.agent.calls import Observation, ToolCall, has_tool_call, parse_tool_calls, run_tool_calls
-from easyrl.agent.env import Environments, EnvType, Episode, load_environments
+from easyrl.agent.env import AgentRunError, Environments, EnvType, Episode, load_environments, unknown_env_row
 from easyrl.agent.tools import AgentLoadError, Tool, python_tool, tool_from_function
 
 
 __all__ = [
     "AgentLoadError",
+    "AgentRunError",
     "EnvType",
     "Environments",
     "Episode",
@@ -23,4 +24,5 @@ __all__ = [
     "python_tool",
     "run_tool_calls",
     "tool_from_function",
+    "unknown_env_row",
 ]

@@ -20,6 +20,8 @@ TOOL_CALL_FORMATS = ("hermes",)
 """How calls are written: `hermes` is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3,
 Hermes)."""
 KEY = "worker.rollout.multi_turn"
+MAX_TIMEOUT_S = 3600.0
+"""The longest deadline a tool or environment call may have: a larger one is a run that may wait hours on one call."""
 
 
 @dataclass
@@ -46,6 +48,13 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0
     """Wall-clock limit of one tool call; a call past it gets an error observation (the `python` tool's sandbox
     kills its program at this limit)."""
+    env_timeout_s: float = 60.0
+    """Wall-clock limit of each call into an environment other than its tools: the constructor with `reset`, `done`
+    when it is a property, `get_reward`. Past it the trajectory is dropped (reset, done) or gets no `env_reward`,
+    and counted; the call's thread is left behind (Python cannot stop one)."""
+    max_env_error_ratio: float = 0.5
+    """The run stops, with one line naming the first failure, when more than this share of a step's trajectories
+    failed in their environment (dropped) or in a tool (timed out, tried to end or fork the process)."""
     tool_call_format: str = "hermes"
     """How the model writes tool calls: hermes (`<tool_call>` JSON, Qwen2.5 / Qwen3 / Hermes)."""
     max_tool_output_chars: int = 4096
@@ -109,8 +118,12 @@ def check_multi_turn(mt: MultiTurnConfig, max_response_length: int) -> None:
     for name in ("max_turns", "max_tool_output_chars", "max_parallel_tools"):
         if getattr(mt, name) < 1:
             raise ConfigError(f"{KEY}.{name}", f"must be at least 1, got {getattr(mt, name)}")
-    if not mt.tool_timeout_s > 0:
-        raise ConfigError(f"{KEY}.tool_timeout_s", f"must be positive, got {mt.tool_timeout_s}")
+    for name in ("tool_timeout_s", "env_timeout_s"):
+        value = getattr(mt, name)
+        if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ConfigError(f"{KEY}.{name}", f"must lie in (0, {MAX_TIMEOUT_S:g}] seconds, got {value}")
+    if not 0 <= mt.max_env_error_ratio <= 1:
+        raise ConfigError(f"{KEY}.max_env_error_ratio", f"must lie in [0, 1], got {mt.max_env_error_ratio}")
     budget = mt.max_total_tokens
     if budget is not None and not 1 <= budget <= max_response_length:
         raise ConfigError(

@@ -268,6 +268,10 @@ class RLDataset:
     def __len__(self) -> int:
         return len(self._samples)
 
+    def rows(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each kept row with where it came from (`file, row N`), for checks over the whole data at load."""
+        return [(f"{s.source}, row {s.row_index}", s.row) for s in self._samples]
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         """One prompt: ``prompt_ids`` (unpadded), ``raw_prompt``, ``ground_truth``, ``row``, ``index``, plus the
         resolved ``images`` / ``videos`` (paths or bytes; empty lists when the row has none). With a processor also

@@ -28,10 +28,21 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from easyrl.agent import Environments, Episode, Observation, ToolCall, has_tool_call, parse_tool_calls, run_tool_calls
+from easyrl.agent import (
+    AgentRunError,
+    Environments,
+    Episode,
+    Observation,
+    ToolCall,
+    has_tool_call,
+    parse_tool_calls,
+    run_tool_calls,
+)
 from easyrl.agent.resume import call_record, describe, environment_state, rebuild_episode
 from easyrl.rollout.episode import Continue, Stop
 from easyrl.rollout.loop import EpisodeLoop
@@ -50,9 +61,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STOP_REASONS = ("answer", "env_done", "max_turns", "budget", "length")
+STOP_REASONS = ("answer", "env_done", "max_turns", "budget", "length", "env_error")
 """Why a trajectory ended: a turn without a tool call, the environment's `done`, the last turn still calling tools,
-the token budget, a turn cut at its token limit. All but the first two mark the trajectory truncated."""
+the token budget, a turn cut at its token limit, its environment failed (dropped: none of it is trained). `max_turns`,
+`budget` and `length` mark the trajectory truncated."""
 TRUNCATED = frozenset({"max_turns", "budget", "length"})
 
 
@@ -98,6 +110,8 @@ class ToolSettings:
     timeout_s: float
     max_output_chars: int
     parallel: int
+    max_error_ratio: float = 0.5
+    """`worker.rollout.multi_turn.max_env_error_ratio`: past this share of failed trajectories a step stops the run."""
 
 
 @dataclass
@@ -183,6 +197,8 @@ class ToolEpisode:
 
     def start(self, prompt_ids: list[int], columns: dict[str, Any]) -> Trajectory:
         episode = self.environments.start(columns["row"])
+        if episode.error is not None:  # dropped at its first completion (`after`); the dataset's prompt meanwhile
+            return Trajectory(prompt_ids, columns, episode_state=ToolState(episode, [], self.chat.decode(prompt_ids)))
         text = self.chat.render(episode.messages, episode.schemas)
         ids = self.chat.encode(text)
         if len(ids) > self.budget.max_prompt_length:
@@ -202,6 +218,9 @@ class ToolEpisode:
         calling = []
         for k, (traj, stopped) in enumerate(ended):
             state, ids = _state(traj), traj.completion()
+            if state.episode.error is not None:  # its environment did not open
+                steps[k] = _drop(traj)
+                continue
             state.text += self.chat.decode(ids)
             state.used += len(ids)
             content = self.chat.decode(ids[:-1] if stopped and ids and ids[-1] in stop_ids else ids)
@@ -218,14 +237,21 @@ class ToolEpisode:
         s = self.tool_settings
         work = [(_state(ended[k][0]).episode, _state(ended[k][0]).pending) for k in calling]
         results = run_tool_calls(work, s.timeout_s, s.max_output_chars, s.parallel)
-        for k, observations in zip(calling, results):
+        # `done` may be a property (user code under a deadline): read for every trajectory at once
+        dones = self._each([_state(ended[k][0]) for k in calling], lambda st: st.episode.done)
+        for k, observations, done in zip(calling, results, dones):
             traj = ended[k][0]
             state = _state(traj)
             state.ran += [call_record(c, o) for c, o in zip(state.pending, observations, strict=True)]
             state.pending = []
             state.tool_errors += sum(o.error for o in observations)
             state.tool_timeouts += sum(o.timed_out for o in observations)
-            if state.episode.done:
+            failed = next((o.content for o in observations if o.failed), None)
+            if failed is not None and state.episode.tool_failure is None:
+                state.episode.tool_failure = f"{state.episode.owner}: {failed.removeprefix('Error: ')}"
+            if state.episode.error is not None:  # reading `done` failed
+                steps[k] = _drop(traj)
+            elif done:
                 steps[k] = Stop("env_done")
             elif traj.turns >= self.budget.max_turns:  # the calls ran (the environment saw them); never read
                 steps[k] = Stop("max_turns")
@@ -252,9 +278,19 @@ class ToolEpisode:
             return Stop("budget", step.observation[: added - over])
         return step
 
+    def _each(self, states: list[ToolState], fn: Callable[[ToolState], Any]) -> list[Any]:
+        """`fn` of every state, `parallel` at a time: each call into an environment has its own deadline, so many
+        hung ones cost one deadline per `parallel` of them, not one each."""
+        if len(states) < 2:
+            return [fn(st) for st in states]
+        with ThreadPoolExecutor(min(self.tool_settings.parallel, len(states)), "easyrl-env") as pool:
+            return list(pool.map(fn, states))
+
     def columns(self, trajectories: list[Trajectory]) -> dict[str, list[Any]]:
         """What the reward function and the logs read: the row with the trajectory's outcome added (its final
-        answer, counts, why it stopped, the environment's reward) and the prompt as the model saw it."""
+        answer, counts, why it stopped, the environment's reward, `env_error` when it was dropped) and the prompt as
+        the model saw it."""
+        self._each([_state(t) for t in trajectories], ToolState.read_reward)  # read once each, in parallel
         rows = []
         for traj in trajectories:
             state = _state(traj)
@@ -266,6 +302,7 @@ class ToolEpisode:
                 "stop_reason": traj.stop_reason,
                 "truncated": traj.stop_reason in TRUNCATED,
                 "conversation": state.episode.messages,
+                "env_error": state.episode.error,
             }
             reward = state.read_reward()
             if reward is not None:
@@ -294,6 +331,8 @@ class ToolEpisode:
         env_errors = [s.episode.reward_error for s in states if s.episode.reward_error]
         if env_errors:
             logger.warning("get_reward() failed in %d trajectories, e.g. %s", len(env_errors), env_errors[0])
+        dropped = sum(s.episode.error is not None for s in states)
+        failed = self._check_failures(states)
         truncated = sum(t.stop_reason in TRUNCATED for t in trajectories)
         return {
             "multi_turn/turns_mean": sum(t.turns for t in trajectories) / count,
@@ -308,6 +347,8 @@ class ToolEpisode:
             "multi_turn/split_trajectories": float(len(split)),
             "multi_turn/untrained_tokens": float(untrained),
             "multi_turn/env_reward_errors": float(len(env_errors)),
+            "multi_turn/dropped": float(dropped),
+            "multi_turn/failed": failed / count,
         }
 
     def state_of(self, trajectory: Trajectory) -> dict[str, Any]:
@@ -349,6 +390,40 @@ class ToolEpisode:
                 return describe(episode), reason
         traj.episode_state = ToolState.restored(episode, saved)
         return None
+
+    def _check_failures(self, states: list[ToolState]) -> int:
+        """The trajectories that failed in their environment or tools (`_failure`); past `max_error_ratio` of them
+        the run stops, with one line naming the first failure."""
+        failures = [f for f in map(_failure, states) if f is not None]
+        if failures:
+            logger.warning(
+                "%d of %d trajectories failed in their environment or tools, e.g. %s",
+                len(failures),
+                len(states),
+                failures[0],
+            )
+        ratio = self.tool_settings.max_error_ratio
+        if len(failures) > ratio * len(states):
+            raise AgentRunError(
+                f"{len(failures)} of {len(states)} trajectories of this step failed in their environment or tools "
+                f"(more than worker.rollout.multi_turn.max_env_error_ratio={ratio:g}); the first: {failures[0]}"
+            )
+        return len(failures)
+
+
+def _failure(state: ToolState) -> str | None:
+    """Why a trajectory failed on the environment's or a tool's side (never the model's): its environment did not
+    open or `done` failed (dropped), `get_reward` failed, or a tool timed out or tried to end or fork the process."""
+    episode = state.episode
+    if episode.reward_error is not None and episode.error is None:
+        return f"{episode.owner}: get_reward() failed: {episode.reward_error}"
+    return episode.error or episode.tool_failure
+
+
+def _drop(trajectory: Trajectory) -> Stop:
+    """End a trajectory whose environment failed, with nothing of it trained (counted in `multi_turn/dropped`)."""
+    trajectory.loss_mask = [0] * len(trajectory.loss_mask)
+    return Stop("env_error")
 
 
 def _state(trajectory: Trajectory) -> ToolState:

@@ -98,5 +98,5 @@ def tool_parts(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     environments = load_environments(mt, dataset.messages)
     total = mt.max_total_tokens or cfg.data.max_response_length
     budget = TurnBudget(mt.max_turns, total, mt.max_tokens_per_turn or total, cfg.data.max_prompt_length)
-    tools = ToolSettings(mt.tool_timeout_s, mt.max_tool_output_chars, mt.max_parallel_tools)
+    tools = ToolSettings(mt.tool_timeout_s, mt.max_tool_output_chars, mt.max_parallel_tools, mt.max_env_error_ratio)
     return environments, ChatRenderer(tokenizer, chat_template), budget, tools

@@ -49,6 +49,7 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
     rollout_media = processor is not None and engine_capabilities(cfg.worker.rollout.name).raw_media
     train = RLDataset(cfg.data.train_files, cfg.data, tokenizer, processor, rollout_media)
     val = RLDataset(cfg.data.val_files, cfg.data, tokenizer, processor, rollout_media) if cfg.data.val_files else None
+    check_env_rows(cfg, train, val)
     if len(train) < cfg.data.rollout_batch_size:
         from easyrl.config import ConfigError
 
@@ -58,6 +59,21 @@ def build_data(cfg: EasyRLConfig) -> tuple[Any, Any, Any, Any]:
         )
     sampler = PromptSampler(len(train), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
     return tokenizer, train, val, sampler
+
+
+def check_env_rows(cfg: EasyRLConfig, *datasets: Any) -> None:
+    """A row naming an environment the run does not have stops `check` and `train` here, at load, with one line
+    naming the row and the known environments (mid-run it would only be a dropped trajectory)."""
+    mt = cfg.worker.rollout.multi_turn
+    if not mt.enabled:
+        return
+    from easyrl.agent import unknown_env_row
+    from easyrl.data.loading import DataError
+
+    for data in datasets:
+        problem = unknown_env_row(mt, data.rows()) if data is not None else None
+        if problem is not None:
+            raise DataError(problem)
 
 
 def check_teacher_tokenizer(cfg: EasyRLConfig, student: Any) -> None:

@@ -3,11 +3,12 @@ tools, what `reset` may return, routing rows to several environments, and every 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from easyrl.agent import AgentLoadError, load_environments
+from easyrl.agent import AgentLoadError, load_environments, unknown_env_row
 from easyrl.config.multi_turn import MultiTurnConfig
 
 
@@ -95,8 +96,16 @@ def test_several_environments_are_routed_by_a_dataset_column(tmp_path: Path) -> 
     envs = load_environments(MultiTurnConfig(envs={"count": counter, "calc": calc}, env_key="kind"), _prompt)
     assert envs.start({"kind": "calc", "prompt": "6*7"}).messages == [{"role": "user", "content": "6*7"}]
     assert "bump" in envs.start({"kind": "count", "start": 0}).tools
-    with pytest.raises(AgentLoadError, match=r"row column 'kind' .* is 'nope'; .*envs has: calc, count"):
-        envs.start({"kind": "nope"})
+    # a row naming no environment fails alone (its trajectory is dropped and counted), never the run
+    failed = envs.start({"kind": "nope"})
+    assert failed.done and re.search(r"row column 'kind' .* is 'nope'; .*envs has: calc, count", failed.error or "")
+    mt = MultiTurnConfig(envs={"count": counter, "calc": calc}, env_key="kind")
+    rows = [("train.jsonl row 0", {"kind": "calc"}), ("train.jsonl row 1", {"kind": "nope"})]
+    assert unknown_env_row(mt, rows) == (
+        "train.jsonl row 1: row column 'kind' (worker.rollout.multi_turn.env_key) is 'nope'; "
+        "worker.rollout.multi_turn.envs has: calc, count"
+    )
+    assert unknown_env_row(mt, rows[:1]) is None
 
 
 @pytest.mark.parametrize(
@@ -121,12 +130,28 @@ def test_a_bad_environment_is_refused_naming_the_file_and_the_fix(
 
 
 def test_reset_must_return_text_or_messages_and_take_the_row(tmp_path: Path) -> None:
+    """Each failure is that row's episode's `error` (the trajectory is dropped), naming the class and the fix."""
     source = "class A:\n    def reset(self, only: int):\n        return 3\n"
     envs = load_environments(MultiTurnConfig(env=_write(tmp_path, "a.py", source) + ":A"), _prompt)
-    with pytest.raises(AgentLoadError, match=r"reset\(\*\*row\) failed: .*accept the columns with \*\*row"):
-        envs.start({"only": 1, "prompt": "x"})
-    with pytest.raises(AgentLoadError, match="returned int: return the prompt text or a list of messages"):
-        envs.start({"only": 1})
+    error = envs.start({"only": 1, "prompt": "x"}).error or ""
+    assert re.search(r"^environment default: .*A\.reset\(\*\*row\) failed: .*accept the columns with \*\*row", error)
+    error = envs.start({"only": 1}).error or ""
+    assert "returned int: return the prompt text or a list of messages" in error
+
+
+def test_a_constructor_needing_arguments_or_a_reset_that_raises_fails_its_row_alone(tmp_path: Path) -> None:
+    source = (
+        "class Needs:\n    def __init__(self, x):\n        pass\n    def reset(self, **row):\n        return 'p'\n"
+        "class Raises:\n    def reset(self, **row):\n        if row['bad']:\n            raise KeyError('no')\n"
+        "        return 'fine \\udc80'\n"
+    )
+    path = _write(tmp_path, "a.py", source)
+    error = load_environments(MultiTurnConfig(env=path + ":Needs"), _prompt).start({}).error or ""
+    assert "Needs() failed: TypeError:" in error and "build it with no arguments" in error
+    envs = load_environments(MultiTurnConfig(env=path + ":Raises"), _prompt)
+    assert "Raises.reset(**row) raised KeyError: 'no'" in (envs.start({"bad": True}).error or "")
+    good = envs.start({"bad": False})  # a lone surrogate in the prompt is replaced: a tokenizer cannot encode it
+    assert good.error is None and good.messages == [{"role": "user", "content": "fine \ufffd"}]
 
 
 def test_two_tools_of_one_name_are_refused(tmp_path: Path) -> None:

@@ -51,7 +51,11 @@ def test_off_by_default_and_on_with_an_environment_or_tools(config: str, monkeyp
         (["tools=envs/missing.py"], "multi_turn.tools", "tool file not found"),
         (["tools=python", "max_total_tokens=9"], "multi_turn.max_total_tokens", r"must lie in \[1, data.max_resp"),
         (["tools=python", "max_turns=0"], "multi_turn.max_turns", "must be at least 1"),
-        (["tools=python", "tool_timeout_s=0"], "multi_turn.tool_timeout_s", "must be positive"),
+        (["tools=python", "tool_timeout_s=0"], "multi_turn.tool_timeout_s", r"must lie in \(0, 3600\] seconds"),
+        (["tools=python", "tool_timeout_s=1e30"], "multi_turn.tool_timeout_s", r"must lie in \(0, 3600\] seconds"),
+        (["tools=python", "tool_timeout_s=nan"], "multi_turn.tool_timeout_s", "must be finite"),
+        (["tools=python", "env_timeout_s=1e30"], "multi_turn.env_timeout_s", r"must lie in \(0, 3600\] seconds"),
+        (["tools=python", "max_env_error_ratio=1.5"], "multi_turn.max_env_error_ratio", r"must lie in \[0, 1\]"),
         (["tools=python", "tool_call_format=json"], "multi_turn.tool_call_format", "choose one of"),
     ],
 )
