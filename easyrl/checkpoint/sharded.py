@@ -326,6 +326,12 @@ def load_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 # --------------------------------------------------------------------------------------------- reading any world size
+def _offset(info: dict[str, Any]) -> int:
+    """A piece's recorded offset, -1 when it is not an integer (sorted first, then refused as not tiling)."""
+    offset = info.get("offset")
+    return offset if type(offset) is int else -1
+
+
 class ShardedReader:
     """Reassembles full tensors from all the `model_rank*_of*.safetensors` files of a role folder.
 
@@ -385,7 +391,7 @@ class ShardedReader:
             raise CheckpointError(
                 f"{self.folder}: {name} has shard dimension {dim!r} for a shape of {len(shape)} dims"
             )
-        pieces = sorted(pieces, key=lambda p: p[1].get("offset") if type(p[1].get("offset")) is int else -1)
+        pieces = sorted(pieces, key=lambda p: _offset(p[1]))
         covered = 0
         # In offset order each piece must start where the last one ended (empty shards, at offset = size, come last),
         # and have the claimed shape but along the shard dimension.
