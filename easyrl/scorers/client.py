@@ -16,6 +16,7 @@ the request's `Authorization` header only, never into a message, a metric or a r
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -269,20 +270,22 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
     target = parts.path + (f"?{parts.query}" if parts.query else "")
     proxy = None if urllib.request.proxy_bypass(host) else urllib.request.getproxies().get(parts.scheme)
     if parts.scheme == "https":
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            host, port, timeout=timeout, context=ssl.create_default_context()
-        )
-        if proxy:
+        if proxy:  # a tunnel through the proxy to the server
             p = urllib.parse.urlsplit(proxy)
-            conn = http.client.HTTPSConnection(
-                p.hostname or "", p.port, timeout=timeout, context=ssl.create_default_context()
-            )
-            conn.set_tunnel(host, port)
-        return conn, target
+            tunnel = http.client.HTTPSConnection(p.hostname or "", p.port, timeout=timeout, context=_tls())
+            tunnel.set_tunnel(host, port)
+            return tunnel, target
+        return http.client.HTTPSConnection(host, port, timeout=timeout, context=_tls()), target
     if proxy:  # a plain-HTTP proxy takes the full URL as the target
         p = urllib.parse.urlsplit(proxy)
         return http.client.HTTPConnection(p.hostname or "", p.port, timeout=timeout), url
     return http.client.HTTPConnection(host, port, timeout=timeout), target
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The system's CA certificates, loaded once per process (not per request)."""
+    return ssl.create_default_context()
 
 
 class _Cutter:

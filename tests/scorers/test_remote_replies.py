@@ -253,3 +253,14 @@ def test_a_reward_model_score_that_is_not_finite_is_a_failed_try(serve) -> None:
     assert rm.score(SAMPLE) == 0.0
     stats = rm.stats.drain()
     assert stats["rm/bad_replies"] == 2.0 and stats["rm/errors"] == 1.0
+
+
+def test_a_proxy_named_by_the_environment_carries_the_request(serve, monkeypatch) -> None:
+    """As the openai client did (httpx reads the same variables): `http_proxy` is honoured, `no_proxy` bypasses it."""
+    proxy = serve(chat("Score: 4"))
+    monkeypatch.setenv("http_proxy", proxy.url.removesuffix("/v1"))
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    ref = ModelRefConfig(base_url="http://judge.invalid:8000/v1", served_model_name="m", max_retries=0)
+    assert Judge(JudgeConfig(model=ref, template=TEMPLATE)).verdict(SAMPLE).score == 4.0  # only the proxy answers
+    assert proxy.seen == 1
