@@ -143,7 +143,8 @@ class Judge:
             score = None if score is None else float(score)
         except (TypeError, ValueError):  # a parse function that returned something other than a number
             score = None
-        # An infinite or NaN score ("Score: 1e999") would reach the advantages as one: unreadable, like no score.
+        # An infinite or NaN score (a 400-digit "Score: 1000...") would reach the advantages as one: unreadable, like
+        # no score.
         if score is None or not math.isfinite(score):
             self.model.stats.add("parse_errors")
             if self.cfg.model.on_error == "raise":
