@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -280,6 +282,38 @@ def print_memory_plan(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) ->
     return 2 if problems else 0
 
 
+def placement_problem(cfg: EasyRLConfig, gpus: int | None = None) -> str | None:
+    """What this machine lacks for the run's workers, found now rather than when a placement group has waited out
+    its minute: `train`'s Ray instance gives each worker of the actor's pool and of a separate rollout pool one CPU
+    slot (`trainer.ray_num_cpus` of them, when set) and, on a GPU run, one GPU. None where `check` cannot tell (a
+    cluster behind RAY_ADDRESS, several nodes, a machine without GPUs). `gpus`: the machine's GPU count (default:
+    torch's)."""
+    if cfg.trainer.nnodes != 1 or os.environ.get("RAY_ADDRESS"):
+        return None
+    plan = plan_of(cfg)
+    trainers, rollout = cfg.trainer.n_gpus_per_node, plan.own_rollout_workers
+    need = trainers + rollout
+    who = f"trainer.n_gpus_per_node={trainers}" + (
+        f" trainer workers + worker.rollout.n_gpus={rollout} rollout workers of placement: separate" if rollout else ""
+    )
+    cpus = cfg.trainer.ray_num_cpus
+    if cpus and cpus < need:
+        return (
+            f"trainer.ray_num_cpus={cpus} gives Ray fewer CPU slots than the {need} its workers take, one each "
+            f"({who}): raise it to {need} or leave it unset"
+        )
+    if plan.use_gpu:
+        import torch
+
+        judge = cfg.worker.reward.judge
+        need += judge.server.num_gpus if judge.model.local else 0
+        have = torch.cuda.device_count() if gpus is None else gpus
+        if 0 < have < need:  # none at all: a login node checking a config for a GPU node, which it cannot judge
+            served = f" + worker.reward.judge.server.num_gpus={judge.server.num_gpus}" if judge.model.local else ""
+            return f"this machine has {have} GPU(s); the run takes {need}, one per worker ({who}{served})"
+    return None
+
+
 def _load_data(build: Any, cfg: EasyRLConfig) -> tuple[Any, Any] | None:
     """(train, val) as `build` (the trainer's loader) makes them; None, after one line naming the problem, when the
     data or the config cannot be used."""
@@ -310,6 +344,10 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
         else:
             print(f"easyrl: rollout error: {problem}", file=sys.stderr)
             return 2
+    placement = placement_problem(cfg)
+    if placement is not None:
+        print(f"easyrl: placement error: {placement}", file=sys.stderr)
+        return 2
     version = engine_version_line(cfg)
     if version is not None:
         print(f"easyrl: warning: {version}", file=out)
@@ -415,12 +453,25 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
     print("== first multi-turn prompt, rendered with the tools", file=sys.stdout)
     try:
         loop: Any = multi_turn_loop(cfg, plan_of(cfg))
+    except (AgentLoadError, ValueError) as exc:
+        print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)
+        return 2
+    problem = constructor_problem(loop.environments.types)
+    if problem is not None:
+        print(f"easyrl: multi-turn error: {problem}", file=sys.stderr)
+        return 2
+    try:
         episode = loop.environments.start(first["row"])
         if episode.error is not None:  # in training only this row's trajectories would be dropped; here: say it
             raise AgentLoadError(f"the first row's episode did not open: {episode.error}")
         text = loop.chat.render(episode.messages, episode.schemas)
     except (AgentLoadError, ValueError) as exc:
         print(f"easyrl: multi-turn error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the user's environment code, on the first row: one line naming it, not a traceback
+        print(
+            f"easyrl: multi-turn error: the first row's episode failed: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
         return 2
     tokens = len(loop.chat.encode(text))
     print(text, file=sys.stdout)
@@ -433,6 +484,32 @@ def _check_multi_turn(cfg: EasyRLConfig, first: dict[str, Any]) -> int:
         )
         return 2
     return 0
+
+
+def constructor_problem(env_types: dict[str, Any]) -> str | None:
+    """The first environment class that cannot be built without arguments, as every episode builds one."""
+    for name, env_type in env_types.items():
+        cls = env_type.cls
+        if cls is None:
+            continue
+        try:
+            signature = inspect.signature(cls)
+        except (TypeError, ValueError):  # a class without a readable signature (a C type): left to the first episode
+            continue
+        try:
+            signature.bind()
+        except TypeError:
+            needed = [
+                p.name
+                for p in signature.parameters.values()
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
+            return (
+                f"environment {name} ({cls.__module__}.{cls.__qualname__}) takes constructor arguments "
+                f"({', '.join(needed)}); each episode builds one with none: give them defaults, or read them from "
+                "the row in reset(**row)"
+            )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- supervised fine-tuning

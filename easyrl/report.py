@@ -58,7 +58,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            # ValueError covers a decode error and an integer past Python's 4,300-digit limit; RecursionError, a
+            # line nested thousands deep. Neither is a row a run wrote.
+            except (ValueError, RecursionError):
                 logger.warning("%s:%d is not valid JSON; skipped", path, number)
                 continue
             if isinstance(obj, dict):
@@ -72,15 +74,18 @@ def metric_series(rows: list[dict[str, Any]]) -> Series:
     by_step: dict[int, dict[str, float]] = {}
     odd = [row["step"] for row in rows if "step" in row and _step_of(row["step"]) is None]
     if odd:  # a hand-edited or foreign log: one line, not a traceback (bool, "3", 1.5, null are no step numbers)
-        logger.warning("%d logged rows have a step that is not an integer (first: %r); skipped", len(odd), odd[0])
+        logger.warning(
+            "%d logged rows have a step that is not an integer (first: %s); skipped", len(odd), repr(odd[0])[:40]
+        )
     for row in rows:
         step = _step_of(row.get("step"))
         if step is None:
             continue
         values = by_step.setdefault(step, {})
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                values[key] = float(value)
+            number = _number(value)
+            if key != "step" and number is not None:
+                values[key] = number
     series: Series = {}
     for step in sorted(by_step):
         for key, value in by_step[step].items():
@@ -95,10 +100,20 @@ def _step_of(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
+        return value if abs(value) < 2**63 else None  # beyond any run's steps, and beyond what a plot can place
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float when it is a JSON number a float can hold (an integer of 400 digits is not); else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def plan_plots(series: Series) -> list[Plot]:
@@ -217,9 +232,9 @@ def summary_rows(series: Series) -> list[tuple[str, str]]:
 
 
 def _generation_row(row: dict[str, Any]) -> str:
-    score = row.get("score")
-    score_text = _fmt(float(score)) if isinstance(score, (int, float)) else ""
-    cls = "good" if isinstance(score, (int, float)) and score > 0 else "bad"
+    score = _number(row.get("score"))
+    score_text = _fmt(score) if score is not None else ""
+    cls = "good" if score is not None and score > 0 else "bad"
     cells = [
         f'<td class="num">{html.escape(str(row.get("step", "")))}</td>',
         f'<td><div class="text">{html.escape(str(row.get("prompt", "")))}</div></td>',

@@ -588,6 +588,43 @@ def test_no_model_type_branch_outside_the_family_table() -> None:
     )
 
 
+HTTP_CLIENTS = ("openai", "httpx", "requests", "aiohttp", "http.client")
+HTTP_HOME = "easyrl.scorers.client"
+"""The one module that makes requests to second models: each try under an overall deadline and a size cap."""
+
+
+def _http_client_imports(source: str) -> list[int]:
+    """Lines importing an HTTP client library (whose timeouts bound silence, not a request, and whose replies have no
+    size cap)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        if any(n == c or n.startswith(c + ".") for n in names for c in HTTP_CLIENTS):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_http_client_rule_catches_the_ways_to_import() -> None:
+    source = (
+        "import openai\nfrom httpx import Client\nimport http.client as hc\nimport json\nfrom http import server\n"
+    )
+    assert _http_client_imports(source) == [1, 2, 3]
+
+
+def test_second_models_are_called_only_through_the_bounded_client() -> None:
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m != HTTP_HOME
+        for line in _http_client_imports(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, f"call remote models through {HTTP_HOME}.RemoteModel (a deadline per try, a size cap):\n" + (
+        "\n".join(offenders)
+    )
+
+
 def test_every_benchmark_script_is_recorded_in_benchmarks_md() -> None:
     """A benchmark script comes with its command and figures in docs/benchmarks.md (the card it ran on): a
     measurement nobody can find or rerun is no measurement."""

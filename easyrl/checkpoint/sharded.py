@@ -326,6 +326,12 @@ def load_optimizer(folder: str, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 # --------------------------------------------------------------------------------------------- reading any world size
+def _offset(info: dict[str, Any]) -> int:
+    """A piece's recorded offset, -1 when it is not an integer (sorted first, then refused as not tiling)."""
+    offset = info.get("offset")
+    return offset if type(offset) is int else -1
+
+
 class ShardedReader:
     """Reassembles full tensors from all the `model_rank*_of*.safetensors` files of a role folder.
 
@@ -347,6 +353,9 @@ class ShardedReader:
         self.aliases: dict[str, str] = {}
         for r, path in enumerate(self.files):
             header = fsio.json_metadata(fsio.read_tensor_metadata(path), HEADER_KEY, path)
+            tensors = header.get("tensors") if isinstance(header, dict) else None
+            if not isinstance(tensors, dict) or not all(isinstance(i, dict) for i in tensors.values()):
+                raise CheckpointError(f"{path}: its {HEADER_KEY!r} header entry does not list tensors")
             if header.get("world_size") != world or header.get("rank") != r:
                 raise CheckpointError(f"{path} says rank {header.get('rank')} of {header.get('world_size')}")
             for name, info in header["tensors"].items():
@@ -360,35 +369,72 @@ class ShardedReader:
         return list(self.infos)
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        """The full tensor `name`, reassembled from every rank's piece (checked to cover it exactly once)."""
-        from safetensors import safe_open
+        """The full tensor `name`, reassembled from every rank's piece (checked to cover it exactly once).
 
+        The header's claims are checked against the pieces' own shapes before anything is allocated: a header that
+        claims a tensor larger than its pieces (a corrupt or forged file) must be a CheckpointError, not an attempt
+        to allocate terabytes."""
         pieces = self.infos[name]
         first = pieces[0][1]
-        if first["shard_dim"] is None:  # replicated: any rank's copy is the whole tensor
-            with safe_open(self.files[pieces[0][0]], framework="pt") as handle:
-                return handle.get_tensor(name)
-        dim = int(first["shard_dim"])
+        shape = first.get("global_shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointError(f"{self.files[pieces[0][0]]}: {name} has global shape {str(shape)[:80]}, not sizes")
+        if first.get("shard_dim") is None:  # replicated: any rank's copy is the whole tensor
+            piece = self._piece(pieces[0][0], name)
+            if list(piece.shape) != shape:
+                raise CheckpointError(
+                    f"{self.files[pieces[0][0]]}: {name} is {list(piece.shape)}, its header claims {shape}"
+                )
+            return piece
+        dim = first["shard_dim"]
+        if type(dim) is not int or not 0 <= dim < len(shape):
+            raise CheckpointError(
+                f"{self.folder}: {name} has shard dimension {dim!r} for a shape of {len(shape)} dims"
+            )
+        pieces = sorted(pieces, key=lambda p: _offset(p[1]))
+        covered = 0
+        # In offset order each piece must start where the last one ended (empty shards, at offset = size, come last),
+        # and have the claimed shape but along the shard dimension.
+        for r, info in pieces:
+            if info.get("offset") != covered or info.get("shard_dim") != dim or info.get("global_shape") != shape:
+                raise CheckpointError(
+                    f"{self.folder}: the shards of {name} do not tile it (rank {r}: {str(info)[:200]})"
+                )
+            size = self._piece_shape(r, name)
+            if len(size) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(size, shape)) if i != dim):
+                raise CheckpointError(f"{self.files[r]}: the piece of {name} is {size}, its header claims {shape}")
+            covered += size[dim]
+        if covered != shape[dim]:
+            raise CheckpointError(f"{self.folder}: the shards of {name} cover {covered} of {shape[dim]}")
         out: torch.Tensor | None = None
         covered = 0
-        # In offset order each piece must start where the last one ended (empty shards, at offset = size, come last).
-        for r, info in sorted(pieces, key=lambda p: p[1]["offset"]):
-            if info["offset"] != covered or info["shard_dim"] != dim or info["global_shape"] != first["global_shape"]:
-                raise CheckpointError(f"{self.folder}: the shards of {name} do not tile it (rank {r}: {info})")
-            try:
-                with safe_open(self.files[r], framework="pt") as handle:
-                    piece = handle.get_tensor(name)
-            except Exception as exc:
-                raise CheckpointError(f"{self.files[r]} is not a valid safetensors file ({exc})") from exc
-            if out is None:
-                out = torch.empty(first["global_shape"], dtype=piece.dtype)  # allocated once the saved dtype is known
+        for r, _ in pieces:
+            piece = self._piece(r, name)
+            if out is None:  # allocated once the saved dtype is known, and only as large as the pieces proved
+                out = torch.empty(shape, dtype=piece.dtype)
             out.narrow(dim, covered, piece.shape[dim]).copy_(piece)
             covered += piece.shape[dim]
-        if out is None or covered != first["global_shape"][dim]:
-            raise CheckpointError(
-                f"{self.folder}: the shards of {name} cover {covered} of {first['global_shape'][dim]}"
-            )
+        assert out is not None
         return out
+
+    def _piece_shape(self, rank: int, name: str) -> list[int]:
+        """The shape rank `rank`'s file records for `name` (its safetensors header; no data read)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(self.files[rank], framework="pt") as handle:
+                return list(handle.get_slice(name).get_shape())
+        except Exception as exc:
+            raise CheckpointError(f"{self.files[rank]} is not a valid safetensors file ({exc})") from exc
+
+    def _piece(self, rank: int, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(self.files[rank], framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{self.files[rank]} is not a valid safetensors file ({exc})") from exc
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.infos:

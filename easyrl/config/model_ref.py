@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+PARSE_MATCH = ("last", "first")
+"""Which match of a judge's `parse` regex is its verdict."""
 ON_ERROR = ("zero", "raise")
 """What a call that still fails after its retries does: score 0 (counted) or raise."""
 
@@ -36,10 +38,12 @@ class ModelRefConfig:
     max_concurrency: int = 16
     """Remote: requests in flight at once, per process that calls (each reward worker, or the driver)."""
     timeout_s: float = 60.0
-    """Remote: seconds one request may take before it counts as a timeout (and is retried)."""
+    """Remote: seconds one try of a request may take in all (connecting, waiting, reading the reply, however slowly the
+    server sends it) before it counts as a timeout (and is retried)."""
     max_retries: int = 2
-    """Remote: further tries of a request that failed (connection refused or reset, timeout, HTTP 5xx or 429), with
-    exponential backoff from 0.5 s; a 4xx other than 429 is not retried."""
+    """Remote: further tries of a request that failed (connection refused or reset, timeout, HTTP 5xx or 429, a reply
+    that is not what the API promises: not JSON, the wrong shape, over the size the request allows, a number that is
+    not finite), with exponential backoff from 0.5 s; a 4xx other than 429 is not retried."""
     on_error: str = "raise"
     """A request that still fails after its retries: `raise` (the reward call fails, counted as `reward/errors` and
     given `fallback_score` by the reward manager) or `zero` (that verdict scores 0, the reward function goes on);
@@ -107,8 +111,12 @@ class JudgeConfig:
     `{{ ground_truth }}` and every column of the row. Required with a model."""
     parse: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
     """How the score is read from the reply: a regular expression (its first group, or the whole match without a
-    group, as a number; the first match wins) or `path/to/file.py:function` taking the reply text and returning a
-    number (None: unreadable). An unreadable reply counts as `<name>/parse_errors` and follows `on_error`."""
+    group, as a number; which match: `parse_match`) or `path/to/file.py:function` taking the reply text and returning
+    a number (None: unreadable). A reply with no score, or one that is not a finite number, counts as
+    `<name>/parse_errors` and follows `on_error`."""
+    parse_match: str = "last"
+    """Which match of a `parse` regular expression is the verdict: `last` (the judge's conclusion, after any score
+    it quotes from the response under review, so a policy cannot write its own reward by quoting one) or `first`."""
     sampling: JudgeSamplingConfig = field(default_factory=JudgeSamplingConfig)
     """The judge's sampling."""
 

@@ -11,13 +11,17 @@ from typing import TYPE_CHECKING
 
 from easyrl.config.algorithm import DISTILL_MODES
 from easyrl.config.errors import ConfigError
-from easyrl.config.model_ref import ON_ERROR, ModelRefConfig
+from easyrl.config.model_ref import ON_ERROR, PARSE_MATCH, ModelRefConfig
 from easyrl.config.names import declared_needs
 
 
 if TYPE_CHECKING:
     from easyrl.config.schema import EasyRLConfig
     from easyrl.config.worker import RewardConfig
+
+
+MAX_TIMEOUT_S = 86400.0
+"""The longest `timeout_s` a model reference may set: every try has a deadline a run can reach."""
 
 
 def check_model_ref(ref: ModelRefConfig, key: str) -> None:
@@ -30,8 +34,10 @@ def check_model_ref(ref: ModelRefConfig, key: str) -> None:
         raise ConfigError(f"{key}.on_error", f"{ref.on_error!r} is not allowed; choose one of: {', '.join(ON_ERROR)}")
     if ref.max_concurrency < 1:
         raise ConfigError(f"{key}.max_concurrency", f"must be >= 1, got {ref.max_concurrency}")
-    if ref.timeout_s <= 0:
-        raise ConfigError(f"{key}.timeout_s", f"must be > 0 seconds, got {ref.timeout_s}")
+    if not 0 < ref.timeout_s <= MAX_TIMEOUT_S:  # `not`: a NaN fails too
+        raise ConfigError(
+            f"{key}.timeout_s", f"must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (a day), got {ref.timeout_s}"
+        )
     if ref.max_retries < 0:
         raise ConfigError(f"{key}.max_retries", f"must be >= 0 (0: no retry), got {ref.max_retries}")
     if ref.remote and not str(ref.base_url).startswith(("http://", "https://")):
@@ -57,7 +63,6 @@ def check_distill(cfg: EasyRLConfig) -> None:
         return
     check_model_ref(dist.teacher, f"{key}.teacher")
     if dist.teacher.remote:
-        _check_openai(f"{key}.teacher.base_url")
         if not dist.teacher.tokenizer_path:
             raise ConfigError(
                 f"{key}.teacher.tokenizer_path",
@@ -116,6 +121,10 @@ def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | N
         if not Path(judge.template).is_file():
             raise ConfigError("worker.reward.judge.template", f"template file not found: {judge.template}")
         _check_parse(judge.parse)
+        if judge.parse_match not in PARSE_MATCH:
+            raise ConfigError(
+                "worker.reward.judge.parse_match", f"{judge.parse_match!r} is not one of {', '.join(PARSE_MATCH)}"
+            )
         if judge.sampling.temperature < 0 or judge.sampling.max_tokens < 1:
             raise ConfigError("worker.reward.judge.sampling", "needs temperature >= 0 and max_tokens >= 1")
         if judge.model.local and judge.server.num_gpus < 0:
@@ -146,23 +155,14 @@ def check_reward_scorers(reward: RewardConfig, check_function: Callable[[str | N
         raise ConfigError(f"worker.reward.route_kwargs.{stray[0]}", "names no route: keys must be keys of routes")
 
 
-def _check_openai(key: str) -> None:
-    if importlib.util.find_spec("openai") is None:
-        raise ConfigError(key, "a remote model needs the openai client: pip install 'easyrl[judge]'")
-
-
 def _check_scorer_ref(ref: ModelRefConfig, key: str, role: str) -> None:
     check_model_ref(ref, key)
-    if ref.remote:
-        _check_openai(f"{key}.base_url")
-    if role == "judge" and ref.local:
-        _check_openai(f"{key}.model_path")  # easyrl serves it, and the judge still calls it over HTTP
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                f"{key}.model_path",
-                "a local judge is served by vLLM, which is not installed: pip install vllm (on CPU: "
-                "scripts/install_vllm_cpu.sh), or serve the judge yourself and give its base_url",
-            )
+    if role == "judge" and ref.local and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"{key}.model_path",
+            "a local judge is served by vLLM, which is not installed: pip install vllm (on CPU: "
+            "scripts/install_vllm_cpu.sh), or serve the judge yourself and give its base_url",
+        )
 
 
 def _check_parse(parse: str) -> None:

@@ -24,6 +24,7 @@ import torch
 from easyrl.config.data import DataConfig
 from easyrl.config.sft import SFTConfig
 from easyrl.data.chat_spans import ChatRenderer, Conversation, SpanError, TemplateMaskError
+from easyrl.data.length_bound import overlong_checker
 from easyrl.data.loading import DataError, load_rows
 from easyrl.data.prompts import PromptError, PromptRenderer, UnsafeTemplateError, load_chat_template
 
@@ -85,6 +86,7 @@ class SFTDataset:
             )
         except (OSError, ValueError) as exc:
             raise DataError(str(exc)) from exc
+        self._cannot_fit = overlong_checker(tokenizer)
         rows = load_rows(spec)
         self.num_rows_read = len(rows)
         drops: Counter[str] = Counter()
@@ -108,12 +110,11 @@ class SFTDataset:
 
     # ------------------------------------------------------------------ building
     def _sample(self, source: str, index: int, row: dict[str, Any]) -> _Sample:
-        if row.get(self.cfg.audio_key):  # SFT renders text only: the clip would be dropped without a word
-            raise DataError(
-                f"{source}, row {index}: {self.cfg.audio_key!r} has audio, which SFT does not take yet (RL does, on "
-                "an Omni thinker); drop the column or set data.audio_key to a column the rows lack"
-            )
+        media = self._media(row)
+        if media is not None:
+            raise DataError(f"{source}, row {index}: {media}")
         conv = self._conversation(row)
+        self._refuse_unfit(conv)
         try:
             ids, mask = self.chat.encode(conv)
         except SpanError as exc:
@@ -129,6 +130,54 @@ class SFTDataset:
         # The first token is predicted by nothing: a conversation whose first token is trained keeps it as the prompt.
         first = max(1, mask.index(1))
         return _Sample(source, index, ids[:first], ids[first:], mask[first:])
+
+    def _media(self, row: dict[str, Any]) -> str | None:
+        """Why the row cannot train as text, if it holds media: SFT renders text only, so a clip would be dropped
+        without a word and an image part rendered as the template's placeholder text and trained on as such."""
+        if row.get(self.cfg.audio_key):
+            return (
+                f"{self.cfg.audio_key!r} has audio, which SFT does not take yet (RL does, on an Omni thinker); drop "
+                "the column or set data.audio_key to a column the rows lack"
+            )
+        for key, what in ((self.cfg.image_key, "image_key"), (self.cfg.video_key, "video_key")):
+            if row.get(key):
+                return (
+                    f"{key!r} has media, which SFT does not take yet (RL does, on a vision-language model); drop the "
+                    f"column or set data.{what} to a column the rows lack"
+                )
+        messages = row.get(self.sft.messages_key)
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else []:
+                kind = _part_kind(part)
+                if kind != "text":
+                    return (
+                        f"{self.sft.messages_key!r} message {i} has a content part of type {kind!r}, which SFT does "
+                        "not take yet (the template would render its placeholder as text and train on it); drop the "
+                        "part or the row"
+                    )
+        return None
+
+    def _refuse_unfit(self, conv: Conversation) -> None:
+        """An overlong row proven so before it is tokenized (a 10 MB message took 3.6 GB and seconds), as RL prompts
+        are (`easyrl.data.length_bound`). Only a conversation whose fields alone pass `sft.max_length` characters is
+        rendered for the proof; a smaller one is at most a template's markup longer, and is tokenized as before."""
+        if self._cannot_fit is None:
+            return
+        limit = self.sft.max_length
+        if len(json.dumps([conv.messages, conv.tools], ensure_ascii=False, default=str)) <= limit:
+            return
+        try:
+            text = self.chat.render(conv)
+        except SpanError as exc:
+            raise _BadRow("template_error", str(exc)) from exc
+        least = self._cannot_fit(text, limit)
+        if least is not None:
+            raise _BadRow(
+                "overlong",
+                f"the conversation has at least {least} tokens ({len(text)} characters, not tokenized) > "
+                f"sft.max_length={limit} (raise it, or sft.overlong=drop to leave such rows out)",
+            )
 
     def _conversation(self, row: dict[str, Any]) -> Conversation:
         """The row's messages and tools, or its prompt/response pair as a two-message conversation."""
@@ -236,6 +285,16 @@ def _checked_messages(messages: Any, key: str) -> list[dict[str, Any]]:
             f"{key!r} has no assistant message with content or tool calls: nothing to train on (drop the row)",
         )
     return out
+
+
+def _part_kind(part: Any) -> str:
+    """A content part's kind: its `type`, else the media key it carries (`image`, `image_url`, ...), else text."""
+    if not isinstance(part, dict):
+        return "text"
+    kind = part.get("type")
+    if isinstance(kind, str) and kind:
+        return kind
+    return next((k for k in ("image", "image_url", "video", "audio", "input_audio") if part.get(k)), "text")
 
 
 def _tools(value: Any, cfg: SFTConfig) -> list[dict[str, Any]] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -65,9 +66,9 @@ def load_function(spec: str, key: str) -> Callable[..., Any]:
     return fn
 
 
-def _parser(parse: str, key: str) -> Callable[[str], float | None]:
+def _parser(parse: str, key: str, match: str = "last") -> Callable[[str], float | None]:
     """`parse` as a function of the reply: a `file.py:fn` returning a number (or None), else a regex whose first
-    group (or whole match, without a group) is the number."""
+    group (or whole match, without a group) is the number, read from its last match (`match: last`) or its first."""
     if parse.rpartition(":")[0].endswith(".py"):
         return load_function(parse, key)
     try:
@@ -78,12 +79,17 @@ def _parser(parse: str, key: str) -> Callable[[str], float | None]:
         ) from None
 
     def read(text: str) -> float | None:
-        match = pattern.search(text)
-        if match is None:
+        if match == "first":
+            found = pattern.search(text)
+        else:  # the verdict ends the reply: a score quoted earlier (the policy's own "Score: 10") is not it
+            found = None
+            for found in pattern.finditer(text):  # noqa: B007  (the loop keeps the last)
+                pass
+        if found is None:
             return None
         try:
-            return float(match.group(1) if pattern.groups else match.group(0))
-        except ValueError:
+            return float(found.group(1) if pattern.groups else found.group(0))
+        except (ValueError, OverflowError):
             return None
 
     return read
@@ -107,7 +113,7 @@ class Judge:
             source = f.read()
         env = GuardedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
         self.template = env.from_string(source)
-        self.parse = _parser(cfg.parse, f"{key}.parse")
+        self.parse = _parser(cfg.parse, f"{key}.parse", cfg.parse_match)
         s = cfg.sampling
         self.sampling: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens}
         if s.seed is not None:
@@ -132,11 +138,18 @@ class Judge:
         text = self.model.chat(self.messages(sample), **self.sampling)
         if text is None:  # the request failed and was counted; on_error is zero
             return Verdict(0.0, None, False)
-        score = self.parse(text)
-        if score is None:
+        try:
+            score = self.parse(text)
+            score = None if score is None else float(score)
+        except (TypeError, ValueError):  # a parse function that returned something other than a number
+            score = None
+        # An infinite or NaN score (a 400-digit "Score: 1000...") would reach the advantages as one: unreadable, like
+        # no score.
+        if score is None or not math.isfinite(score):
             self.model.stats.add("parse_errors")
             if self.cfg.model.on_error == "raise":
-                raise JudgeParseError(f"{self.name}: no score in its reply ({self.cfg.parse!r}): {text[:200]!r}")
+                what = "no score" if score is None else f"the score {score} is not finite"
+                raise JudgeParseError(f"{self.name}: {what} in its reply ({self.cfg.parse!r}): {text[:200]!r}")
             return Verdict(0.0, text, False)
         return Verdict(float(score), text, True)
 

@@ -18,10 +18,13 @@ from typing import Any
 import jinja2
 
 from easyrl.config.model_ref import RewardModelConfig
-from easyrl.scorers.client import CallStats, ModelCallError, RemoteModel
+from easyrl.scorers.client import REPLY_BASE_BYTES, BadReply, CallStats, ModelCallError, RemoteModel, finite
 
 
 __all__ = ["RewardModel"]
+
+BYTES_PER_SCORE = 1 << 16
+"""Room per input in a `/pooling` reply: a classifier's few numbers, with room for a server's extra fields."""
 
 
 class RewardModel:
@@ -105,6 +108,8 @@ class RewardModel:
             with self._lock, torch.no_grad():
                 enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
                 logits = self.model(**enc).logits  # (b, 1)
+            if not torch.isfinite(logits).all():  # a NaN score would become a NaN advantage: an error, not a reward
+                raise FloatingPointError("the model scored a sample NaN or infinite")
         except Exception as exc:  # a forward that fails (too long an input, out of memory) follows on_error
             self.stats.add("errors")
             if self.cfg.model.on_error == "zero":
@@ -116,18 +121,26 @@ class RewardModel:
 
     def _remote(self, texts: list[str]) -> list[float] | None:
         assert self.remote is not None
+
+        def read(reply: Any) -> list[float]:
+            data = sorted(reply["data"], key=lambda d: d["index"])
+            if len(data) != len(texts):
+                raise BadReply(f"{len(data)} scores for {len(texts)} inputs")
+            return [finite(d["data"][0], "a score") for d in data]
+
         # The raw output, as the local model gives it: `/classify` would put a one-label score through a sigmoid.
-        reply = self.remote.post("/pooling", {"input": texts, "use_activation": False})
-        if reply is None:
-            return None
-        data = sorted(reply["data"], key=lambda d: d["index"])
-        return [float(d["data"][0]) for d in data]
+        body = {"input": texts, "use_activation": False}
+        return self.remote.post("/pooling", body, REPLY_BASE_BYTES + BYTES_PER_SCORE * len(texts), read)
 
     def _remote_chat(self, sample: dict[str, Any]) -> list[float] | None:
         assert self.remote is not None
         body = {"messages": turns(sample), "use_activation": False, "add_generation_prompt": False}
-        reply = self.remote.post("/pooling", body)
-        return None if reply is None else [float(reply["data"][0]["data"][0])]
+        return self.remote.post(
+            "/pooling",
+            body,
+            REPLY_BASE_BYTES + BYTES_PER_SCORE,
+            lambda r: [finite(r["data"][0]["data"][0], "a score")],
+        )
 
 
 def turns(sample: dict[str, Any]) -> list[dict[str, str]]:

@@ -5,8 +5,8 @@ student sampled, from vLLM's prompt log-probs (`/v1/completions` with the studen
 The same contract as the local teacher role (`easyrl.workers.teacher`): `compute_teacher_log_probs(batch)` ->
 `teacher_log_probs` (B, R), for the driver's `teacher` stage. One request per sample, up to the model's
 `max_concurrency` at once. vLLM's prompt log-probs are the raw model's (temperature 1), which is why config
-validation asks for `worker.rollout.temperature: 1` with a remote teacher. A sample whose request fails with
-`on_error: zero` gets the student's own log-probs as the teacher's: no distillation signal for it (counted in
+validation asks for `worker.rollout.temperature: 1` with a remote teacher. A reply without a finite log-prob for every
+token sent is a failed try (`teacher/bad_replies`, retried). A sample whose request fails with `on_error: zero` gets the student's own log-probs as the teacher's: no distillation signal for it (counted in
 `teacher/errors`), never a made-up one.
 """
 
@@ -19,10 +19,14 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.config.model_ref import ModelRefConfig
-from easyrl.scorers.client import ModelCallError, RemoteModel
+from easyrl.scorers.client import REPLY_BASE_BYTES, BadReply, RemoteModel, finite
 
 
 __all__ = ["RemoteTeacher"]
+
+BYTES_PER_ENTRY = 1024
+"""Room per prompt token in a reply: its log-prob entry (`{"id": {"logprob", "rank", "decoded_token"}}`), the decoded
+token JSON-escaped."""
 
 
 class RemoteTeacher:
@@ -38,18 +42,20 @@ class RemoteTeacher:
         model = self.model.model
         if model is None:
             return None
+
+        def read(reply: Any) -> list[float]:
+            entries = reply["choices"][0].get("prompt_logprobs")  # vLLM's extra field
+            if not isinstance(entries, list) or len(entries) != len(ids):
+                raise BadReply(f"no prompt log-probs for the {len(ids)} tokens sent (is the server vLLM?)")
+            # A NaN or an infinity would reach the loss as a made-up signal: a failed try instead.
+            return [
+                finite(entries[j][str(ids[j])]["logprob"], f"the log-prob of token {j}")
+                for j in range(len(ids) - n_response, len(ids))
+            ]
+
         # `prompt_logprobs` is vLLM's extension: each prompt token's log-prob under the model, given its prefix.
-        reply = self.model.call(
-            lambda: self.model.client.completions.create(
-                model=model, prompt=ids, max_tokens=1, temperature=1.0, extra_body={"prompt_logprobs": 0}
-            )
-        )
-        if reply is None:
-            return None
-        entries = getattr(reply.choices[0], "prompt_logprobs", None)  # vLLM's extra field
-        if entries is None or len(entries) != len(ids):
-            raise ModelCallError(f"{self.model.name}: the server gave no prompt log-probs (is it vLLM?)")
-        return [float(entries[j][str(ids[j])]["logprob"]) for j in range(len(ids) - n_response, len(ids))]
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        return self.model.request("POST", "/completions", body, REPLY_BASE_BYTES + BYTES_PER_ENTRY * len(ids), read)
 
     def compute_teacher_log_probs(self, batch: Batch) -> Batch:
         """`teacher_log_probs` (B, R) of the valid response tokens (0 elsewhere); a failed sample gets its

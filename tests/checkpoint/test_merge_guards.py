@@ -73,3 +73,56 @@ def test_checkpoint_and_merged_files_share_the_umask_mode(
     merged = _modes(Path(out))
     assert "model.safetensors" in merged and set(merged.values()) == {0o640}, merged
     shutil.rmtree(out)
+
+
+def _forge_header(folder: Path, claim: dict[str, Any]) -> str:
+    """Rewrite the first tensor's entry in the easyrl header of the shard file (its data untouched) and reseal the
+    manifest, as a deliberate forger would; returns the tensor's name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.checkpoint.test_ckpt_safety import reseal
+
+    (shard,) = (folder / "actor").glob("model_rank*_of*.safetensors")
+    tensors = load_file(str(shard))
+    meta = fsio_metadata(shard)
+    header = json.loads(meta["easyrl"])
+    name = next(iter(header["tensors"]))
+    header["tensors"][name].update(claim)
+    save_file(tensors, str(shard), {**meta, "easyrl": json.dumps(header)})
+    reseal(str(folder))
+    return name
+
+
+def fsio_metadata(path: Path) -> dict[str, str]:
+    from easyrl.checkpoint.fsio import read_tensor_metadata
+
+    return read_tensor_metadata(str(path))
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        {"global_shape": [1 << 40, 1 << 40], "shard_dim": 0, "offset": 0},
+        {"global_shape": [1 << 20, 1 << 20], "shard_dim": None},
+        {"global_shape": [-1, 4], "shard_dim": 0, "offset": 0},
+        {"global_shape": [64, 32], "shard_dim": 5, "offset": 0},
+        {"global_shape": "big"},
+    ],
+    ids=["sharded_4096_exabytes", "replicated_4_tib", "negative", "bad_dim", "not_a_shape"],
+)
+def test_a_shard_whose_header_claims_an_absurd_tensor_is_one_line(
+    checkpoint: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+    claim: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(Path(checkpoint["folder"]).parent, run)
+    folder = run / Path(checkpoint["folder"]).name
+    name = _forge_header(folder, claim)
+    assert merge_main([str(folder), "--output", str(tmp_path / "out")]) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.startswith("easyrl merge: ") and name in line and "\n" not in line, line
+    assert not (tmp_path / "out").exists()

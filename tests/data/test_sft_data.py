@@ -212,3 +212,50 @@ def test_a_row_with_audio_is_refused_naming_the_row(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         _load(tmp_path, rows)
     assert "rows.jsonl, row 1: 'audios' has audio, which SFT does not take yet" in str(err.value)
+
+
+def test_a_ten_megabyte_message_is_dropped_without_being_tokenized(tmp_path: Path) -> None:
+    """As RL prompts are: the rendered conversation is proven longer than sft.max_length from its bytes alone (the
+    old code tokenized it in full: 3.6 GB for a 10 MB message)."""
+    from tests.data.test_length_bound import Recording
+
+    tok = Recording(make_tokenizer())
+    rows = [{"messages": _chat("a", "1")}, {"messages": _chat("x" * (10 * 2**20), "1")}, {"messages": _chat("b", "2")}]
+    spec = _data(tmp_path, rows)
+    ds = SFTDataset(spec, DataConfig(), SFTConfig(max_length=64), tok)
+    assert len(ds) == 2 and ds.drop_counts == {"overlong": 1}
+    assert tok.seen and max(tok.seen) < 1000, "the 10 MB message reached the tokenizer"
+    with pytest.raises(DataError, match=r"row 1: overlong: the conversation has at least \d+ tokens .*not tokenized"):
+        SFTDataset(spec, DataConfig(), SFTConfig(max_length=64, overlong="error"), tok)
+    assert max(tok.seen) < 1000
+
+
+ANSWER = {"role": "assistant", "content": "a cat"}
+
+
+def _parts(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "content": list(parts)}
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        (
+            {"messages": [_parts({"type": "image", "image": "cat.png"}, {"type": "text", "text": "What?"}), ANSWER]},
+            r"'messages' message 0 has a content part of type 'image', which SFT does not take yet",
+        ),
+        (
+            {"messages": [_parts({"image_url": {"url": "x.png"}}), ANSWER]},
+            r"'messages' message 0 has a content part of type 'image_url'",
+        ),
+        ({"messages": _chat("What is shown?", "a cat"), "images": ["cat.png"]}, r"'images' has media"),
+        ({"messages": _chat("What happens?", "a cat runs"), "videos": ["cat.mp4"]}, r"'videos' has media"),
+    ],
+    ids=["image_part", "untyped_image_url", "images_column", "videos_column"],
+)
+def test_image_content_is_refused_rather_than_trained_as_text(tmp_path: Path, row: dict[str, Any], match: str) -> None:
+    rows = [{"messages": _chat("a", "1")}, row]
+    with pytest.raises(DataError, match=r"rows\.jsonl, row 1: " + match):
+        _load(tmp_path, rows)
+    text_parts = {"messages": [_parts({"type": "text", "text": "hi"}), ANSWER]}
+    assert len(_load(tmp_path, [text_parts])) == 1  # text parts stay welcome

@@ -33,10 +33,11 @@ def dead_judge(on_error: str = "zero", retries: int = 1, **extra: object) -> Jud
 def test_the_default_regex_reads_the_number_after_score() -> None:
     read = _parser(JudgeConfig().parse, "parse")
     assert read("Reasoning...\nScore: 7") == 7.0
-    assert read("score = -2.5 then Score: 9") == -2.5  # the first match wins
+    assert read("score = -2.5 then Score: 9") == 9.0  # the last match wins: the judge's conclusion
+    assert _parser(JudgeConfig().parse, "parse", "first")("score = -2.5 then Score: 9") == -2.5
     assert read("no verdict here") is None
     whole = _parser(r"\d+", "parse")  # no group: the whole match
-    assert whole("rated 8/10") == 8.0
+    assert whole("rated 8, out of ten") == 8.0 and _parser(r"\d+", "parse", "first")("8/10") == 8.0
 
 
 def test_a_parse_function_from_a_file_reads_the_reply() -> None:
@@ -66,7 +67,7 @@ def test_a_refused_connection_is_retried_then_scored_zero_and_counted() -> None:
 
 def test_with_on_error_raise_the_call_fails_naming_the_judge_and_the_error() -> None:
     judge = dead_judge(on_error="raise", retries=0)
-    with pytest.raises(ModelCallError, match=r"judge at http://127.0.0.1:\d+/v1: APIConnectionError: .* 1 time"):
+    with pytest.raises(ModelCallError, match=r"judge at http://127.0.0.1:\d+/v1: ConnectionRefusedError: .* 1 time"):
         judge.score(SAMPLE)
 
 
@@ -121,6 +122,14 @@ def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
             {"reward_model": {"model": {"model_path": "/nowhere"}}},
             "reward_model.model.model_path: no Hugging Face model",
         ),
+        (
+            {"judge": {"model": {"base_url": "http://h/v1", "timeout_s": 1e30}, "template": "TEMPLATE"}},
+            r"judge\.model\.timeout_s: must be > 0 and at most 86400 seconds",
+        ),
+        (
+            {"judge": {"model": {"base_url": "http://h/v1"}, "template": "TEMPLATE", "parse_match": "any"}},
+            r"judge\.parse_match: 'any' is not one of last, first",
+        ),
         ({"routes": {"math": "REWARD"}}, "worker.reward.routes: are set but route_key is not"),
         ({"route_key": "domain"}, "worker.reward.route_key: is set but routes is empty"),
         ({"route_key": "d", "routes": {"a": "/nowhere.py:f"}}, "worker.reward.routes.a: reward file not found"),
@@ -132,6 +141,8 @@ def test_the_key_named_by_api_key_env_is_scrubbed_from_what_the_run_writes(
         "bad_regex",
         "bad_url",
         "on_error",
+        "huge_timeout",
+        "parse_match",
         "rm_missing",
         "routes",
         "route_key",

@@ -59,6 +59,20 @@ def test_a_local_reward_model_scores_each_sample_as_alone(rm_dir) -> None:
     assert rm.stats.drain()["reward_model/requests"] == 1.0
 
 
+def test_a_local_reward_model_that_scores_nan_is_an_error_not_a_reward(rm_dir) -> None:
+    """A head gone NaN (a broken checkpoint) makes every score NaN: counted in errors and answered by `on_error`."""
+    from easyrl.scorers import ModelCallError
+
+    rm = RewardModel(RewardModelConfig(model=ModelRefConfig(model_path=rm_dir, on_error="zero")))
+    with torch.no_grad():
+        rm.model.score.weight.fill_(float("nan"))
+    assert rm.score_batch(SAMPLES[:2]) == [0.0, 0.0]
+    assert rm.stats.drain() == {"reward_model/requests": 1.0, "reward_model/errors": 1.0}
+    rm.cfg.model.on_error = "raise"
+    with pytest.raises(ModelCallError, match=r"reward_model: FloatingPointError: the model scored a sample NaN"):
+        rm.score(SAMPLES[0])
+
+
 def test_reward_workers_score_with_the_reward_model_and_count(rm_dir) -> None:
     from easyrl.rewards import RewardManager
 
