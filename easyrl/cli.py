@@ -128,6 +128,14 @@ def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
     from easyrl.trainer.run import StopRequested
 
     log = logging.getLogger("easyrl")
+    if task != "sft":  # SFT has no rollout pool: its one pool of trainer workers is what the check counts anyway
+        from easyrl.check import placement_problem
+
+        # Ray would only find this when the pool's placement group gives up, a minute in: say it before anything starts
+        placement = placement_problem(cfg)
+        if placement is not None:
+            print(f"easyrl: placement error: {placement}", file=sys.stderr)
+            return 2
     plan, warnings = start_lines(cfg, task)
     for line in plan:
         log.info(line)

@@ -1,7 +1,7 @@
 """`easyrl check` finds, with one line and exit 2, what `train` would otherwise meet later or as a traceback: an
 environment whose constructor needs arguments (every episode builds one with none), an environment that fails on
 the first row, and workers the machine has no room for (a separate rollout pool beyond `trainer.ray_num_cpus`,
-which `train` met only when the pool's placement group timed out a minute in) (issue 45 item 9)."""
+which `train` met only when the pool's placement group timed out a minute in; `train` now says it at once too) (issue 45 item 9)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,11 @@ def _check(args: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pyt
             r"\(size, seed\); each episode builds one with none: give them defaults, or read them from the row in "
             r"reset\(\*\*row\)",
         ),
-        ("FailsOnReset", r"easyrl: multi-turn error: the first row's episode failed: RuntimeError: no such level"),
+        (
+            "FailsOnReset",
+            r"easyrl: multi-turn error: the first row's episode did not open: environment default: "
+            r"FailsOnReset\.reset\(\*\*row\) raised RuntimeError: no such level",
+        ),
     ],
 )
 def test_an_environment_that_cannot_start_is_one_line(
@@ -83,6 +87,19 @@ def test_a_separate_rollout_pool_beyond_the_cpus_ray_gets_is_refused_at_check(
         "each (trainer.n_gpus_per_node=2 trainer workers + worker.rollout.n_gpus=1 rollout workers of placement: "
         "separate): raise it to 3 or leave it unset"
     ), err
+
+
+def test_train_refuses_the_same_pool_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train` says it at once too, rather than after the placement group's minute (it starts no Ray, no worker)."""
+    monkeypatch.chdir(REPO)
+    extra = ["worker.rollout.placement=separate", "worker.rollout.n_gpus=1", "trainer.ray_num_cpus=2"]
+    code = main(["train", "configs/demo_tools.yaml", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().startswith("easyrl: placement error: trainer.ray_num_cpus=2 gives Ray fewer CPU slots"), err
+    assert "Traceback" not in err
 
 
 def test_a_gpu_machine_without_the_gpus_of_a_separate_pool_is_named() -> None:
