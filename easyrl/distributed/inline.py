@@ -29,6 +29,7 @@ method hangs the run, Ctrl-C stops it), and nothing runs beside the driver (Ray'
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -36,18 +37,21 @@ import gc
 import logging
 import os
 import random
+import signal
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from easyrl import signals
 from easyrl.distributed.device import use_process_device
 from easyrl.distributed.dispatch import Dispatch, DispatchSpec, registered_methods, split_grouped_args
-from easyrl.distributed.errors import WorkerError
+from easyrl.distributed.errors import WorkerCallInterrupted, WorkerError
 from easyrl.distributed.runtime import default_worker_env, local_only_env
 from easyrl.distributed.worker_group import GroupCall
 
@@ -182,6 +186,65 @@ def _release_process_group() -> None:
         _made_process_group = False
 
 
+class _StopWatch:
+    """A stop signal honoured while an inline call runs, as Ray's wait honours it (`liveness._check_stop`): a call
+    started before the stop request that is still running once the stop's grace (`trainer.stop_grace_s`) has passed
+    is interrupted, and raises `WorkerCallInterrupted`. Under Ray the driver merely stops waiting; inline the call runs
+    in the driver's own thread, so a watcher thread sends the stop signal to it again (`signal.pthread_kill`),
+    and the stop handler's second-signal path raises `KeyboardInterrupt` inside the call. Calls started after the
+    request (the save's own) are never cut off. A call blocked inside C code is interrupted when it returns to Python.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: tuple[object, float] | None = None  # (the call's token, when it started)
+        self._fired: object | None = None  # the token of the call the watcher interrupted
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watching(self, role: str, method: str) -> Iterator[None]:
+        token = object()
+        with self._lock:
+            self._running = (token, time.monotonic())
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._watch, name="easyrl-inline-stop", daemon=True)
+                self._thread.start()
+        try:
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._running = None
+        except KeyboardInterrupt:
+            stop = signals.stop_requested()
+            if self._fired is not token or stop is None:
+                raise  # Ctrl-C twice, a debugger's quit: as it is
+            self._fired = None
+            raise WorkerCallInterrupted(role, method, stop[1], stop[2]) from None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            stop = signals.stop_requested()
+            with self._lock:
+                if self._running is None or stop is None or self._fired is self._running[0]:
+                    continue
+                token, started = self._running
+                requested_at, name, grace_s = stop
+                if started < requested_at and time.monotonic() >= requested_at + grace_s:
+                    self._fired = token
+                    # A real signal, not `_thread.interrupt_main`: only a signal wakes a main thread blocked in a
+                    # system call (a sleep, a lock, a read); the handler then sees a second signal and raises.
+                    main = threading.main_thread().ident
+                    if main is not None:
+                        signal.pthread_kill(main, signal.Signals[name])
+
+
+_stop_watch = _StopWatch()
+
+
 class InlineCall(GroupCall):
     """A call that has run already (inline calls run when started): :meth:`result` returns its gathered result or
     raises its `WorkerError`."""
@@ -298,7 +361,7 @@ class InlineGroup(Generic[W]):
             raise AttributeError(self._undeclared(method))
         if spec.dispatch in (Dispatch.DP_SPLIT, Dispatch.ENGINE_SPLIT):  # the same split as Ray's path, of one
             ((args, kwargs),) = split_grouped_args(1, 1, args, kwargs)
-        with _call_lock, self._process:
+        with _stop_watch.watching(self.role, method), _call_lock, self._process:
             try:
                 value = getattr(self._worker, method)(*_by_value(args), **_by_value(kwargs))
             except Exception as exc:  # a KeyboardInterrupt (Ctrl-C, a debugger's quit) goes through as it is

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from easyrl.distributed import Dispatch, WorkerError, register
+from easyrl import signals
+from easyrl.distributed import Dispatch, WorkerCallInterrupted, WorkerError, register
 from easyrl.distributed.inline import InlineGroup, InlinePool
 
 
@@ -162,3 +166,38 @@ def test_an_init_error_names_the_role_and_leaves_nothing_behind(pool: InlinePool
 def test_a_group_of_several_ranks_is_refused(pool: InlinePool) -> None:
     with pytest.raises(ValueError, match=r"use trainer\.backend: ray"):
         InlineGroup(SeededWorker, pool, "actor", 1, ranks_per_dp=2)
+
+
+class SleepingWorker:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @register(dispatch=Dispatch.RANK0)
+    def sleep(self, seconds: float) -> int:
+        self.calls += 1
+        time.sleep(seconds)  # a signal's handler runs in here (sleep returns to Python for it)
+        return self.calls
+
+
+def test_a_stop_signal_interrupts_an_inline_call_after_its_grace(pool: InlinePool) -> None:
+    """SIGTERM while an inline call hangs (issue 45 item 4): the first signal asks for the stop; once
+    `stop_grace_s` has passed the call is interrupted with `WorkerCallInterrupted` naming it, as Ray's wait gives up.
+    A call started after the request (a save's) runs to its end."""
+    stopping: list[str] = []
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    signals.install_stop_handlers(stopping.append, lambda: bool(stopping), wait_grace_s=0.5)
+    group = InlineGroup(SleepingWorker, pool, "actor")
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        with pytest.raises(WorkerCallInterrupted, match=r"SIGTERM: the call of 'sleep' on the actor workers"):
+            group.sleep(60.0)
+        elapsed = time.monotonic() - start
+        assert stopping == ["SIGTERM"]
+        assert 0.8 <= elapsed < 5.0, elapsed  # 0.3 s to the signal + 0.5 s of grace + the watcher's poll
+        assert group.sleep(1.0) == 2  # started after the request: never cut off, though the grace has passed
+    finally:
+        group.shutdown()
+        signals.clear_stop_request()
+        for s, handler in saved.items():
+            signal.signal(s, handler)
