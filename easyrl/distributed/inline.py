@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import functools
 import gc
 import logging
 import os
@@ -41,8 +40,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -53,7 +52,7 @@ from easyrl.distributed.device import use_process_device
 from easyrl.distributed.dispatch import Dispatch, DispatchSpec, registered_methods, split_grouped_args
 from easyrl.distributed.errors import WorkerCallInterrupted, WorkerError
 from easyrl.distributed.runtime import default_worker_env, local_only_env
-from easyrl.distributed.worker_group import GroupCall
+from easyrl.distributed.worker_group import GroupCall, GroupFront
 
 
 __all__ = ["INLINE_ENV", "InlineCall", "InlineGroup", "InlinePool", "RoleProcess"]
@@ -61,7 +60,6 @@ __all__ = ["INLINE_ENV", "InlineCall", "InlineGroup", "InlinePool", "RoleProcess
 logger = logging.getLogger(__name__)
 
 W = TypeVar("W")
-P = ParamSpec("P")
 
 INLINE_ENV = "EASYRL_BACKEND"
 """Set to ``inline`` in an inline worker's environment: `easyrl.distributed.device` then picks the device as a
@@ -272,7 +270,7 @@ class InlineCall(GroupCall):
         return f"InlineCall({self.group.role}.{self.method}, done=True)"
 
 
-class InlineGroup(Generic[W]):
+class InlineGroup(GroupFront[W]):
     """One ``worker_cls`` built in this process, called as a one-rank `WorkerGroup` is; the same arguments as
     `WorkerGroup` (the Ray-only ones, CPUs and GPUs per worker and the start timeout, are accepted and unused).
 
@@ -332,28 +330,10 @@ class InlineGroup(Generic[W]):
         logger.info("started the %s worker (%s) in this process", role, worker_cls.__name__)
 
     # ----------------------------------------------------------------------------------------------- calling
-    @property
-    def methods(self) -> dict[str, Dispatch]:
-        """The callable methods of this group and their dispatch modes."""
-        return {name: spec.dispatch for name, spec in self._methods.items()}
-
-    def call_async(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> GroupCall:
-        """Run ``method`` now and return its finished call (``timeout_s`` is not enforced inline)."""
-        del timeout_s
-        return self._start(method, args, kwargs)
-
-    def submit(self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs) -> GroupCall:
-        """:meth:`call_async` by the worker class's method itself, as `WorkerGroup.submit` (mypy checks it)."""
-        name = getattr(method, "__name__", "")
-        if getattr(self.worker_cls, name, None) is not method:
-            raise AttributeError(f"{method!r} is not a method of {self.worker_cls.__name__} (the {self.role} group)")
-        return self._start(name, args, kwargs)
-
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run ``method`` and return its gathered result."""
-        return self.call_async(method, *args, timeout_s=timeout_s, **kwargs).result()
-
-    def _start(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InlineCall:
+    def _start(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None
+    ) -> InlineCall:
+        del timeout_s  # a call runs to its end inline (docs/distributed.md, "One process")
         if self._closed:
             raise RuntimeError(f"the {self.role} worker group is shut down")
         spec = self._methods.get(method)
@@ -367,21 +347,6 @@ class InlineGroup(Generic[W]):
             except Exception as exc:  # a KeyboardInterrupt (Ctrl-C, a debugger's quit) goes through as it is
                 return InlineCall(self, method, spec, None, _worker_error(self.role, exc))
             return InlineCall(self, method, spec, _by_value(value), None)
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        methods = self.__dict__.get("_methods", {})
-        if name in methods:
-            return functools.partial(self.call, name)
-        raise AttributeError(self._undeclared(name))
-
-    def _undeclared(self, name: str) -> str:
-        cls = self.__dict__.get("worker_cls")
-        cls_name = cls.__name__ if cls is not None else "the worker class"
-        if cls is not None and callable(getattr(cls, name, None)):
-            return f"{cls_name}.{name} is not declared with @register(dispatch=...): it cannot be called on the group"
-        return f"{cls_name} has no method {name!r} declared with @register(dispatch=...)"
 
     def check_alive(self) -> None:
         """Nothing to check: the worker lives as long as this process."""

@@ -188,7 +188,64 @@ class GroupCall:
         return f"GroupCall({self.group.role}.{self.method}, done={self._done})"
 
 
-class WorkerGroup(Generic[W]):
+class GroupFront(Generic[W]):
+    """How a group of workers is called, the same under every backend (Ray's `WorkerGroup`, the inline one): its
+    declared methods by name (`call_async`, `call`, `group.compute_log_probs(...)`) or by the worker class's method
+    itself (`submit`, which mypy checks), and one line naming an undeclared one. A backend sets `role`, `worker_cls`
+    and `_methods` and starts a call in `_start`."""
+
+    role: str
+    worker_cls: type[W]
+    _methods: dict[str, DispatchSpec]
+
+    @property
+    def methods(self) -> dict[str, Dispatch]:
+        """The callable methods of this group and their dispatch modes."""
+        return {name: spec.dispatch for name, spec in self._methods.items()}
+
+    def _start(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None) -> GroupCall:
+        raise NotImplementedError
+
+    def call_async(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> GroupCall:
+        """Start ``method`` on every rank and return at once; ``.result()`` waits and gathers.
+
+        Args:
+            method: the name of a method declared with :func:`~easyrl.distributed.register`.
+            args: positional arguments (for ``DP_SPLIT``, the first one is the batch to split).
+            timeout_s: the total timeout of this call, from now (default: the group's ``call_timeout_s``).
+            kwargs: keyword arguments, the same on every rank.
+        """
+        return self._start(method, args, kwargs, timeout_s)
+
+    def submit(self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs) -> GroupCall:
+        """:meth:`call_async` by the worker class's method itself (``group.submit(ActorWorker.generate, rows, p)``),
+        not its name: mypy checks that the method is the group's worker class's and the arguments are its own."""
+        name = getattr(method, "__name__", "")
+        if getattr(self.worker_cls, name, None) is not method:  # e.g. another role's method of the same name
+            raise AttributeError(f"{method!r} is not a method of {self.worker_cls.__name__} (the {self.role} group)")
+        return self._start(name, args, kwargs, None)  # the group's call_timeout_s
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run ``method`` on every rank and wait for the gathered result (see :meth:`call_async`)."""
+        return self.call_async(method, *args, timeout_s=timeout_s, **kwargs).result()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        methods = self.__dict__.get("_methods", {})
+        if name in methods:
+            return functools.partial(self.call, name)
+        raise AttributeError(self._undeclared(name))
+
+    def _undeclared(self, name: str) -> str:
+        cls = self.__dict__.get("worker_cls")
+        cls_name = cls.__name__ if cls is not None else "the worker class"
+        if cls is not None and callable(getattr(cls, name, None)):
+            return f"{cls_name}.{name} is not declared with @register(dispatch=...): it cannot be called on the group"
+        return f"{cls_name} has no method {name!r} declared with @register(dispatch=...)"
+
+
+class WorkerGroup(GroupFront[W]):
     """``pool.world_size`` Ray actors of ``worker_cls``, actor ``i`` on bundle ``i`` of ``pool``; the group is typed
     by its worker class (``WorkerGroup[ActorWorker]``), so :meth:`submit` checks a call's method and arguments.
 
@@ -300,22 +357,6 @@ class WorkerGroup(Generic[W]):
         )
 
     # ----------------------------------------------------------------------------------------------- calling
-    @property
-    def methods(self) -> dict[str, Dispatch]:
-        """The callable methods of this group and their dispatch modes."""
-        return {name: spec.dispatch for name, spec in self._methods.items()}
-
-    def call_async(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> GroupCall:
-        """Start ``method`` on every rank and return at once; ``.result()`` waits and gathers.
-
-        Args:
-            method: the name of a method declared with :func:`~easyrl.distributed.register`.
-            args: positional arguments (for ``DP_SPLIT``, the first one is the batch to split).
-            timeout_s: the total timeout of this call, from now (default: the group's ``call_timeout_s``).
-            kwargs: keyword arguments, the same on every rank.
-        """
-        return self._start(method, args, kwargs, timeout_s)
-
     def _start(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float | None) -> GroupCall:
         if self._closed:
             raise RuntimeError(f"the {self.role} worker group is shut down")
@@ -339,33 +380,6 @@ class WorkerGroup(Generic[W]):
             for actor, (rank_args, rank_kwargs) in zip(self._actors, per_rank, strict=True)
         ]
         return GroupCall(self, method, spec, refs, self.call_timeout_s if timeout_s is None else timeout_s)
-
-    def submit(self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs) -> GroupCall:
-        """:meth:`call_async` by the worker class's method itself (``group.submit(ActorWorker.generate, rows, p)``),
-        not its name: mypy checks that the method is the group's worker class's and the arguments are its own."""
-        name = getattr(method, "__name__", "")
-        if getattr(self.worker_cls, name, None) is not method:  # e.g. another role's method of the same name
-            raise AttributeError(f"{method!r} is not a method of {self.worker_cls.__name__} (the {self.role} group)")
-        return self._start(name, args, kwargs, None)  # the group's call_timeout_s
-
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run ``method`` on every rank and wait for the gathered result (see :meth:`call_async`)."""
-        return self.call_async(method, *args, timeout_s=timeout_s, **kwargs).result()
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        methods = self.__dict__.get("_methods", {})
-        if name in methods:
-            return functools.partial(self.call, name)
-        raise AttributeError(self._undeclared(name))
-
-    def _undeclared(self, name: str) -> str:
-        cls = self.__dict__.get("worker_cls")
-        cls_name = cls.__name__ if cls is not None else "the worker class"
-        if cls is not None and callable(getattr(cls, name, None)):
-            return f"{cls_name}.{name} is not declared with @register(dispatch=...): it cannot be called on the group"
-        return f"{cls_name} has no method {name!r} declared with @register(dispatch=...)"
 
     def check_alive(self) -> None:
         """Raise if a worker of any live group is known dead (does not block)."""
