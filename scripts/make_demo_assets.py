@@ -223,7 +223,9 @@ def write_sft_data(args: argparse.Namespace) -> None:
     table = pa.Table.from_pylist([as_conversation(r) for r in stream])
     pq.write_table(table, os.path.join(out, "train.parquet"), compression="zstd", compression_level=19)
     write_jsonl(os.path.join(out, "val.jsonl"), [as_conversation(r) for r in rows[args.train_rows :]])
-    logger.info("wrote %s: init_model/, train.parquet (%d rows = %d steps), val.jsonl", out, len(stream), args.sft_steps)
+    logger.info(
+        "wrote %s: init_model/, train.parquet (%d rows = %d steps), val.jsonl", out, len(stream), args.sft_steps
+    )
 
 
 def soften_model(args: argparse.Namespace) -> None:
