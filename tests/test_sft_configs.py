@@ -1,7 +1,8 @@
 """The SFT configs: the GPU recipe (configs/sft_qwen2_5_1_5b_ultrachat.yaml) passes `easyrl check` with the network
 off, its hub model and dataset swapped for local stand-ins laid out as the hub repos are (`data/<split>-*.parquet`);
 the demo's (configs/demo_sft.yaml) trains on the rows `make_demo_assets.py --sft-data` writes, which replay the
-warm start's batches token for token: the same prompts, and the answer with its EOS as the only trained tokens."""
+warm start's batches token for token: the same prompts, and the answer with its EOS as the only trained tokens; the
+copy shipped in assets/demo_sft is that script's output."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_demo_sft_data_replays_the_warm_start(tmp_path: Path, monkeypatch: pytes
     batches = [[assets.make_row(rng) for _ in range(64)] for _ in range(2)]
     monkeypatch.chdir(REPO)
     overrides = [
-        f"data.train_files={out / 'train.jsonl'}",
+        f"data.train_files={out / 'train.parquet'}",
         f"data.val_files={out / 'val.jsonl'}",
         f"worker.actor.model.model_path={out / 'init_model'}",
     ]
@@ -108,3 +109,12 @@ def test_demo_sft_data_replays_the_warm_start(tmp_path: Path, monkeypatch: pytes
         assert ids[i, :prompt_len].tolist() == item["prompt_ids"]
         assert labels[i][labels[i] != -100].tolist() == trained  # the answer and its EOS, as the warm start
     assert len((out / "val.jsonl").read_text().splitlines()) == 64
+    # the shipped copy (assets/demo_sft, what a fresh clone trains on) is the script's output: its first two batches,
+    # 550 steps of them in all, the same validation rows and the same initial weights
+    shipped = REPO / "assets" / "demo_sft"
+    rows = pq.read_table(shipped / "train.parquet").to_pylist()
+    assert len(rows) == 550 * 64
+    assert rows[:128] == pq.read_table(out / "train.parquet").to_pylist()
+    assert (shipped / "val.jsonl").read_bytes() == (out / "val.jsonl").read_bytes()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (shipped / "init_model" / name).read_bytes() == (out / "init_model" / name).read_bytes(), name
