@@ -52,10 +52,10 @@ def test_the_distillation_example_learns_from_its_teacher(tmp_path: Path) -> Non
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_the_served_judge_example_learns_from_its_verdicts(tmp_path: Path) -> None:
-    rows = _run(tmp_path, "train", "demo_judge.yaml", "trainer.max_steps=12", "trainer.val_freq=-1",
+    rows = _run(tmp_path, "train", "demo_judge.yaml", "trainer.max_steps=8", "trainer.val_freq=-1",
                 "trainer.val_before_train=false")  # fmt: skip
     steps = [r for r in rows if "reward/rule" in r]
-    assert len(steps) == 12
+    assert len(steps) == 8  # the full run gained +0.22 by step 8 (README, "Examples")
     assert sum(r["judge/errors"] + r["judge/parse_errors"] for r in steps) == 0
     assert all(r["judge/requests"] > 0 for r in steps)
     first, last = steps[:3], steps[-3:]
