@@ -7,8 +7,8 @@ and hyper-parameters of `configs/demo.yaml`: 16 prompts x 8 samples per step, on
 (lr 1e-3, betas 0.9/0.999, no weight decay, constant LR, grad-norm clip 1.0), PPO clip 0.2 / 0.28, no KL,
 token-mean loss over the whole batch (TRL's `dapo`), advantages divided by the group's std, temperature 1.0, no
 top-k/top-p, at most 12 response tokens, fp32, no gradient checkpointing, validation off, a full checkpoint (model
-and optimizer) at the last step. easyrl uses its two CPU workers (one thread each); TRL runs in one process
-(torch's default threads: all cores). Runs alternate tool by tool for each seed, so drifting machine load hits both.
+and optimizer) at the last step. easyrl runs as `configs/demo.yaml` does: one worker with every core, inside the
+`easyrl` process (`trainer.backend: auto` picks inline); TRL runs in one process (torch's default threads: all cores). Runs alternate tool by tool for each seed, so drifting machine load hits both.
 
 Measured for every run, from the launching process: whole-command wall time; start to the end of step 1 (the
 moment the step's line reaches stdout); seconds per step after `--warmup` steps; last step to process exit; peak RSS

@@ -66,6 +66,11 @@ class SeededWorker:
         return rows
 
     @register(dispatch=Dispatch.RANK0)
+    def scale_in_place(self, scores: torch.Tensor, probe: object) -> dict[str, object]:
+        scores.mul_(2)  # writes into the tensor it was given
+        return {"scaled": scores, "threads": torch.get_num_threads()}
+
+    @register(dispatch=Dispatch.RANK0)
     def kept_rows(self) -> list[int]:
         return self.kept
 
@@ -135,6 +140,34 @@ def test_arguments_and_results_go_by_value(pool: InlinePool) -> None:
         assert group.kept_rows() == [2, 4, 6, 8]
     finally:
         group.shutdown()
+
+
+class ThreadProbe:
+    """Records the torch thread count its deepcopy ran at (the inline group copies arguments and results)."""
+
+    def __init__(self) -> None:
+        self.copied_at: list[int] = []
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ThreadProbe:
+        self.copied_at.append(torch.get_num_threads())
+        return self
+
+
+def test_tensors_go_by_value_copied_at_one_thread_and_the_call_keeps_its_threads(pool: InlinePool) -> None:
+    """A batch's copy runs at one torch thread (waking the pool for each tensor's copy cost 50x the copy); the
+    method itself computes at the role's threads and the driver gets its own back."""
+    threads = torch.get_num_threads()
+    group = InlineGroup(SeededWorker, pool, "actor", 1, threads=2)
+    try:
+        probe = ThreadProbe()
+        scores = torch.arange(6.0).reshape(2, 3)
+        out = group.scale_in_place(scores, probe)
+        assert probe.copied_at == [1]  # the argument's copy; the result is copied too (the same function)
+        assert torch.equal(scores, torch.arange(6.0).reshape(2, 3))  # the worker wrote into its own copy
+        assert torch.equal(out["scaled"], torch.arange(6.0).reshape(2, 3) * 2) and out["threads"] == 2
+    finally:
+        group.shutdown()
+    assert torch.get_num_threads() == threads
 
 
 def test_a_method_error_names_the_role_when_its_result_is_read(pool: InlinePool) -> None:
