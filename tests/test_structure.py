@@ -746,3 +746,21 @@ def test_only_the_run_plan_decides_staleness_and_placement() -> None:
         for line in _plan_rereads(path.read_text(encoding="utf-8"))
     ]
     assert not offenders, "read easyrl.trainer.plan.RunPlan's fields (plan_of(cfg)):\n" + "\n".join(offenders)
+
+
+def _derive_seed_calls(module: str) -> dict[str, int]:
+    """The `derive_seed` calls of `module`, each with the function it is made in (`<module>` at the top)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    found: dict[str, int] = {}
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "derive_seed":
+            inside = [f.name for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
+            found[inside[-1] if inside else "<module>"] = node.lineno
+    return found
+
+
+def test_the_carry_over_loop_seeds_its_calls_in_one_method() -> None:
+    """Whether carry-over at S = 0 samples the synchronous trajectories is a question of its call seeds alone
+    (`tests/rollout/test_schedule_at_zero.py` overrides that one method): `CarryOverLoop.call_seed` derives them."""
+    assert set(_derive_seed_calls("easyrl.rollout.carry_over")) == {"call_seed"}

@@ -343,12 +343,19 @@ class CarryOverLoop:
 
     def request_for(self, work: list[tuple[Group, int]], params: SamplingParams) -> tuple[Batch, SamplingParams]:
         """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call."""
-        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
-        seeds = [derive_seed(g.seed + j, g.calls, "row") for g, j in work]
+        seeds = [self.call_seed(g, j) for g, j in work]
         samples = [g.samples[j] for g, j in work]
         # a prompt with media: every call gets its media again (the engines keep nothing between calls)
         request = request_of([s.context() for s in samples], seeds, self.pad_id, self.engines, media_columns(samples))
         return request, params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
+
+    def call_seed(self, group: Group, j: int) -> int:
+        """The seed of sample `j`'s next call (its group's `calls`-th, counted across steps and resumes), so a response
+        cut into chunks or resumed from a checkpoint draws the tokens it would have drawn. Even call 0 is a child of
+        the row seed, where the synchronous loops sample with the row seed itself: at `max_staleness = 0` this loop
+        samples other trajectories than theirs (docs/async.md, "S = 0")."""
+        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
+        return derive_seed(group.seed + j, group.calls, "row")
 
     def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:
         """Append an engine call's output (the rows of `work`, then padding) to its responses, generated in engine
