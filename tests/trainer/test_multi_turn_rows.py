@@ -53,5 +53,6 @@ def test_check_names_an_environment_whose_constructor_needs_arguments(tmp_path: 
     check = _easyrl("check", "configs/demo_tools.yaml", f"worker.rollout.multi_turn.env={env}:Needs")
     assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr[-3000:]
     last = check.stderr.strip().splitlines()[-1]
-    assert last.startswith("easyrl: multi-turn error: the first row's episode did not open: environment default: ")
-    assert "Needs() failed: TypeError:" in last and "build it with no arguments" in last
+    # `check` reads the constructor's signature before building one (`check.constructor_problem`)
+    assert last.startswith("easyrl: multi-turn error: environment default (") and "Needs) takes constructor" in last
+    assert "arguments (board); each episode builds one with none: give them defaults" in last, last
