@@ -169,7 +169,12 @@ def _by_value(value: Any) -> Any:
 
 
 def _worker_error(role: str, exc: BaseException) -> WorkerError:
-    """The `WorkerError` Ray's path raises for ``exc``: the tail of its traceback, naming the role and rank 0."""
+    """The `WorkerError` Ray's path raises for ``exc`` (`liveness.to_group_error`): the tail of its traceback, or its
+    one line where the exception's message names the culprit itself (``one_line``), naming the role and rank 0."""
+    if getattr(exc, "one_line", False):
+        error = WorkerError(role, 0, f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
     lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
     error = WorkerError(role, 0, "\n".join([line for line in lines if line.strip()][-20:]))
     error.__cause__ = exc  # raised from the worker's own exception: its traceback stays whole

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from easyrl.rollout.faults import FAULT_ENV
+from easyrl.rollout.faults import FAULT_ENV, reset_fault_count
 from tests.conftest import train_steps
 
 
@@ -20,9 +20,11 @@ SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
 
 
 def run(tmp_path, model: str, data: dict[str, str], workers: int, edits: dict | None = None) -> list[dict[str, float]]:
-    """Two training steps in a Ray instance of their own (its workers inherit this process's environment)."""
+    """Two training steps in a Ray instance of their own (its workers inherit this process's environment), or inline."""
     import ray
 
+    # Inline (one worker per role) the engine runs in this process, whose call count earlier runs advanced: from 1 again
+    reset_fault_count()
     ray.shutdown()
     try:
         rows, _, _ = train_steps(tmp_path, model, data, {"trainer.n_gpus_per_node": workers, **(edits or {})}, steps=2)
