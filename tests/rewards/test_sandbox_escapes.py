@@ -259,6 +259,9 @@ def test_a_many_files_writer_is_bounded_for_the_whole_program(where: str) -> Non
         pytest.skip(f"isolation {where!r} does not work on this machine")
     limits = SandboxLimits(timeout_s=8.0, max_file_mb=4, max_disk_mb=16)  # each file is under max_file_mb
     result = run_code(MANY_FILES, limits=limits, isolation=where)
-    assert result.status == "disk" and "wrote" not in result.stdout, result
+    assert result.status == "disk", result
+    if where != "rlimits":  # a sized tmpfs: the kernel refuses the write past the bound, the program never finishes
+        assert "wrote" not in result.stdout, result
+    # rlimits polls the scratch dir: a writer faster than one poll may finish first, and its run still fails as `disk`
     ok = run_code("open('a', 'wb').write(b'x' * (3 << 20))\nprint('fine')", limits=limits, isolation=where)
     assert (ok.status, ok.stdout.strip()) == ("ok", "fine")
