@@ -195,6 +195,26 @@ def async_vl(ctx: Context) -> Outcome:
     )
 
 
+def inline_engine_healing(ctx: Context) -> Outcome:
+    """One worker per role in the driver's process (`trainer.backend: inline`, the HF engine: vLLM runs on Ray) whose
+    engine is killed in step 2's generate (`EASYRL_ENGINE_FAULT=kill@2`): rebuilt with the current weights, the call
+    re-sent, the step finished (issues 45 item 8 and 46). On a GPU: inline's device set-up and the HF engine's
+    rebuild on CUDA, neither run on one before."""
+    from easyrl.rollout.faults import FAULT_ENV, reset_fault_count
+
+    os.environ[FAULT_ENV] = "kill@2"  # inline, the engine is in this process: it reads this process's environment
+    reset_fault_count()
+    try:
+        edits = {"trainer.backend": "inline", "trainer.n_gpus_per_node": 1}
+        rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, engine="hf")
+    finally:
+        os.environ.pop(FAULT_ENV, None)
+        reset_fault_count()
+    restarts = [r.get("rollout/engine_restarts", 0.0) for r in rows]
+    expect(restarts == [0.0, 1.0], f"engine restarts per step {restarts}, expected [0, 1]")
+    return Outcome("inline, HF engine killed in step 2: rebuilt with the current weights, the step finished", rows)
+
+
 def sft(ctx: Context) -> Outcome:
     from tests.trainer.test_sft_e2e import _train
 
@@ -293,4 +313,5 @@ FEATURES = (
     _feature("async_staleness_1", async_staleness, limit_s=50),
     _feature("async_vl_image", async_vl, limit_s=60),
     _feature("kill9_resume", kill_and_resume, limit_s=120),
+    _feature("inline_engine_healing", inline_engine_healing, limit_s=60),
 )
