@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from easyrl.rewards._worker import _GUARDED_THREADS, ProcessExitError, _guarded_exit
+from easyrl.rewards._worker import GUARDED_THREADS, ProcessExitError, guarded_exit
 
 
 __all__ = ["CallGuard", "ForkRefused", "Outcome", "clean_text"]
@@ -42,7 +42,7 @@ class ForkRefused(RuntimeError):
 
 def _refuse_fork(event: str, args: tuple[Any, ...]) -> None:
     # An audit hook runs for every audited event of the process: keep it to one set lookup for the others.
-    if event in _FORK_EVENTS and threading.get_ident() in _GUARDED_THREADS:
+    if event in _FORK_EVENTS and threading.get_ident() in GUARDED_THREADS:
         raise ForkRefused(
             "called os.fork, which would copy the training process with its locks held; refused (run a program "
             "with subprocess instead)"
@@ -55,7 +55,7 @@ def _install_guards() -> None:
         if _hook_installed:
             return
         sys.addaudithook(_refuse_fork)  # audit hooks cannot be removed: installed once per process
-        os._exit = _guarded_exit  # type: ignore[assignment]  # other threads still exit through the real one
+        os._exit = guarded_exit  # type: ignore[assignment]  # other threads still exit through the real one
         _hook_installed = True
 
 
@@ -103,7 +103,7 @@ class CallGuard:
         late = threading.Event()
 
         def target() -> None:
-            _GUARDED_THREADS.add(threading.get_ident())
+            GUARDED_THREADS.add(threading.get_ident())
             try:
                 box["value"] = fn(**kwargs)
             except ProcessExitError:
@@ -113,7 +113,7 @@ class CallGuard:
             except BaseException as exc:  # SystemExit too: a tool never ends the run
                 box["error"] = f"{type(exc).__name__}: {_text_of(exc)}"
             finally:
-                _GUARDED_THREADS.discard(threading.get_ident())
+                GUARDED_THREADS.discard(threading.get_ident())
                 with self._lock:
                     finished.set()
                     if late.is_set():  # it was counted hung: it no longer is

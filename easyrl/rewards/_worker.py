@@ -59,12 +59,12 @@ class ProcessExitError(Exception):
 
 # Threads now running reward code in the driver (`CallRunner(guard_exit=True)`): `os._exit` from one of them
 # raises `ProcessExitError` instead of ending the training run without a word; from any other thread it exits.
-_GUARDED_THREADS: set[int] = set()
+GUARDED_THREADS: set[int] = set()
 _REAL_EXIT = os._exit
 
 
-def _guarded_exit(code: int) -> NoReturn:
-    if threading.get_ident() in _GUARDED_THREADS:
+def guarded_exit(code: int) -> NoReturn:
+    if threading.get_ident() in GUARDED_THREADS:
         raise ProcessExitError(
             f"called os._exit({code}), which would end the training process; refused (return a score instead)"
         )
@@ -110,14 +110,14 @@ async def _payload_async(fn: Callable[..., Any], mode: str, inputs: list[Any]) -
 class CallRunner:
     """Runs tasks of one reward function off the calling thread; ``on_done(task_id, payload)`` gets each result
     from the thread that finished it (in completion order). ``guard_exit`` (the driver's in-process calls): an
-    ``os._exit`` from the reward code is refused as that call's error (see `_guarded_exit`)."""
+    ``os._exit`` from the reward code is refused as that call's error (see `guarded_exit`)."""
 
     def __init__(
         self, fn: Callable[..., Any], is_async: bool, on_done: Callable[[int, Any], None], guard_exit: bool = False
     ) -> None:
         self.fn, self.is_async, self.on_done, self.guard_exit = fn, is_async, on_done, guard_exit
         if guard_exit:  # patched once per process; other threads still exit through the real os._exit
-            os._exit = _guarded_exit  # type: ignore[assignment]
+            os._exit = guarded_exit  # type: ignore[assignment]
         self._loop: asyncio.AbstractEventLoop | None = None
         if is_async:
             self._loop = asyncio.new_event_loop()
@@ -126,7 +126,7 @@ class CallRunner:
     def _run_loop(self) -> None:
         assert self._loop is not None
         if self.guard_exit:
-            _GUARDED_THREADS.add(threading.get_ident())  # this thread runs nothing but reward code
+            GUARDED_THREADS.add(threading.get_ident())  # this thread runs nothing but reward code
         self._loop.run_forever()
 
     def submit(self, task_id: int, mode: str, inputs: list[Any]) -> None:
@@ -137,11 +137,11 @@ class CallRunner:
 
         def run() -> None:
             if self.guard_exit:
-                _GUARDED_THREADS.add(threading.get_ident())
+                GUARDED_THREADS.add(threading.get_ident())
             try:
                 payload = _payload_sync(self.fn, mode, inputs)
             finally:
-                _GUARDED_THREADS.discard(threading.get_ident())
+                GUARDED_THREADS.discard(threading.get_ident())
             self.on_done(task_id, payload)
 
         # Daemon: a call that never returns must not keep the process alive at exit.
