@@ -3,6 +3,7 @@ bit for bit, whatever its dtype, from the sender to each receiver, beside a defa
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 from typing import Any
 
@@ -25,8 +26,13 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
 def _receiver(address: BusAddress, rank: int, queue: Any) -> None:
     manifest = manifest_of(_weights())
     bus = WeightBus(address, rank, torch.device("cpu"), timeout_s=60)
-    queue.put((rank, {entry.name: bus.receive(entry) for entry in manifest}))
+    received = {entry.name: bus.receive(entry) for entry in manifest}
     bus.close()
+    # Bytes, not tensors: torch's queue would pass a tensor as a file descriptor served by this process, which may
+    # have exited by the time the test reads it (CI saw FileNotFoundError from the resource sharer).
+    buffer = io.BytesIO()
+    torch.save(received, buffer)
+    queue.put((rank, buffer.getvalue()))
 
 
 def test_every_receiver_gets_every_tensor_bit_for_bit() -> None:
@@ -40,7 +46,10 @@ def test_every_receiver_gets_every_tensor_bit_for_bit() -> None:
         bus = WeightBus(address, 0, torch.device("cpu"), timeout_s=60)  # returns once both receivers joined
         for _, tensor in _weights():
             bus.send(tensor)
-        got = dict(queue.get(timeout=60) for _ in receivers)
+        got = {
+            rank: torch.load(io.BytesIO(raw), weights_only=True)
+            for rank, raw in (queue.get(timeout=60) for _ in receivers)
+        }
     finally:
         for proc in receivers:
             proc.join(timeout=60)
