@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from easyrl.config.diffusion import DiffusionConfig
 from easyrl.config.model_ref import JudgeConfig, RewardModelConfig
 from easyrl.config.multi_turn import MultiTurnConfig
 
@@ -271,6 +272,8 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Several turns per trajectory with tools or an environment between them (off unless `env`, `envs` or `tools`
     is set; docs/agentic.md)."""
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    """Sampling and training settings of a diffusion pipeline (used only when the model is one; docs/diffusion.md)."""
 
     @property
     def ranks_per_engine(self) -> int:
