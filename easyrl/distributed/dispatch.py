@@ -40,6 +40,7 @@ __all__ = [
     "DISPATCH_ATTR",
     "Dispatch",
     "DispatchSpec",
+    "Total",
     "collect_dp_results",
     "get_dispatch",
     "is_batch",
@@ -175,8 +176,20 @@ def _mean_value(values: list[Any]) -> Any:
     return sum(f for f in floats if f is not None) / len(floats)
 
 
+class Total(float):
+    """A per-rank count whose group value is the sum over the ranks (`merge_metrics`), not the mean.
+
+    Most metrics are per-rank estimates of one quantity (a loss, a time), so the group's value is their mean; a
+    count of events (engine restarts) is each rank's share of a total. The rank marks the value itself rather than
+    the merge keeping a list of names, so the lower floor knows nothing of which metrics exist.
+    """
+
+    __slots__ = ()
+
+
 def merge_metrics(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Merge the ranks' metric dicts: for each key, the mean over the ranks that report it.
+    """Merge the ranks' metric dicts: for each key, the mean over the ranks that report it, or the sum when every
+    rank marks its value a `Total`.
 
     Values may be Python numbers, numpy scalars or one-element tensors (the mean is a ``float``). Lists are
     concatenated in rank order (per-sample values). A key whose values are anything else keeps rank 0's value
@@ -190,6 +203,8 @@ def merge_metrics(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
         values = [m[key] for m in per_rank if key in m]
         if all(isinstance(v, list) for v in values):
             merged[key] = [x for v in values for x in v]
+        elif all(isinstance(v, Total) for v in values):
+            merged[key] = Total(sum(values))
         else:
             merged[key] = _mean_value(values)
     return merged

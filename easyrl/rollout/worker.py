@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from easyrl.batch import Batch
+from easyrl.distributed.dispatch import Total
 from easyrl.distributed.memory import MemoryLedger
 from easyrl.models.dtypes import DTYPES
 from easyrl.rollout.engine import EngineFailedError, RolloutEngine, SamplingParams
@@ -171,9 +172,9 @@ class RolloutWorker:
         if not self.session_open:
             raise RuntimeError("close_rollout without an open engine session: call open_rollout first")
         self.ledger.mark("after_generate")
-        # Every rank reports its restarts times the group's size: the driver's merge of a lifecycle call is the mean
-        # over the ranks (`distributed.merge_metrics`), which makes this the group's total.
-        timing = {"rollout/engine_restarts": float(self.restarts * int(os.environ.get("WORLD_SIZE", "1")))}
+        # A Total: the driver's merge of a lifecycle call sums it over the ranks (the group's restarts), where it
+        # takes the mean of the other figures.
+        timing: dict[str, float] = {"rollout/engine_restarts": Total(self.restarts)}
         if not self.sleeps:
             self.session_open = False
             return timing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from easyrl.distributed import Dispatch, merge_metrics, register
 from easyrl.distributed.dispatch import (
+    Total,
     collect_dp_results,
     get_dispatch,
     registered_methods,
@@ -103,3 +105,10 @@ def test_merge_metrics_means_over_ranks() -> None:
         ]
     )
     assert merged == {"loss": 2.0, "acc": 0.75, "grad": 3.0, "lens": [1, 2, 3], "name": "a", "only": 7.0}
+
+
+def test_merge_metrics_sums_counts_every_rank_marks_total() -> None:
+    """A count (engine restarts) is the group's total; a key not marked on every rank is still a mean."""
+    merged = merge_metrics([{"restarts": Total(1), "mixed": Total(2)}, {"restarts": Total(2), "mixed": 4.0}, {}])
+    assert merged == {"restarts": 3.0, "mixed": 3.0} and isinstance(merged["restarts"], Total)
+    assert json.dumps(merged) == '{"restarts": 3.0, "mixed": 3.0}'  # logs as a plain number
