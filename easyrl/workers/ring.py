@@ -179,7 +179,7 @@ def _flash_ring(
     total = torch.tensor([position_ids.numel()], device=starts.device)
     cu = torch.cat([starts, total]).to(torch.int32)
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, True, ring.rank, ring.size)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D): flash-attn's varlen layout
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, H, D): flash-attn's varlen layout
     out = llama3_flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max_q, max_k, heads_k_stride=1, local_k_slice=k_slice,
         softmax_scale=scale, causal=True, group=ring.group,

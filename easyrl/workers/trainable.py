@@ -43,8 +43,8 @@ class TrainableModel:
         dtype = DTYPES[spec.torch_dtype] if spec.torch_dtype else torch.float32
         attn = packed_attn_implementation() if spec.forward.padding_free else None
         sp = None
-        if spec.forward.ulysses_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls
-            sp = enable_sequence_parallel(spec.forward.ulysses_size, attn)
+        if spec.forward.sp_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls (and ring)
+            sp = enable_sequence_parallel(spec.forward.ulysses_size, attn, spec.forward.ring_size)
             attn = sp.attn_implementation
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if sp is not None and linear_attention_layers(model):  # the config check says so first; workers built directly
