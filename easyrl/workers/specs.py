@@ -27,7 +27,7 @@ class ForwardOptions:
     """Tokens per chunk of the fused head."""
     max_token_len: int | None = None
     """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches. With sequence parallelism
-    it is the group's (the per-rank budget times `ulysses_size`): each rank holds 1/`ulysses_size` of the tokens."""
+    it is the group's (the per-rank budget times `sp_size`): each rank holds 1/`sp_size` of the tokens."""
     ulysses_size: int = 1
     """Ranks that split each packed row between them (Ulysses sequence parallelism); 1: no split."""
     ring_size: int = 1

@@ -49,9 +49,9 @@ class TrainableModel:
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if sp is not None and linear_attention_layers(model):  # the config check says so first; workers built directly
             role = "critic" if spec.kind == "value" else "actor"
-            raise ConfigError(
-                f"worker.{role}.ulysses_size", f"{spec.forward.ulysses_size} {SEQUENCE_PARALLEL_REFUSAL}"
-            )
+            ring = spec.forward.ulysses_size == 1  # split by the ring alone: name the key that asked for it
+            key, size = ("ring_size", spec.forward.ring_size) if ring else ("ulysses_size", spec.forward.ulysses_size)
+            raise ConfigError(f"worker.{role}.{key}", f"{size} {SEQUENCE_PARALLEL_REFUSAL}")
         if not spec.trainable:
             model.requires_grad_(False)
         self.lora = spec.trainable and spec.kind == "causal_lm" and spec.model.lora.rank > 0
