@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.config.worker import ActorConfig
 from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.plan import RunPlan, plan_of
 from easyrl.trainer.role_specs import cpu_threads
@@ -30,7 +31,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
     updates = d.rollout_batch_size // w.actor.global_batch_size
     dp = plan.data_parallel_size
     per_worker = w.actor.global_batch_size * w.rollout.n // dp
-    sp = f"; sequence parallel {w.actor.ulysses_size} ({dp} data-parallel groups)" if w.actor.ulysses_size > 1 else ""
+    sp = f"; sequence parallel {_sp_layout(w.actor)} ({dp} data-parallel groups)" if w.actor.sp_size > 1 else ""
     tp = plan.ranks_per_engine
     engines = f"{plan.rollout_engines} (tensor parallel {tp})" if tp > 1 else str(plan.rollout_workers)
     where = (
@@ -513,12 +514,17 @@ def constructor_problem(env_types: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- supervised fine-tuning
+def _sp_layout(actor: ActorConfig) -> str:
+    """The sequence-parallel group as `easyrl check` prints it: ``4`` (Ulysses), ``2 x ring 2`` (with a ring)."""
+    return str(actor.ulysses_size) if actor.ring_size == 1 else f"{actor.ulysses_size} x ring {actor.ring_size}"
+
+
 def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
     a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
     plan = plan_of(cfg, "sft")
     workers, dp = plan.world_size, plan.data_parallel_size
-    sp = f"; sequence parallel {a.ulysses_size} ({dp} data-parallel groups)" if a.ulysses_size > 1 else ""
+    sp = f"; sequence parallel {_sp_layout(a)} ({dp} data-parallel groups)" if a.sp_size > 1 else ""
     adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
     micro = (
         f"micro-batches of up to {a.max_token_len_per_gpu} tokens per worker"

@@ -274,3 +274,18 @@ def test_the_judge_extra_brings_the_served_judges_http_server() -> None:
     extras = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"]["judge"]}
     assert {"uvicorn", "fastapi"} <= names, names
+
+
+def test_ring_attention_imports_no_model_code_and_alone_picks_its_kernel() -> None:
+    """Issue 47 item 1: ring attention (`easyrl.workers.ring`) is attention math and collectives: it imports no easyrl
+    module but the sequence-parallel groups (no model, no worker code), and it is the one module that names
+    ring-flash-attn (the CUDA kernel is picked in one place, `ring_kernel`); the `gpu` extra brings that package."""
+    import tomllib
+
+    imported = {name for name, _ in _imports("easyrl.workers.ring", annotations=True)}
+    assert imported <= {"easyrl.distributed.sequence_parallel"}, imported
+    naming = [m for m, path in MODULES.items() if "ring_flash_attn" in path.read_text(encoding="utf-8")]
+    assert naming == ["easyrl.workers.ring"], naming
+    extras = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"]["gpu"]}
+    assert "ring-flash-attn" in names, names

@@ -339,6 +339,19 @@ def _check_sequence_parallel(cfg: EasyRLConfig) -> None:
             raise ConfigError(
                 key, f"{size} needs worker.actor.padding_free=true (sequence parallelism splits packed rows)"
             )
+    actor, ring = cfg.worker.actor, cfg.worker.actor.ring_size
+    if not isinstance(ring, int) or ring < 1:
+        raise ConfigError("worker.actor.ring_size", f"must be a positive integer, got {ring!r}")
+    if ring > 1 and workers % actor.sp_size:
+        raise ConfigError(
+            "worker.actor.ring_size",
+            f"ulysses_size x ring_size = {actor.ulysses_size} x {ring} must divide the number of workers ({workers})",
+        )
+    if ring > 1 and actor.padding_free is False:
+        raise ConfigError(
+            "worker.actor.ring_size",
+            f"{ring} needs worker.actor.padding_free=true (ring attention splits packed rows)",
+        )
 
 
 def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
@@ -363,9 +376,9 @@ def _check_batch_arithmetic(cfg: EasyRLConfig) -> None:
             continue
         wcfg = getattr(cfg.worker, role)
         # the data-parallel size the run will use (`trainer.plan.data_parallel_size`, which sits above config)
-        gbs, dp = wcfg.global_batch_size, workers // wcfg.ulysses_size
+        gbs, dp = wcfg.global_batch_size, workers // wcfg.sp_size
         sp_note = (
-            f" (data-parallel groups: workers / ulysses_size {wcfg.ulysses_size})" if wcfg.ulysses_size > 1 else ""
+            f" (data-parallel groups: workers / sequence-parallel group {wcfg.sp_size})" if wcfg.sp_size > 1 else ""
         )
         if gbs > rollout or rollout % gbs:
             raise ConfigError(
@@ -555,13 +568,14 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
     for role in ("actor", "critic"):
         size = getattr(cfg.worker, role).ulysses_size
         path = str(getattr(cfg.worker, role).model.model_path or cfg.worker.actor.model.model_path)
-        if size == 1 or not (Path(path) / "config.json").is_file():
+        if getattr(cfg.worker, role).sp_size == 1 or not (Path(path) / "config.json").is_file():
             continue
         hf = json.loads((Path(path) / "config.json").read_text())
         if "linear_attention" in (hf.get("text_config", hf).get("layer_types") or []):
+            key = f"worker.{role}.ulysses_size" if size > 1 else "worker.actor.ring_size"
             raise ConfigError(
-                f"worker.{role}.ulysses_size",
-                f"{size} splits each row over ranks, but the linear-attention (Gated DeltaNet) layers of {path} carry "
+                key,
+                f"{size if size > 1 else cfg.worker.actor.ring_size} splits each row over ranks, but the linear-attention (Gated DeltaNet) layers of {path} carry "
                 "a recurrent state along the whole row, which a slice cannot start from; set it to 1",
             )
         heads = hf.get("text_config", hf).get("num_attention_heads") or hf.get("num_attention_heads")
@@ -574,6 +588,7 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
 _REFUSED_KEYS = (
     ("vllm", "worker.rollout.name", lambda cfg: cfg.worker.rollout.name != "hf"),
     ("ulysses", "worker.actor.ulysses_size", lambda cfg: cfg.worker.actor.ulysses_size > 1),
+    ("ulysses", "worker.actor.ring_size", lambda cfg: cfg.worker.actor.ring_size > 1),
     ("lora", "worker.actor.model.lora.rank", lambda cfg: cfg.worker.actor.model.lora.rank > 0),
     ("critic", "algorithm.adv_estimator", lambda cfg: declared_needs(cfg.algorithm.adv_estimator).needs_critic),
 )

@@ -102,11 +102,11 @@ def _check_topk_fkl(cfg: EasyRLConfig) -> None:
             "topk_fkl differentiates the student's log-probs at the teacher's top-k tokens, which the fused head "
             "(its backward carries the sampled token alone) does not: set worker.actor.fused_logprobs=false",
         )
-    if actor.ulysses_size > 1:
+    if actor.sp_size > 1:
         raise ConfigError(
-            "worker.actor.ulysses_size",
+            "worker.actor.ulysses_size" if actor.ulysses_size > 1 else "worker.actor.ring_size",
             "topk_fkl gathers k log-probs per token, which the sequence-parallel split does not: set "
-            "worker.actor.ulysses_size=1 or use mode k1",
+            "worker.actor.ulysses_size=1, worker.actor.ring_size=1 or use mode k1",
         )
 
 

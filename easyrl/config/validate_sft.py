@@ -28,7 +28,7 @@ def check_sft(cfg: EasyRLConfig) -> None:
     if sft.overlong not in OVERLONG_CHOICES:
         raise ConfigError("sft.overlong", f"{sft.overlong!r} is not allowed; choose one of: drop, error")
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    dp = workers // actor.ulysses_size  # `_check_sequence_parallel` ran: the split divides the workers
+    dp = workers // actor.sp_size  # `_check_sequence_parallel` ran: the split divides the workers
     if actor.global_batch_size % dp:
         raise ConfigError(
             "worker.actor.global_batch_size",

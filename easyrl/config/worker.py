@@ -141,6 +141,12 @@ class ActorConfig:
     """Ulysses sequence parallelism: each packed row is split over this many workers (attention exchanges heads for
     tokens with all-to-alls). Must divide the workers and the attention heads; needs `padding_free` true or null. The data-parallel
     size is workers / ulysses_size; `max_token_len_per_gpu` counts each worker's share. The reference follows it."""
+    ring_size: int = 1
+    """Ring attention composed with Ulysses: each packed row is split over ulysses_size x ring_size workers, and the
+    key/value blocks of each Ulysses sub-group's contiguous block pass around a ring of this many ranks. The
+    sequence-parallel group is ulysses_size x ring_size workers, which must divide the workers; the data-parallel
+    size is workers / (ulysses_size x ring_size). Long-RL has no key for it (its `ulysses_size` is the whole group,
+    its ring degree fixed at 1), so its configs read unchanged. The reference follows it; the critic does not ring."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -149,6 +155,11 @@ class ActorConfig:
     """FSDP2 sharding and precision."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Offload around generation."""
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks of one sequence-parallel group (they hold the same samples): ulysses_size x ring_size."""
+        return self.ulysses_size * self.ring_size
 
 
 @dataclass
@@ -187,6 +198,11 @@ class CriticConfig:
     """FSDP2 sharding and precision."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Offload around generation."""
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks of one sequence-parallel group: ulysses_size (the critic has no ring)."""
+        return self.ulysses_size
 
 
 @dataclass

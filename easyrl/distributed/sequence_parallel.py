@@ -26,10 +26,12 @@ import torch.distributed as dist
 
 
 __all__ = [
+    "RingGroup",
     "SPGroup",
     "all_to_all",
     "gather_sequence",
     "init_sequence_parallel",
+    "init_sequence_parallel_groups",
     "shard_sequence",
 ]
 
@@ -43,6 +45,23 @@ class SPGroup:
     size: int
     rank: int
     """This rank's index in the group (which slice of the sequence it holds)."""
+
+
+@dataclass(frozen=True)
+class RingGroup:
+    """This rank's ring (ring attention, `easyrl.workers.ring`): the ranks holding the same heads and the row's
+    successive blocks."""
+
+    group: Any
+    """The torch.distributed process group of the ring's ranks."""
+    ranks: tuple[int, ...]
+    """Their global ranks, in block order: ``ranks[i]`` holds block ``i`` of the row."""
+    rank: int
+    """This rank's index in `ranks` (which block of the row it holds)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
 
 def init_sequence_parallel(size: int) -> SPGroup:
@@ -63,6 +82,38 @@ def init_sequence_parallel(size: int) -> SPGroup:
         if rank in ranks:
             mine = group
     return SPGroup(mine, size, rank % size)  # rank r is index r % size of group r // size
+
+
+def init_sequence_parallel_groups(ulysses: int, ring: int) -> tuple[SPGroup, SPGroup, RingGroup | None]:
+    """The groups of Ulysses composed with ring attention (a collective: every rank calls it, in the same order):
+    (the whole sequence-parallel group of ``ulysses x ring`` consecutive ranks, this rank's Ulysses sub-group, its ring
+    or None when ``ring`` is 1). Group rank ``s`` is Ulysses index ``s % ulysses`` of ring index ``s // ulysses``: the
+    Ulysses sub-groups are runs of consecutive ranks (their all-to-all gathers one contiguous block of the row), a ring
+    joins the ranks of one Ulysses index (layout: `easyrl.workers.ring`)."""
+    if ring == 1:
+        whole = init_sequence_parallel(ulysses)
+        return whole, whole, None
+    size = ulysses * ring
+    if dist.is_initialized() and dist.get_world_size() % size:
+        raise ValueError(
+            f"ulysses_size x ring_size = {ulysses} x {ring} must divide the number of workers ({dist.get_world_size()})"
+        )
+    whole = init_sequence_parallel(size)
+    base = dist.get_rank() - whole.rank  # the global rank of this group's index 0
+    mine: dict[str, Any] = {}
+    # Every rank creates every sub-group of every group, in the same order (`new_group` is a collective over all).
+    for start in range(0, dist.get_world_size(), size):
+        for r in range(ring):
+            ranks = [start + r * ulysses + u for u in range(ulysses)]
+            group = dist.new_group(ranks)
+            if start == base and r == whole.rank // ulysses:
+                mine["ulysses"] = group
+        for u in range(ulysses):
+            ranks = [start + r * ulysses + u for r in range(ring)]
+            group = dist.new_group(ranks)
+            if start == base and u == whole.rank % ulysses:
+                mine["ring"] = RingGroup(group, tuple(ranks), whole.rank // ulysses)
+    return whole, SPGroup(mine["ulysses"], ulysses, whole.rank % ulysses), mine["ring"]
 
 
 def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, sp: SPGroup) -> torch.Tensor:

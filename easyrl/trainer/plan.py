@@ -224,14 +224,14 @@ def effective_padding_free(cfg: EasyRLConfig, on_gpu: bool) -> bool:
     explicit = cfg.worker.actor.padding_free
     if explicit is not None:
         return explicit
-    return on_gpu or cfg.worker.actor.ulysses_size > 1 or cfg.worker.critic.ulysses_size > 1
+    return on_gpu or cfg.worker.actor.sp_size > 1 or cfg.worker.critic.ulysses_size > 1
 
 
 def data_parallel_size(cfg: EasyRLConfig, role: str = "actor") -> int:
-    """Workers holding different samples: all workers / `worker.<role>.ulysses_size` (the ranks of a
-    sequence-parallel group share their samples)."""
+    """Workers holding different samples: all workers / the role's sequence-parallel group (`ulysses_size`, times
+    the actor's `ring_size`: the ranks of a group share their samples)."""
     workers = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    return workers // int(getattr(cfg.worker, role).ulysses_size)
+    return workers // int(getattr(cfg.worker, role).sp_size)
 
 
 def effective_chunk_tokens(cfg: EasyRLConfig) -> int:

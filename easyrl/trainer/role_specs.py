@@ -196,7 +196,7 @@ def _update_spec(wcfg: ActorConfig | CriticConfig, n: int, world_size: int) -> U
     """Per-rank sizes: `config.validate` checked that global_batch_size * n divides over the data-parallel groups
     (the ranks of a sequence-parallel group hold the same samples)."""
     return UpdateSpec(
-        mini_batch_size=wcfg.global_batch_size * n // (world_size // wcfg.ulysses_size),
+        mini_batch_size=wcfg.global_batch_size * n // (world_size // wcfg.sp_size),
         micro_batch_size=wcfg.micro_batch_size_per_device_for_update,
         epochs=wcfg.ppo_epochs,
         max_grad_norm=wcfg.max_grad_norm,
@@ -248,15 +248,16 @@ def node_cores(cfg: EasyRLConfig) -> int:
 def forward_options(cfg: EasyRLConfig, plan: RunPlan) -> ForwardOptions:
     """`ForwardOptions` from `worker.actor` (the reference follows all of them, the critic all but its split), with
     `padding_free` resolved for this run's device. The token budget is per rank: a sequence-parallel group's
-    micro-batch holds `ulysses_size` times as many tokens."""
+    micro-batch holds `ulysses_size x ring_size` times as many tokens."""
     actor_cfg = cfg.worker.actor
-    budget = actor_cfg.max_token_len_per_gpu * actor_cfg.ulysses_size
+    budget = actor_cfg.max_token_len_per_gpu * actor_cfg.sp_size
     return ForwardOptions(
         padding_free=plan.padding_free,
         fused=actor_cfg.fused_logprobs,
         chunk_size=actor_cfg.logprob_chunk_size,
         max_token_len=budget if actor_cfg.dynamic_batching else None,
         ulysses_size=actor_cfg.ulysses_size,
+        ring_size=actor_cfg.ring_size,
     )
 
 

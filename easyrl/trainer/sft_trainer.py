@@ -56,7 +56,7 @@ class SFTTrainer(RunFolder):
             len(self.train_data), acfg.global_batch_size, tcfg.total_epochs, tcfg.max_steps
         )
         self.world_size = tcfg.nnodes * tcfg.n_gpus_per_node
-        self.dp = self.world_size // acfg.ulysses_size  # data-parallel groups: the parts a batch splits into
+        self.dp = self.world_size // acfg.sp_size  # data-parallel groups: the parts a batch splits into
         self.global_step = 0
         self.stop_signal: str | None = None
         self.consecutive_skips = 0

@@ -154,7 +154,7 @@ class Workers:
         self._gpu = gpu
         try:
             tp = plan.ranks_per_engine
-            sp = cfg.worker.actor.ulysses_size  # the reference follows the actor's split
+            sp = cfg.worker.actor.sp_size  # the reference follows the actor's split (ulysses x ring)
             self.actor = group_cls(
                 ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
             )
@@ -317,7 +317,7 @@ class SFTWorkers:
                 self.pool,
                 "actor",
                 sft_spec(cfg, plan, optimizer_steps, self.world_size),
-                ranks_per_dp=cfg.worker.actor.ulysses_size,
+                ranks_per_dp=cfg.worker.actor.sp_size,
                 num_cpus_per_worker=1.0,
                 num_gpus_per_worker=1.0 if gpu else 0.0,
                 call_timeout_s=cfg.trainer.worker_timeout_s,

@@ -273,5 +273,5 @@ def update_model(
         prefix=prefix,
         loss_agg_mode=spec.loss_avg_mode,
         max_token_len=trainable.spec.forward.max_token_len,
-        sp_size=trainable.spec.forward.ulysses_size,
+        sp_size=trainable.spec.forward.sp_size,
     )

@@ -130,10 +130,10 @@ def _forward(
             chunk_size=opts.chunk_size,
         )
 
-    sp = sequence_parallel_of(model) if opts.ulysses_size > 1 else None
-    if opts.ulysses_size > 1 and sp is None:
+    sp = sequence_parallel_of(model) if opts.sp_size > 1 else None
+    if opts.sp_size > 1 and sp is None:
         raise RuntimeError(
-            f"ulysses_size={opts.ulysses_size} but the model has no sequence-parallel group: build it with "
+            f"ulysses_size={opts.ulysses_size}, ring_size={opts.ring_size} but the model has no sequence-parallel group: build it with "
             "enable_sequence_parallel(...) and SequenceParallel.attach(model)"
         )
     out, ent = head(inputs) if sp is None else split_forward(sp, model, inputs, head)
@@ -195,10 +195,10 @@ def _unfused_layout(
     """The layout of the top-k heads below: full logits only (the fused head's custom backward carries the sampled
     token's gradient alone) and no sequence-parallel split (its gather carries one value per position)."""
     opts = opts or ForwardOptions()
-    if opts.fused or opts.ulysses_size > 1:
+    if opts.fused or opts.sp_size > 1:
         raise ValueError(
-            "top-k log-probs need the unfused, unsplit head: set worker.actor.fused_logprobs=false and "
-            "worker.actor.ulysses_size=1"
+            "top-k log-probs need the unfused, unsplit head: set worker.actor.fused_logprobs=false, "
+            "worker.actor.ulysses_size=1 and worker.actor.ring_size=1"
         )
     scale_logits(torch.zeros(0), temperature)  # refuse greedy (0) before the forward pass
     return prepare_inputs(mb, opts.padding_free, model, trim=not opts.plain).to(device)

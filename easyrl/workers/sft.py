@@ -79,7 +79,7 @@ class SFTWorker(TrainedRole, MemoryReporting):
             mask = mb["loss_mask"].to(self.device) != 0
             nll = torch.where(mask, -log_prob.double(), 0.0)  # select, not multiply: padding may hold any value
             sums += torch.stack([nll.sum(), torch.where(mask, top1.double(), 0.0).sum(), mask.double().sum()])
-        nll, top1_sum, tokens = sum_over_ranks(sums, opts.ulysses_size).tolist()
+        nll, top1_sum, tokens = sum_over_ranks(sums, opts.sp_size).tolist()
         return {"nll_sum": nll, "top1_sum": top1_sum, "tokens": tokens}
 
     @register(dispatch=Dispatch.RANK0)

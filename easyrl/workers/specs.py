@@ -27,14 +27,21 @@ class ForwardOptions:
     """Tokens per chunk of the fused head."""
     max_token_len: int | None = None
     """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches. With sequence parallelism
-    it is the group's (the per-rank budget times `ulysses_size`): each rank holds 1/`ulysses_size` of the tokens."""
+    it is the group's (the per-rank budget times `sp_size`): each rank holds 1/`sp_size` of the tokens."""
     ulysses_size: int = 1
     """Ranks that split each packed row between them (Ulysses sequence parallelism); 1: no split."""
+    ring_size: int = 1
+    """Ring attention composed with Ulysses: the row is split over ulysses_size x ring_size ranks."""
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks of one sequence-parallel group: ulysses_size x ring_size."""
+        return self.ulysses_size * self.ring_size
 
     @property
     def plain(self) -> bool:
         """The original path: padded micro-batches, full logits."""
-        return not (self.padding_free or self.fused or self.max_token_len is not None or self.ulysses_size > 1)
+        return not (self.padding_free or self.fused or self.max_token_len is not None or self.sp_size > 1)
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class UpdateSpec:
 
     mini_batch_size: int
     """Samples per optimizer step on this rank: global_batch_size * rollout.n / data-parallel size (world size /
-    ulysses_size: the ranks of a sequence-parallel group hold the same samples)."""
+    ulysses_size x ring_size: the ranks of a sequence-parallel group hold the same samples)."""
     micro_batch_size: int
     """Samples per forward/backward pass (a fixed count; dynamic batching uses the token budget instead)."""
     epochs: int

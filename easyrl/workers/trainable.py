@@ -43,15 +43,15 @@ class TrainableModel:
         dtype = DTYPES[spec.torch_dtype] if spec.torch_dtype else torch.float32
         attn = packed_attn_implementation() if spec.forward.padding_free else None
         sp = None
-        if spec.forward.ulysses_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls
-            sp = enable_sequence_parallel(spec.forward.ulysses_size, attn)
+        if spec.forward.sp_size > 1:  # the packed attention, wrapped in the sequence-parallel all-to-alls (and ring)
+            sp = enable_sequence_parallel(spec.forward.ulysses_size, attn, spec.forward.ring_size)
             attn = sp.attn_implementation
         model = load_model(spec.model, spec.kind, dtype, attn_implementation=attn)
         if sp is not None and linear_attention_layers(model):  # the config check says so first; workers built directly
             role = "critic" if spec.kind == "value" else "actor"
-            raise ConfigError(
-                f"worker.{role}.ulysses_size", f"{spec.forward.ulysses_size} {SEQUENCE_PARALLEL_REFUSAL}"
-            )
+            ring = spec.forward.ulysses_size == 1  # split by the ring alone: name the key that asked for it
+            key, size = ("ring_size", spec.forward.ring_size) if ring else ("ulysses_size", spec.forward.ulysses_size)
+            raise ConfigError(f"worker.{role}.{key}", f"{size} {SEQUENCE_PARALLEL_REFUSAL}")
         if not spec.trainable:
             model.requires_grad_(False)
         self.lora = spec.trainable and spec.kind == "causal_lm" and spec.model.lora.rank > 0

@@ -7,8 +7,9 @@ The group and collectives are in `easyrl.distributed.sequence_parallel`. Here:
   attention the model would use without sequence parallelism (``easyrl_varlen`` or ``flash_attention_2``, the
   *inner* implementation) runs on them with the whole row's position ids (its sequence boundaries), and a second
   all-to-all brings the output back to the local tokens and all heads. With fewer key/value heads than ranks
-  (GQA), each key/value head is repeated so that every rank gets the one its query heads share. Ring attention
-  would replace the inner call (see docs/architecture.md).
+  (GQA), each key/value head is repeated so that every rank gets the one its query heads share. With `ring_size`
+  > 1 the all-to-alls run within each Ulysses sub-group, which then holds one contiguous block of the row, and ring
+  attention across the ring replaces the inner call (`easyrl.workers.ring`, where the layout is described).
 * `split_forward`: a layout transform around the one forward head (`easyrl.workers.head`): the packed row split
   over the group, the head run on the local tokens, its per-token results gathered back, so callers get the same
   (N,) selections as without the split.
@@ -33,14 +34,16 @@ import torch
 from torch import nn
 
 from easyrl.distributed.sequence_parallel import (
+    RingGroup,
     SPGroup,
     all_to_all,
     gather_sequence,
-    init_sequence_parallel,
+    init_sequence_parallel_groups,
     shard_sequence,
 )
 from easyrl.models.vl_sequence import split_after_embeddings
 from easyrl.workers.packing import ModelInputs
+from easyrl.workers.ring import ring_attention
 
 
 __all__ = [
@@ -69,10 +72,17 @@ class SequenceParallel:
 
     attn_implementation = ULYSSES_ATTENTION
 
-    def __init__(self, group: SPGroup, inner: str) -> None:
+    def __init__(
+        self, group: SPGroup, inner: str, ulysses: SPGroup | None = None, ring: RingGroup | None = None
+    ) -> None:
         self.group = group
+        """The whole sequence-parallel group (``ulysses x ring`` ranks): the row is split and gathered over it."""
         self.inner = inner
         """The registered packed attention run on all tokens of `heads / size` heads (``easyrl_varlen``, ...)."""
+        self.ulysses = group if ulysses is None else ulysses
+        """The ranks that exchange heads for tokens (all of `group` without a ring)."""
+        self.ring = ring
+        """The ring that replaces the inner attention, or None."""
         self.position_ids: torch.Tensor | None = None
         """The whole padded row's 1-D positions (1, T) of the last pass. Kept after the pass: with gradient
         checkpointing, its backward runs the layers' forwards, attention included, again."""
@@ -100,7 +110,6 @@ def ulysses_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface on local tokens: query (1, Hq, L, D), key/value (1, Hkv, L, D) ->
     (1, L, Hq, D), attending over the whole row of the group."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     state = sequence_parallel_of(module)
     if state is None or state.position_ids is None:
@@ -108,10 +117,12 @@ def ulysses_attention_forward(
             f"{ULYSSES_ATTENTION} attention runs only inside `split_forward` on a model given its group by "
             "SequenceParallel.attach (sequence parallelism)"
         )
-    sp = state.group
+    sp = state.ulysses
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise RuntimeError(f"ulysses_size={sp.size} must divide the attention heads ({heads})")
+    if sp.size == 1:  # ring attention alone: every rank keeps all heads of its block
+        return _attend(state, module, query, key, value, attention_mask, kwargs), None
     # lcm: the fewest copies per key/value head that split evenly over the ranks. repeat_interleave keeps each copy
     # next to its original, so every rank's slice of key/value heads still lines up with its slice of query heads.
     repeat = math.lcm(kv_heads, sp.size) // kv_heads
@@ -120,11 +131,35 @@ def ulysses_attention_forward(
     # sequence-split, all heads -> whole sequence, heads / size (dims: 1 = heads, 2 = tokens)
     # The tokens arrive in rank order, which is row order: rank i holds the i-th slice of the row.
     q, k, v = (all_to_all(t, 1, 2, sp) for t in (query, key, value))
-    kwargs["position_ids"] = state.position_ids  # the whole row's: where the packed attention cuts the sequences
-    inner = ALL_ATTENTION_FUNCTIONS[state.inner]
-    out, _ = inner(module, q, k, v, attention_mask, **kwargs)  # (1, T, H / size, D)
+    out = _attend(state, module, q, k, v, attention_mask, kwargs)  # (1, T / ring, H / size, D)
     # The output has tokens on dim 1, heads on dim 2: the reverse exchange returns the tokens and gathers the heads.
     return all_to_all(out, 1, 2, sp), None
+
+
+def _attend(
+    state: SequenceParallel,
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Attention of the tokens after the Ulysses exchange (1, H, L, D) over the whole row -> (1, L, H, D): the inner
+    packed attention (L = the row), or the ring (L = this rank's block of the row)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert state.position_ids is not None  # checked by the caller
+    if state.ring is None:
+        kwargs["position_ids"] = state.position_ids  # the whole row's: where the packed attention cuts the sequences
+        return ALL_ATTENTION_FUNCTIONS[state.inner](module, q, k, v, attention_mask, **kwargs)[0]
+    if kwargs.get("sliding_window") is not None or kwargs.get("dropout") or kwargs.get("softcap") is not None:
+        raise RuntimeError(
+            f"ring attention (ring_size={state.ring.size}) does not do sliding windows, attention dropout or softcaps; "
+            "set worker.actor.ring_size=1"
+        )
+    scale = kwargs.get("scaling")
+    return ring_attention(q, k, v, state.position_ids, q.shape[-1] ** -0.5 if scale is None else scale, state.ring)
 
 
 def register_ulysses_attention() -> str:
@@ -136,15 +171,17 @@ def register_ulysses_attention() -> str:
     return ULYSSES_ATTENTION
 
 
-def enable_sequence_parallel(size: int, inner: str | None) -> SequenceParallel:
-    """Create this process's sequence-parallel group of `size` (a collective over all ranks) and register the
-    attention around the packed attention `inner`. Load the model with the result's `attn_implementation`, then
-    `attach` it to the model."""
+def enable_sequence_parallel(size: int, inner: str | None, ring: int = 1) -> SequenceParallel:
+    """Create this process's sequence-parallel groups, Ulysses of `size` composed with a ring of `ring` (a collective
+    over all ranks) and register the attention around the packed attention `inner`. Load the model with the result's
+    `attn_implementation`, then `attach` it to the model."""
     if inner is None:
-        raise ValueError(f"ulysses_size={size} needs padding-free packed rows (worker.actor.padding_free=true)")
-    group = init_sequence_parallel(size)
+        raise ValueError(
+            f"ulysses_size={size}, ring_size={ring} needs padding-free packed rows (worker.actor.padding_free=true)"
+        )
+    whole, ulysses, ring_group = init_sequence_parallel_groups(size, ring)
     register_ulysses_attention()
-    return SequenceParallel(group, inner)
+    return SequenceParallel(whole, inner, ulysses, ring_group)
 
 
 def local_selection(select: torch.Tensor, local_len: int, sp: SPGroup) -> tuple[torch.Tensor, torch.Tensor]:

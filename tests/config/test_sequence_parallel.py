@@ -37,7 +37,13 @@ PACKED = "worker.actor.padding_free=true"
         (
             [PACKED, "worker.actor.ulysses_size=2", "worker.actor.micro_batch_size_per_device_for_update=3"],
             r"worker.actor.micro_batch_size_per_device_for_update: 3 must divide the per-worker mini-batch of 4 samples "
-            r"\(global_batch_size \* n / 1 workers \(data-parallel groups: workers / ulysses_size 2\)\)",
+            r"\(global_batch_size \* n / 1 workers \(data-parallel groups: workers / sequence-parallel group 2\)\)",
+        ),
+        (["worker.actor.ring_size=0"], "worker.actor.ring_size: must be a positive integer, got 0"),
+        (["worker.actor.ring_size=2"], "worker.actor.ring_size: 2 needs worker.actor.padding_free=true"),
+        (
+            [PACKED, "worker.actor.ulysses_size=2", "worker.actor.ring_size=2"],
+            r"worker.actor.ring_size: ulysses_size x ring_size = 2 x 2 must divide the number of workers \(2\)",
         ),
     ],
 )
@@ -65,6 +71,29 @@ def test_role_specs_divide_the_batch_over_data_parallel_groups(tmp_path: Path, c
     assert split.actor.model.forward.ulysses_size == 2
     assert split.ref is not None and split.ref.model.forward.ulysses_size == 2  # the reference follows the actor
     assert any("sequence parallel 2 (1 data-parallel groups)" in line for line in plan_lines(cfg))
+
+
+def test_ring_size_joins_the_sequence_parallel_group(tmp_path: Path, conf: dict[str, Any]) -> None:
+    """ring_size 2 on 2 workers: one data-parallel group of ulysses 1 x ring 2, whose token budget is the group's."""
+    from easyrl.check import plan_lines
+    from easyrl.trainer.plan import data_parallel_size, plan_of
+    from easyrl.trainer.role_specs import build_role_specs
+
+    path = write_config(tmp_path / "c.yaml", conf)
+    overrides = [
+        PACKED,
+        "worker.actor.dynamic_batching=true",
+        "worker.actor.max_token_len_per_gpu=100",
+        "algorithm.disable_kl=false",
+    ]
+    cfg = load_config(path, [*overrides, "worker.actor.ring_size=2"])
+    specs = build_role_specs(cfg, plan_of(cfg), 2, 2)
+    assert data_parallel_size(cfg) == 1
+    assert specs.actor.update.mini_batch_size == 4
+    assert specs.actor.model.forward.max_token_len == 200
+    assert (specs.actor.model.forward.ulysses_size, specs.actor.model.forward.ring_size) == (1, 2)
+    assert specs.ref is not None and specs.ref.model.forward.ring_size == 2  # the reference follows the actor
+    assert any("sequence parallel 1 x ring 2 (1 data-parallel groups)" in line for line in plan_lines(cfg))
 
 
 def test_vision_language_models_count_their_language_model_heads(tmp_path: Path, conf: dict[str, Any]) -> None:

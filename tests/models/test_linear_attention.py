@@ -127,3 +127,6 @@ def test_sequence_parallel_is_refused_with_one_line(hybrid: tuple[str, Batch], t
     overrides = ["worker.actor.padding_free=true", "worker.actor.ulysses_size=2"]
     with pytest.raises(ConfigError, match=r"^worker.actor.ulysses_size: 2 splits each row over ranks, but the linear"):
         load_config(write_config(tmp_path / "c.yaml", conf), overrides)
+    ring = ["worker.actor.padding_free=true", "worker.actor.ring_size=2"]  # ring attention splits the row as well
+    with pytest.raises(ConfigError, match=r"^worker.actor.ring_size: 2 splits each row over ranks, but the linear"):
+        load_config(write_config(tmp_path / "c.yaml", conf), ring)

@@ -1,5 +1,5 @@
-"""One GRPO step on 2 Ray workers with `ulysses_size` 2 equals the same step without the split: the same rollouts,
-rewards, gradient norm and updated weights. (The reference runs the same forward with the actor's options
+"""One GRPO step on 2 Ray workers with `ulysses_size` 2, and with `ring_size` 2 (ring attention), equals the same step
+without the split: the same rollouts, rewards, gradient norm and updated weights. (The reference runs the same forward with the actor's options
 (tests/config/test_sequence_parallel.py) and was checked this way too; left out here, its two extra workers per run
 double the test's time.)
 
@@ -22,7 +22,7 @@ from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (the module's
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_step_with_ulysses_equals_without(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
+def test_grpo_step_with_ulysses_or_ring_equals_without(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
     edits = {
         "worker.actor.padding_free": True,
         "worker.actor.fused_logprobs": True,
@@ -31,19 +31,22 @@ def test_grpo_step_with_ulysses_equals_without(tmp_path: Path, tiny_model_dir: s
         "worker.actor.global_batch_size": 4,  # one optimizer step over the whole batch
         "worker.actor.loss_avg_mode": "seq-mean-token-mean",
     }
-    rows: dict[int, dict] = {}
-    weights: dict[int, dict] = {}
-    for sp in (1, 2):
-        logged, before, after = run(
-            tmp_path / f"sp{sp}", tiny_model_dir, digits_data, {**edits, "worker.actor.ulysses_size": sp}, 1, True
-        )
+    rows: dict[str, dict] = {}
+    weights: dict[str, dict] = {}
+    for name, split in (
+        ("none", {}),
+        ("ulysses", {"worker.actor.ulysses_size": 2}),
+        ("ring", {"worker.actor.ring_size": 2}),
+    ):
+        logged, before, after = run(tmp_path / name, tiny_model_dir, digits_data, {**edits, **split}, 1, True)
         assert before is not None and after is not None
-        rows[sp], weights[sp] = logged[0], after
+        rows[name], weights[name] = logged[0], after
     # one mini-batch per step: the old-log-prob pass is skipped (no actor/entropy_rollout); pg_loss is a global figure,
     # and so is the engine-vs-actor figure the update's forward measures (float32 noise here: 1 + ~1e-7)
     keys = ("reward/overall", "response_length/mean", "actor/grad_norm", "actor/pg_loss", "rollout/token_prob_error")
-    for key in keys:
-        assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-4, abs=1e-6), key
-    assert not all(torch.equal(weights[1][n], before[n]) for n in before)  # the step did move the weights
-    for name, tensor in weights[1].items():
-        torch.testing.assert_close(weights[2][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    for split in ("ulysses", "ring"):
+        for key in keys:
+            assert rows[split][key] == pytest.approx(rows["none"][key], rel=1e-4, abs=1e-6), (split, key)
+        for name, tensor in weights["none"].items():
+            torch.testing.assert_close(weights[split][name], tensor, atol=1e-5, rtol=1e-4, msg=f"{split} {name}")
+    assert not all(torch.equal(weights["none"][n], before[n]) for n in before)  # the step did move the weights

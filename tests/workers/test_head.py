@@ -263,6 +263,7 @@ def test_top_k_log_probs_and_the_log_probs_at_given_ids_agree_on_every_unfused_l
         torch.testing.assert_close(lp[valid], expected_sampled[valid], atol=1e-5, rtol=0, msg=name)
         at[valid].sum().backward()  # the gradient reaches the weights through the k ids
         assert model.model.embed_tokens.weight.grad.abs().sum() > 0, name
-    for opts in (ForwardOptions(fused=True), ForwardOptions(padding_free=True, ulysses_size=2)):
-        with pytest.raises(ValueError, match=r"worker\.actor\.fused_logprobs=false and worker\.actor\.ulysses_size=1"):
+    split = (ForwardOptions(padding_free=True, ulysses_size=2), ForwardOptions(padding_free=True, ring_size=2))
+    for opts in (ForwardOptions(fused=True), *split):
+        with pytest.raises(ValueError, match=r"fused_logprobs=false, worker\.actor\.ulysses_size=1 and .*ring_size=1"):
             top_k_log_probs(models["padded"], batch, CPU, 0.7, k, opts)

@@ -67,7 +67,7 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     from easyrl.workers.varlen import register_varlen_attention
 
     attn = register_varlen_attention()
-    sp = enable_sequence_parallel(opts.ulysses_size, attn) if opts.ulysses_size > 1 else None
+    sp = enable_sequence_parallel(opts.ulysses_size, attn, opts.ring_size) if opts.sp_size > 1 else None
     attn = sp.attn_implementation if sp is not None else attn
     torch.manual_seed(0)  # the critic's value head is fresh: the same init at every layout
     role = "value" if kind == "critic" else "causal_lm"
@@ -92,7 +92,7 @@ def _step(model_dir: str, batch: Batch, kind: str, agg: str, opts: ForwardOption
     metrics = optimize(
         model, optim, build_scheduler(optim, OptimConfig(), 10), batch, device=CPU, mini_batch_size=len(batch),
         micro_batch_size=micro, epochs=1, max_grad_norm=1e9, loss_fn=loss_fn, prefix=kind, loss_agg_mode=agg,
-        max_token_len=opts.max_token_len, sp_size=opts.ulysses_size,
+        max_token_len=opts.max_token_len, sp_size=opts.sp_size,
     )  # fmt: skip
     params = torch.cat([t.reshape(-1) for _, t in iter_full_weights(model)])
     return {"params": params, "change": float((params - before).abs().max()), "metrics": metrics}
@@ -142,7 +142,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
     init_rank(rank, world)
     report: dict[str, Any] = {}
     for name, role, agg, opts, micro in CASES:
-        sp = opts.ulysses_size
+        sp = opts.sp_size
         rows = batch.chunk(world // sp)[rank // sp]  # DP_SPLIT: a sequence-parallel group shares its chunk
         got, want = _step(model_dir, rows, role, agg, opts, micro), single[(role, agg)]
         loss_key = "critic/vf_loss" if role == "critic" else "actor/pg_loss"
