@@ -89,7 +89,9 @@ class EmbedCache:
 
     def __init__(self, root: str | os.PathLike[str], max_gb: float) -> None:
         if max_gb <= 0:
-            raise ValueError(f"data.cache_max_gb must be > 0, got {max_gb}: set it to the disk space to give the cache")
+            raise ValueError(
+                f"data.cache_max_gb must be > 0, got {max_gb}: set it to the disk space to give the cache"
+            )
         self.root = Path(root)
         self.max_bytes = int(max_gb * 2**30)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -127,7 +129,7 @@ class EmbedCache:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
         except Exception as exc:  # safetensors raises its own error types for truncated or garbled headers
             return ("corrupt", f"{type(exc).__name__}: {exc}"), []
         if meta.get("format") != FORMAT or meta.get("key") != key:

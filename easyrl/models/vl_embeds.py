@@ -38,7 +38,7 @@ from torch import nn
 from easyrl.models.embed_cache import EmbedCache, content_digest, entry_key
 
 
-__all__ = ["MEMO_BYTES", "EmbedReuse", "TowerFeatures", "embed_reuse_of", "install_embed_reuse"]
+__all__ = ["MEMO_BYTES", "EmbedReuse", "TowerFeatures", "embed_reuse_of", "install_embed_reuse", "tower_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +109,11 @@ class EmbedReuse:
         """Media items (a split video counts once per rank holding frames of it) run through the tower."""
         self.reused = 0
         """Media items served without the tower (duplicates in a call, the memo, the disk cache)."""
-        self._warned = False
 
     def _key(self, pixels: torch.Tensor, grid: torch.Tensor) -> str:
         return entry_key(content_digest(pixels, grid), self.settings, self.version or "trained")
 
-    def features(
-        self, pixels: torch.Tensor, grid: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> TowerFeatures:
+    def features(self, pixels: torch.Tensor, grid: torch.Tensor, *args: Any, **kwargs: Any) -> TowerFeatures:
         """Stand-in for ``get_video_features`` / ``get_image_features``: (rows, D) patches and (n, 3) grids ->
         per-item outputs (extra keyword arguments of the forward are not the tower's and are dropped)."""
         grid = grid.to(pixels.device)
@@ -126,9 +123,6 @@ class EmbedReuse:
         order = list(OrderedDict.fromkeys(keys))  # distinct keys, first-seen order
         found: dict[str, list[torch.Tensor]] = {}
         reuse = self.version is not None
-        if not reuse and not self._warned and self.cache is not None:
-            logger.info("embedding cache: the vision tower is trained, so its outputs are recomputed every pass")
-            self._warned = True
         if reuse:
             for key in order:
                 hit = _MEMO.get(key)
@@ -225,6 +219,13 @@ class EmbedReuse:
         return [[s[i] for s in split] for i in range(len(todo))]
 
 
+def tower_settings(model: nn.Module) -> dict[str, int]:
+    """The vision tower's patch geometry (patch, temporal patch and merge sizes): part of every cache key."""
+    config = getattr(getattr(model, "config", None), "vision_config", None)
+    names = ("patch_size", "temporal_patch_size", "spatial_merge_size")
+    return {n: int(getattr(config, n)) for n in names if getattr(config, n, None) is not None}
+
+
 def embed_reuse_of(model: nn.Module) -> EmbedReuse | None:
     """The `EmbedReuse` installed on `model` (or its backbone), or None."""
     for owner in (model, getattr(model, "model", None)):
@@ -255,7 +256,8 @@ def install_embed_reuse(
         return None
     reuse = EmbedReuse(backbone, version, cache, settings or {})
     # Instance attributes shadow the class's methods: the backbone's own forward calls these
-    backbone.get_video_features = reuse.features  # type: ignore[method-assign]
-    backbone.get_image_features = reuse.features  # type: ignore[method-assign]
+    target: Any = backbone  # the methods are typed on the class; these instance attributes replace them
+    target.get_video_features = reuse.features
+    target.get_image_features = reuse.features
     setattr(backbone, _ATTRIBUTE, reuse)
     return reuse

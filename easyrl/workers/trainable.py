@@ -9,6 +9,7 @@ parallelism) belong here, so every role gets them the same way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,10 @@ from torch import nn
 from easyrl.checkpoint import CheckpointMixin
 from easyrl.config.errors import ConfigError
 from easyrl.models.dtypes import DTYPES
+from easyrl.models.embed_cache import EmbedCache, tower_version
 from easyrl.models.linear_attention import SEQUENCE_PARALLEL_REFUSAL, linear_attention_layers
+from easyrl.models.vision import is_vision_language, vision_tower
+from easyrl.models.vl_embeds import install_embed_reuse, tower_settings
 from easyrl.workers.model_setup import (
     build_optimizer,
     build_scheduler,
@@ -30,8 +34,30 @@ from easyrl.workers.model_setup import (
     shard_model,
 )
 from easyrl.workers.packing import packed_attn_implementation
-from easyrl.workers.specs import ModelSpec
+from easyrl.workers.specs import EmbedsSpec, ModelSpec
 from easyrl.workers.ulysses import enable_sequence_parallel
+
+
+logger = logging.getLogger(__name__)
+
+
+def _reuse_tower_outputs(model: nn.Module, embeds: EmbedsSpec) -> None:
+    """One vision-tower encoding per media item (`easyrl.models.vl_embeds`); a frozen tower's outputs are also
+    reused across passes and cached on disk (its weights version is hashed here, before sharding: full tensors)."""
+    tower = vision_tower(model) if is_vision_language(model) else None
+    if tower is None:
+        return
+    frozen = not any(p.requires_grad for p in tower.parameters())
+    version = tower_version(tower) if frozen else None
+    cache = None
+    if embeds.cache_dir and frozen:
+        cache = EmbedCache(embeds.cache_dir, embeds.max_gb)
+    elif embeds.cache_dir:
+        logger.info(
+            "data.cache_dir: the vision tower is trained, so its outputs change every step: the cache is bypassed "
+            "(set worker.actor.model.freeze_vision_tower=true to use it)"
+        )
+    install_embed_reuse(model, version, cache, dict(embeds.settings) | tower_settings(model))
 
 
 class TrainableModel:
@@ -60,6 +86,8 @@ class TrainableModel:
             from easyrl.workers.lora import apply_lora
 
             apply_lora(model, spec.model.lora)
+        if spec.kind == "causal_lm":  # after freezing and adapters: whether the tower trains decides the reuse
+            _reuse_tower_outputs(model, spec.embeds)
         if sp is not None:  # the model carries its group: the forward head and the attention read it from there
             sp.attach(model)
         checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing

@@ -63,9 +63,7 @@ def video_batch(processor: Any, videos: list[str], n: int = N) -> Batch:
         mask[row, width - length :] = 1
         media.append(e["multi_modal_inputs"])
     ids[:, width:] = responses
-    return Batch(
-        {"input_ids": ids, "attention_mask": mask, "responses": responses}, {"multi_modal_inputs": media}
-    )
+    return Batch({"input_ids": ids, "attention_mask": mask, "responses": responses}, {"multi_modal_inputs": media})
 
 
 @pytest.fixture(scope="module", params=VL_ARCHS)
