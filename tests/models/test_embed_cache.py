@@ -113,7 +113,7 @@ def test_lru_eviction_under_the_limit(tmp_path: Path) -> None:
 
 
 def test_bad_limit_names_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="data.cache_max_gb"):
+    with pytest.raises(ValueError, match=r"data\.cache_max_gb"):
         EmbedCache(tmp_path, max_gb=0)
 
 
