@@ -7,7 +7,7 @@ than the tests' (so the tower, not the bookkeeping, dominates the no-cache time)
 `--frames` frames of `--size` pixels, the layout the processor produces.
 
 Usage:
-    python scripts/bench_embed_cache.py                       # 6 videos x 256 frames, 112x112, tower 4 x 128
+    python scripts/bench_embed_cache.py                       # 4 videos x 128 frames, 64x64, tower 2 x 64
     python scripts/bench_embed_cache.py --videos 2 --frames 16 --size 32 --depth 1 --width 32   # seconds, for CI
 """
 
@@ -52,11 +52,11 @@ def _epoch(reuse: Any, videos: list[tuple[Any, Any]]) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--videos", type=int, default=6)
-    parser.add_argument("--frames", type=int, default=256, help="frames per video (even: 2 per temporal patch)")
-    parser.add_argument("--size", type=int, default=112, help="frame side in pixels (a multiple of 16)")
-    parser.add_argument("--depth", type=int, default=4, help="vision tower blocks")
-    parser.add_argument("--width", type=int, default=128, help="vision tower width")
+    parser.add_argument("--videos", type=int, default=4)
+    parser.add_argument("--frames", type=int, default=128, help="frames per video (even: 2 per temporal patch)")
+    parser.add_argument("--size", type=int, default=64, help="frame side in pixels (a multiple of 16)")
+    parser.add_argument("--depth", type=int, default=2, help="vision tower blocks")
+    parser.add_argument("--width", type=int, default=64, help="vision tower width")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="folder for the model and the cache (default: a temp dir)")
     args = parser.parse_args(argv)
