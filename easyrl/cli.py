@@ -1,4 +1,4 @@
-"""`easyrl train|sft|check CONFIG [key=value ...]`: parse, build, run, close."""
+"""`easyrl train|sft|check|cache-embeds CONFIG [key=value ...]`: parse, build, run, close."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train with a YAML config; `key=value` arguments override it"),
         ("sft", "supervised fine-tuning with a YAML config (its `sft` section); `key=value` arguments override it"),
         ("check", "validate a config, its data, templates and reward function (SFT configs too); no training, no GPU"),
+        ("cache-embeds", "fill data.cache_dir with the vision tower's outputs of the config's images and videos"),
     ):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="path to the YAML config")
@@ -118,6 +119,15 @@ def _main(argv: list[str] | None) -> int:
             print("easyrl: --gpu-memory plans RL runs; this is an SFT config (drop --gpu-memory)", file=sys.stderr)
             return 2
         return run_sft_check(cfg) if task == "sft" else run_check(cfg, args.gpu_memory)
+    if args.command == "cache-embeds":
+        from easyrl.cache_embeds import warm_cache
+
+        try:
+            print(warm_cache(cfg))
+        except ConfigError as exc:
+            print(f"easyrl: config error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     return _train(cfg, secrets, task)
 
 

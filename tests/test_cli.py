@@ -21,7 +21,7 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"easyrl {__version__}"
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "check", "merge", "report"])
+@pytest.mark.parametrize("command", ["train", "sft", "check", "cache-embeds", "merge", "report"])
 def test_help(command: str) -> None:
     proc = easyrl(command, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -435,3 +435,36 @@ def test_a_start_up_signal_that_a_c_extension_wrapped_still_exits_as_the_signal(
     assert main(["train", config]) == 143
     err = capsys.readouterr().err
     assert "stopped by SIGTERM during start-up" in err and "Traceback" not in err
+
+
+def test_cache_embeds_fills_the_cache_once_and_names_a_missing_folder(tmp_path) -> None:
+    """`easyrl cache-embeds CONFIG` encodes each distinct video of the data once into `data.cache_dir` (the second
+    call finds them all); with no `data.cache_dir` it stops with one line naming the key."""
+    import ast
+    import json
+
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+    from tests.models.test_vl_embeds import write_video
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch="qwen2_5_vl")
+    rows = []
+    for i in range(3):  # three rows, two distinct videos
+        write_video(tmp_path / f"v{i % 2}.mp4", seed=i % 2)
+        rows.append({"prompt": "What moves in <video>?", "answer": "bar", "videos": [f"v{i % 2}.mp4"]})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conf = base_config(model, {"train": str(tmp_path / "train.jsonl")}, tmp_path / "run")
+    conf["data"].update({"video_dir": str(tmp_path), "min_pixels": 16 * 16, "max_pixels": 32 * 32})
+    conf["data"].update({"rollout_batch_size": 2, "format_prompt": None, "max_prompt_length": 512})
+    conf["worker"]["actor"]["global_batch_size"] = 2
+    path = write_config(tmp_path / "a.yaml", conf)
+    missing = easyrl("cache-embeds", path)
+    assert missing.returncode == 2 and "config error: data.cache_dir" in missing.stderr, missing.stderr[-2000:]
+    cache = tmp_path / "cache"
+    first = easyrl("cache-embeds", path, f"data.cache_dir={cache}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    counts = ast.literal_eval(first.stdout.strip().splitlines()[-1])
+    assert (counts["rows"], counts["encoded"], counts["cached_already"]) == (3, 2, 0)
+    assert len(list(cache.glob("*/*.safetensors"))) == 2
+    second = easyrl("cache-embeds", path, f"data.cache_dir={cache}")
+    counts = ast.literal_eval(second.stdout.strip().splitlines()[-1])
+    assert (counts["encoded"], counts["cached_already"]) == (0, 2)

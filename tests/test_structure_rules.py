@@ -289,3 +289,21 @@ def test_ring_attention_imports_no_model_code_and_alone_picks_its_kernel() -> No
     extras = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"]["gpu"]}
     assert "ring-flash-attn" in names, names
+
+
+def test_the_embedding_cache_and_reuse_stay_in_the_models_room() -> None:
+    """Issue 47 items 2-3: the vision-tower reuse (`models.vl_embeds`) and its disk cache (`models.embed_cache`)
+    import nothing from the workers, the trainer or the rollout engines (the model's sequence-parallel group is read
+    off the model, duck-typed); the cache imports no other easyrl module, so the warm-up command and any worker can use
+    it alone. Only `workers.trainable` (every role's model) and the warm-up command install the reuse."""
+    cache = [m for m, _ in _imports("easyrl.models.embed_cache", annotations=True)]
+    assert not cache, f"easyrl/models/embed_cache.py imports {cache}: it stands alone"
+    reuse = [m for m, _ in _imports("easyrl.models.vl_embeds", annotations=True) if not m.startswith("easyrl.models.")]
+    assert not reuse, f"easyrl/models/vl_embeds.py imports {reuse}: it stays in the models room"
+    installers = {
+        m
+        for m in MODULES
+        for imported, names in _imports(m)
+        if imported == "easyrl.models.vl_embeds" and "install_embed_reuse" in names
+    }
+    assert installers == {"easyrl.workers.trainable", "easyrl.cache_embeds"}, installers

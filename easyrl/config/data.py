@@ -69,3 +69,10 @@ class DataConfig:
     on_bad_row: str = "drop"
     """What a malformed row (missing key, wrong type, unreadable media) does: `drop` (counted per reason)
     or `error` (stop, naming the file and row)."""
+    cache_dir: str | None = None
+    """Vision-language models: folder of the on-disk cache of video and image embeddings (the vision tower's
+    outputs, one safetensors file per item; `easyrl cache-embeds CONFIG` fills it). Serves frozen towers only
+    (`worker.actor.model.freeze_vision_tower`, the reference); null: no disk cache. Long-RL's
+    `worker.actor.cached_embeds_dir` is accepted as this key."""
+    cache_max_gb: float = 50.0
+    """Size limit of `cache_dir` in GiB; the least recently used entries are evicted past it."""

@@ -33,6 +33,8 @@ EASYR1_RENAMES = {
     "trainer.max_try_make_batch": "algorithm.max_try_make_batch",
     # The image limit is a property of the prompts: data.limit_images bounds them for every engine.
     "worker.rollout.limit_images": "data.limit_images",
+    # Long-RL's embedding cache folder: one cache per run, which every role reads (docs/vision_language.md)
+    "worker.actor.cached_embeds_dir": "data.cache_dir",
 }
 # EasyR1 keys that describe behaviour easyrl has built in (or not yet): accepted, ignored, and reported.
 EASYR1_IGNORED = {
@@ -370,6 +372,8 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
         cfg.trainer.load_checkpoint_path = os.path.abspath(cfg.trainer.load_checkpoint_path)
     for name in ("format_prompt", "image_dir", "video_dir"):
         setattr(cfg.data, name, absolute(getattr(cfg.data, name)))
+    if cfg.data.cache_dir:  # made on first use: absolute even before it exists (workers may start elsewhere)
+        cfg.data.cache_dir = os.path.abspath(cfg.data.cache_dir)
     cfg.algorithm.user_modules = [os.path.abspath(p) for p in cfg.algorithm.user_modules]
     cfg.worker.rollout.multi_turn.resolve_paths()
     rf = cfg.worker.reward.reward_function

@@ -228,6 +228,8 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
         raise ConfigError("worker.reward.fallback_score", "must be a finite float32 value (|x| <= 3.4e38)")
     if cfg.algorithm.filter_low >= cfg.algorithm.filter_high and cfg.algorithm.online_filtering:
         raise ConfigError("algorithm.filter_low", "must be below algorithm.filter_high")
+    if not cfg.data.cache_max_gb > 0:  # `not >`: NaN fails too
+        raise ConfigError("data.cache_max_gb", f"must be > 0 GiB, got {cfg.data.cache_max_gb}: the disk space to give")
 
 
 def _check_hang_bounds(cfg: EasyRLConfig) -> None:

@@ -10,13 +10,10 @@ between the last two steps, so :func:`split_after_embeddings` hooks the language
 * Qwen3-VL's deepstack inputs: ``visual_pos_masks`` (1, T) and the per-layer ``deepstack_visual_embeds``, whose rows
   (one per visual token of the whole row) are cut down to the visual tokens of the slice.
 
-Every rank of a sequence-parallel group runs the vision tower on the whole micro-batch (the embeddings are
-computed once per rank, never per slice, so an image cut by a slice boundary is still encoded whole) rather than one
-rank encoding and broadcasting: the tower's FSDP units are sharded over every rank, so every rank joins their
-all-gathers anyway; the backward stays local (each rank's slice sends gradients into its own copy of the tower, and
-the gradient reduction over the ranks sums the slices' shares, as for the language model); and the tower costs a
-small share of a step next to the decoder layers that sequence parallelism splits. Splitting the patches of a long
-video over the group and all-gathering the embeddings would save that redundant work; it is not done here.
+Every rank of a sequence-parallel group embeds the whole micro-batch (never per slice, so an image cut by a slice
+boundary is still encoded whole) rather than one rank encoding and broadcasting: the tower's FSDP units are sharded
+over every rank, so every rank joins their all-gathers anyway. The tower's own work is split, though: each rank
+encodes a share of the frames and one all-gather gives every rank the whole output (`easyrl.models.vl_embeds`).
 """
 
 from __future__ import annotations

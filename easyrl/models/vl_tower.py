@@ -19,6 +19,9 @@ runs the tower a second time for videos in every micro-batch (under FSDP each to
 and reduce-scatters its gradients: ~1.3 GB in bf16 for Qwen2.5-VL-3B), and when no rank has any media, each rank adds
 ``0.0 * (sum of its local vision parameters)`` instead: zero gradients without a collective.
 
+A rank whose media are all reused or cached (`easyrl.models.vl_embeds`) makes no call of its own for that kind: the
+dummy call stands in for it, as for a micro-batch without media.
+
 An Omni thinker's audio tower is kept in step the same way, as a tower of its own: one more flag in the same
 all-reduce (``input_features``), and a missing call runs on four zero mel frames (one audio token).
 """

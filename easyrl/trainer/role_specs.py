@@ -22,6 +22,7 @@ from easyrl.trainer.plan import RunPlan
 from easyrl.workers.specs import (
     ActorSpec,
     CriticSpec,
+    EmbedsSpec,
     ForwardOptions,
     ModelSpec,
     PolicyLossSpec,
@@ -60,6 +61,7 @@ def build_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, wor
                 fsdp=cfg.worker.ref.fsdp,
                 offload=cfg.worker.ref.offload,
                 forward=forward_options(cfg, plan),
+                embeds=embeds_spec(cfg),
             ),
             temperature=cfg.worker.rollout.temperature,
             micro_batch_size_for_experience=ref_micro or cfg.worker.actor.micro_batch_size_per_device_for_experience,
@@ -109,7 +111,20 @@ def _policy_model_spec(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int) -
         forward=forward_options(cfg, plan),
         total_optimizer_steps=optimizer_steps,
         checkpoint_files=_checkpoint_files(acfg.model, acfg.model),
+        embeds=embeds_spec(cfg),
     )
+
+
+def embeds_spec(cfg: EasyRLConfig) -> EmbedsSpec:
+    """The vision tower's output cache of every role that scores the policy's samples (`data.cache_dir`)."""
+    data = cfg.data
+    settings = (
+        ("video_fps", float(data.video_fps)),
+        ("max_frames", float(data.max_frames)),
+        ("min_pixels", float(data.min_pixels)),
+        ("max_pixels", float(data.max_pixels)),
+    )
+    return EmbedsSpec(cache_dir=data.cache_dir, max_gb=data.cache_max_gb, settings=settings)
 
 
 def _actor_spec(

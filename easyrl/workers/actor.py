@@ -259,6 +259,7 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
+        metrics |= self.trainable.vision_counts()  # this step's passes: old log-probs (and reference), update
         self._policy_version += 1  # even when a non-finite step was skipped: versions count update calls
         if self.rollout is not None:
             self.rollout.stale = True

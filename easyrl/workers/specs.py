@@ -58,6 +58,18 @@ class ProcessSpec:
 
 
 @dataclass(frozen=True)
+class EmbedsSpec:
+    """How a vision-language model reuses its vision tower's outputs (`easyrl.models.vl_embeds`): the on-disk cache
+    (`data.cache_dir`, `data.cache_max_gb`) and the processor settings that key its entries."""
+
+    cache_dir: str | None = None
+    """None: no disk cache (the in-process reuse still applies)."""
+    max_gb: float = 50.0
+    settings: tuple[tuple[str, float], ...] = ()
+    """(name, value) of the data settings that shape the patches (fps, frames, pixels)."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything `TrainableModel` needs to build one role's model."""
 
@@ -76,6 +88,8 @@ class ModelSpec:
     """Length of the LR schedule."""
     checkpoint_files: tuple[str | None, str | None] = (None, None)
     """(model folder, tokenizer folder) whose config / tokenizer files a checkpoint carries."""
+    embeds: EmbedsSpec = field(default_factory=EmbedsSpec)
+    """Vision-language models: reuse and on-disk cache of the vision tower's outputs."""
 
     @property
     def trainable(self) -> bool:

@@ -9,6 +9,7 @@ parallelism) belong here, so every role gets them the same way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,10 @@ from torch import nn
 from easyrl.checkpoint import CheckpointMixin
 from easyrl.config.errors import ConfigError
 from easyrl.models.dtypes import DTYPES
+from easyrl.models.embed_cache import EmbedCache, tower_version
 from easyrl.models.linear_attention import SEQUENCE_PARALLEL_REFUSAL, linear_attention_layers
+from easyrl.models.vision import is_vision_language, vision_tower
+from easyrl.models.vl_embeds import embed_reuse_of, install_embed_reuse, tower_settings
 from easyrl.workers.model_setup import (
     build_optimizer,
     build_scheduler,
@@ -30,8 +34,37 @@ from easyrl.workers.model_setup import (
     shard_model,
 )
 from easyrl.workers.packing import packed_attn_implementation
-from easyrl.workers.specs import ModelSpec
+from easyrl.workers.specs import EmbedsSpec, ModelSpec
 from easyrl.workers.ulysses import enable_sequence_parallel
+
+
+logger = logging.getLogger(__name__)
+
+
+def tower_compute_dtype(spec: ModelSpec, device: torch.device) -> str:
+    """The dtype the vision tower computes in: FSDP's mixed-precision parameter dtype on GPUs, fp32 on CPU (part
+    of every cache key: a bf16 encoding is not an fp32 one)."""
+    return spec.fsdp.mp_param_dtype if device.type == "cuda" else "fp32"
+
+
+def _reuse_tower_outputs(model: nn.Module, embeds: EmbedsSpec, compute_dtype: str) -> None:
+    """One vision-tower encoding per media item (`easyrl.models.vl_embeds`); a frozen tower's outputs are also
+    reused across passes and cached on disk (its weights version is hashed here, before sharding: full tensors)."""
+    tower = vision_tower(model) if is_vision_language(model) else None
+    if tower is None:
+        return
+    frozen = not any(p.requires_grad for p in tower.parameters())
+    version = tower_version(tower) if frozen else None
+    cache = None
+    if embeds.cache_dir and frozen:
+        cache = EmbedCache(embeds.cache_dir, embeds.max_gb)
+    elif embeds.cache_dir:
+        logger.info(
+            "data.cache_dir: the vision tower is trained, so its outputs change every step: the cache is bypassed "
+            "(set worker.actor.model.freeze_vision_tower=true to use it)"
+        )
+    settings = dict(embeds.settings) | tower_settings(model) | {"compute_dtype": compute_dtype}
+    install_embed_reuse(model, version, cache, settings)
 
 
 class TrainableModel:
@@ -60,12 +93,16 @@ class TrainableModel:
             from easyrl.workers.lora import apply_lora
 
             apply_lora(model, spec.model.lora)
+        if spec.kind == "causal_lm":  # after freezing and adapters: whether the tower trains decides the reuse
+            _reuse_tower_outputs(model, spec.embeds, tower_compute_dtype(spec, device))
         if sp is not None:  # the model carries its group: the forward head and the attention read it from there
             sp.attach(model)
         checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing
         self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
+        self._vision_seen = (0, 0)
+        """`EmbedReuse` counters at the last `vision_counts`."""
         if spec.optim is not None:
             self.optimizer = build_optimizer(self.module, spec.optim)
             self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.total_optimizer_steps)
@@ -116,6 +153,19 @@ class TrainableModel:
                         local: Any = value.to_local() if hasattr(value, "to_local") else value
                         state_bytes += local.numel() * local.element_size()
         return {"perf/trainable_params": float(trainable), "perf/optimizer_state_gb": state_bytes / 2**30}
+
+    def vision_counts(self) -> dict[str, float]:
+        """Media items this rank's vision tower encoded and items it served without encoding (duplicates, memo, disk
+        cache) since the last call; {} for a text model."""
+        reuse = embed_reuse_of(self.module)
+        if reuse is None:
+            return {}
+        last = self._vision_seen
+        self._vision_seen = (reuse.encoded, reuse.reused)
+        return {
+            "perf/vision_items_encoded": float(reuse.encoded - last[0]),
+            "perf/vision_items_reused": float(reuse.reused - last[1]),
+        }
 
     def lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The adapters as a PEFT adapter (tensors, adapter_config), for an engine that serves LoRA itself; every
