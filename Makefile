@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install test test-extended quality style demo clean
+.PHONY: install test test-parallel test-extended quality style demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q -rfs --durations=25 -m "not extended" tests
+
+# `make test` on two pytest-xdist workers (docs/testing.md): the vLLM tests on one of them, one at a time
+# (tests/conftest.py). Not yet the default: it awaits two clean runs on CI's 2-core machine and their times.
+test-parallel: install
+	$(BIN)/python -m pytest -q -rfs --durations=25 -n 2 --dist loadgroup -m "not extended" tests
 
 test-extended: install  # the multi-minute runs `make test` leaves out (pyproject's `extended` marker)
 	$(BIN)/python -m pytest -q -rfs --durations=25 -m extended tests

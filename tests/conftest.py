@@ -67,9 +67,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    # Under `make test`'s `-n 2 --dist loadgroup` (pytest-xdist) every vLLM test runs on one worker, one at a time:
+    # a CPU engine clears the node's tensor-parallel shared memory as it starts (easyrl/rollout/vllm.py), which would
+    # break another worker's engine starting at that moment; and two CPU engines at once would not fit CI's memory.
+    vllm_group = pytest.mark.xdist_group("vllm")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "vllm" in item.keywords:
+            item.add_marker(vllm_group)
 
 
 @pytest.fixture(scope="session")

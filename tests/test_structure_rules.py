@@ -307,3 +307,81 @@ def test_the_embedding_cache_and_reuse_stay_in_the_models_room() -> None:
         if imported == "easyrl.models.vl_embeds" and "install_embed_reuse" in names
     }
     assert installers == {"easyrl.workers.trainable", "easyrl.cache_embeds"}, installers
+
+
+_ENGINE_STARTERS = ("VLLMRolloutEngine", "VLLMServer")
+
+
+def _marks_of(node: ast.FunctionDef) -> set[str]:
+    """The `pytest.mark.<name>` decorators of a test (with or without a call)."""
+    marks = set()
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        text = ast.unparse(target)
+        if text.startswith("pytest.mark."):
+            marks.add(text.removeprefix("pytest.mark."))
+    return marks
+
+
+def _unmarked_vllm_tests(source: str) -> list[str]:
+    """The tests of a test module that start a vLLM engine or server (in their body or through a fixture of the module)
+    without the `vllm` mark (theirs, or the module's `pytestmark`)."""
+    tree = ast.parse(source)
+    module_marked = any(
+        isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n) and "mark.vllm" in ast.unparse(n.value)
+        for n in tree.body
+    )
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+
+    def starts(fn: ast.FunctionDef) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in _ENGINE_STARTERS for n in ast.walk(fn))
+
+    starting_fixtures = {f.name for f in functions if not f.name.startswith("test_") and starts(f)}
+    return [
+        fn.name
+        for fn in functions
+        if fn.name.startswith("test_")
+        and (starts(fn) or starting_fixtures & {a.arg for a in fn.args.args})
+        and not module_marked
+        and "vllm" not in _marks_of(fn)
+    ]
+
+
+def test_vllm_rule_catches_an_unmarked_test_and_a_fixture() -> None:
+    source = """
+import pytest
+@pytest.fixture
+def server():
+    return VLLMServer()
+def test_a(server): ...
+@pytest.mark.vllm
+def test_b(server): ...
+def test_c():
+    VLLMRolloutEngine(spec)
+def test_d(): ...
+"""
+    assert _unmarked_vllm_tests(source) == ["test_a", "test_c"]
+    assert _unmarked_vllm_tests("import pytest\npytestmark = [pytest.mark.vllm]\n" + source) == []
+
+
+def test_every_test_that_starts_a_vllm_engine_is_marked_vllm() -> None:
+    """`make test-parallel` runs `make test`'s tests on two pytest-xdist workers (`-n 2 --dist loadgroup`), and
+    tests/conftest.py puts every test marked `vllm` in one group, run by one worker one at a time: a CPU engine clears
+    the node's tensor-parallel shared memory as it starts (easyrl/rollout/vllm.py), and one engine at a time keeps
+    CI's memory in bounds. A test starting an engine (`VLLMRolloutEngine`, `VLLMServer`) without the mark could run
+    beside another one."""
+    import tomllib
+
+    tests = PACKAGE.parent / "tests"
+    found = {
+        str(path.relative_to(tests)): names
+        for path in sorted(tests.rglob("test_*.py"))
+        if (names := _unmarked_vllm_tests(path.read_text(encoding="utf-8")))
+    }
+    assert not found, f"mark these tests `@pytest.mark.vllm`: {found}"
+    conftest = (tests / "conftest.py").read_text(encoding="utf-8")
+    assert 'xdist_group("vllm")' in conftest and '"vllm" in item.keywords' in conftest
+    makefile = (PACKAGE.parent / "Makefile").read_text(encoding="utf-8")
+    assert "-n 2 --dist loadgroup" in makefile
+    dev = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert any(dep.startswith("pytest-xdist") for dep in dev["optional-dependencies"]["dev"])

@@ -122,12 +122,18 @@ def test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bo
     assert all(r["async/beside_tokens"] > 0 for r in beside)
 
 
+@pytest.mark.extended  # 80 steps; `make test` covers its parts in shorter runs (docstring)
 def test_the_demo_learns_with_its_rollout_worker_generating_during_the_updates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """configs/demo.yaml, separate rollout worker, S = 1 (80 steps): the reward rises as in the synchronous demo, no
     trained token is more than one version old (checked on every trained row), and calls started beside an update
-    ran during it: their windows (the rollout worker's wall clock) intersect the update's (the driver's)."""
+    ran during it: their windows (the rollout worker's wall clock) intersect the update's (the driver's).
+
+    In `make test-extended` only (45 s of CI's `make test`): `make test` checks learning at S = 1 with
+    tests/rollout/test_carry_over.py::test_the_demo_learns_with_one_step_of_staleness, and the staleness bound and
+    the calls beside the updates of a separate rollout worker with
+    test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bound above."""
     from easyrl.config import load_config_and_secrets
     from easyrl.trainer.trainer import Trainer
 

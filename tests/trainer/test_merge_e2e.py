@@ -17,6 +17,7 @@ from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scope
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.vllm  # starts a vLLM engine where vLLM is installed: with the others (tests/conftest.py)
 def test_merge_after_training_loads_in_transformers_and_vllm(tmp_path: Path, tiny_model_dir, digits_data) -> None:
     _, _, trained = run(tmp_path, tiny_model_dir, digits_data, {}, steps=1, weights=True)
     assert trained is not None
