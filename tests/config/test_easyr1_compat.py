@@ -283,5 +283,5 @@ def test_long_rl_keys_translate_with_a_note(tmp_path: Path, conf: dict[str, Any]
     assert "using it as data.max_frames" in notes
     assert "worker.rollout.num_chunk_seq is a Long-RL key with no effect in easyrl" in notes
     assert "worker.rollout.tokens_per_frame is a Long-RL key with no effect in easyrl" in notes
-    with pytest.raises(ConfigError, match="Long-RL's name for data.max_frames, which is also set"):
+    with pytest.raises(ConfigError, match=r"Long-RL's name for data\.max_frames, which is also set"):
         load_config(write_config(tmp_path / "d.yaml", conf), [*overrides[:1], "data.max_frames=64"])
