@@ -95,9 +95,16 @@ def _rows(folder: Path, count: int, frames: int, tail: int, seed: int, split: st
 
 
 def build_last_colour_task(
-    folder: str | Path, train: int = 64, val: int = 16, frames: int = 1000, tail: int = 150, seed: int = 0
+    folder: str | Path,
+    train: int = 64,
+    val: int = 16,
+    frames: int = 1000,
+    tail: int = 150,
+    seed: int = 0,
+    **model_kwargs: Any,
 ) -> dict[str, str]:
-    """Write the task into `folder` (videos, train/val jsonl, a tiny Qwen2.5-VL); returns their paths."""
+    """Write the task into `folder` (videos, train/val jsonl, a tiny Qwen2.5-VL built with `model_kwargs`); returns
+    their paths."""
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 
     if frames < 2 * tail:
@@ -110,7 +117,9 @@ def build_last_colour_task(
         paths[split] = str(root / f"{split}.jsonl")
         Path(paths[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
     # 32x32 frames are 4x4 patches of 8 pixels: 4 merged tokens a temporal patch
-    paths["model"] = build_tiny_vl_checkpoint(root / "model", arch="qwen2_5_vl", seed=seed, min_pixels=32 * 32)
+    paths["model"] = build_tiny_vl_checkpoint(
+        root / "model", arch="qwen2_5_vl", seed=seed, min_pixels=32 * 32, **model_kwargs
+    )
     _warm_start_format(paths["model"], paths["train"], root / "videos")
     paths["videos"] = str(root / "videos")
     return paths
