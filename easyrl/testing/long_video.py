@@ -7,7 +7,7 @@ Every colour appears among the distractors, so neither the first frames nor the 
 a policy beats 1 in 4 only by reading the end of the clip. Frame sampling keeps the last frame (`data.video_fps`
 evenly from first to last frame), so the final segment is always in the sampled clip.
 
-    python -m easyrl.testing.long_video outputs/demo_long_video     # then: easyrl train configs/demo_long_video.yaml
+    python -m easyrl.testing.long_video assets/demo_long_video     # then: easyrl train configs/demo_long_video.yaml
 
 writes ``train.jsonl``, ``val.jsonl``, ``videos/`` and ``model/`` there. The model is a random-init tiny
 Qwen2.5-VL whose head is warm-started on the format, not the answer: the four letters' output rows are set to the mean
