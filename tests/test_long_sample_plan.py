@@ -182,3 +182,40 @@ def test_short_samples_get_no_long_sample_plan(tiny_model_dir: str) -> None:
     lines, _ = memory_plan_lines(cfg, gpu_memory_gib=80)
     assert lines and not any(line.startswith("long sample") for line in lines)
     assert long_sample_refusal(cfg) is None
+
+
+def test_recipe_passes_check_offline_with_local_stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`easyrl check --gpu-memory 80` on the recipe as a user runs it, the hub model and dataset swapped for a tiny
+    Qwen2.5-VL that claims the 7B's 128k x 2 context and one 1,000-frame video row (nothing downloads)."""
+    import random
+
+    from easyrl.check import run_check
+    from easyrl.config import load_config
+    from easyrl.testing.long_video import colour_segments, write_colour_video
+    from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
+
+    model = Path(build_tiny_vl_checkpoint(tmp_path / "model", arch="qwen2_5_vl"))
+    config = json.loads((model / "config.json").read_text())
+    for section in (config, config.get("text_config", {})):
+        if "max_position_embeddings" in section:
+            section["max_position_embeddings"] = T
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "videos").mkdir()
+    write_colour_video(tmp_path / "videos" / "hour.mp4", colour_segments(random.Random(0), 1000, 100))
+    row = {"problem": "<video>What colour is last?", "answer": "red", "videos": ["hour.mp4"]}
+    (tmp_path / "train.jsonl").write_text((json.dumps(row) + "\n") * 8)  # a step of 8 prompts
+    monkeypatch.chdir(REPO)  # the recipe names its template and reward file from the repository root
+    overrides = [
+        f"worker.actor.model.model_path={model}",
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        f"data.video_dir={tmp_path / 'videos'}",
+        "trainer.device=auto",  # a CPU login node planning the GPU run: engine problems only warn
+    ]
+    cfg = load_config(RECIPE, overrides)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = run_check(cfg, gpu_memory_gib=80)
+    assert code == 0, out.getvalue()[-3000:]
+    assert (
+        "== memory plan" in out.getvalue() and "long sample: 262144 tokens over ulysses 4 x ring 1" in out.getvalue()
+    )
