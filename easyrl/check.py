@@ -185,9 +185,8 @@ def memory_plan_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) ->
 
     mcfg = cfg.worker.actor.model
     assert mcfg.model_path is not None
-    shape = ModelShape.from_hf_config(
-        AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
-    )
+    hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+    shape = ModelShape.from_hf_config(hf_config)
     if gpu_memory_gib is not None:
         total = int(gpu_memory_gib * GiB)
         device = f"GPU: {gpu_memory_gib:g} GiB, as --gpu-memory says (this machine's GPUs are not read)"
@@ -195,7 +194,8 @@ def memory_plan_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) ->
         free, total = torch.cuda.mem_get_info()
         device = f"GPU: {torch.cuda.get_device_name()}, {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free now"
     lines, problems = memory_report(shape, cfg, total)
-    return [device, *lines], problems
+    long_lines, long_problem = long_sample_report(hf_config, shape, cfg, total)
+    return [device, *lines, *long_lines], problems + ([long_problem] if long_problem else [])
 
 
 def memory_report(shape: Any, cfg: EasyRLConfig, device_total: int) -> tuple[list[str], list[str]]:
@@ -591,3 +591,44 @@ def _print_sft_data(cfg: EasyRLConfig, train: Any, val: Any) -> None:
     )
     lines.append(f"assistant tokens: marked by the chat template, {how}")
     print("\n".join(lines), file=sys.stdout)
+
+
+def long_sample_report(
+    hf_config: Any, shape: Any, cfg: EasyRLConfig, device_total: int
+) -> tuple[list[str], str | None]:
+    """(the per-rank plan of the config's longest sample, why it cannot fit) when samples are long (at least
+    `LONG_SAMPLE_TOKENS`); the arithmetic is `easyrl.long_sample_plan`'s."""
+    from easyrl.long_sample_plan import (
+        LONG_SAMPLE_TOKENS,
+        VisionShape,
+        long_sample_lines,
+        long_sample_problem,
+        plan_long_sample,
+    )
+
+    if cfg.data.max_prompt_length + cfg.data.max_response_length < LONG_SAMPLE_TOKENS:
+        return [], None
+    plan = plan_long_sample(shape, VisionShape.from_hf_config(hf_config), cfg, device_total)
+    return long_sample_lines(plan), long_sample_problem(plan)
+
+
+def long_sample_refusal(cfg: EasyRLConfig) -> str | None:
+    """Why the config's longest sample cannot fit this machine's GPU (None when it fits, when samples are short, or
+    when the run does not train on a GPU here): `easyrl train` says it before any worker starts."""
+    import torch
+
+    from easyrl.long_sample_plan import LONG_SAMPLE_TOKENS
+
+    if cfg.data.max_prompt_length + cfg.data.max_response_length < LONG_SAMPLE_TOKENS:
+        return None
+    if not (plan_of(cfg).use_gpu and torch.cuda.is_available()):
+        return None
+    from transformers import AutoConfig
+
+    from easyrl.memory_plan import ModelShape
+
+    mcfg = cfg.worker.actor.model
+    assert mcfg.model_path is not None
+    hf_config = AutoConfig.from_pretrained(mcfg.model_path, trust_remote_code=mcfg.trust_remote_code)
+    _, total = torch.cuda.mem_get_info()
+    return long_sample_report(hf_config, ModelShape.from_hf_config(hf_config), cfg, total)[1]

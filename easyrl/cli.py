@@ -146,6 +146,12 @@ def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
         if placement is not None:
             print(f"easyrl: placement error: {placement}", file=sys.stderr)
             return 2
+        from easyrl.check import long_sample_refusal
+
+        refusal = long_sample_refusal(cfg)  # a 256k-token sample that cannot fit: before any worker loads a model
+        if refusal is not None:
+            print(f"easyrl: memory error: {refusal}", file=sys.stderr)
+            return 2
     plan, warnings = start_lines(cfg, task)
     for line in plan:
         log.info(line)

@@ -385,3 +385,34 @@ def test_every_test_that_starts_a_vllm_engine_is_marked_vllm() -> None:
     assert "-n 2 --dist loadgroup" in makefile
     dev = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert any(dep.startswith("pytest-xdist") for dep in dev["optional-dependencies"]["dev"])
+
+
+def test_the_long_sample_plan_is_arithmetic_outside_the_workers() -> None:
+    """`easyrl.long_sample_plan` (issue 47) imports nothing heavier than the memory plan at module level (check runs
+    it before any model loads), no worker imports it, and Long-RL's key names live only in the loader's table."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "easyrl" / "long_sample_plan.py").read_text(encoding="utf-8"))
+    top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names
+    }
+    assert top <= {"__future__", "copy", "dataclasses", "typing", "easyrl.memory_plan"}, top
+    for path in (root / "easyrl" / "workers").rglob("*.py"):
+        assert "long_sample_plan" not in path.read_text(encoding="utf-8"), f"{path} imports the driver's plan"
+    for path in (root / "easyrl").rglob("*.py"):
+        if path.name == "loader.py":
+            continue
+        module = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.value) for n in ast.walk(module) if isinstance(n, ast.Expr)}  # docstrings may name them
+        for node in ast.walk(module):
+            named = node.value if isinstance(node, ast.Constant) and id(node) not in docs else None
+            named = node.attr if isinstance(node, ast.Attribute) else named
+            if isinstance(named, str):
+                assert not re.search(r"num_video_frames|num_chunk_seq|tokens_per_frame", named), (
+                    f"{path} reads a Long-RL key: translate it in easyrl/config/loader.py"
+                )
+    # every long-video recipe is planned by hand in a test
+    planned = (root / "tests" / "test_long_sample_plan.py").read_text(encoding="utf-8")
+    for recipe in (root / "configs" / "long_video").glob("*.yaml"):
+        assert recipe.name in planned, f"{recipe} has no hand-computed plan in tests/test_long_sample_plan.py"

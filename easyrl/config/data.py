@@ -59,9 +59,10 @@ class DataConfig:
     max_pixels: int = 4194304
     """Largest image area in pixels after resizing (vision-language models)."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos."""
+    """Frames per second sampled from videos, evenly spaced, the first and the last frame always among them."""
     max_frames: int = 64
-    """Most frames sampled per video."""
+    """Most frames sampled per video (the frame budget; Long-RL's `worker.rollout.num_video_frames`, up to 8,192 for
+    hour-long videos): a longer video is sampled evenly at fewer frames a second, still first to last frame."""
     limit_images: int = 0
     """Most images per prompt; 0: no limit."""
     filter_overlong_prompts: bool = True

@@ -79,4 +79,12 @@ def render_config_reference() -> str:
     lines += ["- `worker.actor.loss_type: default` -> `ppo`", ""]
     lines += ["Accepted and ignored (easyrl has the behaviour built in, or it does not apply):", ""]
     lines += [f"- `{key}`" for key in sorted(EASYR1_IGNORED)]
+    from easyrl.config.loader import LONGRL_IGNORED, LONGRL_RENAMES
+
+    lines += ["", "## Coming from Long-RL", "", "Renamed keys (applied automatically, with a note):", ""]
+    lines += [
+        f"- `{old}` -> `{new}` (a cap on fps sampling; docs/vision_language.md)" for old, new in LONGRL_RENAMES.items()
+    ]
+    lines += ["", "Accepted and ignored:", ""]
+    lines += [f"- `{key}`: {why}" for key, why in sorted(LONGRL_IGNORED.items())]
     return "\n".join(lines) + "\n"

@@ -56,6 +56,18 @@ EASYR1_IGNORED = {
     "data.filter_overlong_prompts_workers",
     "trainer.ray_timeline",
 }
+# Long-RL (NVlabs/Long-RL, the EasyR1 fork for hour-long videos): its keys easyrl reads, each with what it does here.
+LONGRL_RENAMES = {
+    # Long-RL samples exactly N frames per video, evenly over its length (qwen-vl-utils' `nframes`); easyrl samples
+    # data.video_fps frames a second, evenly, first and last frame kept, capped at data.max_frames: the same frames
+    # whenever the video is long enough for the cap to bind (an hour at 2 fps is 7,200 frames > 3,600).
+    "worker.rollout.num_video_frames": "data.max_frames",
+}
+LONGRL_IGNORED = {
+    "worker.rollout.tokens_per_frame": "easyrl counts each frame's tokens from its size (data.max_pixels)",
+    "worker.rollout.num_chunk_seq": "it splits the all_gather_object of video pixels between ranks into chunks; "
+    "easyrl's driver hands each rank its own shard of the batch, so nothing gathers the pixels",
+}
 # EasyR1 values easyrl spells differently: key -> {EasyR1 value: easyrl value}.
 _EASYR1_VALUES: dict[str, dict[Any, Any]] = {
     "worker.actor.loss_avg_mode": {"token": "token-mean", "seq": "seq-mean-token-mean"},
@@ -254,7 +266,20 @@ def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
         if key in EASYR1_IGNORED:
             notes.append(f"{key} is an EasyR1 key with no effect in easyrl; ignored")
             continue
+        if key in LONGRL_IGNORED:
+            notes.append(f"{key} is a Long-RL key with no effect in easyrl ({LONGRL_IGNORED[key]}); ignored")
+            continue
         if key in _EASYR1_NULL_IS_DEFAULT and value is None:
+            continue
+        if key in LONGRL_RENAMES:
+            new = LONGRL_RENAMES[key]
+            notes.append(
+                f"{key} is Long-RL's frame count per video; easyrl samples data.video_fps frames a second capped at "
+                f"{new}: using it as {new} (raise data.video_fps if short videos must give that many frames too)"
+            )
+            if new in flat and flat[new] != value:
+                raise ConfigError(key, f"is Long-RL's name for {new}, which is also set, to another value: keep one")
+            out[new] = value
             continue
         new = EASYR1_RENAMES.get(key, key)
         if new != key:

@@ -187,25 +187,31 @@ def _frame_budget(min_pixels: int, max_pixels: int, num_frames: int, spec: Visio
 
 
 def load_video(ref: MediaRef, spec: VisionSpec, data_cfg: Any) -> VideoClip:
-    """Decode ``ref`` with PyAV, sample frames (``data_cfg.video_fps``, ``max_frames``) and resize them."""
+    """Decode ``ref`` with PyAV, sample frames (``data_cfg.video_fps``, ``max_frames``) and resize them.
+
+    Streaming: frames are decoded one at a time and each sampled one is resized into its slot of the output as it is
+    read, so a clip of thousands of frames holds the sampled frames, at their final size, and one decoded frame."""
     total, fps, height, width = _video_meta(ref)
     indices = sample_frame_indices(total, fps, data_cfg.video_fps, data_cfg.max_frames, spec.temporal_patch_size)
     lo, hi = _frame_budget(data_cfg.min_pixels, data_cfg.max_pixels, len(indices), spec)
     h, w = smart_resize(height, width, spec.factor, lo, hi)
-    wanted = set(indices)
-    decoded: dict[int, np.ndarray] = {}
+    slots: dict[int, list[int]] = {}  # source frame -> its positions in the clip (a short video repeats frames)
+    for pos, i in enumerate(indices):
+        slots.setdefault(i, []).append(pos)
+    frames = np.empty((len(indices), h, w, 3), dtype=np.uint8)
+    filled = -1  # the last clip position written
     with _open_container(ref) as container:
         for i, frame in enumerate(container.decode(video=0)):
-            if i in wanted:
+            if i in slots:
                 image = frame.to_image().convert("RGB")
-                decoded[i] = np.asarray(image.resize((w, h), Image.Resampling.BICUBIC), dtype=np.uint8)
+                frames[slots[i]] = np.asarray(image.resize((w, h), Image.Resampling.BICUBIC), dtype=np.uint8)
+                filled = slots[i][-1]
             if i >= indices[-1]:  # indices ascend: nothing wanted after the last
                 break
-    if not decoded:
+    if filled < 0:
         raise MultimodalError("no frame could be decoded")
     # The container's frame count can exceed what decodes: missing frames repeat the last decoded one.
-    last = decoded[max(decoded)]
-    frames = np.stack([decoded.get(i, last) for i in indices])
+    frames[filled + 1 :] = frames[filled]
     duration = total / fps
     return VideoClip(frames, indices, fps, len(indices) / duration if duration > 0 else fps, total)
 

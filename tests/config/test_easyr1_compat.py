@@ -266,3 +266,22 @@ def test_sapo_and_gspo_token_are_known_losses(tmp_path: Path, conf: dict[str, An
     path = write_config(tmp_path / "c.yaml", conf)
     for loss in ("sapo", "gspo_token"):
         assert load_config(path, [f"worker.actor.loss_type={loss}"]).worker.actor.loss_type == loss
+
+
+def test_long_rl_keys_translate_with_a_note(tmp_path: Path, conf: dict[str, Any]) -> None:
+    """Long-RL's hour-long-video script (examples/new_supports/qwen2_5_vl_3b_video_1h.sh) sets these three."""
+    told: list[str] = []
+    overrides = [
+        "worker.rollout.num_video_frames=3600",
+        "worker.rollout.tokens_per_frame=60",
+        "worker.rollout.num_chunk_seq=60",
+    ]
+    cfg = load_config(write_config(tmp_path / "c.yaml", conf), overrides, told)
+    assert cfg.data.max_frames == 3600
+    notes = "\n".join(told)
+    assert "worker.rollout.num_video_frames is Long-RL's frame count per video" in notes
+    assert "using it as data.max_frames" in notes
+    assert "worker.rollout.num_chunk_seq is a Long-RL key with no effect in easyrl" in notes
+    assert "worker.rollout.tokens_per_frame is a Long-RL key with no effect in easyrl" in notes
+    with pytest.raises(ConfigError, match=r"Long-RL's name for data\.max_frames, which is also set"):
+        load_config(write_config(tmp_path / "d.yaml", conf), [*overrides[:1], "data.max_frames=64"])

@@ -289,6 +289,33 @@ def _train_yaml(ctx: Context, conf: dict[str, Any], edits: dict[str, Any]) -> li
     return [r for r in _log(run_dir) if "actor/pg_loss" in r]
 
 
+def long_video(ctx: Context) -> Outcome:
+    """Issue 47: the last-colour task's 1,000-frame videos, decoded streaming and sampled to 8 frames (the last one
+    among them), through the engine and the update on the task's tiny Qwen2.5-VL."""
+    from easyrl.testing.long_video import DATA, build_last_colour_task
+
+    def build(folder: Path) -> str:
+        # head size 32 in the language model and the vision tower (vLLM's kernels reject 16)
+        build_last_colour_task(folder, train=8, val=1, num_heads=2, num_kv_heads=1, vision_hidden_size=64)
+        return str(folder)
+
+    folder = Path(ctx.built("last_colour", build))
+    edits = {f"data.{k}": v for k, v in DATA.items()} | {
+        "data.video_dir": str(folder / "videos"),
+        "data.format_prompt": None,
+        "data.max_response_length": 2,
+        "worker.reward.reward_function": str(REPO / "reward_functions" / "last_colour.py:compute_score"),
+    }
+    rows, before, after = ctx.train(str(folder / "model"), {"train": str(folder / "train.jsonl")}, edits,
+                                    weights=True)  # fmt: skip
+    expect(moved(before, after, "language_model."), "the language model did not move")
+    prompt = rows[0]["prompt_length/mean"]
+    # 8 frames of 32x32: 4 temporal patches of 4 merged tokens, plus the question and the chat template
+    expect(prompt >= 16 + 10, f"prompts of {prompt:.0f} tokens: the 16 video tokens were not expanded")
+    reward = [r["reward/overall"] for r in rows]
+    return Outcome(f"1,000-frame videos sampled to 8 frames; prompts {prompt:.0f} tokens; reward {reward}", rows)
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -314,4 +341,5 @@ FEATURES = (
     _feature("async_vl_image", async_vl, limit_s=60),
     _feature("kill9_resume", kill_and_resume, limit_s=120),
     _feature("inline_engine_healing", inline_engine_healing, limit_s=60),
+    _feature("long_video", long_video, limit_s=60),
 )
