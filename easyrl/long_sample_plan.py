@@ -10,12 +10,14 @@ keeps the tokens and passes key/value blocks around). Per rank, in bytes:
   `easyrl.memory_plan.plan_memory` computes them (gradient checkpointing, the log-prob head, the reference, the CUDA
   graphs and contexts that stay resident), plus with a ring the key/value block in flight and the one arriving:
   2 x t x 2 x KV x (activation dtype bytes);
-- the vision tower's encode of the sample's video, on every rank of the group (each encodes the whole clip): the
-  clip's patches P = video tokens x merge^2, where the video tokens are at most ``data.max_pixels`` / (patch x
+- the vision tower's encode of the sample's video, its frames shared out over the SP ranks (`easyrl.models.vl_embeds`:
+  each rank encodes 1/SP of the clip's patches, then one all-gather gives every rank the tower's whole output,
+  video tokens x the tower's output width): the clip's patches P = video tokens x merge^2, where the video tokens are at most ``data.max_pixels`` / (patch x
   merge)^2 (the pixel budget is shared by the clip's temporal patches, `easyrl.data.multimodal._frame_budget`) and at
-  most T; its input P x 3 x temporal patch x patch^2 in fp32, and one block's working set
-  P x (6 Hv + 3 Iv) (activation dtype; flash/sdpa attention within each frame keeps no P x P matrix); a trained tower
-  (``freeze_vision_tower`` false) also keeps each block's input for the backward: depth x P x Hv;
+  most T; per rank, its share p = ceil(P / SP) of the input, p x 3 x temporal patch x patch^2 in fp32, and one
+  block's working set p x (6 Hv + 3 Iv) (activation dtype; flash/sdpa attention within each frame keeps no P x P
+  matrix); a trained tower (``freeze_vision_tower`` false) also keeps each block's input for the backward:
+  depth x p x Hv; plus the gathered output, video tokens x Ho (activation dtype);
 - the engine's KV cache for the sample: T x 2 x KV layers x KV heads / tensor parallel x head dim x (engine dtype
   bytes), which must fit the KV cache the engine's budget leaves (vLLM refuses a max_model_len it cannot hold once).
 
@@ -45,6 +47,8 @@ class VisionShape:
     patch_size: int
     merge_size: int
     temporal_patch_size: int
+    out_hidden_size: int = 0
+    """The width of the tower's merged output tokens (the language model's hidden size for Qwen2.5-VL)."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> VisionShape | None:
@@ -59,6 +63,12 @@ class VisionShape:
             patch_size=int(vision.patch_size),
             merge_size=int(vision.spatial_merge_size),
             temporal_patch_size=int(vision.temporal_patch_size),
+            # Qwen2.5-VL and Qwen3-VL name it out_hidden_size; Qwen2-VL's merger outputs the text model's width
+            out_hidden_size=int(
+                getattr(vision, "out_hidden_size", 0)
+                or getattr(getattr(config, "text_config", config), "hidden_size", 0)
+                or 0
+            ),
         )
 
 
@@ -93,9 +103,9 @@ class LongSamplePlan:
 
 
 def sp_sizes(cfg: Any) -> tuple[int, int]:
-    """(ulysses_size, ring_size) of the actor; ring_size is 1 where the config has no such key."""
+    """(ulysses_size, ring_size) of the actor."""
     actor = cfg.worker.actor
-    return int(actor.ulysses_size), int(getattr(actor, "ring_size", 1) or 1)
+    return int(actor.ulysses_size), int(actor.ring_size)
 
 
 def video_token_bound(cfg: Any, vision: VisionShape | None, sample_tokens: int) -> int:
@@ -108,17 +118,21 @@ def video_token_bound(cfg: Any, vision: VisionShape | None, sample_tokens: int) 
     return min(sample_tokens, max(groups, cfg.data.max_pixels // merged_pixels))
 
 
-def vision_encode_bytes(vision: VisionShape | None, video_tokens: int, act: int, trained: bool) -> int:
-    """Encode memory of a clip of `video_tokens` merged tokens: input patches (fp32), one block's working set, and the
-    blocks' inputs when the tower trains (gradient checkpointing) — see the module docstring."""
+def vision_encode_bytes(
+    vision: VisionShape | None, video_tokens: int, act: int, trained: bool, sp_size: int = 1
+) -> int:
+    """Encode memory on one of `sp_size` ranks of a clip of `video_tokens` merged tokens: its share of the input
+    patches (fp32), one block's working set and, when the tower trains (gradient checkpointing), the blocks' inputs,
+    plus the gathered output of the whole clip — see the module docstring."""
     if vision is None or video_tokens == 0:
         return 0
-    patches = video_tokens * vision.merge_size**2
+    patches = -(-video_tokens * vision.merge_size**2 // max(1, sp_size))  # this rank's share of the frames
     hv, iv = vision.hidden_size, vision.intermediate_size
     pixels = patches * 3 * vision.temporal_patch_size * vision.patch_size**2 * DTYPE_BYTES["fp32"]
     working = patches * (6 * hv + 3 * iv) * act
     kept = vision.depth * patches * hv * act if trained else 0
-    return pixels + working + kept
+    gathered = video_tokens * vision.out_hidden_size * act
+    return pixels + working + kept + gathered
 
 
 def plan_long_sample(
@@ -150,7 +164,7 @@ def plan_long_sample(
         activations=base.actor.activations,
         ring_buffers=ring_buffers,
         video_tokens=video,
-        vision_encode=vision_encode_bytes(vision, video, act, trained),
+        vision_encode=vision_encode_bytes(vision, video, act, trained, ulysses * ring),
         kv_sample=tokens * kv_per_token,
         kv_cache=base.kv_cache,
         device_total=device_total,
@@ -168,7 +182,7 @@ def long_sample_lines(plan: LongSamplePlan) -> list[str]:
         f"{plan.tokens_per_rank} tokens per rank",
         f"per rank: update {_g(plan.update)} GiB (activations {_g(plan.activations)}) + ring blocks "
         f"{_g(plan.ring_buffers)} + vision tower encode {_g(plan.vision_encode)} ({plan.video_tokens} video tokens, "
-        f"whole clip on each rank) = {_g(plan.per_rank)} of {_g(plan.device_total)} GiB",
+        f"frames split over the group) = {_g(plan.per_rank)} of {_g(plan.device_total)} GiB",
         f"engine KV cache for the sample: {_g(plan.kv_sample)} of {_g(plan.kv_cache)} GiB",
     ]
 

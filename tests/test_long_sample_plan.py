@@ -86,7 +86,7 @@ def test_video_tokens_of_an_hour_by_hand() -> None:
     """The pixel budget is shared by the clip: 203,212,800 pixels over 28x28-pixel merged tokens is 259,200 tokens,
     i.e. 1,800 temporal patches (3,600 frames) of 144 tokens; never more than the sample, at least one a patch."""
     vision = VisionShape.from_hf_config(_hf())
-    assert vision == VisionShape(1280, 32, 3420, 14, 2, 2)
+    assert vision == VisionShape(1280, 32, 3420, 14, 2, 2, out_hidden_size=3584)
     cfg = _recipe()
     assert (cfg.data.max_frames, cfg.data.max_pixels) == (3600, 203212800)
     assert video_token_bound(cfg, vision, T) == 203212800 // 784 == VIDEO_TOKENS == 1800 * 144
@@ -96,14 +96,22 @@ def test_video_tokens_of_an_hour_by_hand() -> None:
 
 
 def test_vision_encode_by_hand() -> None:
-    """Frozen tower: fp32 patches P x 3 x 2 x 14 x 14 x 4 plus one block's working set P x (6 x 1280 + 3 x 3420) x 2;
-    a trained tower also keeps 32 block inputs P x 1280 x 2."""
+    """Frozen tower on one rank: fp32 patches P x 3 x 2 x 14 x 14 x 4 plus one block's working set
+    P x (6 x 1280 + 3 x 3420) x 2 plus the output, 259,200 tokens x 3584 x 2; a trained tower also keeps 32 block
+    inputs P x 1280 x 2. Over 4 sequence-parallel ranks each encodes a quarter of the patches and gets the whole
+    output back from the all-gather."""
     vision = VisionShape.from_hf_config(_hf())
     patches = VIDEO_TOKENS * 4
     pixels = patches * 1176 * 4
     working = patches * (7680 + 10260) * 2
-    assert vision_encode_bytes(vision, VIDEO_TOKENS, 2, trained=False) == pixels + working == 42_077_491_200
-    assert vision_encode_bytes(vision, VIDEO_TOKENS, 2, trained=True) == pixels + working + 32 * patches * 1280 * 2
+    output = VIDEO_TOKENS * 3584 * 2
+    assert output == 1_857_945_600
+    one_rank = vision_encode_bytes(vision, VIDEO_TOKENS, 2, trained=False)
+    assert one_rank == pixels + working + output == 43_935_436_800
+    trained = vision_encode_bytes(vision, VIDEO_TOKENS, 2, trained=True)
+    assert trained == pixels + working + 32 * patches * 1280 * 2 + output
+    quarter = vision_encode_bytes(vision, VIDEO_TOKENS, 2, trained=False, sp_size=4)
+    assert quarter == (pixels + working) // 4 + output == 12_377_318_400
 
 
 def test_recipe_plan_by_hand(shape: ModelShape) -> None:
@@ -124,16 +132,16 @@ def test_recipe_plan_by_hand(shape: ModelShape) -> None:
     # engine KV for the sample: 2 x 28 layers x 4/2 heads (tensor parallel 2) x 128 x 2 bytes a token
     assert plan.kv_sample == T * 2 * 28 * 2 * 128 * 2 == 7 * GiB
     assert plan.kv_sample < plan.kv_cache
-    assert plan.vision_encode == 42_077_491_200
+    assert plan.vision_encode == 12_377_318_400  # a quarter of the frames a rank (Ulysses 4), the whole output
     assert plan.fits and plan.per_rank < H100 and long_sample_problem(plan) is None
-    assert 75 * GiB < plan.per_rank < 76 * GiB  # docs/vision_language.md: 75.3 of 80 GiB
+    assert 47 * GiB < plan.per_rank < 48 * GiB  # docs/vision_language.md: 47.6 of 80 GiB
 
 
 def test_ring_splits_the_tokens_and_adds_its_blocks(shape: ModelShape) -> None:
     """Ulysses 4 x ring 2 holds half the tokens a rank of Ulysses 4 alone, plus the key/value block in flight and
     the one arriving: 2 x t x 2 x KV x 2 bytes."""
     cfg = _recipe()
-    object.__setattr__(cfg.worker.actor, "ring_size", 2)  # worker.actor.ring_size (issue 47 item 1): read if there
+    cfg.worker.actor.ring_size = 2
     plan = plan_long_sample(shape, None, cfg, H100)
     assert (plan.ulysses_size, plan.ring_size, plan.tokens_per_rank) == (4, 2, 32768)
     assert plan.ring_buffers == 2 * 32768 * 2 * 512 * 2 == 134_217_728
@@ -164,13 +172,14 @@ def test_check_prints_the_long_sample_plan_and_refuses(tmp_path: Path) -> None:
     model = tmp_path / "qwen2_5_vl_7b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(_hf().to_dict()))
-    for overrides, code in (((), 0), (("worker.actor.ulysses_size=1",), 2)):
+    # Ulysses 4: each rank encodes a quarter of the frames (11.5 GiB); one rank: the whole clip (40.9 GiB)
+    for overrides, code, encode in (((), 0, "11.5"), (("worker.actor.ulysses_size=1",), 2, "40.9")):
         cfg = _recipe(f"worker.actor.model.model_path={model}", *overrides)
         out, err = io.StringIO(), io.StringIO()
         with redirect_stdout(out), redirect_stderr(err):
             assert print_memory_plan(cfg, gpu_memory_gib=80) == code
         assert "long sample: 262144 tokens over ulysses" in out.getvalue()
-        assert "vision tower encode 39.2 (259200 video tokens" in out.getvalue()
+        assert f"vision tower encode {encode} (259200 video tokens, frames split over the group)" in out.getvalue()
         assert ("easyrl: memory error: a sample of 262144 tokens" in err.getvalue()) == (code == 2)
 
 
