@@ -760,7 +760,12 @@ def _derive_seed_calls(module: str) -> dict[str, int]:
     return found
 
 
-def test_the_carry_over_loop_seeds_its_calls_in_one_method() -> None:
-    """Whether carry-over at S = 0 samples the synchronous trajectories is a question of its call seeds alone
-    (`tests/rollout/test_schedule_at_zero.py` overrides that one method): `CarryOverLoop.call_seed` derives them."""
-    assert set(_derive_seed_calls("easyrl.rollout.carry_over")) == {"call_seed"}
+def test_every_schedule_seeds_its_engine_calls_with_call_seed() -> None:
+    """The synchronous and carry-over schedules draw the same trajectories at S = 0 only while they seed a row's
+    calls alike (`tests/rollout/test_schedule_at_zero.py`): the rollout room takes a call's seed from
+    `seeding.call_seed` and derives none of its own."""
+    assert "call_seed" in _derive_seed_calls("easyrl.seeding"), (
+        "the rule must see a derive_seed call where there is one"
+    )
+    offenders = [f"{m}:{line}" for m in MODULES if _inside(m, ROLLOUT_ROOM) for line in _derive_seed_calls(m).values()]
+    assert not offenders, "seed an engine call with easyrl.seeding.call_seed:\n" + "\n".join(offenders)

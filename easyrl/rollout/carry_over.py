@@ -60,7 +60,7 @@ from easyrl.rollout.trajectory import (
     request_of,
     rows_of,
 )
-from easyrl.seeding import derive_seed, prompt_seeds
+from easyrl.seeding import call_seed, prompt_seeds
 
 
 PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
@@ -69,7 +69,7 @@ PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class Group:
-    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `derive_seed(seed + j, c, "row")`:
+    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `call_seed(seed + j, c)`:
     fixed by the group, whatever else shares the call (and the same after a resume)."""
 
     prompt_ids: list[int]
@@ -351,11 +351,12 @@ class CarryOverLoop:
 
     def call_seed(self, group: Group, j: int) -> int:
         """The seed of sample `j`'s next call (its group's `calls`-th, counted across steps and resumes), so a response
-        cut into chunks or resumed from a checkpoint draws the tokens it would have drawn. Even call 0 is a child of
-        the row seed, where the synchronous loops sample with the row seed itself: at `max_staleness = 0` this loop
-        samples other trajectories than theirs (docs/async.md, "S = 0")."""
-        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
-        return derive_seed(group.seed + j, group.calls, "row")
+        cut into chunks or resumed from a checkpoint draws the tokens it would have drawn. The synchronous loops seed
+        a row's calls alike (`seeding.call_seed`), so at `max_staleness = 0` with one call per completion this loop
+        samples their trajectories."""
+        # A live sample takes part in every call of its group (one restarted on a resume goes on from the group's
+        # count), so at S = 0 with one call per completion `calls` is its turn: the synchronous loop's call index
+        return call_seed(group.seed + j, group.calls)
 
     def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:
         """Append an engine call's output (the rows of `work`, then padding) to its responses, generated in engine

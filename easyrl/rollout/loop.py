@@ -22,7 +22,7 @@ from easyrl.batch import Batch
 from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.episode import Episode, after_call, apply_step
 from easyrl.rollout.trajectory import Trajectory, append_call, request_of, rows_of
-from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+from easyrl.seeding import SEED_COLUMN, call_seed, prompt_seeds
 
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,8 @@ class EpisodeLoop(OneSessionLoop):
     """The synchronous schedule driving any episode (`easyrl.rollout.episode`): one engine session per batch and,
     every turn, one engine call for the live trajectories, each allowed its episode's token limit (the call asks for
     the largest; a longer completion is cut). The episode then says what follows each completion. Turn `t` of
-    trajectory `k` samples with `derive_seed(row seed of k, t, "attempt")` (turn 0: the row seed itself, as the
-    single-turn loop seeds it). `eos_id` and the call's `stop_token_ids` end a completion."""
+    trajectory `k` samples with `call_seed(row seed of k, t)` (turn 0: the row seed itself, as the single-turn loop
+    seeds it; the carry-over loop seeds its calls alike). `eos_id` and the call's `stop_token_ids` end a completion."""
 
     def __init__(self, episode: Episode, pad_id: int, engines: int = 1, eos_id: int | None = None) -> None:
         self.episode = episode
@@ -228,7 +228,7 @@ class EpisodeLoop(OneSessionLoop):
         """One engine call for every live trajectory; appends each completion (loss 1); returns how each ended."""
         limits = [self.episode.token_limit(t) for t in live]
         max_tokens = max(limits)
-        seeds = [seed if t.turns == 0 else derive_seed(seed, t.turns, "attempt") for t, seed in zip(live, seeds)]
+        seeds = [call_seed(seed, t.turns) for t, seed in zip(live, seeds)]  # every call ends a turn: turns = calls
         request = request_of([t.context() for t in live], seeds, self.pad_id, self.engines)
         out = engines.generate(request, params.override({"n": 1, "max_tokens": max_tokens}))
         lengths = out["response_mask"].sum(dim=1).tolist()

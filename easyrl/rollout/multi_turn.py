@@ -20,7 +20,7 @@ calls with the Qwen2.5 / Qwen3 / Hermes templates never split: tool messages are
 This is an episode (`ToolEpisode`, `easyrl.rollout.episode`): after each completion it runs the calls the model made
 and says "continue with these observation tokens" or "stop". The synchronous schedule (`loop.EpisodeLoop`) drives it
 with one engine call per turn for every live trajectory (`EngineSession.generate` inside one open / close). Turn `t`
-of trajectory `k` samples with the seed `derive_seed(row seed of k, t, "attempt")` (turn 0: the row seed itself, so
+of trajectory `k` samples with the seed `seeding.call_seed(row seed of k, t)` (turn 0: the row seed itself, so
 a one-turn trajectory samples as the single-turn loop does).
 """
 

@@ -1,14 +1,14 @@
 """The synchronous schedule and carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
 engine serving the tool demo's model, one engine call per completion (`chunk_tokens` = `max_response_length`), one
-seed. The two schedules start the same episodes and build rows with the same `rows_of`; they seed their calls
-differently (`CarryOverLoop.call_seed`: every call, the first too, a `"row"` child of the row seed; the synchronous
-loops: the row seed, then `"attempt"` children per turn), so the carry-over loop samples other trajectories. Given
-the synchronous seeds (`SynchronousSeeds`, the only thing changed):
+seed. Both schedules seed every call with `seeding.call_seed`, start the same episodes and build rows with the same
+`rows_of`, so they sample the same trajectories, token for token:
 
-- single turn: its rows are the synchronous loop's bit for bit, plus the versioned record's two columns; only the
-  metrics differ (`async/*`);
-- tools: the same trajectories, token for token, but handed over in the order their groups finished, and padded to
+- single turn: the carry-over loop's rows are the synchronous loop's bit for bit, plus the versioned record's two
+  columns; only the metrics differ (`async/*`);
+- tools: the same trajectories, but handed over in the order their groups finished, and padded to
   `max_response_length` rather than to the longest response.
+
+What still keeps the producer on two schedules at S = 0 is written in docs/async.md.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.rollout import SamplingParams, SingleTurnLoop
-from easyrl.rollout.carry_over import CarryOverLoop, Group
+from easyrl.rollout.carry_over import CarryOverLoop
 from easyrl.rollout.episode import Episode, SingleTurnEpisode
 from easyrl.rollout.hf import HFRolloutEngine
 from easyrl.rollout.multi_turn import ChatRenderer, ToolEpisode
-from easyrl.seeding import derive_seed
+from easyrl.seeding import call_seed
 from tests.rollout.test_multi_turn import MODEL, LocalEngines, _loop, _prompts, _rows
 
 
@@ -37,15 +37,6 @@ RECORD_COLUMNS = {"token_policy_version", "rollout_sessions"}
 class Engines(LocalEngines):
     def policy_version(self) -> int:  # what the carry-over loop counts staleness from
         return 0
-
-
-class SynchronousSeeds(CarryOverLoop):
-    """The carry-over loop seeding as the synchronous loops do: call 0 with the row seed itself, call `c` (a turn:
-    one call per completion here) with its `"attempt"` child (`loop.EpisodeLoop.generate`)."""
-
-    def call_seed(self, group: Group, j: int) -> int:
-        row = group.seed + j
-        return row if group.calls == 0 else derive_seed(row, group.calls, "attempt")
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +52,9 @@ def engine(chat: ChatRenderer) -> HFRolloutEngine:
     return HFRolloutEngine(MODEL, torch.device("cpu"), torch.float32, [tok.eos_token_id], tok.pad_token_id)
 
 
-def _at_zero(
-    chat: ChatRenderer, episode: Episode | None = None, cls: type[CarryOverLoop] = SynchronousSeeds
-) -> CarryOverLoop:
+def _at_zero(chat: ChatRenderer, episode: Episode | None = None) -> CarryOverLoop:
     tok = chat.tokenizer
-    return cls(
+    return CarryOverLoop(
         lambda k: pytest.fail("at S = 0 the step's own prompts fill the admission room: none is drawn"),
         max_staleness=0,
         active_groups=4,
@@ -90,29 +79,29 @@ def _single_turn_prompts(chat: ChatRenderer, rows: list[dict[str, Any]]) -> Batc
     )
 
 
-def test_single_turn_rows_at_zero_staleness_are_the_synchronous_ones_bit_for_bit_only_with_its_seeds(
+def test_a_calls_seed_is_the_row_seed_then_its_row_children() -> None:
+    assert [call_seed(700_021, c) for c in range(3)] == [700_021, 700_021 * 100_003 + 1, 700_021 * 100_003 + 2]
+    siblings = {call_seed(row, c) for row in range(700_021, 700_029) for c in range(1000)}
+    assert len(siblings) == 8 * 1000  # past a thousand calls too (a response cut into small carry-over chunks)
+
+
+def test_single_turn_rows_at_zero_staleness_are_the_synchronous_ones_bit_for_bit(
     engine: HFRolloutEngine, chat: ChatRenderer
 ) -> None:
     prompts = _single_turn_prompts(chat, _rows(4))
     sync, sync_metrics = SingleTurnLoop().run(Engines(engine), prompts, PARAMS)
-    own_loop = _at_zero(chat, cls=CarryOverLoop)
-    own, own_metrics = own_loop.run(Engines(engine), prompts, PARAMS)
-    carried, _ = _at_zero(chat).run(Engines(engine), prompts, PARAMS)
-    # shared: the episode (carry-over's default is the single-turn one), the prompts' columns, the row layout
-    assert isinstance(own_loop.episode, SingleTurnEpisode)
-    assert own["uid"] == sync["uid"] and torch.equal(own["prompts"], sync["prompts"])
-    assert own["responses"].shape == sync["responses"].shape
-    # differs: its own seeds draw other responses
-    assert not torch.equal(own["responses"], sync["responses"])
-    # with the synchronous seeds: every tensor and column of the synchronous rows, to the bit, and the record's two
+    loop = _at_zero(chat)
+    carried, metrics = loop.run(Engines(engine), prompts, PARAMS)
+    assert isinstance(loop.episode, SingleTurnEpisode)  # carry-over's default episode
+    # every tensor and column of the synchronous rows, to the bit, and the versioned record's two columns
     assert set(carried.tensors) - set(sync.tensors) == RECORD_COLUMNS and set(sync.tensors) <= set(carried.tensors)
     different = [k for k in sync.tensors if not torch.equal(sync[k], carried[k])]
     assert not different, f"S = 0 through carry-over changed {different}"
     assert {k: carried[k] for k in sync.non_tensors} == dict(sync.non_tensors)
     assert len(set(map(tuple, carried["responses"].tolist()))) > 1  # sampled, not one greedy answer for all
     # differs: the metrics (the synchronous loop has only the engines' timings, none here; carry-over its async/*)
-    assert sync_metrics == {} and {"async/engine_calls", "async/staleness/0"} <= set(own_metrics)
-    assert own_metrics["async/engine_calls"] == 1.0 and own_metrics["async/groups_carried"] == 0.0
+    assert sync_metrics == {} and {"async/engine_calls", "async/staleness/0"} <= set(metrics)
+    assert metrics["async/engine_calls"] == 1.0 and metrics["async/groups_carried"] == 0.0
 
 
 def _trimmed(rows: Batch, i: int) -> tuple[list[int], list[int], list[float], list[int]]:
