@@ -129,15 +129,21 @@ class OneSessionLoop:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            logger.warning(
-                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
-                "max_staleness: 0 does not carry them over",
-                len(state.get("groups", [])) + len(state.get("queue", [])),
-            )
+        warn_untrained(state)
 
     def close(self) -> None:
         return None
+
+
+def warn_untrained(state: dict[str, Any]) -> None:
+    """A synchronous schedule given an asynchronous run's checkpoint: its groups in flight are not trained (said once,
+    loudly)."""
+    if state:
+        logger.warning(
+            "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
+            "max_staleness: 0 does not carry them over",
+            len(state.get("groups", [])) + len(state.get("queue", [])),
+        )
 
 
 def seeded_request(prompts: Batch, params: SamplingParams) -> Batch:

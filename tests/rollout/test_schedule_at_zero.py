@@ -1,14 +1,11 @@
-"""The synchronous schedule and carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
-engine serving the tool demo's model, one engine call per completion (`chunk_tokens` = `max_response_length`), one
-seed. Both schedules seed every call with `seeding.call_seed`, start the same episodes and build rows with the same
-`rows_of`, so they sample the same trajectories, token for token:
+"""The synchronous schedule is carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
+engine serving the tool demo's model, one seed. Both schedules seed every call with `seeding.call_seed`, start the
+same episodes and build rows with the same `rows_of`; at S = 0 the carry-over loop hands a step's groups over in the
+prompts' order, pads as the synchronous loops pad, logs their metrics and makes their engine round trips. So its rows
+and metrics are theirs:
 
-- single turn: the carry-over loop's rows are the synchronous loop's bit for bit, plus the versioned record's two
-  columns; only the metrics differ (`async/*`);
-- tools: the same trajectories, but handed over in the order their groups finished, and padded to
-  `max_response_length` rather than to the longest response.
-
-What still keeps the producer on two schedules at S = 0 is written in docs/async.md.
+- single turn: the rows bit for bit, plus the versioned record's two columns, in one `generate_sequences` call;
+- tools: every row bit for bit, the same metrics, the same open / generate per turn / close.
 """
 
 from __future__ import annotations
@@ -35,8 +32,42 @@ RECORD_COLUMNS = {"token_policy_version", "rollout_sessions"}
 
 
 class Engines(LocalEngines):
-    def policy_version(self) -> int:  # what the carry-over loop counts staleness from
+    """The test's engines, counting the calls a loop makes on them (the round trips)."""
+
+    def __init__(self, engine: HFRolloutEngine) -> None:
+        super().__init__(engine)
+        self.made: list[str] = []
+
+    def open_rollout(self) -> dict[str, float]:
+        self.made.append("open_rollout")
+        return {"timing_s/wake": 0.0}
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self.made.append("generate")
+        return super().generate(prompts, params)
+
+    def close_rollout(self) -> dict[str, float]:
+        self.made.append("close_rollout")
+        return {"timing_s/sleep": 0.0}
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        self.made.append("generate_sequences")
+        return super().generate(prompts, params), {"timing_s/generate_engine": 0.0}  # one call counted
+
+    def policy_version(self) -> int:  # what the carry-over loop counts staleness from (not asked at S = 0)
         return 0
+
+
+def _same_rows(sync: Batch, carried: Batch) -> None:
+    """Every tensor and column of the synchronous rows, to the bit, in their order."""
+    assert set(sync.tensors) <= set(carried.tensors)
+    different = [k for k in sync.tensors if not torch.equal(sync[k], carried[k])]
+    assert not different, f"S = 0 through carry-over changed {different}"
+    assert {k: carried[k] for k in sync.non_tensors} == dict(sync.non_tensors)
+
+
+def _stable(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
 
 
 @pytest.fixture(scope="module")
@@ -85,60 +116,53 @@ def test_a_calls_seed_is_the_row_seed_then_its_row_children() -> None:
     assert len(siblings) == 8 * 1000  # past a thousand calls too (a response cut into small carry-over chunks)
 
 
-def test_single_turn_rows_at_zero_staleness_are_the_synchronous_ones_bit_for_bit(
-    engine: HFRolloutEngine, chat: ChatRenderer
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_single_turn_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
+    engine: HFRolloutEngine, chat: ChatRenderer, logprobs: bool
 ) -> None:
     prompts = _single_turn_prompts(chat, _rows(4))
-    sync, sync_metrics = SingleTurnLoop().run(Engines(engine), prompts, PARAMS)
+    params = PARAMS.override({"logprobs": logprobs})
+    sync_engines, engines = Engines(engine), Engines(engine)
+    sync, sync_metrics = SingleTurnLoop().run(sync_engines, prompts, params)
     loop = _at_zero(chat)
-    carried, metrics = loop.run(Engines(engine), prompts, PARAMS)
+    carried, metrics = loop.run(engines, prompts, params)
     assert isinstance(loop.episode, SingleTurnEpisode)  # carry-over's default episode
-    # every tensor and column of the synchronous rows, to the bit, and the versioned record's two columns
-    assert set(carried.tensors) - set(sync.tensors) == RECORD_COLUMNS and set(sync.tensors) <= set(carried.tensors)
-    different = [k for k in sync.tensors if not torch.equal(sync[k], carried[k])]
-    assert not different, f"S = 0 through carry-over changed {different}"
-    assert {k: carried[k] for k in sync.non_tensors} == dict(sync.non_tensors)
+    # every tensor and column of the synchronous rows, to the bit, and the versioned record's two
+    assert set(carried.tensors) - set(sync.tensors) == RECORD_COLUMNS
+    _same_rows(sync, carried)
+    assert ("rollout_log_probs" in carried) is logprobs
     assert len(set(map(tuple, carried["responses"].tolist()))) > 1  # sampled, not one greedy answer for all
-    # differs: the metrics (the synchronous loop has only the engines' timings, none here; carry-over its async/*)
-    assert sync_metrics == {} and {"async/engine_calls", "async/staleness/0"} <= set(metrics)
-    assert metrics["async/engine_calls"] == 1.0 and metrics["async/groups_carried"] == 0.0
+    # the same metrics (here the engines' session timings alone: no async/*), from one round trip per engine
+    assert metrics == sync_metrics == {"timing_s/generate_engine": 0.0}
+    assert engines.made == sync_engines.made == ["generate_sequences"]
+    assert loop.state_dict() == {}  # nothing in flight: a synchronous run's checkpoint
 
 
-def _trimmed(rows: Batch, i: int) -> tuple[list[int], list[int], list[float], list[int]]:
-    """Row `i`'s prompt (left-padded alike by both: to the longest prompt), then its response's tokens, loss mask and
-    log-probs without the padding."""
-    length = int(rows["response_mask"][i].sum())
-    return (
-        rows["prompts"][i].tolist(),
-        rows["responses"][i, :length].tolist(),
-        rows["loss_mask"][i, :length].tolist(),
-        rows["rollout_log_probs"][i, :length].tolist(),
-    )
+def test_a_synchronous_schedule_leaves_an_asynchronous_checkpoints_groups_untrained(
+    chat: ChatRenderer, caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = _at_zero(chat)
+    with caplog.at_level("WARNING"):
+        loop.load_state_dict({"max_staleness": 1, "groups": [{}, {}], "queue": [{}]})
+    assert "holds 3 prompt groups in flight" in caplog.text and loop.groups == [] and not loop.queue
 
 
-def test_tool_trajectories_are_the_synchronous_ones_in_the_order_their_groups_finished(
+def test_tool_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
     engine: HFRolloutEngine, chat: ChatRenderer
 ) -> None:
-    n = PARAMS.n
     uids = [f"p{i}" for i in range(4)]
     sync_loop = _loop(chat)  # the synchronous schedule with the tool episode (`MultiTurnLoop`), 80 tokens a trajectory
-    sync, _ = sync_loop.run(Engines(engine), _prompts(_rows(4)).set(uid=uids), PARAMS)
+    sync_engines, engines = Engines(engine), Engines(engine)
+    sync, sync_metrics = sync_loop.run(sync_engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
     shared = sync_loop.episode
     episode = ToolEpisode(shared.environments, chat, shared.budget, shared.tool_settings)
-    carried, metrics = _at_zero(chat, episode).run(Engines(engine), _prompts(_rows(4)).set(uid=uids), PARAMS)
-    assert sorted(carried["uid"]) == sorted(sync["uid"]) and len(carried) == len(sync) == 4 * n
-    # differs: the padding (the synchronous rows end at the longest response, carry-over's at max_response_length)
-    longest = int(sync["response_mask"].sum(dim=1).max())
-    assert sync["responses"].shape[1] == longest < MAX_LEN == carried["responses"].shape[1]
-    # differs: the order. Groups go over as they finished: those whose samples all answered in one call first, then
-    # those with a tool call (two calls), each in admission order; the synchronous loop keeps the prompts' order.
-    calls = {u: max(sync["row"][i]["turns"] for i in range(len(sync)) if sync["uid"][i] == u) for u in uids}
-    by_finish = sorted(uids, key=lambda u: calls[u])
-    assert carried["uid"][::n] == by_finish != uids, (calls, carried["uid"][::n])
-    # shared: put back in the prompts' order, every trajectory is the synchronous one, token for token
-    place = {u: k for k, u in enumerate(carried["uid"][::n])}
-    for i in range(len(sync)):
-        j = place[sync["uid"][i]] * n + i % n
-        assert _trimmed(carried, j) == _trimmed(sync, i), f"row {i}"
-        assert carried["row"][j]["turns"] == sync["row"][i]["turns"]
-    assert metrics["multi_turn/tool_call_rate"] > 0  # the tool episode ran its calls under both schedules
+    carried, metrics = _at_zero(chat, episode).run(engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
+    # the same rows in the prompts' order, padded alike (to the longest response), to the bit
+    assert set(carried.tensors) == set(sync.tensors) and carried["uid"] == sync["uid"]
+    _same_rows(sync, carried)
+    turns = [r["turns"] for r in sync["row"]]
+    assert max(turns) > 1 and min(turns) == 1  # some trajectories called a tool, some answered at once
+    # the same metrics (the wall-clock timings by name), from the same calls: open, one generate a turn, close
+    assert metrics.keys() == sync_metrics.keys() and _stable(metrics) == _stable(sync_metrics)
+    assert metrics["multi_turn/tool_call_rate"] > 0
+    assert engines.made == sync_engines.made == ["open_rollout", *["generate"] * max(turns), "close_rollout"]
