@@ -191,7 +191,7 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
 # throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
-# version, the two schedules (carry-over, the synchronous `EpisodeLoop`) keep the tokens an engine call produced,
+# version, the one schedule (`CarryOverLoop`, synchronous at S = 0) keeps the tokens an engine call produced,
 # and a remote distillation teacher rebuilds the sequence as it was attended to ask for its log-probs. Everything
 # that trains or scores reads `loss_mask` (tool output is attended, never trained on).
 ATTENTION_MASK_READERS = {
@@ -200,7 +200,6 @@ ATTENTION_MASK_READERS = {
     "easyrl.workers.head",
     "easyrl.rollout.worker",
     "easyrl.rollout.carry_over",
-    "easyrl.rollout.loop",  # the synchronous schedule reads the engine's completion lengths (`EpisodeLoop`)
     "easyrl.scorers.teacher",
 }
 

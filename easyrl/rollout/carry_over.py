@@ -33,6 +33,10 @@ Departures from the papers: staleness is counted in the loop's steps, which boun
 updates the policy at most once; during `trainer.critic_warmup` not at all), and the bound is kept by waiting for the
 groups a deadline needs rather than by dropping them, so no sampled group is thrown away (torchtitan's windowed FIFO
 lets a bounded window overtake the oldest group instead, and its bound grows with the window).
+
+At `max_staleness = 0` the same loop is the synchronous schedule, and the producer builds it for every run: nothing
+stays in flight, each completion ends in one call, and the rows, metrics and engine round trips are the synchronous
+ones (`run`'s `at_zero`; docs/async.md, "S = 0").
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ class BesideCall:
     params: SamplingParams
     asked: SamplingParams  # what the call asked the engines
     started: float
+
+
+def never_draws(count: int) -> Batch:
+    """The `draw` of a loop at `max_staleness = 0`, which never draws: a step admits its own prompts only."""
+    raise AssertionError(f"a loop at max_staleness = 0 asked for {count} more prompts: a step admits its own only")
 
 
 def admission_room(
@@ -412,6 +421,8 @@ class CarryOverLoop:
         on its log-probs (`rollout_logprob_mask`), as in the synchronous loop; a response continued over calls needs
         them all."""
         per_row = self.max_staleness == 0
+        # at S = 0 the call's own stop ids end a completion too, as the engines stop at them (the synchronous loop)
+        stop_ids = self.stop_ids | frozenset(asked.stop_token_ids) if per_row else self.stop_ids
         if not per_row and "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
             raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
         kept = 0
@@ -419,7 +430,7 @@ class CarryOverLoop:
         valid = out["response_mask"].sum(dim=1).tolist()
         for i, (group, j) in enumerate(work):
             sample, count = group.samples[j], int(valid[i])
-            by_token = count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in stop_ids
             # the last call may overrun the episode's limit (max_response_length): its tokens past it are dropped
             keep, how = after_call(sample, count, asked.max_tokens, by_token, self.episode.token_limit(sample))
             append_call(sample, out, i, keep, session, per_row_logprobs=per_row)
@@ -428,7 +439,7 @@ class CarryOverLoop:
                 ended.append((sample, how))
             kept += keep
         episode_start = time.perf_counter()
-        for (sample, _), step in zip(ended, self.episode.after(ended, self.stop_ids)):
+        for (sample, _), step in zip(ended, self.episode.after(ended, stop_ids)):
             apply_step(sample, step)
         self.episode_s += time.perf_counter() - episode_start  # the tools' share of the step (`at_zero`)
         for group in {id(g): g for g, _ in work}.values():

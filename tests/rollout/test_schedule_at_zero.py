@@ -1,11 +1,12 @@
 """The synchronous schedule is carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
-engine serving the tool demo's model, one seed. Both schedules seed every call with `seeding.call_seed`, start the
-same episodes and build rows with the same `rows_of`; at S = 0 the carry-over loop hands a step's groups over in the
-prompts' order, pads as the synchronous loops pad, logs their metrics and makes their engine round trips. So its rows
-and metrics are theirs:
+engine serving the tool demo's model, one seed. The producer builds `CarryOverLoop` for every run; at S = 0 it hands
+a step's groups over in the prompts' order, pads as the synchronous rows are padded, logs their metrics and makes
+their engine round trips. Compared with the synchronous rows:
 
-- single turn: the rows bit for bit, plus the versioned record's two columns, in one `generate_sequences` call;
-- tools: every row bit for bit, the same metrics, the same open / generate per turn / close.
+- single turn: the engines' own rows (`SingleTurnLoop`) bit for bit, plus the versioned record's two columns, in one
+  `generate_sequences` call;
+- tools: the synchronous tool schedule written out plainly (`_synchronous_tool_rows`, as its own loop ran it):
+  every row bit for bit, the same metrics, the same open / generate per turn / close.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch
 from easyrl.batch import Batch
 from easyrl.rollout import SamplingParams, SingleTurnLoop
 from easyrl.rollout.carry_over import CarryOverLoop
-from easyrl.rollout.episode import Episode, SingleTurnEpisode
+from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
 from easyrl.rollout.hf import HFRolloutEngine
 from easyrl.rollout.multi_turn import ChatRenderer, ToolEpisode
-from easyrl.seeding import call_seed
+from easyrl.rollout.trajectory import append_call, request_of, rows_of
+from easyrl.seeding import call_seed, prompt_seeds
 from tests.rollout.test_multi_turn import MODEL, LocalEngines, _loop, _prompts, _rows
 
 
@@ -147,16 +149,55 @@ def test_a_synchronous_schedule_leaves_an_asynchronous_checkpoints_groups_untrai
     assert "holds 3 prompt groups in flight" in caplog.text and loop.groups == [] and not loop.queue
 
 
+def _synchronous_tool_rows(
+    episode: ToolEpisode, engines: Engines, prompts: Batch, params: SamplingParams
+) -> tuple[Batch, dict[str, float]]:
+    """The synchronous tool schedule written out plainly, as its own loop ran it before the carry-over loop took it
+    over: every trajectory starts from its prompt in one engine session; each turn one engine call continues the live
+    ones (seeded `call_seed(row seed, turn)`, asking the largest token limit), then the episode says what follows."""
+    assert params.seed is not None
+    tok, n = episode.chat.tokenizer, params.n
+    firsts = prompt_seeds(params.seed, len(prompts), n).tolist()
+    mask = prompts["attention_mask"].bool()
+    columns = [{k: v[p] for k, v in prompts.non_tensors.items()} for p in range(len(prompts))]
+    starts = [(prompts["input_ids"][p][mask[p]].tolist(), columns[p]) for p in range(len(prompts)) for _ in range(n)]
+    trajectories = [episode.start(ids, row) for ids, row in starts]
+    seeds = [firsts[i // n] + i % n for i in range(len(trajectories))]
+    stop_ids = frozenset({tok.eos_token_id, *params.stop_token_ids})
+    metrics = engines.open_rollout()
+    while live := [t for t in trajectories if not t.done]:
+        limits = [episode.token_limit(t) for t in live]
+        turn_seeds = [call_seed(seeds[trajectories.index(t)], t.turns) for t in live]
+        request = request_of([t.context() for t in live], turn_seeds, tok.pad_token_id, engines.count)
+        out = engines.generate(request, params.override({"n": 1, "max_tokens": max(limits)}))
+        lengths = out["response_mask"].sum(dim=1).tolist()
+        ended = []
+        for i, (traj, limit) in enumerate(zip(live, limits)):
+            count = int(lengths[i])
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in stop_ids
+            keep, how = after_call(traj, count, max(limits), by_token, limit)
+            append_call(traj, out, i, keep, 1, per_row_logprobs=True)
+            traj.turns += 1
+            assert how is not None, "a call as long as the longest limit ends every completion"
+            ended.append((traj, how))
+        for (traj, _), step in zip(ended, episode.after(ended, stop_ids)):
+            apply_step(traj, step)
+    metrics |= engines.close_rollout() | {"timing_s/generate_turns": 0.0, "timing_s/tools": 0.0}
+    rows = rows_of(trajectories, tok.pad_token_id).set(**episode.columns(trajectories))
+    return rows, metrics | episode.metrics(trajectories)
+
+
 def test_tool_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
     engine: HFRolloutEngine, chat: ChatRenderer
 ) -> None:
     uids = [f"p{i}" for i in range(4)]
-    sync_loop = _loop(chat)  # the synchronous schedule with the tool episode (`MultiTurnLoop`), 80 tokens a trajectory
-    sync_engines, engines = Engines(engine), Engines(engine)
-    sync, sync_metrics = sync_loop.run(sync_engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
-    shared = sync_loop.episode
+    loop = _loop(chat)  # the synchronous schedule with the tool episode (`MultiTurnLoop`), 80 tokens a trajectory
+    assert isinstance(loop, CarryOverLoop) and loop.max_staleness == 0
+    reference_engines, engines = Engines(engine), Engines(engine)
+    shared = loop.episode
     episode = ToolEpisode(shared.environments, chat, shared.budget, shared.tool_settings)
-    carried, metrics = _at_zero(chat, episode).run(engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
+    sync, sync_metrics = _synchronous_tool_rows(episode, reference_engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
+    carried, metrics = loop.run(engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
     # the same rows in the prompts' order, padded alike (to the longest response), to the bit
     assert set(carried.tensors) == set(sync.tensors) and carried["uid"] == sync["uid"]
     _same_rows(sync, carried)
@@ -165,4 +206,4 @@ def test_tool_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
     # the same metrics (the wall-clock timings by name), from the same calls: open, one generate a turn, close
     assert metrics.keys() == sync_metrics.keys() and _stable(metrics) == _stable(sync_metrics)
     assert metrics["multi_turn/tool_call_rate"] > 0
-    assert engines.made == sync_engines.made == ["open_rollout", *["generate"] * max(turns), "close_rollout"]
+    assert engines.made == reference_engines.made == ["open_rollout", *["generate"] * max(turns), "close_rollout"]
