@@ -148,17 +148,19 @@ def choose_groups(groups: list[Group], step: int, max_staleness: int, per_step: 
     overtaking the older ones, until more are due at one step than it trains on. With the admission rule the demand
     never exceeds `per_step` (docs/async.md). `groups` are in admission order."""
     chosen: list[Group] = []
+    # by identity: two groups of one prompt compare equal field by field, and media columns (tensors) cannot compare
+    taken = lambda g: any(g is c for c in chosen)  # noqa: E731
     for t in range(max_staleness + 1):
         layer = [g for g in groups if g.admitted_at <= step + t - max_staleness]
         more = len(layer) - t * per_step - len(chosen)  # every group chosen so far is in this layer too
         if more <= 0:
             continue
-        ready = sorted((g for g in layer if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+        ready = sorted((g for g in layer if g.finished_at >= 0 and not taken(g)), key=lambda g: g.finished_at)
         if len(ready) < more:
             return None
         chosen += ready[:more]
     assert len(chosen) <= per_step, f"step {step} must train {len(chosen)} groups, more than a step takes ({per_step})"
-    rest = sorted((g for g in groups if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+    rest = sorted((g for g in groups if g.finished_at >= 0 and not taken(g)), key=lambda g: g.finished_at)
     if len(chosen) + len(rest) < per_step:
         return None
     return chosen + rest[: per_step - len(chosen)]
