@@ -2,7 +2,8 @@
 
 The seeds form a tree: the run's `worker.rollout.seed` -> one generate call (a training attempt, a greedy
 baseline, a validation chunk) -> one sampled row, indexed by its place in the driver's whole batch (sample `j` of
-prompt `p` is row `p * n + j`). No level depends on the layout: which engine or rank generates a prompt, and what
+prompt `p` is row `p * n + j`) -> each engine call a row takes (`call_seed`: a turn of a tool episode, a chunk of a
+carry-over response; every schedule seeds them alike). No level depends on the layout: which engine or rank generates a prompt, and what
 else shares its batch, does not enter its seed (see `prompt_seeds`). Each level multiplies its parent by a
 stride and adds the child's index, so two children of one parent never share a seed while the index stays below
 the stride, and a resumed run re-derives the very same seeds. The strides are the numbers the seeds have always been
@@ -47,3 +48,12 @@ def prompt_seeds(call_seed: int, num_prompts: int, n: int) -> torch.Tensor:
     if num_prompts * n >= STRIDES["row"]:
         raise ValueError(f"{num_prompts} prompts x n={n} rows exceed one call's {STRIDES['row']} row seeds")
     return torch.tensor([derive_seed(call_seed, p * n, "row") for p in range(num_prompts)], dtype=torch.int64)
+
+
+def call_seed(row_seed: int, call: int) -> int:
+    """The seed of engine call `call` (from 0) of the row seeded `row_seed`, whichever schedule drives it: the row
+    seed itself for the first call (so a one-call response samples as the single-turn loop always has: the golden
+    trajectory), then its `"row"` children. Fixed by the row and the call count alone, so a response cut into
+    carry-over chunks, resumed after a checkpoint, or continued after a tool's output draws the same tokens under
+    the synchronous and the carry-over schedule (`tests/rollout/test_schedule_at_zero.py`)."""
+    return row_seed if call == 0 else derive_seed(row_seed, call, "row")

@@ -191,7 +191,7 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # Modules that may read the attention-side `response_mask` (which response tokens exist): the driver decodes the
 # response text by it, the forward head zeroes a value model's outputs at padding by it, and the step's length and
 # throughput figures count every response token by it; the rollout worker stamps each existing token with its policy
-# version, the two schedules (carry-over, the synchronous `EpisodeLoop`) keep the tokens an engine call produced,
+# version, the one schedule (`CarryOverLoop`, synchronous at S = 0) keeps the tokens an engine call produced,
 # and a remote distillation teacher rebuilds the sequence as it was attended to ask for its log-probs. Everything
 # that trains or scores reads `loss_mask` (tool output is attended, never trained on).
 ATTENTION_MASK_READERS = {
@@ -200,7 +200,6 @@ ATTENTION_MASK_READERS = {
     "easyrl.workers.head",
     "easyrl.rollout.worker",
     "easyrl.rollout.carry_over",
-    "easyrl.rollout.loop",  # the synchronous schedule reads the engine's completion lengths (`EpisodeLoop`)
     "easyrl.scorers.teacher",
 }
 
@@ -760,7 +759,12 @@ def _derive_seed_calls(module: str) -> dict[str, int]:
     return found
 
 
-def test_the_carry_over_loop_seeds_its_calls_in_one_method() -> None:
-    """Whether carry-over at S = 0 samples the synchronous trajectories is a question of its call seeds alone
-    (`tests/rollout/test_schedule_at_zero.py` overrides that one method): `CarryOverLoop.call_seed` derives them."""
-    assert set(_derive_seed_calls("easyrl.rollout.carry_over")) == {"call_seed"}
+def test_every_schedule_seeds_its_engine_calls_with_call_seed() -> None:
+    """The synchronous and carry-over schedules draw the same trajectories at S = 0 only while they seed a row's
+    calls alike (`tests/rollout/test_schedule_at_zero.py`): the rollout room takes a call's seed from
+    `seeding.call_seed` and derives none of its own."""
+    assert "call_seed" in _derive_seed_calls("easyrl.seeding"), (
+        "the rule must see a derive_seed call where there is one"
+    )
+    offenders = [f"{m}:{line}" for m in MODULES if _inside(m, ROLLOUT_ROOM) for line in _derive_seed_calls(m).values()]
+    assert not offenders, "seed an engine call with easyrl.seeding.call_seed:\n" + "\n".join(offenders)

@@ -416,3 +416,32 @@ def test_the_long_sample_plan_is_arithmetic_outside_the_workers() -> None:
     planned = (root / "tests" / "test_long_sample_plan.py").read_text(encoding="utf-8")
     for recipe in (root / "configs" / "long_video").glob("*.yaml"):
         assert recipe.name in planned, f"{recipe} has no hand-computed plan in tests/test_long_sample_plan.py"
+
+
+def _called_names(source: str) -> list[str]:
+    """The names `source` calls: `f(...)` and `x.f(...)` alike."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.append(
+                func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            )
+    return names
+
+
+def test_one_schedule_class_builds_the_rows() -> None:
+    """Issue 43 item 3: synchronous is carry-over at S = 0. Rows are made from trajectories in one schedule,
+    `CarryOverLoop` (no other module calls `rows_of`), and every loop the producer builds is it or a thin name for it
+    (`MultiTurnLoop`): no second schedule can drift from the first."""
+    from easyrl.rollout import carry_over, loop, multi_turn
+
+    assert _called_names("rows.f(1)\ng(f)\nrows_of(x)\n") == ["f", "g", "rows_of"]
+    makers = sorted(m for m, path in MODULES.items() if "rows_of" in _called_names(path.read_text(encoding="utf-8")))
+    assert makers == ["easyrl.rollout.carry_over"], f"only CarryOverLoop builds rows from trajectories: {makers}"
+    classes = {n: getattr(m, n) for m in (carry_over, loop, multi_turn) for n in dir(m) if n.endswith("Loop")}
+    producer = MODULES["easyrl.rollout.producer"].read_text(encoding="utf-8")
+    built = {n for n in _called_names(producer) if isinstance(classes.get(n), type)}
+    assert "CarryOverLoop" in built, "the producer builds the carry-over loop"
+    others = sorted(n for n in built if not issubclass(classes[n], carry_over.CarryOverLoop))
+    assert not others, f"easyrl/rollout/producer.py builds {others}: build CarryOverLoop (at S = 0: synchronous)"

@@ -33,6 +33,10 @@ Departures from the papers: staleness is counted in the loop's steps, which boun
 updates the policy at most once; during `trainer.critic_warmup` not at all), and the bound is kept by waiting for the
 groups a deadline needs rather than by dropping them, so no sampled group is thrown away (torchtitan's windowed FIFO
 lets a bounded window overtake the oldest group instead, and its bound grows with the window).
+
+At `max_staleness = 0` the same loop is the synchronous schedule, and the producer builds it for every run: nothing
+stays in flight, each completion ends in one call, and the rows, metrics and engine round trips are the synchronous
+ones (`run`'s `at_zero`; docs/async.md, "S = 0").
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from easyrl.batch import Batch
 from easyrl.rollout.early_rewards import EarlyRewards, row_keys, score_means
 from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
-from easyrl.rollout.loop import EngineSession, Scored, Scorer
+from easyrl.rollout.loop import EngineSession, Scored, Scorer, warn_untrained
 from easyrl.rollout.trajectory import (
     Trajectory,
     append_call,
@@ -60,7 +64,7 @@ from easyrl.rollout.trajectory import (
     request_of,
     rows_of,
 )
-from easyrl.seeding import derive_seed, prompt_seeds
+from easyrl.seeding import call_seed, prompt_seeds
 
 
 PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
@@ -69,7 +73,7 @@ PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class Group:
-    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `derive_seed(seed + j, c, "row")`:
+    """The `n` samples of one prompt. Sample `j`'s `c`-th engine call is seeded `call_seed(seed + j, c)`:
     fixed by the group, whatever else shares the call (and the same after a resume)."""
 
     prompt_ids: list[int]
@@ -107,13 +111,19 @@ class Group:
 @dataclass
 class BesideCall:
     """A call started beside the training: the responses it continues, the session it is, the sampling settings of
-    its step and when the driver started it (unix seconds)."""
+    its step, what it asked and when the driver started it (unix seconds)."""
 
     work: list[tuple[Group, int]]
     pending: Any  # the engines' call under way (`PendingRows`)
     session: int
     params: SamplingParams
+    asked: SamplingParams  # what the call asked the engines
     started: float
+
+
+def never_draws(count: int) -> Batch:
+    """The `draw` of a loop at `max_staleness = 0`, which never draws: a step admits its own prompts only."""
+    raise AssertionError(f"a loop at max_staleness = 0 asked for {count} more prompts: a step admits its own only")
 
 
 def admission_room(
@@ -138,17 +148,19 @@ def choose_groups(groups: list[Group], step: int, max_staleness: int, per_step: 
     overtaking the older ones, until more are due at one step than it trains on. With the admission rule the demand
     never exceeds `per_step` (docs/async.md). `groups` are in admission order."""
     chosen: list[Group] = []
+    # by identity: two groups of one prompt compare equal field by field, and media columns (tensors) cannot compare
+    taken = lambda g: any(g is c for c in chosen)  # noqa: E731
     for t in range(max_staleness + 1):
         layer = [g for g in groups if g.admitted_at <= step + t - max_staleness]
         more = len(layer) - t * per_step - len(chosen)  # every group chosen so far is in this layer too
         if more <= 0:
             continue
-        ready = sorted((g for g in layer if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+        ready = sorted((g for g in layer if g.finished_at >= 0 and not taken(g)), key=lambda g: g.finished_at)
         if len(ready) < more:
             return None
         chosen += ready[:more]
     assert len(chosen) <= per_step, f"step {step} must train {len(chosen)} groups, more than a step takes ({per_step})"
-    rest = sorted((g for g in groups if g.finished_at >= 0 and g not in chosen), key=lambda g: g.finished_at)
+    rest = sorted((g for g in groups if g.finished_at >= 0 and not taken(g)), key=lambda g: g.finished_at)
     if len(chosen) + len(rest) < per_step:
         return None
     return chosen + rest[: per_step - len(chosen)]
@@ -201,13 +213,17 @@ class CarryOverLoop:
         self.beside: BesideCall | None = None  # started before the last hand-over, not collected yet
         self.beside_metrics: dict[str, float] = {}  # of a call collected between steps (`settle`), for the next one
         self.resume_metrics: dict[str, float] = {}  # how a resume rebuilt the episodes in flight, for the next step
+        self.episode_s = 0.0  # the step's seconds in the episode's `after` (tools)
 
     # ------------------------------------------------------------------ the step
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         """`len(prompts)` groups of `params.n` rows to train on (they may come from earlier steps' prompts) and the
-        step's timings and `async/*` metrics."""
+        step's timings and `async/*` metrics. At `max_staleness = 0` this is the synchronous schedule, row for row and
+        metric for metric (`at_zero`)."""
         start = time.perf_counter()
         per_step = len(prompts)
+        if self.max_staleness == 0:  # nothing stays in flight between synchronous steps: each call counts afresh
+            self.per_step, self.steps, self.admitted, self.handed_over = None, 0, 0, 0
         if self.per_step not in (None, per_step):  # the admission counters and deadlines count in batches
             raise ValueError(
                 f"the groups in flight were admitted for {self.per_step} prompts a step, this step has {per_step}: "
@@ -220,25 +236,16 @@ class CarryOverLoop:
         self.resume_metrics = {}
         self.enqueue(prompts, params, offset=0)
         admitted = self.admit(per_step, params)
-        calls, tokens, engine_s = 0, 0, 0.0
+        calls, tokens, engine_s, self.episode_s = 0, 0, 0.0, 0.0
         chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
         # Enough groups finished in earlier sessions: no session at all this step (no wake, push or sleep); the groups
         # just admitted start at the next one, which the admission rule leaves room for.
         session_start = time.perf_counter()
         if chosen is None:
-            metrics |= engines.open_rollout()
-            self.sessions += 1
-            while chosen is None:
-                work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
-                assert work, "no response left to generate, yet the step's groups are not finished"
-                call_start = time.perf_counter()
-                before = self.finished
-                tokens += self.generate(engines, work, params)
-                engine_s += time.perf_counter() - call_start
-                calls += 1
-                chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
-                self.report_finished([g for g in self.groups if g.finished_at >= before], chosen, params)
-            metrics |= engines.close_rollout()
+            chosen, timings, calls, tokens, engine_s = self.session(engines, per_step, params)
+            metrics |= timings
+        if self.max_staleness == 0:
+            return self.at_zero(chosen, metrics, engine_s, params)
         session_s = time.perf_counter() - session_start
         version = engines.policy_version()  # the policy this step trains: every row's staleness is counted from it
         carried = len(self.groups) - len(chosen)
@@ -258,6 +265,57 @@ class CarryOverLoop:
         metrics |= self.wait_metrics(start, end, session_s + metrics.get("async/beside_engine_s", 0.0))
         self.last_end = end
         return rows, metrics
+
+    def one_trip(self) -> bool:
+        """Whether a session is one call: at S = 0 every call ends each completion it continues (`request_for`), so
+        the single-turn episode's responses all end in the first. Open, generate and close then go as one round trip
+        per engine (`generate_sequences`), as the synchronous loop has always made them."""
+        return self.max_staleness == 0 and isinstance(self.episode, SingleTurnEpisode)
+
+    def session(
+        self, engines: EngineSession, per_step: int, params: SamplingParams
+    ) -> tuple[list[Group], dict[str, float], int, int, float]:
+        """One engine session: calls until the step's groups are chosen. Returns them, the session's timings, the
+        calls made, the tokens kept and the seconds the calls took."""
+        one_trip = self.one_trip()
+        metrics = {} if one_trip else engines.open_rollout()
+        self.sessions += 1
+        chosen: list[Group] | None = None
+        calls, tokens, engine_s = 0, 0, 0.0
+        while chosen is None:
+            work = [(g, j) for g in self.groups for j, s in enumerate(g.samples) if not s.done]
+            assert work, "no response left to generate, yet the step's groups are not finished"
+            assert not (one_trip and calls), "a one-trip session's responses all end in its call"
+            call_start = time.perf_counter()
+            before = self.finished
+            request, asked = self.request_for(work, params)
+            if one_trip:
+                out, timings = engines.generate_sequences(request, asked)
+                metrics |= timings
+            else:
+                out = engines.generate(request, asked)
+            tokens += self.record(work, out, self.sessions, asked)
+            engine_s += time.perf_counter() - call_start
+            calls += 1
+            chosen = choose_groups(self.groups, self.steps, self.max_staleness, per_step)
+            self.report_finished([g for g in self.groups if g.finished_at >= before], chosen, params)
+        if not one_trip:
+            metrics |= engines.close_rollout()
+        return chosen, metrics, calls, tokens, engine_s
+
+    def at_zero(
+        self, chosen: list[Group], metrics: dict[str, float], engine_s: float, params: SamplingParams
+    ) -> tuple[Batch, dict[str, float]]:
+        """The step at S = 0, as the synchronous schedule gives it: every group of the step's own prompts, in their
+        order (not the order they finished); no `async/*` metrics (nothing is carried or stale); the tool episode's
+        turn and tool timings; and the log-probs dropped where the call asked for none."""
+        assert len(chosen) == len(self.groups), "at S = 0 a step hands over every group it admitted"
+        rows = self.hand_over(list(self.groups), params)
+        if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare against
+            rows.tensors.pop("rollout_log_probs")
+        if not self.one_trip():
+            metrics |= {"timing_s/generate_turns": engine_s - self.episode_s, "timing_s/tools": self.episode_s}
+        return rows, metrics | self.episode.metrics([s for g in chosen for s in g.samples])
 
     def enqueue(self, prompts: Batch, params: SamplingParams, offset: int) -> None:
         """Queue each prompt as a group, seeded from its place in this call (`prompt_seeds`, as the synchronous loop
@@ -285,9 +343,9 @@ class CarryOverLoop:
     def admit(self, per_step: int, params: SamplingParams) -> int:
         """Move groups from the queue into flight as the admission rule allows, drawing prompts when the queue runs
         out; returns how many were admitted."""
-        room = admission_room(
-            self.admitted, self.handed_over, self.steps, self.max_staleness, per_step, self.active_groups
-        )
+        # at S = 0 a step admits its own prompts, however many (validation's, an extra attempt's): no slot limit
+        slots = self.active_groups if self.max_staleness else per_step
+        room = admission_room(self.admitted, self.handed_over, self.steps, self.max_staleness, per_step, slots)
         if room > len(self.queue):  # the trainer's prompts of this call are queued already: count after them
             self.enqueue(self.draw(room - len(self.queue)), params, offset=per_step)
         for _ in range(room):
@@ -297,11 +355,6 @@ class CarryOverLoop:
         self.admitted += room
         return room
 
-    def generate(self, engines: EngineSession, work: list[tuple[Group, int]], params: SamplingParams) -> int:
-        """One engine call: `chunk_tokens` more tokens for each unfinished response of `work` (group, sample), with
-        the weights the engines hold; returns the tokens kept."""
-        return self.record(work, engines.generate(*self.request_for(work, params)), self.sessions)
-
     def start_beside(self, engines: EngineSession, params: SamplingParams) -> dict[str, float]:
         """Start one call for the unfinished responses in flight, to run while the trainer trains (`settle` collects
         it); returns the weight push's timings."""
@@ -309,9 +362,10 @@ class CarryOverLoop:
         if not work:
             return {}
         assert hasattr(engines, "generate_beside"), "beside=True needs engines of their own (a BesideSession)"
-        pushed, pending = engines.generate_beside(*self.request_for(work, params))
+        request, asked = self.request_for(work, params)
+        pushed, pending = engines.generate_beside(request, asked)
         self.sessions += 1
-        self.beside = BesideCall(work, pending, self.sessions, params, time.time())
+        self.beside = BesideCall(work, pending, self.sessions, params, asked, time.time())
         return dict(pushed)
 
     def settle(self) -> None:
@@ -328,7 +382,7 @@ class CarryOverLoop:
         timing.pop("timing_s/generate_engine", None)  # the step's own engine time is the loop's figure
         start, end = timing.pop("async/beside_start_time"), timing.pop("async/beside_end_time")
         before = self.finished
-        tokens = self.record(call.work, out, call.session)
+        tokens = self.record(call.work, out, call.session, call.asked)
         self.report_finished([g for g in self.groups if g.finished_at >= before], None, call.params)
         self.beside_metrics |= timing | {
             "async/beside_calls": 1.0,
@@ -342,41 +396,54 @@ class CarryOverLoop:
         }
 
     def request_for(self, work: list[tuple[Group, int]], params: SamplingParams) -> tuple[Batch, SamplingParams]:
-        """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call."""
+        """The engine call for `work`: each response's prompt and tokens so far, seeded by its group and call, and what
+        it asks: `chunk_tokens` tokens with log-probs; at S = 0 what the synchronous loop asks, the largest token limit
+        of the responses continued (each completion ends in the call) with the log-probs `params` asks for."""
         seeds = [self.call_seed(g, j) for g, j in work]
         samples = [g.samples[j] for g, j in work]
         # a prompt with media: every call gets its media again (the engines keep nothing between calls)
         request = request_of([s.context() for s in samples], seeds, self.pad_id, self.engines, media_columns(samples))
+        if self.max_staleness == 0:
+            longest = max(self.episode.token_limit(s) for s in samples)
+            return request, params.override({"n": 1, "max_tokens": longest})
         return request, params.override({"n": 1, "max_tokens": self.chunk_tokens, "logprobs": True})
 
     def call_seed(self, group: Group, j: int) -> int:
         """The seed of sample `j`'s next call (its group's `calls`-th, counted across steps and resumes), so a response
-        cut into chunks or resumed from a checkpoint draws the tokens it would have drawn. Even call 0 is a child of
-        the row seed, where the synchronous loops sample with the row seed itself: at `max_staleness = 0` this loop
-        samples other trajectories than theirs (docs/async.md, "S = 0")."""
-        # the row stride (100_003) outnumbers any response's calls: sibling samples' call seeds never meet
-        return derive_seed(group.seed + j, group.calls, "row")
+        cut into chunks or resumed from a checkpoint draws the tokens it would have drawn. The synchronous loops seed
+        a row's calls alike (`seeding.call_seed`), so at `max_staleness = 0` with one call per completion this loop
+        samples their trajectories."""
+        # A live sample takes part in every call of its group (one restarted on a resume goes on from the group's
+        # count), so at S = 0 with one call per completion `calls` is its turn: the synchronous loop's call index
+        return call_seed(group.seed + j, group.calls)
 
-    def record(self, work: list[tuple[Group, int]], out: Batch, session: int) -> int:
+    def record(self, work: list[tuple[Group, int]], out: Batch, session: int, asked: SamplingParams) -> int:
         """Append an engine call's output (the rows of `work`, then padding) to its responses, generated in engine
-        session `session`; returns the tokens kept."""
-        if "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
+        session `session` with the settings `asked`; returns the tokens kept. At S = 0 each row keeps the engine's word
+        on its log-probs (`rollout_logprob_mask`), as in the synchronous loop; a response continued over calls needs
+        them all."""
+        per_row = self.max_staleness == 0
+        # at S = 0 the call's own stop ids end a completion too, as the engines stop at them (the synchronous loop)
+        stop_ids = self.stop_ids | frozenset(asked.stop_token_ids) if per_row else self.stop_ids
+        if not per_row and "rollout_logprob_mask" in out and not bool(out["rollout_logprob_mask"][: len(work)].all()):
             raise RuntimeError("an engine returned no log-probs for some responses: the rollout spec must ask all")
         kept = 0
         ended: list[tuple[Trajectory, bool]] = []
         valid = out["response_mask"].sum(dim=1).tolist()
         for i, (group, j) in enumerate(work):
             sample, count = group.samples[j], int(valid[i])
-            by_token = count > 0 and int(out["responses"][i, count - 1]) in self.stop_ids
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in stop_ids
             # the last call may overrun the episode's limit (max_response_length): its tokens past it are dropped
-            keep, how = after_call(sample, count, self.chunk_tokens, by_token, self.episode.token_limit(sample))
-            append_call(sample, out, i, keep, session, per_row_logprobs=False)  # log-probs checked above
+            keep, how = after_call(sample, count, asked.max_tokens, by_token, self.episode.token_limit(sample))
+            append_call(sample, out, i, keep, session, per_row_logprobs=per_row)
             if how is not None:
                 sample.turns += 1
                 ended.append((sample, how))
             kept += keep
-        for (sample, _), step in zip(ended, self.episode.after(ended, self.stop_ids)):
+        episode_start = time.perf_counter()
+        for (sample, _), step in zip(ended, self.episode.after(ended, stop_ids)):
             apply_step(sample, step)
+        self.episode_s += time.perf_counter() - episode_start  # the tools' share of the step (`at_zero`)
         for group in {id(g): g for g, _ in work}.values():
             group.calls += 1
             if group.finished_at < 0 and all(s.done for s in group.samples):
@@ -406,8 +473,11 @@ class CarryOverLoop:
     def group_rows(self, chosen: list[Group], params: SamplingParams) -> Batch:
         """The rows of finished groups (sample `j` of group `i` at row `i * n + j`) with their prompts' columns."""
         samples = [s for g in chosen for s in g.samples]
-        # an episode's observations may take a response past max_response_length: the rows widen to the longest
-        rows = rows_of(samples, self.pad_id, max(self.max_len, *(len(s.response_ids) for s in samples)))
+        # an episode's observations may take a response past max_response_length: the rows widen to the longest. At
+        # S = 0 the synchronous widths: the engines' fixed one for one-call responses, else the longest response
+        longest = max(len(s.response_ids) for s in samples)
+        at_zero_turns = self.max_staleness == 0 and not self.one_trip()
+        rows = rows_of(samples, self.pad_id, max(1, longest) if at_zero_turns else max(self.max_len, longest))
         return rows.set(**self.episode.columns(samples))
 
     # ------------------------------------------------------------------ scoring
@@ -459,7 +529,10 @@ class CarryOverLoop:
     def state_dict(self) -> dict[str, Any]:
         """Everything in flight (JSON-able): a resumed run continues every partial response where it stopped. A call
         beside the training that was not collected is not in it (the state is the one before that call, which
-        `load_state_dict` drops): `settle()` first for a state that continues it to the bit (a checkpoint)."""
+        `load_state_dict` drops): `settle()` first for a state that continues it to the bit (a checkpoint). At S = 0
+        nothing is in flight between steps: `{}`, a synchronous run's checkpoint."""
+        if self.max_staleness == 0:
+            return {}
         return {
             "max_staleness": self.max_staleness,
             "per_step": self.per_step,
@@ -479,6 +552,9 @@ class CarryOverLoop:
         if self.early is not None:
             self.early.forget()
         self.resume_metrics = {}
+        if self.max_staleness == 0:  # the synchronous schedule: an asynchronous run's groups in flight stay untrained
+            warn_untrained(state)
+            return
         if not state:
             return
         if state["max_staleness"] > self.max_staleness:  # a smaller bound than the groups in flight were admitted for

@@ -2,9 +2,9 @@
 
 An `Episode` starts a `Trajectory` from a prompt's columns and, each time a completion ends (a stop token, or the
 token limit the episode set for it), says `Continue(observation)` (append these tokens, attended and never trained,
-and sample again) or `Stop(reason)`. The schedules drive any episode: the synchronous one
-(`loop.EpisodeLoop`, one engine session per batch) and carry-over (`carry_over.CarryOverLoop`, calls of
-`chunk_tokens` across steps). An engine call that ends neither way (cut at the schedule's own chunk, with room left)
+and sample again) or `Stop(reason)`. One schedule drives any episode, `carry_over.CarryOverLoop`: at
+`max_staleness = 0` the synchronous one (one engine session per batch, one call per completion), at S >= 1 calls of
+`chunk_tokens` across steps. An engine call that ends neither way (cut at the schedule's own chunk, with room left)
 is a step with no observation: the schedule continues the trajectory without asking the episode (`after_call`).
 
 Two episodes: `SingleTurnEpisode` (one completion up to `max_response_length`) and the tool-using one

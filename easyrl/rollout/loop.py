@@ -2,10 +2,11 @@
 the engines through an `EngineSession` (the workers that hold them, seen from the driver).
 
 The trainer owns *what* to sample (which prompts, how many samples, the sampling settings and their seed); a loop
-owns *how*: one engine call per batch (`SingleTurnLoop`, the synchronous loop's one-call form for single responses),
-one call per turn for an episode with observations between turns (`EpisodeLoop`, the synchronous schedule;
-`multi_turn.MultiTurnLoop` drives the tool episode with it), or requests kept in flight across steps
-(`carry_over.CarryOverLoop`, `trainer.max_staleness >= 1`, driving any episode). Whatever the loop, the rows it
+owns *how*. The producer builds one schedule, `carry_over.CarryOverLoop`, driving any episode: at
+`trainer.max_staleness = 0` the synchronous one (one engine session per batch; `multi_turn.MultiTurnLoop` is it with
+the tool episode), at S >= 1 with requests kept in flight across steps. `SingleTurnLoop` is the engines' own rows
+for one response per sample in one call, which the schedule at S = 0 gives to the bit: the reference its tests
+compare against and the smallest loop a recipe starts from (`OneSessionLoop`). Whatever the loop, the rows it
 returns follow one contract (`RolloutEngine.generate`'s fields, plus the prompts' own columns and `policy_version`;
 the loops that build rows from `Trajectory` records add `token_policy_version` and `rollout_sessions`), so `fit()`
 reads the same for every loop: it holds this module's `RolloutLoop` protocol, never a loop class.
@@ -14,15 +15,12 @@ reads the same for every loop: it holds this module's `RolloutLoop` protocol, ne
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from easyrl.batch import Batch
 from easyrl.rollout.engine import SamplingParams
-from easyrl.rollout.episode import Episode, after_call, apply_step
-from easyrl.rollout.trajectory import Trajectory, append_call, request_of, rows_of
-from easyrl.seeding import SEED_COLUMN, derive_seed, prompt_seeds
+from easyrl.seeding import SEED_COLUMN, prompt_seeds
 
 
 logger = logging.getLogger(__name__)
@@ -129,15 +127,21 @@ class OneSessionLoop:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            logger.warning(
-                "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
-                "max_staleness: 0 does not carry them over",
-                len(state.get("groups", [])) + len(state.get("queue", [])),
-            )
+        warn_untrained(state)
 
     def close(self) -> None:
         return None
+
+
+def warn_untrained(state: dict[str, Any]) -> None:
+    """A synchronous schedule given an asynchronous run's checkpoint: its groups in flight are not trained (said once,
+    loudly)."""
+    if state:
+        logger.warning(
+            "the checkpoint holds %d prompt groups in flight (trainer.max_staleness was >= 1); trainer."
+            "max_staleness: 0 does not carry them over",
+            len(state.get("groups", [])) + len(state.get("queue", [])),
+        )
 
 
 def seeded_request(prompts: Batch, params: SamplingParams) -> Batch:
@@ -164,81 +168,3 @@ class SingleTurnLoop(OneSessionLoop):
     def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
         rows, timings = engines.generate_sequences(seeded_request(prompts, params), params)
         return with_prompts(prompts, rows, params), timings
-
-
-class EpisodeLoop(OneSessionLoop):
-    """The synchronous schedule driving any episode (`easyrl.rollout.episode`): one engine session per batch and,
-    every turn, one engine call for the live trajectories, each allowed its episode's token limit (the call asks for
-    the largest; a longer completion is cut). The episode then says what follows each completion. Turn `t` of
-    trajectory `k` samples with `derive_seed(row seed of k, t, "attempt")` (turn 0: the row seed itself, as the
-    single-turn loop seeds it). `eos_id` and the call's `stop_token_ids` end a completion."""
-
-    def __init__(self, episode: Episode, pad_id: int, engines: int = 1, eos_id: int | None = None) -> None:
-        self.episode = episode
-        self.pad_id = pad_id
-        self.engines = engines  # each call's request is padded to split evenly over them
-        self.eos_id = eos_id
-        self.sessions = 0  # engine sessions opened: each run is one
-
-    def run(self, engines: EngineSession, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
-        if params.seed is None:
-            raise ValueError("a rollout loop needs params.seed: the trainer derives one per call (easyrl.seeding)")
-        if any(prompts.non_tensors.get("multi_modal_inputs") or []):
-            raise ValueError("multi-turn rollouts take text prompts only: this batch carries images, videos or audio")
-        firsts = prompt_seeds(params.seed, len(prompts), params.n).tolist()
-        mask = prompts["attention_mask"].bool()
-        columns = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
-        trajectories, seeds = [], []
-        for i in range(len(prompts) * params.n):
-            p = i // params.n
-            trajectories.append(self.episode.start(prompts["input_ids"][p][mask[p]].tolist(), columns[p]))
-            seeds.append(firsts[p] + i % params.n)
-        stop_ids = frozenset({*([self.eos_id] if self.eos_id is not None else []), *params.stop_token_ids})
-        timings = engines.open_rollout()
-        self.sessions += 1
-        gen_s = episode_s = 0.0
-        try:
-            while live := [k for k, t in enumerate(trajectories) if not t.done]:
-                start = time.perf_counter()
-                ended = self.generate(
-                    engines, [trajectories[k] for k in live], [seeds[k] for k in live], params, stop_ids
-                )
-                gen_s += time.perf_counter() - start
-                start = time.perf_counter()
-                for (traj, _), step in zip(ended, self.episode.after(ended, stop_ids)):
-                    apply_step(traj, step)
-                episode_s += time.perf_counter() - start
-        finally:
-            timings |= engines.close_rollout()
-        batch = rows_of(trajectories, self.pad_id)
-        if not params.logprobs:  # the engines fill zeros where none were asked for: nothing to compare against
-            batch.tensors.pop("rollout_log_probs")
-        batch.set(**self.episode.columns(trajectories))
-        timings |= {"timing_s/generate_turns": gen_s, "timing_s/tools": episode_s}
-        return batch, timings | self.episode.metrics(trajectories)
-
-    def generate(
-        self,
-        engines: EngineSession,
-        live: list[Trajectory],
-        seeds: list[int],
-        params: SamplingParams,
-        stop_ids: frozenset[int],
-    ) -> list[tuple[Trajectory, bool]]:
-        """One engine call for every live trajectory; appends each completion (loss 1); returns how each ended."""
-        limits = [self.episode.token_limit(t) for t in live]
-        max_tokens = max(limits)
-        seeds = [seed if t.turns == 0 else derive_seed(seed, t.turns, "attempt") for t, seed in zip(live, seeds)]
-        request = request_of([t.context() for t in live], seeds, self.pad_id, self.engines)
-        out = engines.generate(request, params.override({"n": 1, "max_tokens": max_tokens}))
-        lengths = out["response_mask"].sum(dim=1).tolist()
-        ended = []
-        for i, (traj, limit) in enumerate(zip(live, limits)):
-            count = int(lengths[i])
-            by_token = count > 0 and int(out["responses"][i, count - 1]) in stop_ids
-            keep, how = after_call(traj, count, max_tokens, by_token, limit)
-            append_call(traj, out, i, keep, self.sessions, per_row_logprobs=True)
-            assert how is not None, "a call as long as the longest limit ends every completion"
-            traj.turns += 1
-            ended.append((traj, how))
-        return ended

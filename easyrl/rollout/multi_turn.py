@@ -18,10 +18,10 @@ ones are counted (`multi_turn/split_trajectories`, `multi_turn/untrained_tokens`
 calls with the Qwen2.5 / Qwen3 / Hermes templates never split: tool messages are not user messages.
 
 This is an episode (`ToolEpisode`, `easyrl.rollout.episode`): after each completion it runs the calls the model made
-and says "continue with these observation tokens" or "stop". The synchronous schedule (`loop.EpisodeLoop`) drives it
-with one engine call per turn for every live trajectory (`EngineSession.generate` inside one open / close). Turn `t`
-of trajectory `k` samples with the seed `derive_seed(row seed of k, t, "attempt")` (turn 0: the row seed itself, so
-a one-turn trajectory samples as the single-turn loop does).
+and says "continue with these observation tokens" or "stop". The synchronous schedule (`MultiTurnLoop`: the carry-over
+loop at S = 0) drives it with one engine call per turn for every live trajectory (`EngineSession.generate` inside one
+open / close). Turn `t` of trajectory `k` samples with the seed `seeding.call_seed(row seed of k, t)` (turn 0: the row
+seed itself, so a one-turn trajectory samples as the single-turn loop does).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from easyrl.agent import (
     run_tool_calls,
 )
 from easyrl.agent.resume import call_record, describe, environment_state, rebuild_episode
+from easyrl.rollout.carry_over import CarryOverLoop, never_draws
 from easyrl.rollout.episode import Continue, Stop
-from easyrl.rollout.loop import EpisodeLoop
 from easyrl.rollout.trajectory import Trajectory
 
 
@@ -432,8 +432,11 @@ def _state(trajectory: Trajectory) -> ToolState:
     return state
 
 
-class MultiTurnLoop(EpisodeLoop):
-    """The synchronous schedule driving the tool episode: what `worker.rollout.multi_turn` turns on."""
+class MultiTurnLoop(CarryOverLoop):
+    """The synchronous schedule driving the tool episode, what `worker.rollout.multi_turn` turns on: the carry-over
+    loop at `max_staleness = 0` (one engine session per batch, one call per turn for the live trajectories; docs/async.md,
+    "S = 0"), built from the tool settings alone. The tokenizer's EOS and each call's `stop_token_ids` end a
+    completion."""
 
     def __init__(
         self,
@@ -443,6 +446,18 @@ class MultiTurnLoop(EpisodeLoop):
         tools: ToolSettings,
         engines: int = 1,
     ) -> None:
-        self.episode: ToolEpisode = ToolEpisode(environments, chat, budget, tools)
-        super().__init__(self.episode, chat.tokenizer.pad_token_id, engines, chat.tokenizer.eos_token_id)
+        episode = ToolEpisode(environments, chat, budget, tools)
+        tok = chat.tokenizer
+        super().__init__(
+            never_draws,
+            max_staleness=0,
+            active_groups=1,  # at S = 0 a step admits its own prompts, however many
+            chunk_tokens=budget.max_total_tokens,  # unread at S = 0: a call asks for the episode's token limit
+            max_response_length=budget.max_total_tokens,
+            stop_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+            engines=engines,
+            episode=episode,
+        )
+        self.episode: ToolEpisode = episode
         self.environments, self.chat = environments, chat  # what `easyrl check` renders the first prompt with

@@ -1,5 +1,6 @@
-"""The one place that picks how prompts become rows from the config: the schedule (one engine session per call, or
-carry-over with `trainer.max_staleness` >= 1) and the episode (one completion, or turns with tools between them).
+"""The one place that picks how prompts become rows from the config: the schedule's bound (`trainer.max_staleness`: 0 is
+the synchronous schedule, the carry-over loop at S = 0) and the episode (one completion, or turns with tools between
+them).
 The trainer gets a `RolloutLoop` from here and drives it through that protocol alone (`tests/test_structure.py`:
 nothing under `trainer/` names a concrete loop).
 """
@@ -7,11 +8,15 @@ nothing under `trainer/` names a concrete loop).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.rollout.loop import RolloutLoop, Scorer, SingleTurnLoop
+from easyrl.rollout.loop import RolloutLoop, Scorer
+
+
+if TYPE_CHECKING:
+    from easyrl.rollout.multi_turn import MultiTurnLoop
 
 
 def build_rollout_loop(
@@ -27,27 +32,24 @@ def build_rollout_loop(
     tools: bool,
     beside: bool,
 ) -> RolloutLoop:
-    """One engine session per batch and one response per sample (`SingleTurnLoop`); several turns with tools between
-    them when `worker.rollout.multi_turn` sets an environment or tools (`MultiTurnLoop`); or, with
-    `trainer.max_staleness` >= 1, groups kept in flight across steps (`CarryOverLoop`, driving the tool episode when
-    `multi_turn` is on, else the single-turn one: it draws prompts of its own
-    with `draw`, ends responses at `eos_id` and `worker.rollout.stop_token_ids` as the engines do, scores each call's
-    finished groups with `scorer` beside the engines, and generates beside the training when the engines are
-    separate). The schedule and episode come decided (the trainer's run plan, `easyrl.trainer.plan`), not re-read:
-    `engines`, how many engines a call is split over; `chunk_tokens`, the carry-over call's length; `staleness`, the
-    bound (0: synchronous); `tools`, the tool episode; `beside`, engines of their own that generate while the policy
-    trains."""
-    rollout = cfg.worker.rollout
-    if staleness == 0:
-        return multi_turn_loop(cfg, engines) if tools else SingleTurnLoop()
-    from easyrl.rollout.carry_over import CarryOverLoop
+    """The one schedule, `CarryOverLoop`, at the run's bound: `trainer.max_staleness` = 0 is the synchronous schedule
+    (one engine session per batch, nothing kept between calls: docs/async.md, "S = 0"); S >= 1 keeps groups in flight
+    across steps, draws prompts of its own with `draw`, scores each call's finished groups with `scorer` beside the
+    engines and generates beside the training when the engines are separate. It drives the tool episode when
+    `worker.rollout.multi_turn` sets an environment or tools, else the single-turn one, and ends responses at `eos_id`
+    and `worker.rollout.stop_token_ids` as the engines do. The schedule and episode come decided (the trainer's run
+    plan, `easyrl.trainer.plan`), not re-read: `engines`, how many engines a call is split over; `chunk_tokens`, the
+    carry-over call's length; `staleness`, the bound; `tools`, the tool episode; `beside`, engines of their own that
+    generate while the policy trains."""
+    from easyrl.rollout.carry_over import CarryOverLoop, never_draws
     from easyrl.rollout.multi_turn import ToolEpisode
 
-    assert draw is not None, "an asynchronous loop draws prompts of its own"
+    assert draw is not None or staleness == 0, "an asynchronous loop draws prompts of its own"
+    rollout = cfg.worker.rollout
     per_step = cfg.data.rollout_batch_size
     stop_ids = [] if rollout.ignore_eos else [*([eos_id] if eos_id is not None else []), *rollout.stop_token_ids]
     return CarryOverLoop(
-        draw,
+        draw or never_draws,
         max_staleness=staleness,
         active_groups=rollout.active_groups or (staleness + 1) * per_step,
         chunk_tokens=chunk_tokens,
@@ -55,7 +57,7 @@ def build_rollout_loop(
         stop_ids=stop_ids,
         pad_id=pad_id,
         engines=engines,
-        scorer=scorer,
+        scorer=scorer if staleness else None,  # synchronous: a step's rows are scored on the spot, as they are handed
         beside=beside,
         episode=ToolEpisode(*tool_parts(cfg)) if tools else None,
     )
@@ -65,16 +67,32 @@ def one_session_loop(
     cfg: EasyRLConfig, loop: RolloutLoop, engines: int, *, staleness: int, tools: bool
 ) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
-    in flight: with tools, the synchronous multi-turn loop (the run's own when it is synchronous: the tools are part
-    of what is measured), else the single-turn one (a carry-over loop's groups in flight are training work, never
-    validation's)."""
-    if not tools:
-        return SingleTurnLoop()
-    return loop if staleness == 0 else multi_turn_loop(cfg, engines)
+    in flight: the run's own at S = 0 (it keeps nothing between calls; with tools, they are part of what is
+    measured), else the same schedule at S = 0 with the run's episode (a carry-over loop's groups in flight are
+    training work, never validation's)."""
+    from easyrl.rollout.carry_over import CarryOverLoop, never_draws
+    from easyrl.rollout.multi_turn import ToolEpisode
+
+    if staleness == 0:
+        return loop
+    assert isinstance(loop, CarryOverLoop), "build_rollout_loop builds every schedule"
+    return CarryOverLoop(
+        never_draws,
+        max_staleness=0,
+        active_groups=loop.active_groups,
+        chunk_tokens=loop.chunk_tokens,
+        max_response_length=loop.max_len,
+        stop_ids=sorted(loop.stop_ids),
+        pad_id=loop.pad_id,
+        engines=engines,
+        beside=loop.generates_beside,
+        episode=ToolEpisode(*tool_parts(cfg)) if tools else None,
+    )
 
 
-def multi_turn_loop(cfg: EasyRLConfig, engines: int) -> RolloutLoop:
-    """The synchronous multi-turn loop of `worker.rollout.multi_turn` (`tool_parts`)."""
+def multi_turn_loop(cfg: EasyRLConfig, engines: int) -> MultiTurnLoop:
+    """The synchronous schedule with the tool episode of `worker.rollout.multi_turn` (`tool_parts`), as `easyrl check`
+    builds it to load the tools early."""
     from easyrl.rollout.multi_turn import MultiTurnLoop
 
     return MultiTurnLoop(*tool_parts(cfg), engines)

@@ -21,22 +21,26 @@ def config(tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]) -> 
 
 
 def test_off_by_default_and_on_with_an_environment_or_tools(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from easyrl.rollout import SingleTurnLoop
-    from easyrl.rollout.multi_turn import MultiTurnLoop
+    from easyrl.rollout.carry_over import CarryOverLoop
+    from easyrl.rollout.episode import SingleTurnEpisode
+    from easyrl.rollout.multi_turn import ToolEpisode
 
     monkeypatch.chdir(REPO)  # relative paths are read from the working directory, as the reward's
     cfg = load_config(config)
-    assert not cfg.worker.rollout.multi_turn.enabled and isinstance(rollout_loop(cfg, plan_of(cfg)), SingleTurnLoop)
+    assert not cfg.worker.rollout.multi_turn.enabled
+    loop = rollout_loop(cfg, plan_of(cfg))  # the one schedule, synchronous at S = 0, with the single-turn episode
+    assert isinstance(loop, CarryOverLoop) and loop.max_staleness == 0 and isinstance(loop.episode, SingleTurnEpisode)
     cfg = load_config(config, [f"worker.rollout.multi_turn.env={CALC}", "worker.rollout.multi_turn.max_turns=3"])
     assert cfg.worker.rollout.multi_turn.env == f"{REPO / 'envs' / 'calc.py'}:CalcEnv"  # made absolute
     loop = rollout_loop(cfg, plan_of(cfg))
-    assert isinstance(loop, MultiTurnLoop) and loop.episode.budget.max_turns == 3
+    assert isinstance(loop, CarryOverLoop) and isinstance(loop.episode, ToolEpisode)
+    assert loop.episode.budget.max_turns == 3
     budget = loop.episode.budget
     assert budget.max_total_tokens == cfg.data.max_response_length == budget.max_tokens_per_turn
     assert loop.engines == 2  # two workers, one HF engine each: every turn's request is padded to split evenly
     cfg = load_config(config, ["worker.rollout.multi_turn.tools=envs/calc_tools.py,python"])
     assert cfg.worker.rollout.multi_turn.tools == f"{REPO / 'envs' / 'calc_tools.py'},python"
-    assert isinstance(rollout_loop(cfg, plan_of(cfg)), MultiTurnLoop)
+    assert isinstance(rollout_loop(cfg, plan_of(cfg)).episode, ToolEpisode)
 
 
 @pytest.mark.parametrize(

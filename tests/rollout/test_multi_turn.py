@@ -250,15 +250,18 @@ def test_a_template_that_rewrites_history_starts_a_new_sample_and_trains_the_las
     rows, metrics = _loop(chat, SUMMARISING).run(LocalEngines(engine), _prompts(_rows(4)), PARAMS)
     callers = _callers(rows)
     assert callers and metrics["multi_turn/split_trajectories"] == len(callers)
-    first_completions = 0
+    set_aside = 0
     for i in callers:
         _, mask = _response(rows, i)
         assert set(mask) == {1}  # the new sample's response is the answer alone
         prompt = rows["raw_prompt"][i]
         assert "<|im_start|>assistant\n[called]<|im_end|>\n<|im_start|>tool\n" in prompt
         assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
-        first_completions += len(chat.encode(rows["row"][i]["conversation"][1]["content"])) + 1  # and its EOS
-    assert metrics["multi_turn/untrained_tokens"] == first_completions  # the first samples, counted, not trained
+        # every completion before the answer was a sample the template rewrote (one per tool call), with its EOS
+        turns = [m["content"] for m in rows["row"][i]["conversation"] if m["role"] == "assistant"]
+        assert len(turns) == rows["row"][i]["turns"]
+        set_aside += sum(len(chat.encode(turn)) + 1 for turn in turns[:-1])
+    assert metrics["multi_turn/untrained_tokens"] == set_aside  # the earlier samples, counted, not trained
 
 
 def test_the_token_budget_and_the_turn_limit_end_trajectories_marked_truncated(

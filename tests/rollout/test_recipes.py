@@ -103,8 +103,9 @@ def test_a_registered_engine_is_built_from_its_name_and_trains_like_the_engine_i
         pid, prompts = line.split()
         given.setdefault(pid, []).append(int(prompts))
     assert len(given) == 2 and len(set(map(tuple, given.values()))) == 1, given
-    # the whole validation set (8 prompts) and a training step's whole data.rollout_batch_size (4), not halves
-    assert set(next(iter(given.values()))) == {8, 4}, given
+    # the whole validation set (8 prompts) and a training step's whole data.rollout_batch_size (4), not halves, each
+    # prompt's n = 2 samples a request row of their own (the one schedule asks each sample apart)
+    assert set(next(iter(given.values()))) == {8 * 2, 4 * 2}, given
     step1 = {row["step"]: row for row in hf}[1], {row["step"]: row for row in deep}[1]
     # After validation's session the HF engine still holds the initial weights; the deep-sleeping one dropped them,
     # and its rollout worker pushed them again before step 1 generated.

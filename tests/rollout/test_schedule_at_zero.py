@@ -1,14 +1,12 @@
-"""The synchronous schedule and carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
-engine serving the tool demo's model, one engine call per completion (`chunk_tokens` = `max_response_length`), one
-seed. The two schedules start the same episodes and build rows with the same `rows_of`; they seed their calls
-differently (`CarryOverLoop.call_seed`: every call, the first too, a `"row"` child of the row seed; the synchronous
-loops: the row seed, then `"attempt"` children per turn), so the carry-over loop samples other trajectories. Given
-the synchronous seeds (`SynchronousSeeds`, the only thing changed):
+"""The synchronous schedule is carry-over at `max_staleness = 0` (issue 43, item 3; docs/async.md, "S = 0"): the HF
+engine serving the tool demo's model, one seed. The producer builds `CarryOverLoop` for every run; at S = 0 it hands
+a step's groups over in the prompts' order, pads as the synchronous rows are padded, logs their metrics and makes
+their engine round trips. Compared with the synchronous rows:
 
-- single turn: its rows are the synchronous loop's bit for bit, plus the versioned record's two columns; only the
-  metrics differ (`async/*`);
-- tools: the same trajectories, token for token, but handed over in the order their groups finished, and padded to
-  `max_response_length` rather than to the longest response.
+- single turn: the engines' own rows (`SingleTurnLoop`) bit for bit, plus the versioned record's two columns, in one
+  `generate_sequences` call;
+- tools: the synchronous tool schedule written out plainly (`_synchronous_tool_rows`, as its own loop ran it):
+  every row bit for bit, the same metrics, the same open / generate per turn / close.
 """
 
 from __future__ import annotations
@@ -20,11 +18,12 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.rollout import SamplingParams, SingleTurnLoop
-from easyrl.rollout.carry_over import CarryOverLoop, Group
-from easyrl.rollout.episode import Episode, SingleTurnEpisode
+from easyrl.rollout.carry_over import CarryOverLoop
+from easyrl.rollout.episode import Episode, SingleTurnEpisode, after_call, apply_step
 from easyrl.rollout.hf import HFRolloutEngine
 from easyrl.rollout.multi_turn import ChatRenderer, ToolEpisode
-from easyrl.seeding import derive_seed
+from easyrl.rollout.trajectory import append_call, request_of, rows_of
+from easyrl.seeding import call_seed, prompt_seeds
 from tests.rollout.test_multi_turn import MODEL, LocalEngines, _loop, _prompts, _rows
 
 
@@ -35,17 +34,42 @@ RECORD_COLUMNS = {"token_policy_version", "rollout_sessions"}
 
 
 class Engines(LocalEngines):
-    def policy_version(self) -> int:  # what the carry-over loop counts staleness from
+    """The test's engines, counting the calls a loop makes on them (the round trips)."""
+
+    def __init__(self, engine: HFRolloutEngine) -> None:
+        super().__init__(engine)
+        self.made: list[str] = []
+
+    def open_rollout(self) -> dict[str, float]:
+        self.made.append("open_rollout")
+        return {"timing_s/wake": 0.0}
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self.made.append("generate")
+        return super().generate(prompts, params)
+
+    def close_rollout(self) -> dict[str, float]:
+        self.made.append("close_rollout")
+        return {"timing_s/sleep": 0.0}
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, dict[str, float]]:
+        self.made.append("generate_sequences")
+        return super().generate(prompts, params), {"timing_s/generate_engine": 0.0}  # one call counted
+
+    def policy_version(self) -> int:  # what the carry-over loop counts staleness from (not asked at S = 0)
         return 0
 
 
-class SynchronousSeeds(CarryOverLoop):
-    """The carry-over loop seeding as the synchronous loops do: call 0 with the row seed itself, call `c` (a turn:
-    one call per completion here) with its `"attempt"` child (`loop.EpisodeLoop.generate`)."""
+def _same_rows(sync: Batch, carried: Batch) -> None:
+    """Every tensor and column of the synchronous rows, to the bit, in their order."""
+    assert set(sync.tensors) <= set(carried.tensors)
+    different = [k for k in sync.tensors if not torch.equal(sync[k], carried[k])]
+    assert not different, f"S = 0 through carry-over changed {different}"
+    assert {k: carried[k] for k in sync.non_tensors} == dict(sync.non_tensors)
 
-    def call_seed(self, group: Group, j: int) -> int:
-        row = group.seed + j
-        return row if group.calls == 0 else derive_seed(row, group.calls, "attempt")
+
+def _stable(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +85,9 @@ def engine(chat: ChatRenderer) -> HFRolloutEngine:
     return HFRolloutEngine(MODEL, torch.device("cpu"), torch.float32, [tok.eos_token_id], tok.pad_token_id)
 
 
-def _at_zero(
-    chat: ChatRenderer, episode: Episode | None = None, cls: type[CarryOverLoop] = SynchronousSeeds
-) -> CarryOverLoop:
+def _at_zero(chat: ChatRenderer, episode: Episode | None = None) -> CarryOverLoop:
     tok = chat.tokenizer
-    return cls(
+    return CarryOverLoop(
         lambda k: pytest.fail("at S = 0 the step's own prompts fill the admission room: none is drawn"),
         max_staleness=0,
         active_groups=4,
@@ -90,66 +112,98 @@ def _single_turn_prompts(chat: ChatRenderer, rows: list[dict[str, Any]]) -> Batc
     )
 
 
-def test_single_turn_rows_at_zero_staleness_are_the_synchronous_ones_bit_for_bit_only_with_its_seeds(
-    engine: HFRolloutEngine, chat: ChatRenderer
+def test_a_calls_seed_is_the_row_seed_then_its_row_children() -> None:
+    assert [call_seed(700_021, c) for c in range(3)] == [700_021, 700_021 * 100_003 + 1, 700_021 * 100_003 + 2]
+    siblings = {call_seed(row, c) for row in range(700_021, 700_029) for c in range(1000)}
+    assert len(siblings) == 8 * 1000  # past a thousand calls too (a response cut into small carry-over chunks)
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_single_turn_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
+    engine: HFRolloutEngine, chat: ChatRenderer, logprobs: bool
 ) -> None:
     prompts = _single_turn_prompts(chat, _rows(4))
-    sync, sync_metrics = SingleTurnLoop().run(Engines(engine), prompts, PARAMS)
-    own_loop = _at_zero(chat, cls=CarryOverLoop)
-    own, own_metrics = own_loop.run(Engines(engine), prompts, PARAMS)
-    carried, _ = _at_zero(chat).run(Engines(engine), prompts, PARAMS)
-    # shared: the episode (carry-over's default is the single-turn one), the prompts' columns, the row layout
-    assert isinstance(own_loop.episode, SingleTurnEpisode)
-    assert own["uid"] == sync["uid"] and torch.equal(own["prompts"], sync["prompts"])
-    assert own["responses"].shape == sync["responses"].shape
-    # differs: its own seeds draw other responses
-    assert not torch.equal(own["responses"], sync["responses"])
-    # with the synchronous seeds: every tensor and column of the synchronous rows, to the bit, and the record's two
-    assert set(carried.tensors) - set(sync.tensors) == RECORD_COLUMNS and set(sync.tensors) <= set(carried.tensors)
-    different = [k for k in sync.tensors if not torch.equal(sync[k], carried[k])]
-    assert not different, f"S = 0 through carry-over changed {different}"
-    assert {k: carried[k] for k in sync.non_tensors} == dict(sync.non_tensors)
+    params = PARAMS.override({"logprobs": logprobs})
+    sync_engines, engines = Engines(engine), Engines(engine)
+    sync, sync_metrics = SingleTurnLoop().run(sync_engines, prompts, params)
+    loop = _at_zero(chat)
+    carried, metrics = loop.run(engines, prompts, params)
+    assert isinstance(loop.episode, SingleTurnEpisode)  # carry-over's default episode
+    # every tensor and column of the synchronous rows, to the bit, and the versioned record's two
+    assert set(carried.tensors) - set(sync.tensors) == RECORD_COLUMNS
+    _same_rows(sync, carried)
+    assert ("rollout_log_probs" in carried) is logprobs
     assert len(set(map(tuple, carried["responses"].tolist()))) > 1  # sampled, not one greedy answer for all
-    # differs: the metrics (the synchronous loop has only the engines' timings, none here; carry-over its async/*)
-    assert sync_metrics == {} and {"async/engine_calls", "async/staleness/0"} <= set(own_metrics)
-    assert own_metrics["async/engine_calls"] == 1.0 and own_metrics["async/groups_carried"] == 0.0
+    # the same metrics (here the engines' session timings alone: no async/*), from one round trip per engine
+    assert metrics == sync_metrics == {"timing_s/generate_engine": 0.0}
+    assert engines.made == sync_engines.made == ["generate_sequences"]
+    assert loop.state_dict() == {}  # nothing in flight: a synchronous run's checkpoint
 
 
-def _trimmed(rows: Batch, i: int) -> tuple[list[int], list[int], list[float], list[int]]:
-    """Row `i`'s prompt (left-padded alike by both: to the longest prompt), then its response's tokens, loss mask and
-    log-probs without the padding."""
-    length = int(rows["response_mask"][i].sum())
-    return (
-        rows["prompts"][i].tolist(),
-        rows["responses"][i, :length].tolist(),
-        rows["loss_mask"][i, :length].tolist(),
-        rows["rollout_log_probs"][i, :length].tolist(),
-    )
+def test_a_synchronous_schedule_leaves_an_asynchronous_checkpoints_groups_untrained(
+    chat: ChatRenderer, caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = _at_zero(chat)
+    with caplog.at_level("WARNING"):
+        loop.load_state_dict({"max_staleness": 1, "groups": [{}, {}], "queue": [{}]})
+    assert "holds 3 prompt groups in flight" in caplog.text and loop.groups == [] and not loop.queue
 
 
-def test_tool_trajectories_are_the_synchronous_ones_in_the_order_their_groups_finished(
+def _synchronous_tool_rows(
+    episode: ToolEpisode, engines: Engines, prompts: Batch, params: SamplingParams
+) -> tuple[Batch, dict[str, float]]:
+    """The synchronous tool schedule written out plainly, as its own loop ran it before the carry-over loop took it
+    over: every trajectory starts from its prompt in one engine session; each turn one engine call continues the live
+    ones (seeded `call_seed(row seed, turn)`, asking the largest token limit), then the episode says what follows."""
+    assert params.seed is not None
+    tok, n = episode.chat.tokenizer, params.n
+    firsts = prompt_seeds(params.seed, len(prompts), n).tolist()
+    mask = prompts["attention_mask"].bool()
+    columns = [{k: v[p] for k, v in prompts.non_tensors.items()} for p in range(len(prompts))]
+    starts = [(prompts["input_ids"][p][mask[p]].tolist(), columns[p]) for p in range(len(prompts)) for _ in range(n)]
+    trajectories = [episode.start(ids, row) for ids, row in starts]
+    seeds = [firsts[i // n] + i % n for i in range(len(trajectories))]
+    stop_ids = frozenset({tok.eos_token_id, *params.stop_token_ids})
+    metrics = engines.open_rollout()
+    while live := [t for t in trajectories if not t.done]:
+        limits = [episode.token_limit(t) for t in live]
+        turn_seeds = [call_seed(seeds[trajectories.index(t)], t.turns) for t in live]
+        request = request_of([t.context() for t in live], turn_seeds, tok.pad_token_id, engines.count)
+        out = engines.generate(request, params.override({"n": 1, "max_tokens": max(limits)}))
+        lengths = out["response_mask"].sum(dim=1).tolist()
+        ended = []
+        for i, (traj, limit) in enumerate(zip(live, limits)):
+            count = int(lengths[i])
+            by_token = count > 0 and int(out["responses"][i, count - 1]) in stop_ids
+            keep, how = after_call(traj, count, max(limits), by_token, limit)
+            append_call(traj, out, i, keep, 1, per_row_logprobs=True)
+            traj.turns += 1
+            assert how is not None, "a call as long as the longest limit ends every completion"
+            ended.append((traj, how))
+        for (traj, _), step in zip(ended, episode.after(ended, stop_ids)):
+            apply_step(traj, step)
+    metrics |= engines.close_rollout() | {"timing_s/generate_turns": 0.0, "timing_s/tools": 0.0}
+    rows = rows_of(trajectories, tok.pad_token_id).set(**episode.columns(trajectories))
+    return rows, metrics | episode.metrics(trajectories)
+
+
+def test_tool_rows_and_metrics_at_zero_staleness_are_the_synchronous_ones(
     engine: HFRolloutEngine, chat: ChatRenderer
 ) -> None:
-    n = PARAMS.n
     uids = [f"p{i}" for i in range(4)]
-    sync_loop = _loop(chat)  # the synchronous schedule with the tool episode (`MultiTurnLoop`), 80 tokens a trajectory
-    sync, _ = sync_loop.run(Engines(engine), _prompts(_rows(4)).set(uid=uids), PARAMS)
-    shared = sync_loop.episode
+    loop = _loop(chat)  # the synchronous schedule with the tool episode (`MultiTurnLoop`), 80 tokens a trajectory
+    assert isinstance(loop, CarryOverLoop) and loop.max_staleness == 0
+    reference_engines, engines = Engines(engine), Engines(engine)
+    shared = loop.episode
     episode = ToolEpisode(shared.environments, chat, shared.budget, shared.tool_settings)
-    carried, metrics = _at_zero(chat, episode).run(Engines(engine), _prompts(_rows(4)).set(uid=uids), PARAMS)
-    assert sorted(carried["uid"]) == sorted(sync["uid"]) and len(carried) == len(sync) == 4 * n
-    # differs: the padding (the synchronous rows end at the longest response, carry-over's at max_response_length)
-    longest = int(sync["response_mask"].sum(dim=1).max())
-    assert sync["responses"].shape[1] == longest < MAX_LEN == carried["responses"].shape[1]
-    # differs: the order. Groups go over as they finished: those whose samples all answered in one call first, then
-    # those with a tool call (two calls), each in admission order; the synchronous loop keeps the prompts' order.
-    calls = {u: max(sync["row"][i]["turns"] for i in range(len(sync)) if sync["uid"][i] == u) for u in uids}
-    by_finish = sorted(uids, key=lambda u: calls[u])
-    assert carried["uid"][::n] == by_finish != uids, (calls, carried["uid"][::n])
-    # shared: put back in the prompts' order, every trajectory is the synchronous one, token for token
-    place = {u: k for k, u in enumerate(carried["uid"][::n])}
-    for i in range(len(sync)):
-        j = place[sync["uid"][i]] * n + i % n
-        assert _trimmed(carried, j) == _trimmed(sync, i), f"row {i}"
-        assert carried["row"][j]["turns"] == sync["row"][i]["turns"]
-    assert metrics["multi_turn/tool_call_rate"] > 0  # the tool episode ran its calls under both schedules
+    sync, sync_metrics = _synchronous_tool_rows(episode, reference_engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
+    carried, metrics = loop.run(engines, _prompts(_rows(4)).set(uid=uids), PARAMS)
+    # the same rows in the prompts' order, padded alike (to the longest response), to the bit
+    assert set(carried.tensors) == set(sync.tensors) and carried["uid"] == sync["uid"]
+    _same_rows(sync, carried)
+    turns = [r["turns"] for r in sync["row"]]
+    assert max(turns) > 1 and min(turns) == 1  # some trajectories called a tool, some answered at once
+    # the same metrics (the wall-clock timings by name), from the same calls: open, one generate a turn, close
+    assert metrics.keys() == sync_metrics.keys() and _stable(metrics) == _stable(sync_metrics)
+    assert metrics["multi_turn/tool_call_rate"] > 0
+    assert engines.made == reference_engines.made == ["open_rollout", *["generate"] * max(turns), "close_rollout"]

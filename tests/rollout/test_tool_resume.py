@@ -27,7 +27,7 @@ from tests.rollout.test_env_reward_once import ASSETS, MODEL, PARAMS, REPO, Engi
 
 
 ENVS = REPO / "tests" / "assets" / "calc_resume_envs.py"
-PER_STEP, SAVED_AT, STEPS = 2, 4, 6  # the state is saved after step 4 of 6 (groups with tool calls are in flight)
+PER_STEP, SAVED_AT, STEPS = 2, 3, 5  # the state is saved after step 3 of 5 (groups with tool calls are in flight)
 # wall-clock figures, and the wait window a resumed loop starts afresh
 VOLATILE = ("timing_s/", "async/trainer_", "async/engine_wait", "async/engine_idle")
 
