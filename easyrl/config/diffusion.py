@@ -7,10 +7,25 @@ pipeline (a folder or hub ID with a ``model_index.json``). Long-RL's ``trainer.d
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from easyrl.config.schema import EasyRLConfig
 
 
 KEY = "worker.rollout.diffusion"
+PIPELINE_INDEX = "model_index.json"
+"""The file every diffusers pipeline folder has (its components and their classes); a transformers model has none."""
+
+
+def is_diffusion_pipeline(path: str | os.PathLike[str] | None) -> bool:
+    """Whether `path` is a diffusers pipeline folder: the detection `DiffusionConfig.enable: null` uses. Hub IDs are
+    local folders by the time this runs (`config.hub` resolves them while the config loads), so it never reaches the
+    network; a path that does not exist is not a pipeline (the model's own check names it)."""
+    return path is not None and os.path.isfile(os.path.join(os.fspath(path), PIPELINE_INDEX))
 
 
 @dataclass
@@ -40,3 +55,10 @@ class DiffusionConfig:
     """Tokens of the T5-style text encoder (SD3, Wan); prompts are cut to it."""
     negative_prompt: str = ""
     """The unconditional branch's prompt under classifier-free guidance."""
+
+
+def is_diffusion_run(cfg: EasyRLConfig) -> bool:
+    """Whether `cfg` trains a diffusion pipeline: `worker.rollout.diffusion.enable`, or when null whether
+    `worker.actor.model.model_path` is one (`is_diffusion_pipeline`)."""
+    enable = cfg.worker.rollout.diffusion.enable
+    return enable if enable is not None else is_diffusion_pipeline(cfg.worker.actor.model.model_path)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from easyrl.config.diffusion import is_diffusion_run
 from easyrl.config.errors import ConfigError
 
 
@@ -52,6 +53,9 @@ class EngineCapabilities:
     """Engine arguments easyrl sets or derives itself, each with the fix; `engine_kwargs` may not hold them."""
     inline: bool = True
     """May run in the driver's own process (`trainer.backend: inline`); False keeps its runs on Ray."""
+    generates_text: bool = True
+    """Samples token responses from token prompts; False: an image / video generator that samples from the prompts'
+    text (a diffusion pipeline, docs/diffusion.md), serving only diffusion runs."""
 
 
 _LORA = "set worker.actor.model.lora.rollout_sync: adapter (vLLM then serves the adapters of lora.rank) instead"
@@ -104,6 +108,9 @@ BUILTIN_ENGINE_CAPABILITIES: Mapping[str, EngineCapabilities] = MappingProxyType
             # nor two engines one after the other in one process: a Ray worker's process ends with its engine.
             inline=False,
         ),
+        # a diffusers flow-matching pipeline in the worker's own process: one worker per engine, sleep moves it to
+        # host memory (its weights stay: nothing to push again), samples images from the prompts' text
+        "diffusers": EngineCapabilities(engine_kwargs=False, generates_text=False),
     }
 )
 """The built-in engines' records: `easyrl.rollout.registry` registers each built-in with its entry here."""
@@ -147,6 +154,20 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
     rollout = cfg.worker.rollout
     caps = engine_capabilities(rollout.name)
     engine = f"the {rollout.name} engine"
+    diffusion = is_diffusion_run(cfg)
+    if (
+        diffusion == caps.generates_text
+    ):  # a text engine cannot sample a pipeline, nor an image engine a language model
+        raise ConfigError(
+            "worker.rollout.name",
+            f"{rollout.name}, but {engine} "
+            + (
+                "samples text and worker.actor.model.model_path is a diffusion pipeline: set it to diffusers"
+                if diffusion
+                else "samples images from a diffusion pipeline and worker.actor.model.model_path is not one (no "
+                "model_index.json; worker.rollout.diffusion.enable): use worker.rollout.name=hf or =vllm"
+            ),
+        )
     if rollout.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise ConfigError(
             "worker.rollout.tensor_parallel_size",

@@ -1,0 +1,31 @@
+"""`easyrl.config.diffusion.is_diffusion_pipeline` / `is_diffusion_run`: a diffusers folder (its model_index.json) makes
+a run a diffusion run unless `worker.rollout.diffusion.enable` says otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from easyrl.config.diffusion import DiffusionConfig, is_diffusion_pipeline, is_diffusion_run
+
+
+def config(model_path: str, enable: bool | None) -> Any:
+    """The two keys `is_diffusion_run` reads, shaped as the config's sections."""
+    rollout = SimpleNamespace(diffusion=DiffusionConfig(enable=enable))
+    actor = SimpleNamespace(model=SimpleNamespace(model_path=model_path))
+    return SimpleNamespace(worker=SimpleNamespace(rollout=rollout, actor=actor))
+
+
+def test_a_folder_with_model_index_json_is_a_pipeline(tmp_path: Path, tiny_model_dir: str) -> None:
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    assert is_diffusion_pipeline(tmp_path / "pipe")
+    assert not is_diffusion_pipeline(tiny_model_dir)  # a transformers model folder
+    assert not is_diffusion_pipeline(tmp_path / "missing") and not is_diffusion_pipeline(None)
+
+
+def test_enable_overrides_the_detection_either_way(tmp_path: Path, tiny_model_dir: str) -> None:
+    (tmp_path / "model_index.json").write_text("{}")
+    assert is_diffusion_run(config(str(tmp_path), None)) and not is_diffusion_run(config(tiny_model_dir, None))
+    assert not is_diffusion_run(config(str(tmp_path), False)) and is_diffusion_run(config(tiny_model_dir, True))
