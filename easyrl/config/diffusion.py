@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-
-if TYPE_CHECKING:
-    from easyrl.config.schema import EasyRLConfig
 
 
 KEY = "worker.rollout.diffusion"
@@ -55,10 +50,3 @@ class DiffusionConfig:
     """Tokens of the T5-style text encoder (SD3, Wan); prompts are cut to it."""
     negative_prompt: str = ""
     """The unconditional branch's prompt under classifier-free guidance."""
-
-
-def is_diffusion_run(cfg: EasyRLConfig) -> bool:
-    """Whether `cfg` trains a diffusion pipeline: `worker.rollout.diffusion.enable`, or when null whether
-    `worker.actor.model.model_path` is one (`is_diffusion_pipeline`)."""
-    enable = cfg.worker.rollout.diffusion.enable
-    return enable if enable is not None else is_diffusion_pipeline(cfg.worker.actor.model.model_path)

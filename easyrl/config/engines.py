@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from easyrl.config.diffusion import is_diffusion_run
+from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.config.errors import ConfigError
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from easyrl.config.diffusion import DiffusionConfig, is_diffusion_pipeline, is_diffusion_run
+from easyrl.config.diffusion import DiffusionConfig, is_diffusion_pipeline
+from easyrl.config.diffusion_run import is_diffusion_run
 
 
 def config(model_path: str, enable: bool | None) -> Any:
