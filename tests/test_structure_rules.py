@@ -274,3 +274,24 @@ def test_the_judge_extra_brings_the_served_judges_http_server() -> None:
     extras = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"]["judge"]}
     assert {"uvicorn", "fastapi"} <= names, names
+
+
+def _imported_roots(module: str) -> set[str]:
+    """The top-level packages `module` imports anywhere in it (lazy imports in functions included)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+    return {name.split(".")[0] for name in names}
+
+
+def test_only_the_diffusion_room_and_the_config_import_diffusers() -> None:
+    """Issue 48: diffusers is an extra (`diffusion`); the pipelines, their engine and their update live in
+    `easyrl.diffusion` (the config only detects a pipeline folder), so a text run never imports it and a missing extra
+    fails in one place."""
+    offenders = [
+        f"{m} imports diffusers"
+        for m in MODULES
+        if not m.startswith(("easyrl.diffusion", "easyrl.config")) and "diffusers" in _imported_roots(m)
+    ]
+    assert not offenders, "\n".join(offenders) + ": move that code into easyrl/diffusion/"
+    assert "diffusers" in _imported_roots("easyrl.diffusion.engine")  # the rule sees the imports it looks for
