@@ -40,3 +40,23 @@ class DiffusionConfig:
     """Tokens of the T5-style text encoder (SD3, Wan); prompts are cut to it."""
     negative_prompt: str = ""
     """The unconditional branch's prompt under classifier-free guidance."""
+
+
+def is_diffusion_pipeline(path: str | None) -> bool:
+    """True when `path` is a diffusers pipeline: a folder with a ``model_index.json``, or a hub ID whose
+    ``model_index.json`` is already in the local Hugging Face cache (detection never downloads)."""
+    import os
+
+    if not path:
+        return False
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "model_index.json"))
+    from easyrl.config.hub import hub_cache_dir, is_hub_id
+
+    if not is_hub_id(path):
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    # Only the cache is read: a hub ID not fetched yet is resolved (and detected) after `resolve_hub_ids`.
+    found = try_to_load_from_cache(path, "model_index.json", cache_dir=hub_cache_dir())
+    return isinstance(found, str)
