@@ -246,7 +246,9 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 
 
 def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
-    flat = _flatten(OmegaConf.to_container(user, resolve=False))
+    from easyrl.config.diffusion import translate_longrl_keys
+
+    flat = translate_longrl_keys(_flatten(OmegaConf.to_container(user, resolve=False)), notes)
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if key in EASYR1_IGNORED:
