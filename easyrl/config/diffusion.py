@@ -7,20 +7,10 @@ pipeline (a folder or hub ID with a ``model_index.json``). Long-RL's ``trainer.d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 
 KEY = "worker.rollout.diffusion"
-PIPELINE_INDEX = "model_index.json"
-"""The file every diffusers pipeline folder has (its components and their classes); a transformers model has none."""
-
-
-def is_diffusion_pipeline(path: str | os.PathLike[str] | None) -> bool:
-    """Whether `path` is a diffusers pipeline folder: the detection `DiffusionConfig.enable: null` uses. Hub IDs are
-    local folders by the time this runs (`config.hub` resolves them while the config loads), so it never reaches the
-    network; a path that does not exist is not a pipeline (the model's own check names it)."""
-    return path is not None and os.path.isfile(os.path.join(os.fspath(path), PIPELINE_INDEX))
 
 
 @dataclass

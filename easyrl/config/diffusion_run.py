@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from easyrl.config.diffusion import is_diffusion_pipeline
+from easyrl.config.diffusion import diffusion_enabled
 
 
 if TYPE_CHECKING:
@@ -14,6 +14,5 @@ if TYPE_CHECKING:
 
 def is_diffusion_run(cfg: EasyRLConfig) -> bool:
     """Whether `cfg` trains a diffusion pipeline: `worker.rollout.diffusion.enable`, or when null whether
-    `worker.actor.model.model_path` is one (`is_diffusion_pipeline`)."""
-    enable = cfg.worker.rollout.diffusion.enable
-    return enable if enable is not None else is_diffusion_pipeline(cfg.worker.actor.model.model_path)
+    `worker.actor.model.model_path` is one (`config.diffusion.diffusion_enabled`)."""
+    return diffusion_enabled(cfg.worker.rollout.diffusion.enable, cfg.worker.actor.model.model_path)

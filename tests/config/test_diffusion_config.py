@@ -58,6 +58,7 @@ def _load(tmp_path: Path, yaml_text: str, overrides: list[str] = (), notes: list
         "worker.rollout.n=2",
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=1",
+        "worker.rollout.name=diffusers",  # a text engine on a pipeline is refused (config.engines)
     ]
     return load_config(path, [*base, *overrides], notes)
 

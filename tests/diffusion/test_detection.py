@@ -1,4 +1,4 @@
-"""`easyrl.config.diffusion.is_diffusion_pipeline` / `is_diffusion_run`: a diffusers folder (its model_index.json) makes
+"""`easyrl.config.diffusion_run.is_diffusion_run`: a diffusers folder (its model_index.json) makes
 a run a diffusion run unless `worker.rollout.diffusion.enable` says otherwise."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from easyrl.config.diffusion import DiffusionConfig, is_diffusion_pipeline
+from easyrl.config.diffusion import DiffusionConfig
 from easyrl.config.diffusion_run import is_diffusion_run
 
 
@@ -16,14 +16,6 @@ def config(model_path: str, enable: bool | None) -> Any:
     rollout = SimpleNamespace(diffusion=DiffusionConfig(enable=enable))
     actor = SimpleNamespace(model=SimpleNamespace(model_path=model_path))
     return SimpleNamespace(worker=SimpleNamespace(rollout=rollout, actor=actor))
-
-
-def test_a_folder_with_model_index_json_is_a_pipeline(tmp_path: Path, tiny_model_dir: str) -> None:
-    (tmp_path / "pipe").mkdir()
-    (tmp_path / "pipe" / "model_index.json").write_text("{}")
-    assert is_diffusion_pipeline(tmp_path / "pipe")
-    assert not is_diffusion_pipeline(tiny_model_dir)  # a transformers model folder
-    assert not is_diffusion_pipeline(tmp_path / "missing") and not is_diffusion_pipeline(None)
 
 
 def test_enable_overrides_the_detection_either_way(tmp_path: Path, tiny_model_dir: str) -> None:
