@@ -15,7 +15,8 @@ One call, for B prompts and ``n`` samples each (N = B * n rows, sample ``j`` of 
   rows are split over engines;
 * the rows carry the trajectory as `latents` (N, T+1, C, h, w: x_T..x_0), `timesteps` and `sigmas` (N, T+1), the
   text features (`prompt_embeds`, `pooled_prompt_embeds`, and their negative twins under guidance), `response_mask`
-  (N, T: the steps this trajectory trains on, `train_timestep_fraction`), `rollout_log_probs` (N, T), and the decoded
+  and `loss_mask` (N, T: the steps this trajectory trains on, `train_timestep_fraction`; the advantages, losses and
+  metrics count them as a text response's tokens), `rollout_log_probs` (N, T), and the decoded
   images under ``images``: a list of H x W x 3 uint8 numpy arrays (one per row; not a tensor, so it stays on the
   driver and never travels to the workers). That is what the reward function is given (`easyrl.diffusion.rewards`).
 
@@ -110,6 +111,8 @@ class DiffusionRolloutEngine(RolloutEngine):
             SIGMAS: sigmas.expand(num_rows, -1).clone(),  # (N, T+1)
             TIMESTEPS: (sigmas * num_train).expand(num_rows, -1).clone(),  # what the denoiser is called with
             "response_mask": mask.to(torch.float32),  # (N, T)
+            # what the advantages, losses and metrics count: the trained steps (as a single-turn text response's tokens)
+            "loss_mask": mask.to(torch.float32),
             "rollout_log_probs": log_probs if params.logprobs else torch.zeros_like(log_probs),
             **{k: v.float().cpu() for k, v in features.items()},
         }

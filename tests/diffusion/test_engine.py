@@ -39,6 +39,7 @@ def test_a_call_records_the_trajectory_of_every_sample(pipeline_path: str) -> No
     assert out["sigmas"][0, 0] == 1.0 and out["sigmas"][0, -1] == 0.0
     assert out["response_mask"].shape == out["rollout_log_probs"].shape == (4, 3)
     assert out["response_mask"].sum(dim=1).tolist() == [2.0] * 4  # 2 of 3 steps per trajectory
+    assert torch.equal(out["loss_mask"], out["response_mask"])
     assert torch.isfinite(out["rollout_log_probs"]).all() and (out["rollout_log_probs"] != 0).all()
     # guidance on (4.5): the unconditional branch's features travel with the rows
     assert out["negative_prompt_embeds"].shape == out["prompt_embeds"].shape
@@ -97,3 +98,19 @@ def test_the_rollout_log_probs_are_what_the_update_scores_for_the_recorded_steps
         )
     trained = out["response_mask"].bool()
     torch.testing.assert_close(scores.log_probs[trained], out["rollout_log_probs"][trained], rtol=1e-5, atol=1e-5)
+
+
+def test_the_reward_gets_each_rows_image_and_columns(pipeline_path: str) -> None:
+    from easyrl.rewards import load_reward_function
+    from easyrl.trainer.reward_inputs import image_reward_inputs, reward_inputs_for
+    from tests.conftest import REPO
+
+    assert reward_inputs_for("diffusion", None, True) is image_reward_inputs
+    out = make_engine(pipeline_path).generate(prompts(["a red image", "a blue image"], [1, 2]), SamplingParams(n=2))
+    out.set(row=[{"id": i // 2} for i in range(4)], raw_prompt=["a red image"] * 2 + ["a blue image"] * 2)
+    out.set(ground_truth=["red", "red", "blue", "blue"])
+    inputs, texts = image_reward_inputs(out)
+    assert [i["id"] for i in inputs] == [0, 0, 1, 1] and texts == [""] * 4
+    assert inputs[2]["image"] is out["images"][2] and inputs[2]["prompt"] == "a blue image"
+    scores = load_reward_function(str(REPO / "reward_functions" / "colour.py")).fn(inputs)
+    assert all(0.0 <= s["overall"] <= 1.0 for s in scores) and len({s["overall"] for s in scores}) == 4
