@@ -155,9 +155,8 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
     caps = engine_capabilities(rollout.name)
     engine = f"the {rollout.name} engine"
     diffusion = is_diffusion_run(cfg)
-    if (
-        diffusion == caps.generates_text
-    ):  # a text engine cannot sample a pipeline, nor an image engine a language model
+    # a text engine cannot sample a pipeline, nor an image engine a language model
+    if diffusion == caps.generates_text:
         raise ConfigError(
             "worker.rollout.name",
             f"{rollout.name}, but {engine} "
@@ -168,6 +167,8 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
                 "model_index.json; worker.rollout.diffusion.enable): use worker.rollout.name=hf or =vllm"
             ),
         )
+    if not caps.generates_text:
+        _check_image_engine(cfg, engine)
     if rollout.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise ConfigError(
             "worker.rollout.tensor_parallel_size",
@@ -197,6 +198,22 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
                 f"{lora.rank}: {engine} serves LoRA ranks up to {caps.max_lora_rank} as adapters; use "
                 "rollout_sync=merged",
             )
+
+
+def _check_image_engine(cfg: EasyRLConfig, engine: str) -> None:
+    """What an image engine's run cannot do: its trajectories are sampled whole by one policy (no carry-over across
+    weight updates, which resumes token responses) and have no turns."""
+    if cfg.trainer.max_staleness > 0:
+        raise ConfigError(
+            "trainer.max_staleness",
+            f"{cfg.trainer.max_staleness}, but {engine} samples every trajectory whole with one policy: diffusion runs "
+            "are synchronous, set it to 0",
+        )
+    if cfg.worker.rollout.multi_turn.enabled:
+        raise ConfigError(
+            "worker.rollout.multi_turn",
+            f"an environment or tools are set, but {engine} samples images, which have no turns: remove them",
+        )
 
 
 def engine_env(name: str, on_gpu: bool) -> dict[str, str]:

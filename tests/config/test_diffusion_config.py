@@ -133,3 +133,26 @@ def test_enable_without_a_pipeline_names_the_model_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"enable: is true but worker.actor.model.model_path .* no model_index.json"):
         check_diffusion(DiffusionConfig(enable=True), str(tmp_path))
     check_diffusion(DiffusionConfig(enable=False, noise_level=0), str(tmp_path))  # not a diffusion run: unchecked
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "trainer.max_staleness=1",
+            "trainer.max_staleness: 1, but the diffusers engine samples every trajectory whole with one policy: "
+            "diffusion runs are synchronous, set it to 0",
+        ),
+        (
+            "worker.rollout.multi_turn.env=env.py:Env",
+            "worker.rollout.multi_turn: an environment or tools are set, but the diffusers engine samples images, "
+            "which have no turns: remove them",
+        ),
+    ],
+)
+def test_what_an_image_engine_cannot_do_is_refused_in_one_line(tmp_path: Path, override: str, line: str) -> None:
+    from easyrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, "{}\n", [override])
+    assert str(err.value) == line
