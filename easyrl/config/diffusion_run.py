@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from easyrl.config.diffusion import diffusion_enabled
@@ -16,3 +17,20 @@ def is_diffusion_run(cfg: EasyRLConfig) -> bool:
     """Whether `cfg` trains a diffusion pipeline: `worker.rollout.diffusion.enable`, or when null whether
     `worker.actor.model.model_path` is one (`config.diffusion.diffusion_enabled`)."""
     return diffusion_enabled(cfg.worker.rollout.diffusion.enable, cfg.worker.actor.model.model_path)
+
+
+PLAIN_PROMPT = "{{ messages[-1]['content'] }}"
+"""The chat template of a diffusion run: the prompt's text alone (after `data.format_prompt`), as the pipeline encodes
+it; a text-to-image model has no conversation format."""
+
+
+def apply_diffusion_defaults(cfg: EasyRLConfig) -> None:
+    """A diffusion run's text side, where the config leaves it null: the pipeline's own tokenizer (its ``tokenizer``
+    folder; the data section counts `data.max_prompt_length` in its tokens) and `PLAIN_PROMPT` as the chat template."""
+    if not is_diffusion_run(cfg):
+        return
+    model = cfg.worker.actor.model
+    if model.tokenizer_path is None and model.model_path:
+        model.tokenizer_path = os.path.join(model.model_path, "tokenizer")
+    if cfg.data.override_chat_template is None:
+        cfg.data.override_chat_template = PLAIN_PROMPT

@@ -349,6 +349,8 @@ def _type_message(exc: OmegaConfBaseException) -> str:
 
 def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     """Make local paths absolute (Ray workers may run elsewhere); `path@split` keeps its suffix."""
+    from easyrl.config.diffusion_run import apply_diffusion_defaults
+
     del base_dir  # paths are relative to the working directory, as in EasyR1
 
     def absolute(p: str | None) -> str | None:
@@ -359,6 +361,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
         model.tokenizer_path = absolute(model.tokenizer_path)
     if cfg.worker.critic.model.model_path is None:
         cfg.worker.critic.model.model_path = cfg.worker.actor.model.model_path
+    apply_diffusion_defaults(cfg)  # a pipeline's tokenizer is in its `tokenizer` folder, and its prompts plain text
     if cfg.worker.actor.model.tokenizer_path is None:
         cfg.worker.actor.model.tokenizer_path = cfg.worker.actor.model.model_path
     if cfg.worker.critic.model.tokenizer_path is None:

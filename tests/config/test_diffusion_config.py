@@ -156,3 +156,14 @@ def test_what_an_image_engine_cannot_do_is_refused_in_one_line(tmp_path: Path, o
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, "{}\n", [override])
     assert str(err.value) == line
+
+
+def test_a_pipelines_prompts_are_its_plain_text_tokenized_by_its_own_tokenizer(tmp_path: Path) -> None:
+    from easyrl.trainer.worker_groups import build_data
+
+    cfg = _load(tmp_path, "{}\n")
+    assert cfg.worker.actor.model.tokenizer_path == f"{cfg.worker.actor.model.model_path}/tokenizer"
+    tokenizer, train, _, _ = build_data(cfg)
+    row = train[0]
+    assert row["raw_prompt"] == "a red square" and type(tokenizer).__name__.startswith("CLIPTokenizer")
+    assert tokenizer.decode(row["prompt_ids"]).replace(" ", "").startswith("aredsquare")
