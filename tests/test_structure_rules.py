@@ -295,3 +295,20 @@ def test_only_the_diffusion_room_and_the_config_import_diffusers() -> None:
     ]
     assert not offenders, "\n".join(offenders) + ": move that code into easyrl/diffusion/"
     assert "diffusers" in _imported_roots("easyrl.diffusion.engine")  # the rule sees the imports it looks for
+
+
+def test_the_loop_never_branches_on_diffusion() -> None:
+    """Issue 48: a diffusion run goes through the same `fit()`; where it differs, an object the plan picked does
+    (`trainer.reward_inputs`), so the trainer never names diffusion nor compares the plan's modality itself."""
+    source = MODULES["easyrl.trainer.trainer"].read_text(encoding="utf-8")
+    assert "diffusion" not in source.lower(), (
+        "easyrl/trainer/trainer.py names diffusion: put the difference behind a seam"
+    )
+    tree = ast.parse(source)
+    compared = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Compare)
+        and any(isinstance(x, ast.Attribute) and x.attr == "modality" for x in [n.left, *n.comparators])
+    ]
+    assert not compared, f"easyrl/trainer/trainer.py compares plan.modality at lines {compared}"
