@@ -33,3 +33,9 @@ def test_an_unknown_colour_or_a_non_image_is_one_line_naming_it() -> None:
         fn.fn([{"image": image((1, 2, 3)), "ground_truth": "purple"}])
     with pytest.raises(ValueError, match=r"expected an H x W x 3 image, got shape \(4, 4\)"):
         fn.fn([{"image": np.zeros((4, 4), dtype=np.uint8), "ground_truth": "red"}])
+
+
+def test_brightness_is_the_mean_pixel() -> None:
+    fn = load_reward_function(str(ROOT / "reward_functions" / "colour.py") + ":brightness")
+    scores = fn.fn([{"image": image((255, 0, 0))}, {"image": image((51, 51, 51))}])
+    assert scores == [pytest.approx({"overall": 1 / 3}), pytest.approx({"overall": 0.2})]
