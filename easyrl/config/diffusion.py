@@ -140,7 +140,7 @@ def diffusion_enabled(enable: bool | None, model_path: str | None) -> bool:
     return enable if enable is not None else is_diffusion_pipeline(model_path)
 
 
-def _json(path: str) -> dict[str, object]:
+def read_config_json(path: str) -> dict[str, object]:
     import json
 
     with open(path, encoding="utf-8") as fh:
@@ -154,11 +154,11 @@ def pipeline_geometry(path: str) -> tuple[str, int, int | None, int]:
     patch size) of the diffusers folder at `path`, read from its configs the way diffusers' pipelines read them."""
     import os
 
-    name = str(_json(os.path.join(path, "model_index.json")).get("_class_name", ""))
+    name = str(read_config_json(os.path.join(path, "model_index.json")).get("_class_name", ""))
     vae_file = os.path.join(path, "vae", "config.json")
-    vae = _json(vae_file) if os.path.isfile(vae_file) else {}
+    vae = read_config_json(vae_file) if os.path.isfile(vae_file) else {}
     tr_file = os.path.join(path, "transformer", "config.json")
-    patch_cfg = _json(tr_file).get("patch_size", 2) if os.path.isfile(tr_file) else 2
+    patch_cfg = read_config_json(tr_file).get("patch_size", 2) if os.path.isfile(tr_file) else 2
     # Wan's patch is (frames, height, width); SD3's one int for both sides.
     patch = int(patch_cfg[-1]) if isinstance(patch_cfg, list) else int(str(patch_cfg))
     if "scale_factor_spatial" in vae:  # a video VAE (Wan): its scale factors are in its config
