@@ -51,7 +51,7 @@ def is_diffusion_pipeline(path: str | None) -> bool:
         return False
     if os.path.isdir(path):
         return os.path.isfile(os.path.join(path, "model_index.json"))
-    from easyrl.config.hub import hub_cache_dir, is_hub_id
+    from easyrl.config.hub_paths import hub_cache_dir, is_hub_id
 
     if not is_hub_id(path):
         return False
