@@ -100,6 +100,18 @@ LONGRL_BUILT_IN = {
 }
 
 
+def _sets_size(flat: dict[str, object]) -> bool:
+    return any(f"{section}.{side}" in flat for section in ("worker.rollout", KEY) for side in ("height", "width"))
+
+
+# Long-RL keys its diffusion configs carry that easyrl derives elsewhere: accepted, ignored, and reported.
+LONGRL_IGNORED = {
+    "worker.actor.scheduler": "the scheduler comes from the pipeline folder",
+    "worker.ref.scheduler": "the scheduler comes from the pipeline folder",
+    "worker.ref.ulysses_size": "the reference follows worker.actor.ulysses_size",
+}
+
+
 def translate_longrl_keys(flat: dict[str, object], notes: list[str]) -> dict[str, object]:
     """`flat` (dotted keys -> values, as the user wrote them) with Long-RL's diffusion keys translated onto
     ``worker.rollout.diffusion.*``; each translation is noted, a key with no equivalent raises `ConfigError`."""
@@ -118,14 +130,17 @@ def translate_longrl_keys(flat: dict[str, object], notes: list[str]) -> dict[str
     for key, value in flat.items():
         if key in flags:
             continue
-        if key in LONGRL_RENAMES:
+        if key == "worker.rollout.resolution" and _sets_size(flat):
+            # Long-RL's video sampler reads height and width and leaves `resolution` (an image key) at its default
+            notes.append(f"{key} is Long-RL's image size; the config sets height and width, which win; ignored")
+        elif key in LONGRL_RENAMES:
             for new in LONGRL_RENAMES[key]:
                 if out.get(new, value) != value or flat.get(new, value) != value:
                     raise ConfigError(key, f"is Long-RL's name for {new}, which is set to another value: keep one")
                 out[new] = value
             notes.append(f"{key} is Long-RL's name for {' and '.join(LONGRL_RENAMES[key])}; using it")
-        elif key in ("worker.actor.scheduler", "worker.ref.scheduler"):
-            notes.append(f"{key} is a Long-RL key: the scheduler comes from the pipeline folder; ignored")
+        elif key in LONGRL_IGNORED:
+            notes.append(f"{key} is a Long-RL key: {LONGRL_IGNORED[key]}; ignored")
         elif key in LONGRL_BUILT_IN and value == LONGRL_BUILT_IN[key][0]:
             notes.append(f"{key}={value} is Long-RL's; a diffusion run's KL is the closed-form Gaussian one; ignored")
         elif key in LONGRL_BUILT_IN and LONGRL_BUILT_IN[key][1]:
