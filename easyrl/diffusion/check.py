@@ -35,7 +35,8 @@ def first_prompt(cfg: EasyRLConfig) -> tuple[dict[str, Any], str]:
 
 
 def sample_for_check(cfg: EasyRLConfig, prompt: str) -> Any:
-    """One sample of `prompt` from the pipeline at the config's size: a float tensor (F, 3, H, W) in [0, 1]."""
+    """One sample of `prompt` from the pipeline at the config's size: its frames, F x H x W x 3 uint8 RGB (F = 1 for
+    an image pipeline)."""
     import torch
     from diffusers import DiffusionPipeline
 
@@ -52,9 +53,9 @@ def sample_for_check(cfg: EasyRLConfig, prompt: str) -> Any:
         generator=torch.Generator().manual_seed(cfg.data.seed),
         **kwargs,
     )
-    images = out.frames if hasattr(out, "frames") else out.images
-    images = torch.as_tensor(images)[0]
-    return images.unsqueeze(0) if images.ndim == 3 else images  # an image is one frame
+    images = torch.as_tensor(out.frames if hasattr(out, "frames") else out.images)[0].float()
+    frames = images.unsqueeze(0) if images.ndim == 3 else images  # (F, 3, H, W) in [0, 1]: an image is one frame
+    return (frames.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def diffusion_plan_lines_of(cfg: EasyRLConfig) -> list[str]:
@@ -92,8 +93,11 @@ def run_diffusion_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) 
     print(prompt, file=out)
     print("== reward function", file=out)
     images = sample_for_check(cfg, prompt)
-    sample = {**row, "prompt": prompt, "images": images, "response": "", "response_length": 0}
-    sample["ground_truth"] = row.get(cfg.data.answer_key)
+    # The trainer's diffusion reward inputs (docs/diffusion.md): the row, `prompt`, `ground_truth`, `image` (H x W x 3
+    # uint8) and, from a video pipeline, `video` (F x H x W x 3).
+    sample = {**row, "prompt": prompt, "image": images[0], "ground_truth": row.get(cfg.data.answer_key)}
+    if images.shape[0] > 1:
+        sample["video"] = images
     try:
         with RewardManager(cfg.worker.reward) as manager:
             scores, _ = manager.score([sample])

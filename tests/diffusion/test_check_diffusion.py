@@ -41,7 +41,7 @@ def test_check_scores_one_sampled_image_and_plans_the_denoiser(tmp_path: Path) -
     assert code == 0, text
     import ast
 
-    line = next(x for x in text.splitlines() if "on one sample (1x3x32x32, 2 steps)" in x)
+    line = next(x for x in text.splitlines() if "on one sample (1x32x32x3, 2 steps)" in x)
     scores = ast.literal_eval(line.split(": ", 1)[1])  # the printed dict of scores
     assert 0 < scores["overall"] < 1 and scores["named"] == 1.0
     assert "actor: the denoiser (every weight) under FSDP2 on 1 cpu worker(s)" in text
@@ -49,9 +49,9 @@ def test_check_scores_one_sampled_image_and_plans_the_denoiser(tmp_path: Path) -
 
 
 def test_a_reward_that_cannot_read_images_is_one_line(tmp_path: Path) -> None:
-    reward = tmp_path / "wrong_key.py"  # written for another contract: a PIL image under `image`
+    reward = tmp_path / "wrong_key.py"  # written for another contract: a tensor under `images`
     reward.write_text(
-        "def compute_score(items):\n    return [{'overall': float(i['image'].size[0])} for i in items]\n"
+        "def compute_score(items):\n    return [{'overall': float(i['images'].mean())} for i in items]\n"
     )
     code, text = _run(_tiny_config(tmp_path, f"{reward}:compute_score"))
     assert code == 2 and "easyrl: reward error:" in text, text
