@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.diffusion.memory import is_diffusion_run
 from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.plan import RunPlan, plan_of
 from easyrl.trainer.role_specs import cpu_threads
@@ -336,6 +337,10 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     the memory plan of one GPU of `gpu_memory_gib` GiB when given, else of this machine's GPU if it has one)."""
     from easyrl.trainer.worker_groups import build_data
 
+    if is_diffusion_run(cfg):  # a pipeline: its own prompt, sample, reward call and plans
+        from easyrl.diffusion.check import run_diffusion_check
+
+        return run_diffusion_check(cfg, gpu_memory_gib)
     out = sys.stdout
     problem = rollout_problem(cfg)
     if problem is not None:

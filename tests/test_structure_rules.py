@@ -312,3 +312,30 @@ def test_the_loop_never_branches_on_diffusion() -> None:
         and any(isinstance(x, ast.Attribute) and x.attr == "modality" for x in [n.left, *n.comparators])
     ]
     assert not compared, f"easyrl/trainer/trainer.py compares plan.modality at lines {compared}"
+
+
+def test_every_diffusion_recipe_is_planned_in_a_test_and_documented() -> None:
+    """Issue 48 item 4: each `configs/diffusion/*.yaml` has its memory plan checked offline (a row of
+    tests/diffusion/test_check_diffusion.py's RECIPE_PLANS) and a row in docs/diffusion.md's recipe table."""
+    from tests.conftest import REPO
+    from tests.diffusion.test_check_diffusion import RECIPE_PLANS
+
+    planned = {row[0] for row in RECIPE_PLANS}
+    docs = (REPO / "docs" / "diffusion.md").read_text()
+    configs = sorted((REPO / "configs" / "diffusion").glob("*.yaml"))
+    assert configs
+    for config in configs:
+        assert config.stem in planned, f"no memory-plan test for configs/diffusion/{config.name}"
+        assert f"`configs/diffusion/{config.name}`" in docs, f"docs/diffusion.md lacks configs/diffusion/{config.name}"
+
+
+def test_diffusion_config_module_imports_only_the_standard_library_at_load() -> None:
+    """Loading a config must not import torch or diffusers: easyrl/config/diffusion.py imports them (and the hub
+    helpers) inside the functions that need them."""
+    from tests.conftest import REPO
+
+    tree = ast.parse((REPO / "easyrl" / "config" / "diffusion.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert all(name.split(".")[0] in {"__future__", "dataclasses"} for name in names), names

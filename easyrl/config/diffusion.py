@@ -51,7 +51,7 @@ def is_diffusion_pipeline(path: str | None) -> bool:
         return False
     if os.path.isdir(path):
         return os.path.isfile(os.path.join(path, "model_index.json"))
-    from easyrl.config.hub import hub_cache_dir, is_hub_id
+    from easyrl.config.hub_paths import hub_cache_dir, is_hub_id
 
     if not is_hub_id(path):
         return False
@@ -100,6 +100,18 @@ LONGRL_BUILT_IN = {
 }
 
 
+def _sets_size(flat: dict[str, object]) -> bool:
+    return any(f"{section}.{side}" in flat for section in ("worker.rollout", KEY) for side in ("height", "width"))
+
+
+# Long-RL keys its diffusion configs carry that easyrl derives elsewhere: accepted, ignored, and reported.
+LONGRL_IGNORED = {
+    "worker.actor.scheduler": "the scheduler comes from the pipeline folder",
+    "worker.ref.scheduler": "the scheduler comes from the pipeline folder",
+    "worker.ref.ulysses_size": "the reference follows worker.actor.ulysses_size",
+}
+
+
 def translate_longrl_keys(flat: dict[str, object], notes: list[str]) -> dict[str, object]:
     """`flat` (dotted keys -> values, as the user wrote them) with Long-RL's diffusion keys translated onto
     ``worker.rollout.diffusion.*``; each translation is noted, a key with no equivalent raises `ConfigError`."""
@@ -118,14 +130,17 @@ def translate_longrl_keys(flat: dict[str, object], notes: list[str]) -> dict[str
     for key, value in flat.items():
         if key in flags:
             continue
-        if key in LONGRL_RENAMES:
+        if key == "worker.rollout.resolution" and _sets_size(flat):
+            # Long-RL's video sampler reads height and width and leaves `resolution` (an image key) at its default
+            notes.append(f"{key} is Long-RL's image size; the config sets height and width, which win; ignored")
+        elif key in LONGRL_RENAMES:
             for new in LONGRL_RENAMES[key]:
                 if out.get(new, value) != value or flat.get(new, value) != value:
                     raise ConfigError(key, f"is Long-RL's name for {new}, which is set to another value: keep one")
                 out[new] = value
             notes.append(f"{key} is Long-RL's name for {' and '.join(LONGRL_RENAMES[key])}; using it")
-        elif key in ("worker.actor.scheduler", "worker.ref.scheduler"):
-            notes.append(f"{key} is a Long-RL key: the scheduler comes from the pipeline folder; ignored")
+        elif key in LONGRL_IGNORED:
+            notes.append(f"{key} is a Long-RL key: {LONGRL_IGNORED[key]}; ignored")
         elif key in LONGRL_BUILT_IN and value == LONGRL_BUILT_IN[key][0]:
             notes.append(f"{key}={value} is Long-RL's; a diffusion run's KL is the closed-form Gaussian one; ignored")
         elif key in LONGRL_BUILT_IN and LONGRL_BUILT_IN[key][1]:
@@ -140,7 +155,7 @@ def diffusion_enabled(enable: bool | None, model_path: str | None) -> bool:
     return enable if enable is not None else is_diffusion_pipeline(model_path)
 
 
-def _json(path: str) -> dict[str, object]:
+def read_config_json(path: str) -> dict[str, object]:
     import json
 
     with open(path, encoding="utf-8") as fh:
@@ -154,11 +169,11 @@ def pipeline_geometry(path: str) -> tuple[str, int, int | None, int]:
     patch size) of the diffusers folder at `path`, read from its configs the way diffusers' pipelines read them."""
     import os
 
-    name = str(_json(os.path.join(path, "model_index.json")).get("_class_name", ""))
+    name = str(read_config_json(os.path.join(path, "model_index.json")).get("_class_name", ""))
     vae_file = os.path.join(path, "vae", "config.json")
-    vae = _json(vae_file) if os.path.isfile(vae_file) else {}
+    vae = read_config_json(vae_file) if os.path.isfile(vae_file) else {}
     tr_file = os.path.join(path, "transformer", "config.json")
-    patch_cfg = _json(tr_file).get("patch_size", 2) if os.path.isfile(tr_file) else 2
+    patch_cfg = read_config_json(tr_file).get("patch_size", 2) if os.path.isfile(tr_file) else 2
     # Wan's patch is (frames, height, width); SD3's one int for both sides.
     patch = int(patch_cfg[-1]) if isinstance(patch_cfg, list) else int(str(patch_cfg))
     if "scale_factor_spatial" in vae:  # a video VAE (Wan): its scale factors are in its config

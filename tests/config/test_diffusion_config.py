@@ -68,7 +68,7 @@ data: {diffusion: true}
 algorithm: {kl_penalty: flow_grpo}
 worker:
   actor: {diffusion: true, guidance_scale: 2.0, kl_penalty: flow_grpo, scheduler: some/pipe}
-  ref: {diffusion: true, guidance_scale: 2.0, scheduler: some/pipe}
+  ref: {diffusion: true, guidance_scale: 2.0, scheduler: some/pipe, ulysses_size: 1}
   rollout: {diffusion: true, guidance_scale: 2.0, resolution: 64, num_steps: 3, kl_reward: 0.0}
   reward: {diffusion: true}
 trainer: {diffusion: true}
@@ -83,6 +83,14 @@ def test_long_rl_diffusion_keys_are_translated_with_a_note(tmp_path: Path) -> No
     assert cfg.algorithm.kl_penalty == "kl"  # the diffusion KL is the closed-form Gaussian one
     assert any("worker.rollout.resolution is Long-RL's name for" in n for n in notes), notes
     assert any("trainer.diffusion" in n and "enable=True" in n for n in notes), notes
+
+
+def test_long_rl_video_configs_keep_height_and_width_over_resolution(tmp_path: Path) -> None:
+    # Long-RL's video config sets height/width for its sampler and leaves `resolution` (the image key) at 768
+    notes: list[str] = []
+    cfg = _load(tmp_path, "worker: {rollout: {diffusion: true, resolution: 768, height: 32, width: 40}}", notes=notes)
+    assert (cfg.worker.rollout.diffusion.height, cfg.worker.rollout.diffusion.width) == (32, 40)
+    assert any("worker.rollout.resolution is Long-RL's image size" in n for n in notes), notes
 
 
 @pytest.mark.parametrize(
