@@ -25,10 +25,16 @@ it; a text-to-image model has no conversation format."""
 
 
 def apply_diffusion_defaults(cfg: EasyRLConfig) -> None:
-    """A diffusion run's text side, where the config leaves it null: the pipeline's own tokenizer (its ``tokenizer``
-    folder; the data section counts `data.max_prompt_length` in its tokens) and `PLAIN_PROMPT` as the chat template."""
+    """A diffusion run's defaults: the `diffusers` engine where `worker.rollout.name` is left at its (text) default;
+    and where the config leaves them null, the pipeline's own tokenizer (its ``tokenizer`` folder; the data section
+    counts `data.max_prompt_length` in its tokens) and `PLAIN_PROMPT` as the chat template. Another text engine named
+    explicitly is refused by `config.engines.check_engine_capabilities`."""
+    from easyrl.config.worker import RolloutConfig
+
     if not is_diffusion_run(cfg):
         return
+    if cfg.worker.rollout.name == RolloutConfig.name:
+        cfg.worker.rollout.name = "diffusers"
     model = cfg.worker.actor.model
     if model.tokenizer_path is None and model.model_path:
         model.tokenizer_path = os.path.join(model.model_path, "tokenizer")

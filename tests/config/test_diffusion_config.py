@@ -58,7 +58,6 @@ def _load(tmp_path: Path, yaml_text: str, overrides: list[str] = (), notes: list
         "worker.rollout.n=2",
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=1",
-        "worker.rollout.name=diffusers",  # a text engine on a pipeline is refused (config.engines)
     ]
     return load_config(path, [*base, *overrides], notes)
 
@@ -167,10 +166,15 @@ def test_what_an_image_engine_cannot_do_is_refused_in_one_line(tmp_path: Path, o
 
 
 def test_a_pipelines_prompts_are_its_plain_text_tokenized_by_its_own_tokenizer(tmp_path: Path) -> None:
+    from easyrl.config import ConfigError
     from easyrl.trainer.worker_groups import build_data
 
     cfg = _load(tmp_path, "{}\n")
     assert cfg.worker.actor.model.tokenizer_path == f"{cfg.worker.actor.model.model_path}/tokenizer"
+    # the default engine (vllm) becomes diffusers; an explicit other text engine is refused (tests/config)
+    assert _load(tmp_path, "{}\n", ["worker.rollout.name=vllm"]).worker.rollout.name == "diffusers"
+    with pytest.raises(ConfigError, match=r"worker\.rollout\.name: hf, but the hf engine samples text"):
+        _load(tmp_path, "{}\n", ["worker.rollout.name=hf"])
     tokenizer, train, _, _ = build_data(cfg)
     row = train[0]
     assert row["raw_prompt"] == "a red square" and type(tokenizer).__name__.startswith("CLIPTokenizer")
