@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +126,7 @@ class DenoiserModel(TrainableModel):
 
             apply_lora(model, spec.model.lora)
         if spec.trainable and spec.model.enable_gradient_checkpointing:
-            enable = model.enable_gradient_checkpointing  # diffusers' (non-reentrant) checkpointing
+            enable: Any = model.enable_gradient_checkpointing  # diffusers' own: non-reentrant
             enable()
         # One FSDP unit per transformer block (diffusers' `_no_split_modules`), then the root.
         self.module = shard_model(model, spec.fsdp, device, gradient_checkpointing=False)
