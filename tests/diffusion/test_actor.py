@@ -1,6 +1,7 @@
 """`easyrl.diffusion.actor`: one Flow-GRPO update of the tiny SD3 transformer gives the same weights and loss
 figures at 1 rank and at 2 ranks (FSDP2 over gloo, different micro-batches); under LoRA only the adapters train and
-the reference (adapters off) gives the base model's log-probs; a checkpoint round-trips the trained weights."""
+the reference (adapters off) gives the base model's log-probs; an adapters-only checkpoint restores the trained
+policy in a fresh worker."""
 
 from __future__ import annotations
 
@@ -61,7 +62,13 @@ def _worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, lora: in
     if lora:  # after the update: the reference must still be the base, the policy not
         result["ref"] = worker.compute_ref_log_probs(mine.select(*_SCORED))
         result["old"] = worker.compute_log_probs(mine.select(*_SCORED))
-    worker.save_checkpoint(str(Path(out).parent / f"ckpt{world}"))
+    folder = str(Path(out).parent / f"ckpt{world}_{lora}")
+    worker.save_checkpoint(folder)
+    if lora:  # a fresh worker restores the trained adapters from the (adapters-only) checkpoint
+        fresh = DenoiserActorWorker(_spec(pipe, world, micro, lora))
+        fresh.init_model()
+        fresh.load_checkpoint(folder)
+        result["restored"] = fresh.full_weights()
     if rank == 0:
         torch.save(result, out)
 
@@ -112,7 +119,9 @@ def test_one_update_is_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any)
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-5, abs=1e-7), key
     assert one["metrics"]["actor/grad_norm"] > 0
     # The checkpoint's transformer config names the model class, not FSDP's wrapper.
-    assert '"_class_name": "SD3Transformer2DModel"' in (tmp_path / "ckpt1" / "huggingface" / "config.json").read_text()
+    assert (
+        '"_class_name": "SD3Transformer2DModel"' in (tmp_path / "ckpt1_0" / "huggingface" / "config.json").read_text()
+    )
 
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path: Path, setup: Any) -> None:
@@ -124,6 +133,7 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path: Path,
     adapted = {n.split(".lora_")[0] + ".weight" for n in out["trainable"]}
     assert any(not torch.equal(weights[n], base_sd[n]) for n in adapted)
     assert all(torch.equal(weights[n], base_sd[n]) for n in weights if n not in adapted)
+    assert all(torch.equal(out["restored"][n], w) for n, w in weights.items())
     mask = batch["response_mask"] > 0
     assert torch.allclose(out["ref"]["ref_log_probs"][mask], batch["ref_log_probs"][mask], atol=1e-5)
     assert torch.allclose(out["ref"]["ref_means"], batch["ref_means"], atol=1e-5)
