@@ -339,3 +339,43 @@ def test_diffusion_config_module_imports_only_the_standard_library_at_load() -> 
     names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
     assert all(name.split(".")[0] in {"__future__", "dataclasses"} for name in names), names
+
+
+DIFFUSION_CONTRACT = ("easyrl.algorithms.flow_grpo", "easyrl.diffusion.policy", "easyrl.diffusion.actor")
+"""Issue 48's modules other helpers build on: their public names are a contract, listed where a reader looks first."""
+
+
+def test_diffusion_modules_list_their_public_names_in_the_docstring() -> None:
+    for module in DIFFUSION_CONTRACT:
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree) or ""
+        exported = next(
+            ast.literal_eval(n.value)
+            for n in tree.body
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+        )
+        missing = [name for name in exported if f"`{name}`" not in doc]
+        assert not missing, f"{module}: list {missing} in the module docstring's public names (or drop from __all__)"
+
+
+def test_flow_grpo_math_imports_torch_and_the_standard_library_only() -> None:
+    """The algorithm is pure tensor functions: no workers, no diffusers, no batch."""
+    import sys
+
+    tree = ast.parse(MODULES["easyrl.algorithms.flow_grpo"].read_text(encoding="utf-8"))
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots - {"__future__", "torch"} <= set(sys.stdlib_module_names), roots
+
+
+def test_the_denoiser_trains_in_the_llm_update_loop() -> None:
+    """No second optimizer loop: the denoiser's policy and workers never step an optimizer or call backward
+    themselves; the actor's update goes through `easyrl.workers.forward_backward.update_model`."""
+    calls = [
+        f"{m}:{n.lineno}"
+        for m in ("easyrl.diffusion.policy", "easyrl.diffusion.actor")
+        for n in ast.walk(ast.parse(MODULES[m].read_text(encoding="utf-8")))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("backward", "step")
+    ]
+    assert not calls, "train through easyrl.workers.forward_backward.update_model:\n" + "\n".join(calls)
+    assert "update_model" in MODULES["easyrl.diffusion.actor"].read_text(encoding="utf-8")

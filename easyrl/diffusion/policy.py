@@ -126,6 +126,7 @@ def transition_log_probs(
     guidance_scale: float,
     noise_level: float,
     steps_mask: torch.Tensor | None = None,
+    min_forwards: int = 0,
 ) -> TransitionScores:
     """Score the batch's recorded transitions under ``transformer``'s current weights.
 
@@ -136,6 +137,8 @@ def transition_log_probs(
         guidance_scale: classifier-free guidance, as sampled.
         noise_level: the SDE's noise scale, as sampled.
         steps_mask: (B, T) the steps to run (``response_mask``); None: all T.
+        min_forwards: run at least this many forwards (filler steps, dropped): FSDP ranks must run the same number,
+            so a sharded caller passes the most trained steps of any row on any rank.
 
     Returns:
         `TransitionScores`, with the autograd graph when called with gradients on.
@@ -149,6 +152,11 @@ def transition_log_probs(
     means = latents.new_zeros(latents.shape[0], t, *latents.shape[2:], dtype=torch.float32)
     stds = latents.new_zeros(b, t, dtype=torch.float32)
     order, valid = trained_step_order(mask)
+    if order.shape[1] < min_forwards:
+        # Fillers (min_forwards <= T): any steps, untrained ones first; they run and are never kept.
+        fill = torch.argsort((mask > 0).to(torch.int8), dim=1, stable=True)[:, : min_forwards - order.shape[1]]
+        order = torch.cat([order, fill], dim=1)
+        valid = torch.cat([valid, torch.zeros_like(fill, dtype=torch.bool)], dim=1)
     for k in range(order.shape[1]):
         step = order[:, k]  # (B,) each row's k-th trained step
         velocity = denoiser_velocity(transformer, latents[rows, step], timesteps[rows, step], text, guidance_scale)

@@ -48,11 +48,13 @@ def sample_trajectories(
         x, lp, _, _ = sde_step(velocity, x, sigmas[t], sigmas[t + 1], noise_level, generator=gen)
         latents.append(x)
         log_probs.append(lp)
+    mask = train_steps_mask(rows, num_steps, fraction, seed)
     return {
         LATENTS: torch.stack(latents, dim=1),
         SIGMAS: sigmas.expand(rows, -1).clone(),
         TIMESTEPS: (sigmas * 1000.0).expand(rows, -1).clone(),
         **text,
         "rollout_log_probs": torch.stack(log_probs, dim=1),
-        "response_mask": train_steps_mask(rows, num_steps, fraction, seed),
+        "response_mask": mask,
+        "loss_mask": mask.clone(),
     }
