@@ -38,7 +38,7 @@ import torch
 from easyrl import lora_merge
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
+from easyrl.checkpoint.manager import MANIFEST, read_run_config, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR, MERGE_MARKER
 from easyrl.diffusion.merge import merge_pipeline, pipeline_source
@@ -133,7 +133,7 @@ def merge_checkpoint(
     out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
     check_output(out, step_folder, role_folder, overwrite)
     lora = lora_merge.adapter_info(role_folder)
-    pipeline = pipeline_source(role_folder, base_model, lora)
+    pipeline = pipeline_source(role_folder, base_model, lora, read_run_config(step_folder))
     if pipeline is not None:  # a denoiser's checkpoint: the output is a diffusers pipeline folder
         if adapter_only:
             raise CheckpointError("--adapter-only: a diffusion checkpoint is merged into its pipeline folder only")

@@ -49,15 +49,20 @@ def write_pipeline_files(
     )
 
 
-def pipeline_source(role_folder: str, base_model: str | None, lora: dict | None) -> tuple[str, str] | None:
-    """(base pipeline folder, trained component) when `role_folder` holds a denoiser, else None (an LLM's)."""
+def pipeline_source(
+    role_folder: str, base_model: str | None, lora: dict | None, run_config: dict | None = None
+) -> tuple[str, str] | None:
+    """(base pipeline folder, trained component) when `role_folder` holds a denoiser, else None (an LLM's). The base
+    is, first found: `base_model`, the LoRA record's, `PIPELINE_FILE`'s, the run config's actor model path."""
     from easyrl.config.diffusion import is_diffusion_pipeline
 
     path = os.path.join(role_folder, HF_DIR, PIPELINE_FILE)
     info = fsio.read_json(path) if os.path.isfile(path) else {}
     if not isinstance(info, dict):
         raise CheckpointError(f"{path} does not hold a mapping")
-    base = base_model or (lora or {}).get("base_model") or info.get("base_pipeline")
+    actor = ((run_config or {}).get("worker") or {}).get("actor") or {}
+    from_run = (actor.get("model") or {}).get("model_path")
+    base = base_model or (lora or {}).get("base_model") or info.get("base_pipeline") or from_run
     if not info and not (base and is_diffusion_pipeline(str(base))):
         return None
     if not base or not is_diffusion_pipeline(str(base)):

@@ -13,7 +13,7 @@ from torch import nn
 
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import CheckpointManager
+from easyrl.checkpoint.manager import RUN_CONFIG, CheckpointManager
 from easyrl.checkpoint.worker import HF_DIR, LORA_FILE, save_worker_state
 from easyrl.diffusion.merge import write_pipeline_files
 from easyrl.diffusion.tiny import build_tiny_sd3_pipeline
@@ -26,14 +26,17 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_sd3_pipeline(tmp_path_factory.mktemp("base") / "sd3", seed=5))
 
 
-def _save(run: Path, transformer: nn.Module, base: str, lora: dict | None = None) -> Path:
+def _save(run: Path, transformer: nn.Module, base: str, lora: dict | None = None, side_files: bool = True) -> Path:
     """One actor checkpoint of `transformer`, written as the actor writes it (rank 0 of 1) and sealed by the
     manager."""
     manager = CheckpointManager(str(run))
     tmp = manager.begin(1)
     role = os.path.join(tmp, "actor")
     save_worker_state(role, transformer, None, None, rank=0, world=1, trainable_only=lora is not None)
-    write_pipeline_files(os.path.join(role, HF_DIR), transformer, base)
+    if side_files:
+        write_pipeline_files(os.path.join(role, HF_DIR), transformer, base)
+    else:  # a checkpoint without pipeline.json: the run's saved config names the pipeline
+        fsio.write_json(os.path.join(tmp, RUN_CONFIG), {"worker": {"actor": {"model": {"model_path": base}}}})
     if lora is not None:
         fsio.write_json(os.path.join(role, LORA_FILE), lora)
     return Path(manager.commit(tmp, 1))
@@ -94,3 +97,13 @@ def test_a_missing_base_pipeline_is_one_line(base: str, tmp_path: Path, caplog: 
     assert "has no model_index.json: pass the pipeline folder with --base-model" in caplog.text
     with pytest.raises(CheckpointError, match="--adapter-only: a diffusion checkpoint"):
         merge_checkpoint(str(step), str(tmp_path / "m"), adapter_only=True)
+
+
+def test_a_checkpoint_without_side_files_finds_its_pipeline_in_the_run_config(base: str, tmp_path: Path) -> None:
+    transformer = _load_transformer(base)
+    with torch.no_grad():
+        next(transformer.parameters()).add_(1.0)
+    step = _save(tmp_path / "run", transformer, base, side_files=False)
+    merged = DiffusionPipeline.from_pretrained(merge_checkpoint(str(step), str(tmp_path / "merged")))
+    want = transformer.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in merged.transformer.state_dict().items())
