@@ -118,8 +118,10 @@ def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
 
 def family_warning(cfg: EasyRLConfig) -> str | None:
     """The warning for a model whose `model_type` has no family profile (`easyrl.models.family`; the config check
-    found its config.json)."""
+    found its config.json); none for a diffusers pipeline folder (no LLM family, no root config.json)."""
     config_json = Path(cfg.worker.actor.model.model_path or "") / "config.json"
+    if not config_json.is_file() and (config_json.parent / "model_index.json").is_file():
+        return None
     return unlisted_family_warning(str(json.loads(config_json.read_text()).get("model_type")))
 
 

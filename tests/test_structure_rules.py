@@ -314,6 +314,35 @@ def test_the_loop_never_branches_on_diffusion() -> None:
     assert not compared, f"easyrl/trainer/trainer.py compares plan.modality at lines {compared}"
 
 
+def test_the_roles_of_each_modality_come_from_one_table() -> None:
+    """Issue 48: which specs and worker classes a run starts follows `RunPlan.modality` through two tables
+    (`role_specs.ROLE_SPECS`, `worker_groups.ROLE_CLASSES`) that cover every modality, and the wiring around them
+    never compares the modality itself."""
+    from typing import get_args
+
+    from easyrl.trainer.plan import Modality
+    from easyrl.trainer.role_specs import ROLE_SPECS
+    from easyrl.trainer.worker_groups import ROLE_CLASSES, role_classes
+
+    assert set(ROLE_SPECS) == set(ROLE_CLASSES) == set(get_args(Modality))
+    for modality in ROLE_CLASSES:  # every path imports to a worker class with the actor's session calls
+        actor, _ = role_classes(modality)
+        assert all(callable(getattr(actor, m, None)) for m in ("open_rollout", "generate", "close_rollout"))
+    for module in ("easyrl.trainer.role_specs", "easyrl.trainer.worker_groups"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        compared = [
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Compare)
+            and any(
+                (isinstance(x, ast.Attribute) and x.attr == "modality")
+                or (isinstance(x, ast.Name) and x.id == "modality")
+                for x in [n.left, *n.comparators]
+            )
+        ]
+        assert not compared, f"{module} compares the modality at lines {compared}: add a row to its table instead"
+
+
 def test_every_diffusion_recipe_is_planned_in_a_test_and_documented() -> None:
     """Issue 48 item 4: each `configs/diffusion/*.yaml` has its memory plan checked offline (a row of
     tests/diffusion/test_check_diffusion.py's RECIPE_PLANS) and a row in docs/diffusion.md's recipe table."""

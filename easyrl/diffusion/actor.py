@@ -35,12 +35,15 @@ from easyrl.config.errors import ConfigError
 from easyrl.config.worker import ModelConfig
 from easyrl.diffusion.policy import transition_kl, transition_log_probs
 from easyrl.distributed import Dispatch, register
-from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
+from easyrl.distributed.memory import MemoryLedger, MemoryLevers, MemoryReporting, peak_memory
 from easyrl.models.dtypes import DTYPES
-from easyrl.workers.actor import policy_objective
+from easyrl.rollout import RolloutSpec, SamplingParams
+from easyrl.rollout.worker import RolloutWorker
+from easyrl.workers.actor import ResidentPolicy, policy_objective
 from easyrl.workers.batching import sync_max
 from easyrl.workers.forward_backward import LossFn, MicroBatchLoss, update_model
 from easyrl.workers.model_setup import build_optimizer, build_scheduler, setup_process, shard_model
+from easyrl.workers.session import OneCallSession
 from easyrl.workers.specs import ModelSpec, PolicyLossSpec, ProcessSpec, UpdateSpec
 from easyrl.workers.trainable import TrainableModel, TrainedRole
 
@@ -80,6 +83,10 @@ class DenoiserActorSpec:
     """Samples per forward pass when scoring log-probs."""
     serves_reference: bool = False
     """LoRA with KL on: the actor scores the reference (its base, adapters off); no reference worker."""
+    rollout: RolloutSpec | None = None
+    """The `diffusers` engine this worker hosts (the LLM actor's HybridEngine); None: a worker that only trains."""
+    memory_levers: MemoryLevers | None = None
+    """What the engine names when it cannot wake for lack of GPU memory."""
 
 
 @dataclass(frozen=True)
@@ -193,22 +200,61 @@ def denoiser_objective(
     return out
 
 
-class DenoiserActorWorker(TrainedRole, MemoryReporting):
-    """Trains the denoiser with Flow-GRPO's objective; under LoRA with KL on, also scores the reference."""
+class DenoiserActorWorker(TrainedRole, MemoryReporting, OneCallSession):
+    """Trains the denoiser with Flow-GRPO's objective and samples with it: the `diffusers` engine in a
+    `RolloutWorker` in this process, driven through the LLM actor's session calls (`open_rollout`, `generate`,
+    `close_rollout`); under LoRA with KL on, also scores the reference."""
 
     def __init__(self, spec: DenoiserActorSpec) -> None:
         self.spec = spec
         self.device = setup_process(spec.process)
         self.rank = int(os.environ.get("RANK", "0"))
-        self.ledger = MemoryLedger("actor", self.device)
+        self.ledger = MemoryLedger("actor", self.device, spec.memory_levers)
 
     @register(dispatch=Dispatch.ALL)
-    def init_model(self) -> None:
+    def init_model(self, media_per_prompt: dict[str, int] | None = None) -> None:
+        del media_per_prompt  # prompts carry no media: the engine encodes text only
         trainable = DenoiserModel(self.spec.model, self.device)
         assert trainable.optimizer is not None, "a trained role needs worker.actor.optim"
         self.trainable = trainable
         self.model, self.optimizer, self.scheduler = trainable.module, trainable.optimizer, trainable.scheduler
         self._policy_version = 0
+        self.rollout: RolloutWorker | None = None
+        if self.spec.rollout is not None:
+            self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger)
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # as the LLM actor: a lone rank may rebuild its engine
+                self.rollout.rebuild_source = ResidentPolicy(self.trainable)
+
+    # ---------------------------------------------------------------- rollout (the LLM actor's session calls)
+    @property
+    def engine_session(self) -> RolloutWorker:
+        if self.rollout is None:
+            raise RuntimeError("this denoiser actor hosts no engine (DenoiserActorSpec.rollout is None)")
+        return self.rollout
+
+    @register(dispatch=Dispatch.ALL_MERGED)
+    def open_rollout(self) -> dict[str, float]:
+        """Wake the engine and push the denoiser's weights when they changed since its last session (the training
+        state leaves the device first); `timing_s/wake` (and `timing_s/update_weights` after a push)."""
+        return self.engine_session.open(self.trainable, self._policy_version, make_room=self.trainable.offload)
+
+    @register(dispatch=Dispatch.ENGINE_SPLIT)
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """`params.n` images per prompt (their trajectories, `easyrl.diffusion.engine`) with the weights the engine
+        holds, each row stamped with their `policy_version`; no wake, sync or sleep here."""
+        return self.engine_session.generate(prompts, params)
+
+    @register(dispatch=Dispatch.ALL_MERGED)
+    def close_rollout(self) -> dict[str, float]:
+        """Put the engine to sleep and bring the training state back; `timing_s/sleep`."""
+        timing = self.engine_session.close()
+        self.trainable.reload()
+        return timing
+
+    def after_load_checkpoint(self) -> None:
+        """The engine still holds the weights of before the load: push the restored ones at the next session."""
+        if self.rollout is not None:
+            self.rollout.stale = True
 
     @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("old")
@@ -259,6 +305,8 @@ class DenoiserActorWorker(TrainedRole, MemoryReporting):
             metrics["actor/kl_coef"] = spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
         self._policy_version += 1
+        if self.rollout is not None:  # the next session pushes the new weights
+            self.rollout.stale = True
         return metrics
 
     @register(dispatch=Dispatch.RANK0)
