@@ -13,6 +13,7 @@ import html
 import json
 import os
 import re
+from typing import Any
 
 
 SAMPLES_DIR = "samples"
@@ -43,6 +44,36 @@ def read_step(run_dir: str, step: int) -> tuple[dict[int, list[str]], dict[int, 
         with open(prompts_file, encoding="utf-8") as fh:
             prompts = {int(k): str(v) for k, v in json.load(fh).items()}
     return {k: [path for _, path in sorted(v)] for k, v in files.items()}, prompts
+
+
+def write_step(run_dir: str, step: int, images: list[Any], prompts: list[str], n: int, first_prompt: int) -> str:
+    """Write one validation call's samples into ``<run_dir>/samples/step_<step>``: ``images`` (``n`` per prompt, in
+    prompt order: H x W x 3 uint8 arrays, or F x H x W x 3 for a video, written as a GIF) of the prompts numbered from
+    ``first_prompt``, and their texts added to ``prompts.json`` (a validation set runs in several calls). Returns the
+    folder."""
+    import numpy as np
+    from PIL import Image
+
+    folder = os.path.join(run_dir, SAMPLES_DIR, f"step_{step}")
+    os.makedirs(folder, exist_ok=True)
+    for row, image in enumerate(images):
+        prompt, sample = first_prompt + row // n, row % n
+        array = np.asarray(image, dtype=np.uint8)
+        if array.ndim == 4:  # a video's frames: one looping GIF
+            frames = [Image.fromarray(frame) for frame in array]
+            name = os.path.join(folder, f"{prompt}_{sample}.gif")
+            frames[0].save(name, save_all=True, append_images=frames[1:], duration=125, loop=0)
+        else:
+            Image.fromarray(array).save(os.path.join(folder, f"{prompt}_{sample}.png"))
+    prompts_file = os.path.join(folder, "prompts.json")
+    known: dict[str, str] = {}
+    if os.path.isfile(prompts_file):
+        with open(prompts_file, encoding="utf-8") as fh:
+            known = json.load(fh)
+    known |= {str(first_prompt + i): text for i, text in enumerate(prompts[::n])}
+    with open(prompts_file, "w", encoding="utf-8") as fh:
+        json.dump(known, fh, indent=1)
+    return folder
 
 
 def _img(path: str) -> str:

@@ -43,6 +43,24 @@ def image_reward_inputs(batch: Batch) -> tuple[list[dict[str, Any]], list[str]]:
     return inputs, [""] * len(inputs)
 
 
+SampleWriter = Callable[[Batch, int, int, int], None]
+"""(validation rows, step, index of the call's first prompt, samples per prompt) -> None."""
+
+
+def validation_samples_for(modality: str, run_dir: str | None) -> SampleWriter | None:
+    """What keeps a validation call's samples beside the run: a diffusion run's images as
+    ``<run_dir>/samples/step_<k>/<prompt>_<sample>.png`` with ``prompts.json`` (`easyrl.report_samples`, the report's
+    grids); None for text (the generations table logs those) or without a run folder."""
+    if modality != "diffusion" or not run_dir:
+        return None
+    from easyrl.report_samples import write_step
+
+    def write(batch: Batch, step: int, first_prompt: int, n: int) -> None:
+        write_step(run_dir, step, list(batch["images"]), list(batch["raw_prompt"]), n, first_prompt)
+
+    return write
+
+
 def reward_inputs_for(modality: str, tokenizer: Any, skip_special_tokens: bool) -> RewardInputs:
     """The reward inputs of this run's rows (`RunPlan.modality`)."""
     if modality == "diffusion":

@@ -16,7 +16,7 @@ from easyrl.rollout.loop import Scored
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.plan import plan_of
 from easyrl.trainer.resolve import one_session_loop, rollout_loop
-from easyrl.trainer.reward_inputs import reward_inputs_for
+from easyrl.trainer.reward_inputs import reward_inputs_for, validation_samples_for
 from easyrl.trainer.role_specs import sampling_params
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
@@ -57,6 +57,7 @@ class Trainer(RunFolder):
         self.reward_inputs = reward_inputs_for(
             self.plan.modality, self.tokenizer, cfg.worker.reward.skip_special_tokens
         )
+        self.keep_val_samples = validation_samples_for(self.plan.modality, cfg.trainer.save_checkpoint_path)
         # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -320,6 +321,8 @@ class Trainer(RunFolder):
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
             batch = self.generate(prompts.batch, seed, {}, overrides, self.one_session)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
+            if self.keep_val_samples is not None:  # images beside the run (the report's grids)
+                self.keep_val_samples(batch, self.global_step, start, int(overrides.get("n", 1)))
             scores, reward_metrics = self.score(batch)
             reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
             all_scores += scores
