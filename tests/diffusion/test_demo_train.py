@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/demo_diffusion.yaml"
@@ -53,6 +55,7 @@ def test_two_steps_train_keep_validation_samples_and_merge_into_a_pipeline(tmp_p
     assert any(not (trained[k] == base[k]).all() for k in base)
 
 
+@pytest.mark.extended  # ~1 min alone, 1.5 min beside other jobs on 2 cores
 def test_the_demo_learns_brighter_images(tmp_path: Path) -> None:
     """The demo as shipped (24 steps, ~1 min on 2 CPU cores) raises the brightness the tiny pipeline starts at: 0.460
     -> 0.491 in validation, 0.46 -> 0.49 in training (docs/benchmarks.md); the margins leave room for float order."""
