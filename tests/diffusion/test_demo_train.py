@@ -64,3 +64,38 @@ def test_the_demo_learns_brighter_images(tmp_path: Path) -> None:
     assert set(val) == {0, 24} and val[24] > val[0] + 0.02, val
     scores = [row["critic/score/mean"] for row in log if "critic/score/mean" in row]
     assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.015, scores
+
+
+def _merged_denoiser(step: Path, out: Path) -> dict:
+    from diffusers import DiffusionPipeline
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "easyrl.cli", "merge", str(step), "--output", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return DiffusionPipeline.from_pretrained(str(out)).transformer.state_dict()
+
+
+@pytest.mark.extended  # two runs, one of them starting Ray: ~1.5 min
+def test_one_and_two_workers_make_the_same_updates(tmp_path: Path) -> None:
+    """Two actor ranks (Ray, FSDP2 over gloo), each hosting its engine and sampling half the prompts, train the same
+    denoiser as one: the rows are seeded per prompt and the loss is weighed by the global step count."""
+    common = ("trainer.max_steps=2", "trainer.val_freq=-1", "trainer.val_before_train=false")
+    common += ("data.rollout_batch_size=2", "worker.actor.global_batch_size=2")
+    logs, weights = [], []
+    for workers in (1, 2):
+        run = tmp_path / f"w{workers}"
+        logs.append(_train(run, *common, f"trainer.n_gpus_per_node={workers}"))
+        weights.append(_merged_denoiser(run / "global_step_2", tmp_path / f"merged{workers}"))
+    for key in ("critic/score/mean", "actor/grad_norm"):  # the same samples and the same gradients, both steps
+        one, two = ([row[key] for row in log if key in row] for log in logs)
+        assert one == pytest.approx(two, rel=1e-3), key
+    # Float reduction order apart: Adam divides each gradient by its own scale, so a near-zero component's last bits
+    # can move its weight by a share of lr; over the whole denoiser the two runs' gap is a small part of the update.
+    from diffusers import DiffusionPipeline
+
+    base = DiffusionPipeline.from_pretrained(str(REPO / "assets/demo_diffusion/pipeline")).transformer.state_dict()
+    gap = sum(float((weights[0][k] - weights[1][k]).pow(2).sum()) for k in base) ** 0.5
+    moved = sum(float((weights[0][k] - base[k]).pow(2).sum()) for k in base) ** 0.5
+    assert gap < 0.05 * moved, (gap, moved)
