@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.worker import ActorConfig
+from easyrl.diffusion.memory import is_diffusion_run
 from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.plan import RunPlan, plan_of
 from easyrl.trainer.role_specs import cpu_threads
@@ -118,8 +119,10 @@ def start_lines(cfg: EasyRLConfig, task: str) -> tuple[list[str], list[str]]:
 
 def family_warning(cfg: EasyRLConfig) -> str | None:
     """The warning for a model whose `model_type` has no family profile (`easyrl.models.family`; the config check
-    found its config.json)."""
+    found its config.json); none for a diffusers pipeline folder (no LLM family, no root config.json)."""
     config_json = Path(cfg.worker.actor.model.model_path or "") / "config.json"
+    if not config_json.is_file() and (config_json.parent / "model_index.json").is_file():
+        return None
     return unlisted_family_warning(str(json.loads(config_json.read_text()).get("model_type")))
 
 
@@ -337,6 +340,10 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     the memory plan of one GPU of `gpu_memory_gib` GiB when given, else of this machine's GPU if it has one)."""
     from easyrl.trainer.worker_groups import build_data
 
+    if is_diffusion_run(cfg):  # a pipeline: its own prompt, sample, reward call and plans
+        from easyrl.diffusion.check import run_diffusion_check
+
+        return run_diffusion_check(cfg, gpu_memory_gib)
     out = sys.stdout
     problem = rollout_problem(cfg)
     if problem is not None:

@@ -18,6 +18,9 @@ The output may not be the checkpoint, hold it, or sit anywhere else in the run f
 
 A LoRA checkpoint holds the adapters alone (and `lora.json`): the merge reads its base model from the folder
 `lora.json` names and writes base + scale * B @ A, or with `--adapter-only` a PEFT adapter folder.
+
+A diffusion run's checkpoint (its denoiser's) merges into a diffusers pipeline folder instead
+(`easyrl.diffusion.merge`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import torch
 from easyrl import lora_merge
 from easyrl.checkpoint import fsio
 from easyrl.checkpoint.errors import CheckpointError
-from easyrl.checkpoint.manager import MANIFEST, verify_checkpoint
+from easyrl.checkpoint.manager import MANIFEST, read_run_config, verify_checkpoint
 from easyrl.checkpoint.sharded import ShardedReader
 from easyrl.checkpoint.worker import HF_DIR, MERGE_MARKER
+from easyrl.diffusion.merge import merge_pipeline, pipeline_source
 from easyrl.models.dtypes import DTYPES
 
 
@@ -128,12 +132,17 @@ def merge_checkpoint(
     step_folder, role_folder = resolve_role_folder(checkpoint, role, verify)
     out = os.path.abspath(output or os.path.join(role_folder, DEFAULT_OUTPUT))
     check_output(out, step_folder, role_folder, overwrite)
+    lora = lora_merge.adapter_info(role_folder)
+    pipeline = pipeline_source(role_folder, base_model, lora, read_run_config(step_folder))
+    if pipeline is not None:  # a denoiser's checkpoint: the output is a diffusers pipeline folder
+        if adapter_only:
+            raise CheckpointError("--adapter-only: a diffusion checkpoint is merged into its pipeline folder only")
+        return merge_pipeline(role_folder, out, *pipeline, lora, DTYPES[dtype] if dtype else None, max_shard_bytes)
     hf_src = os.path.join(role_folder, HF_DIR)
     config = fsio.read_json(os.path.join(hf_src, "config.json"))
     if not isinstance(config, dict):
         raise CheckpointError(f"{hf_src}/config.json does not hold a config")
     reader = ShardedReader(role_folder)
-    lora = lora_merge.adapter_info(role_folder)
     if base_model is not None:
         if lora is None:
             raise CheckpointError(f"--base-model: {role_folder} holds every weight, not LoRA adapters (no lora.json)")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any
 
+from easyrl.report_samples import samples_section
+
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +294,7 @@ def build_report(run_dir: str, output: str | None = None) -> str:
         step_options="".join(f'<option value="{html.escape(s)}">step {html.escape(s)}</option>' for s in steps),
         generation_rows="\n".join(_generation_row(r) for r in generations),
         generation_count=len(generations),
+        samples=samples_section(run_dir),
     )
     with open(output, "w", encoding="utf-8") as f:
         f.write(page)
@@ -368,6 +371,7 @@ _PAGE = Template("""<!DOCTYPE html>
   .plots { display: flex; flex-wrap: wrap; gap: 14px; }
   figure { margin: 0; flex: 1 1 520px; max-width: 740px; }
   figure img { width: 100%; height: auto; border: 1px solid #e3e6eb; border-radius: 4px; }
+  img.sample { width: 96px; height: 96px; image-rendering: pixelated; margin: 2px; }
   figcaption { font-size: 12px; color: #5a6272; margin-top: 2px; }
   .controls { display: flex; gap: 10px; align-items: center; margin-bottom: 10px; flex-wrap: wrap; }
   .controls input[type=search] { flex: 1 1 300px; padding: 6px 10px; font-size: 14px; border: 1px solid #c8cdd6;
@@ -392,6 +396,7 @@ _PAGE = Template("""<!DOCTYPE html>
 <section><h2>Summary</h2><table class="summary">$summary</table></section>
 <section><h2>Training curves</h2><div class="plots">
 $figures
+$samples
 </div></section>
 <section><h2>Validation generations</h2>
 <div class="controls">

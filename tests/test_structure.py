@@ -196,6 +196,7 @@ def test_only_the_device_module_picks_a_cuda_index() -> None:
 # that trains or scores reads `loss_mask` (tool output is attended, never trained on).
 ATTENTION_MASK_READERS = {
     "easyrl.trainer.trainer",
+    "easyrl.trainer.reward_inputs",  # a text response's length for the reward (moved out of trainer.py)
     "easyrl.trainer.step_math",
     "easyrl.workers.head",
     "easyrl.rollout.worker",

@@ -445,3 +445,137 @@ def test_one_schedule_class_builds_the_rows() -> None:
     assert "CarryOverLoop" in built, "the producer builds the carry-over loop"
     others = sorted(n for n in built if not issubclass(classes[n], carry_over.CarryOverLoop))
     assert not others, f"easyrl/rollout/producer.py builds {others}: build CarryOverLoop (at S = 0: synchronous)"
+
+
+def _imported_roots(module: str) -> set[str]:
+    """The top-level packages `module` imports anywhere in it (lazy imports in functions included)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+    return {name.split(".")[0] for name in names}
+
+
+def test_only_the_diffusion_room_and_the_config_import_diffusers() -> None:
+    """Issue 48: diffusers is an extra (`diffusion`); the pipelines, their engine and their update live in
+    `easyrl.diffusion` (the config only detects a pipeline folder), so a text run never imports it and a missing extra
+    fails in one place."""
+    offenders = [
+        f"{m} imports diffusers"
+        for m in MODULES
+        if not m.startswith(("easyrl.diffusion", "easyrl.config")) and "diffusers" in _imported_roots(m)
+    ]
+    assert not offenders, "\n".join(offenders) + ": move that code into easyrl/diffusion/"
+    assert "diffusers" in _imported_roots("easyrl.diffusion.engine")  # the rule sees the imports it looks for
+
+
+def test_the_loop_never_branches_on_diffusion() -> None:
+    """Issue 48: a diffusion run goes through the same `fit()`; where it differs, an object the plan picked does
+    (`trainer.reward_inputs`), so the trainer never names diffusion nor compares the plan's modality itself."""
+    source = MODULES["easyrl.trainer.trainer"].read_text(encoding="utf-8")
+    assert "diffusion" not in source.lower(), (
+        "easyrl/trainer/trainer.py names diffusion: put the difference behind a seam"
+    )
+    tree = ast.parse(source)
+    compared = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Compare)
+        and any(isinstance(x, ast.Attribute) and x.attr == "modality" for x in [n.left, *n.comparators])
+    ]
+    assert not compared, f"easyrl/trainer/trainer.py compares plan.modality at lines {compared}"
+
+
+def test_the_roles_of_each_modality_come_from_one_table() -> None:
+    """Issue 48: which specs and worker classes a run starts follows `RunPlan.modality` through two tables
+    (`role_specs.ROLE_SPECS`, `worker_groups.ROLE_CLASSES`) that cover every modality, and the wiring around them
+    never compares the modality itself."""
+    from typing import get_args
+
+    from easyrl.trainer.plan import Modality
+    from easyrl.trainer.role_specs import ROLE_SPECS
+    from easyrl.trainer.worker_groups import ROLE_CLASSES, role_classes
+
+    assert set(ROLE_SPECS) == set(ROLE_CLASSES) == set(get_args(Modality))
+    for modality in ROLE_CLASSES:  # every path imports to a worker class with the actor's session calls
+        actor, _ = role_classes(modality)
+        assert all(callable(getattr(actor, m, None)) for m in ("open_rollout", "generate", "close_rollout"))
+    for module in ("easyrl.trainer.role_specs", "easyrl.trainer.worker_groups"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        compared = [
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Compare)
+            and any(
+                (isinstance(x, ast.Attribute) and x.attr == "modality")
+                or (isinstance(x, ast.Name) and x.id == "modality")
+                for x in [n.left, *n.comparators]
+            )
+        ]
+        assert not compared, f"{module} compares the modality at lines {compared}: add a row to its table instead"
+
+
+def test_every_diffusion_recipe_is_planned_in_a_test_and_documented() -> None:
+    """Issue 48 item 4: each `configs/diffusion/*.yaml` has its memory plan checked offline (a row of
+    tests/diffusion/test_check_diffusion.py's RECIPE_PLANS) and a row in docs/diffusion.md's recipe table."""
+    from tests.conftest import REPO
+    from tests.diffusion.test_check_diffusion import RECIPE_PLANS
+
+    planned = {row[0] for row in RECIPE_PLANS}
+    docs = (REPO / "docs" / "diffusion.md").read_text()
+    configs = sorted((REPO / "configs" / "diffusion").glob("*.yaml"))
+    assert configs
+    for config in configs:
+        assert config.stem in planned, f"no memory-plan test for configs/diffusion/{config.name}"
+        assert f"`configs/diffusion/{config.name}`" in docs, f"docs/diffusion.md lacks configs/diffusion/{config.name}"
+
+
+def test_diffusion_config_module_imports_only_the_standard_library_at_load() -> None:
+    """Loading a config must not import torch or diffusers: easyrl/config/diffusion.py imports them (and the hub
+    helpers) inside the functions that need them."""
+    from tests.conftest import REPO
+
+    tree = ast.parse((REPO / "easyrl" / "config" / "diffusion.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert all(name.split(".")[0] in {"__future__", "dataclasses"} for name in names), names
+
+
+DIFFUSION_CONTRACT = ("easyrl.algorithms.flow_grpo", "easyrl.diffusion.policy", "easyrl.diffusion.actor")
+"""Issue 48's modules other helpers build on: their public names are a contract, listed where a reader looks first."""
+
+
+def test_diffusion_modules_list_their_public_names_in_the_docstring() -> None:
+    for module in DIFFUSION_CONTRACT:
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree) or ""
+        exported = next(
+            ast.literal_eval(n.value)
+            for n in tree.body
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+        )
+        missing = [name for name in exported if f"`{name}`" not in doc]
+        assert not missing, f"{module}: list {missing} in the module docstring's public names (or drop from __all__)"
+
+
+def test_flow_grpo_math_imports_torch_and_the_standard_library_only() -> None:
+    """The algorithm is pure tensor functions: no workers, no diffusers, no batch."""
+    import sys
+
+    tree = ast.parse(MODULES["easyrl.algorithms.flow_grpo"].read_text(encoding="utf-8"))
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots - {"__future__", "torch"} <= set(sys.stdlib_module_names), roots
+
+
+def test_the_denoiser_trains_in_the_llm_update_loop() -> None:
+    """No second optimizer loop: the denoiser's policy and workers never step an optimizer or call backward
+    themselves; the actor's update goes through `easyrl.workers.forward_backward.update_model`."""
+    calls = [
+        f"{m}:{n.lineno}"
+        for m in ("easyrl.diffusion.policy", "easyrl.diffusion.actor")
+        for n in ast.walk(ast.parse(MODULES[m].read_text(encoding="utf-8")))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("backward", "step")
+    ]
+    assert not calls, "train through easyrl.workers.forward_backward.update_model:\n" + "\n".join(calls)
+    assert "update_model" in MODULES["easyrl.diffusion.actor"].read_text(encoding="utf-8")

@@ -58,7 +58,10 @@ def write_hf_files(folder: str, model: nn.Module, model_path: str | None, tokeni
     """Write `config.json` (with the real architecture), `generation_config.json` and tokenizer files to `folder`."""
     fsio.makedirs(folder)
     config = getattr(model, "config", None)
-    if config is not None:
+    if config is not None and not hasattr(config, "to_json_string"):  # a diffusers model: a FrozenDict config
+        doc = {"_class_name": sharded.model_class_name(model), **json.loads(json.dumps(dict(config), default=str))}
+        fsio.write_json(os.path.join(folder, "config.json"), doc)
+    elif config is not None:
         doc = json.loads(config.to_json_string(use_diff=False))
         doc["architectures"] = [sharded.model_class_name(model)]
         doc.pop("use_cache", None)  # the training copy disables the KV cache; generation wants the default

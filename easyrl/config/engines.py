@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.config.errors import ConfigError
 
 
@@ -52,6 +53,9 @@ class EngineCapabilities:
     """Engine arguments easyrl sets or derives itself, each with the fix; `engine_kwargs` may not hold them."""
     inline: bool = True
     """May run in the driver's own process (`trainer.backend: inline`); False keeps its runs on Ray."""
+    generates_text: bool = True
+    """Samples token responses from token prompts; False: an image / video generator that samples from the prompts'
+    text (a diffusion pipeline, docs/diffusion.md), serving only diffusion runs."""
 
 
 _LORA = "set worker.actor.model.lora.rollout_sync: adapter (vLLM then serves the adapters of lora.rank) instead"
@@ -104,6 +108,9 @@ BUILTIN_ENGINE_CAPABILITIES: Mapping[str, EngineCapabilities] = MappingProxyType
             # nor two engines one after the other in one process: a Ray worker's process ends with its engine.
             inline=False,
         ),
+        # a diffusers flow-matching pipeline in the worker's own process: one worker per engine, sleep moves it to
+        # host memory (its weights stay: nothing to push again), samples images from the prompts' text
+        "diffusers": EngineCapabilities(engine_kwargs=False, generates_text=False),
     }
 )
 """The built-in engines' records: `easyrl.rollout.registry` registers each built-in with its entry here."""
@@ -147,6 +154,21 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
     rollout = cfg.worker.rollout
     caps = engine_capabilities(rollout.name)
     engine = f"the {rollout.name} engine"
+    diffusion = is_diffusion_run(cfg)
+    # a text engine cannot sample a pipeline, nor an image engine a language model
+    if diffusion == caps.generates_text:
+        raise ConfigError(
+            "worker.rollout.name",
+            f"{rollout.name}, but {engine} "
+            + (
+                "samples text and worker.actor.model.model_path is a diffusion pipeline: set it to diffusers"
+                if diffusion
+                else "samples images from a diffusion pipeline and worker.actor.model.model_path is not one (no "
+                "model_index.json; worker.rollout.diffusion.enable): use worker.rollout.name=hf or =vllm"
+            ),
+        )
+    if not caps.generates_text:
+        _check_image_engine(cfg, engine)
     if rollout.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise ConfigError(
             "worker.rollout.tensor_parallel_size",
@@ -176,6 +198,22 @@ def check_engine_capabilities(cfg: EasyRLConfig) -> None:
                 f"{lora.rank}: {engine} serves LoRA ranks up to {caps.max_lora_rank} as adapters; use "
                 "rollout_sync=merged",
             )
+
+
+def _check_image_engine(cfg: EasyRLConfig, engine: str) -> None:
+    """What an image engine's run cannot do: its trajectories are sampled whole by one policy (no carry-over across
+    weight updates, which resumes token responses) and have no turns."""
+    if cfg.trainer.max_staleness > 0:
+        raise ConfigError(
+            "trainer.max_staleness",
+            f"{cfg.trainer.max_staleness}, but {engine} samples every trajectory whole with one policy: diffusion runs "
+            "are synchronous, set it to 0",
+        )
+    if cfg.worker.rollout.multi_turn.enabled:
+        raise ConfigError(
+            "worker.rollout.multi_turn",
+            f"an environment or tools are set, but {engine} samples images, which have no turns: remove them",
+        )
 
 
 def engine_env(name: str, on_gpu: bool) -> dict[str, str]:

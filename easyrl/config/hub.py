@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from easyrl.config.errors import ConfigError
+from easyrl.config.hub_paths import hf_home, hub_cache_dir, is_hub_id
 
 
 if TYPE_CHECKING:
@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 DEFAULT_SPLIT = "train"
 """The split of a dataset ID given without `@split` (EasyR1's default)."""
 MODEL_KEYS = (
@@ -38,32 +36,13 @@ MODEL_KEYS = (
 DATA_KEYS = ("data.train_files", "data.val_files")
 
 
-def is_hub_id(value: str) -> bool:
-    """`org/name` that is not a local path (nor a data file name)."""
-    return bool(_HUB_ID.match(value)) and not os.path.exists(value) and not value.lower().endswith(_DATA_SUFFIXES)
-
-
 class NotCachedError(ConfigError):
     """A hub ID is not in the cache and the hub cannot be used (offline, or unreachable)."""
 
 
-def _hf_home() -> str:
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
-    )
-    return os.path.expanduser(home)
-
-
-def hub_cache_dir() -> str:
-    """The hub cache huggingface_hub would use under the current environment."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    return os.path.join(_hf_home(), "hub")
-
-
 def datasets_cache_dir() -> str:
     """The cache `datasets` would use under the current environment."""
-    return os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(_hf_home(), "datasets"))
+    return os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home(), "datasets"))
 
 
 def _offline() -> bool:

@@ -260,7 +260,9 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 
 
 def _apply_easyr1_compat(user: DictConfig, notes: list[str]) -> DictConfig:
-    flat = _flatten(OmegaConf.to_container(user, resolve=False))
+    from easyrl.config.diffusion import translate_longrl_keys
+
+    flat = translate_longrl_keys(_flatten(OmegaConf.to_container(user, resolve=False)), notes)
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if key in EASYR1_IGNORED:
@@ -374,6 +376,8 @@ def _type_message(exc: OmegaConfBaseException) -> str:
 
 def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
     """Make local paths absolute (Ray workers may run elsewhere); `path@split` keeps its suffix."""
+    from easyrl.config.diffusion_run import apply_diffusion_defaults
+
     del base_dir  # paths are relative to the working directory, as in EasyR1
 
     def absolute(p: str | None) -> str | None:
@@ -384,6 +388,7 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
         model.tokenizer_path = absolute(model.tokenizer_path)
     if cfg.worker.critic.model.model_path is None:
         cfg.worker.critic.model.model_path = cfg.worker.actor.model.model_path
+    apply_diffusion_defaults(cfg)  # a pipeline's tokenizer is in its `tokenizer` folder, and its prompts plain text
     if cfg.worker.actor.model.tokenizer_path is None:
         cfg.worker.actor.model.tokenizer_path = cfg.worker.actor.model.model_path
     if cfg.worker.critic.model.tokenizer_path is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from easyrl.config.backend import BACKENDS, inline_blockers
+from easyrl.config.diffusion import check_diffusion, diffusion_enabled
 from easyrl.config.engine_kwargs import check_engine_kwargs
 from easyrl.config.engines import check_engine_capabilities, declared_engines
 from easyrl.config.errors import ConfigError
@@ -73,6 +74,7 @@ def validate(cfg: EasyRLConfig, task: str = "rl") -> None:
     _check_sequence_parallel(cfg)
     _check_hang_bounds(cfg)
     _check_backend(cfg, task)
+    check_diffusion(cfg.worker.rollout.diffusion, cfg.worker.actor.model.model_path)
     check_engine_kwargs(cfg.worker.rollout)
     check_engine_capabilities(cfg)  # what the config asks of the engine is what it declared it can do
     if task == "sft":
@@ -512,16 +514,18 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
     model = cfg.worker.actor.model.model_path
     if not model:
         raise ConfigError("worker.actor.model.model_path", "is required: a Hugging Face model folder or hub ID")
-    if not (Path(model) / "config.json").is_file():
-        raise ConfigError(
-            "worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {_looked_for(model)}"
-        )
-    tok = cfg.worker.actor.model.tokenizer_path
-    if tok and not Path(tok).is_dir():
-        raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
-    _check_context_length(Path(model) / "config.json", length, length_key)
-    _check_attention_heads(cfg)
-    _check_family(cfg, Path(model) / "config.json")
+    # A diffusers pipeline (checked by check_diffusion) has a model_index.json and no LLM config, tokenizer or family.
+    if not diffusion_enabled(cfg.worker.rollout.diffusion.enable, model):
+        if not (Path(model) / "config.json").is_file():
+            raise ConfigError(
+                "worker.actor.model.model_path", f"no Hugging Face model folder (config.json) at {_looked_for(model)}"
+            )
+        tok = cfg.worker.actor.model.tokenizer_path
+        if tok and not Path(tok).is_dir():
+            raise ConfigError("worker.actor.model.tokenizer_path", f"folder not found: {_looked_for(tok)}")
+        _check_context_length(Path(model) / "config.json", length, length_key)
+        _check_attention_heads(cfg)
+        _check_family(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):

@@ -30,9 +30,10 @@ Scored = tuple[list[dict[str, float]], dict[str, float], list[str]]
 Scorer = Callable[[Batch], Scored]
 """The trainer's reward call on rows (decode, call the reward function)."""
 
-ENGINE_COLUMNS = ("multi_modal_inputs", "rollout_prompt")
-"""The prompts' non-tensor columns an engine reads (processed media; the raw prompt with its media for vLLM). The
-rest (rows, texts, answers) stays on the driver instead of being sent to every engine."""
+ENGINE_COLUMNS = ("multi_modal_inputs", "rollout_prompt", "raw_prompt")
+"""The prompts' non-tensor columns an engine reads (processed media; the raw prompt with its media for vLLM; the
+rendered prompt text, which an image engine encodes with its own text encoders: `easyrl.diffusion.engine`). The
+rest (rows, answers) stays on the driver instead of being sent to every engine."""
 
 
 class EngineSession(Protocol):

@@ -1,6 +1,6 @@
-"""Rollout engines by name: `worker.rollout.name` picks one. The built-ins are `hf` and `vllm`; a user's engine is
-registered from a file of `algorithm.user_modules` (imported on the driver, where the config validates the name, and
-in every worker, where the engine is built):
+"""Rollout engines by name: `worker.rollout.name` picks one. The built-ins are `hf`, `vllm` and `diffusers` (a
+diffusion pipeline, `easyrl.diffusion.engine`); a user's engine is registered from a file of `algorithm.user_modules`
+(imported on the driver, where the config validates the name, and in every worker, where the engine is built):
 
     from easyrl.rollout import EngineContext, register_engine
 
@@ -111,6 +111,15 @@ def _vllm_engine(ctx: EngineContext) -> RolloutEngine:
     from easyrl.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine(ctx.spec, ctx.eos_token_ids, ctx.pad_token_id, ctx.media_per_prompt)
+
+
+@register_engine("diffusers", capabilities=BUILTIN_ENGINE_CAPABILITIES["diffusers"])
+def _diffusers_engine(ctx: EngineContext) -> RolloutEngine:
+    from easyrl.diffusion.engine import DiffusionRolloutEngine
+
+    model = ctx.spec.model
+    assert model.model_path is not None
+    return DiffusionRolloutEngine(model.model_path, ctx.device, ctx.dtype, ctx.spec.config.diffusion)
 
 
 assert set(_ENGINES) == set(BUILTIN_ENGINE_CAPABILITIES), "config.engines lists the built-in engines' capabilities"

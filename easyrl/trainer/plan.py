@@ -22,6 +22,7 @@ from easyrl.algorithms import estimator_needs as registered_needs
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.backend import inline_blockers
+from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.rollout import WeightSync
 from easyrl.trainer.step_math import needs_old_log_prob_pass
 
@@ -71,6 +72,7 @@ class Backend(str, Enum):
 
 Schedule = Literal["synchronous", "carry_over"]
 Episode = Literal["single_turn", "tools"]
+Modality = Literal["text", "diffusion"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ class RunPlan:
     """`synchronous` (one engine session per step) or `carry_over` (groups in flight across steps)."""
     episode: Episode
     """`single_turn` (one completion per sample) or `tools` (`worker.rollout.multi_turn` turns)."""
+    modality: Modality
+    """`text` (an LLM's token responses) or `diffusion` (a pipeline's images: `config.diffusion_run`); what the
+    reward is given follows it (`trainer.reward_inputs`)."""
     chunk_tokens: int
     """The carry-over loop's tokens per engine call (`effective_chunk_tokens`)."""
     needs: EstimatorNeeds
@@ -159,6 +164,7 @@ def plan_of(cfg: EasyRLConfig, task: str = "rl") -> RunPlan:
         staleness=cfg.trainer.max_staleness,
         schedule="carry_over" if cfg.trainer.max_staleness > 0 else "synchronous",
         episode="tools" if rollout.multi_turn.enabled else "single_turn",
+        modality="diffusion" if is_diffusion_run(cfg) else "text",
         chunk_tokens=effective_chunk_tokens(cfg),
         needs=needs,
         old_log_prob_pass=old_log_prob_pass(cfg),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from easyrl.algorithms import policy_loss_params
 from easyrl.config import EasyRLConfig
@@ -35,10 +37,15 @@ from easyrl.workers.specs import (
 )
 
 
+if TYPE_CHECKING:
+    from easyrl.diffusion.actor import DenoiserActorSpec, DenoiserRefSpec
+
+
 @dataclass(frozen=True)
 class RoleSpecs:
-    actor: ActorSpec
-    ref: RefSpec | None
+    actor: ActorSpec | DenoiserActorSpec
+    """A diffusion run's is the denoiser's (`easyrl.diffusion.actor`): `ROLE_SPECS` picks by `RunPlan.modality`."""
+    ref: RefSpec | DenoiserRefSpec | None
     """None when KL is off (no reference model), or with LoRA (the actor's base, adapters off, is the reference)."""
     critic: CriticSpec | None
     """None unless the advantage estimator needs a critic."""
@@ -47,8 +54,14 @@ class RoleSpecs:
 
 
 def build_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> RoleSpecs:
-    """The spec of every role `plan` starts: a reference when KL is on (without LoRA), a critic when the advantage
-    estimator declared it needs one, a local teacher. `optimizer_steps`: the actor's optimizer steps over the run."""
+    """The spec of every role `plan` starts, by the run's modality (`ROLE_SPECS`). `optimizer_steps`: the actor's
+    optimizer steps over the run."""
+    return ROLE_SPECS[plan.modality](cfg, plan, optimizer_steps, world_size)
+
+
+def _text_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> RoleSpecs:
+    """An LLM run's roles: a reference when KL is on (without LoRA), a critic when the advantage estimator declared
+    it needs one, a local teacher."""
     process = process_spec(cfg, plan)
     ref = None
     if plan.ref_worker:
@@ -71,6 +84,52 @@ def build_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, wor
     return RoleSpecs(
         actor=_actor_spec(cfg, plan, process, optimizer_steps, world_size), ref=ref, critic=critic, teacher=teacher
     )
+
+
+def _denoiser_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> RoleSpecs:
+    """A diffusion run's roles: the denoiser's actor hosting the `diffusers` engine, and with KL on (without LoRA)
+    the frozen base denoiser as reference; no critic, no teacher (`config` refuses them for a pipeline)."""
+    from easyrl.diffusion.actor import DenoiserActorSpec, DenoiserRefSpec, SamplerSettings
+
+    acfg, alg, diffusion = cfg.worker.actor, cfg.algorithm, cfg.worker.rollout.diffusion
+    process = process_spec(cfg, plan)
+    sampler = SamplerSettings(guidance_scale=diffusion.guidance_scale, noise_level=diffusion.noise_level)
+    micro = acfg.micro_batch_size_per_device_for_experience
+    ref = None
+    if plan.ref_worker:
+        rcfg = cfg.worker.ref
+        ref = DenoiserRefSpec(
+            process=process,
+            model=ModelSpec(model=acfg.model, torch_dtype=rcfg.fsdp.torch_dtype, fsdp=rcfg.fsdp, offload=rcfg.offload),
+            sampler=sampler,
+            micro_batch_size_for_experience=rcfg.micro_batch_size_per_device_for_experience or micro,
+        )
+    actor = DenoiserActorSpec(
+        process=process,
+        model=_policy_model_spec(cfg, plan, optimizer_steps),
+        update=_update_spec(acfg, cfg.worker.rollout.n, world_size),
+        loss=PolicyLossSpec(
+            loss_type=acfg.loss_type,
+            params=policy_loss_params(acfg.loss_type, acfg),
+            kl_in_loss=alg.kl_mode == KLMode.IN_LOSS,
+            kl_penalty=alg.kl_penalty,  # unused: the denoiser's KL is the closed-form Gaussian one
+            kl_coef=alg.kl_coef,
+        ),
+        sampler=sampler,
+        micro_batch_size_for_experience=micro,
+        serves_reference=plan.ref_log_probs and not plan.ref_worker,
+        rollout=rollout_spec(cfg, plan),
+        memory_levers=memory_levers(cfg),
+    )
+    return RoleSpecs(actor=actor, ref=ref, critic=None)
+
+
+ROLE_SPECS: dict[str, Callable[[EasyRLConfig, RunPlan, int, int], RoleSpecs]] = {
+    "text": _text_role_specs,
+    "diffusion": _denoiser_role_specs,
+}
+"""The roles' specs of a run by `RunPlan.modality`: the one place the trainer's wiring tells them apart (with
+`worker_groups.ROLE_CLASSES` and `reward_inputs`)."""
 
 
 def _teacher_spec(cfg: EasyRLConfig, plan: RunPlan, process: ProcessSpec) -> TeacherSpec:
@@ -312,7 +371,8 @@ def sampling_params(cfg: EasyRLConfig, plan: RunPlan) -> SamplingParams:
     )
 
 
-def rollout_role_spec(actor: ActorSpec) -> RolloutRoleSpec:
+def rollout_role_spec(actor: ActorSpec | DenoiserActorSpec) -> RolloutRoleSpec:
     """The spec of a worker that only generates, with the actor's engine settings (the same checkpoint, sampling
     engine, memory and weight sync), for rollouts in processes apart from the policy."""
+    assert actor.rollout is not None and actor.memory_levers is not None, "the trainer's actor specs name an engine"
     return RolloutRoleSpec(process=actor.process, rollout=actor.rollout, memory_levers=actor.memory_levers)

@@ -217,11 +217,9 @@ def logprob_consistency(batch: Batch, version: int | None = None) -> dict[str, f
 
 
 def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
-    """verl-named statistics of scores, rewards, advantages, returns, values and lengths."""
+    """verl-named statistics of scores, rewards, advantages, returns, values and lengths (rows without tokens, a
+    diffusion run's images, have no lengths: their "tokens" are denoising steps of a fixed count)."""
     mask = batch["loss_mask"].float()
-    # verl's response length: every response token the model saw (`response_mask`), tool output too
-    response_length = batch["response_mask"].float().sum(dim=1)
-    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(dim=1)
     seq_score = batch["token_level_scores"].sum(dim=1)
     seq_reward = batch["token_level_rewards"].sum(dim=1)
     out: dict[str, float] = {}
@@ -240,6 +238,11 @@ def data_metrics(batch: Batch, max_prompt_length: int, max_response_length: int)
                     f"critic/{name}/max": float(valid.max()),
                     f"critic/{name}/min": float(valid.min()),
                 }
+    if not has_tokens(batch):
+        return out
+    # verl's response length: every response token the model saw (`response_mask`), tool output too
+    response_length = batch["response_mask"].float().sum(dim=1)
+    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(dim=1)
     for name, lengths, limit in (
         ("response_length", response_length, max_response_length),
         ("prompt_length", prompt_length, max_prompt_length),
@@ -273,7 +276,12 @@ def resumed_policy_version(global_step: int, critic_warmup: int) -> int:
 
 
 def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) -> dict[str, float]:
-    """Tokens per second per worker over the whole step, and milliseconds per token of each stage."""
+    """Tokens per second per worker over the whole step, and milliseconds per token of each stage; for rows without
+    tokens (images), samples per second per worker (`perf/images_per_s`) and seconds per sample of each stage."""
+    if not has_tokens(batch):
+        step, samples = timings.get("step", 0.0), float(len(batch))
+        out = {"perf/time_per_step": step, "perf/images_per_s": samples / max(step, 1e-9) / n_workers}
+        return out | {f"timing_per_sample_s/{stage}": s / max(samples, 1.0) for stage, s in timings.items()}
     total_tokens = float(batch["attention_mask"].sum())
     response_tokens = float(batch["response_mask"].sum())  # generation work: every response token, tool output too
     step = timings.get("step", 0.0)
@@ -287,6 +295,11 @@ def throughput_metrics(batch: Batch, timings: dict[str, float], n_workers: int) 
         tokens = response_tokens if stage == "gen" else total_tokens
         out[f"timing_per_token_ms/{stage}"] = 1000.0 * seconds / max(tokens, 1.0)
     return out
+
+
+def has_tokens(batch: Batch) -> bool:
+    """Rows of token sequences (an LLM's prompt and response), not a diffusion run's sampled images."""
+    return "prompts" in batch
 
 
 def mean_entropy(batch: Batch) -> float:

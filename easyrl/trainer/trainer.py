@@ -16,6 +16,7 @@ from easyrl.rollout.loop import Scored
 from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.plan import plan_of
 from easyrl.trainer.resolve import one_session_loop, rollout_loop
+from easyrl.trainer.reward_inputs import reward_inputs_for, validation_samples_for
 from easyrl.trainer.role_specs import sampling_params
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
@@ -53,6 +54,10 @@ class Trainer(RunFolder):
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg, self.plan)
+        self.reward_inputs = reward_inputs_for(
+            self.plan.modality, self.tokenizer, cfg.worker.reward.skip_special_tokens
+        )
+        self.keep_val_samples = validation_samples_for(self.plan.modality, cfg.trainer.save_checkpoint_path)
         # how prompts become rows (a RolloutLoop); validation and greedy baselines always take one session per call
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -236,18 +241,9 @@ class Trainer(RunFolder):
         return scores, metrics
 
     def score_rows(self, batch: Batch) -> Scored:
-        """Decode the responses and call the reward function: per-sample scores, the manager's metrics, the texts."""
-        lengths = batch["response_mask"].sum(dim=1).tolist()
-        texts = self.tokenizer.batch_decode(
-            [r[: int(n)] for r, n in zip(batch["responses"].tolist(), lengths)],
-            skip_special_tokens=self.cfg.worker.reward.skip_special_tokens,
-        )
-        inputs = [
-            {**row, "prompt": prompt, "response": text, "response_length": int(n), "ground_truth": gt}
-            for row, prompt, text, n, gt in zip(
-                batch["row"], batch["raw_prompt"], texts, lengths, batch["ground_truth"]
-            )
-        ]
+        """The reward function's inputs for the rows (decoded responses, or images: `reward_inputs`) and its call:
+        per-sample scores, the manager's metrics, the texts."""
+        inputs, texts = self.reward_inputs(batch)
         scores, metrics = self.reward.score(inputs)
         return scores, metrics, texts
 
@@ -325,6 +321,8 @@ class Trainer(RunFolder):
             seed = derive_seed(VALIDATION_STREAM, start, "attempt")
             batch = self.generate(prompts.batch, seed, {}, overrides, self.one_session)
             batch = batch.slice(0, prompts.real * int(overrides.get("n", 1)))
+            if self.keep_val_samples is not None:  # images beside the run (the report's grids)
+                self.keep_val_samples(batch, self.global_step, start, int(overrides.get("n", 1)))
             scores, reward_metrics = self.score(batch)
             reward_errors += sum(reward_metrics[k] for k in ("reward/errors", "reward/timeouts", "reward/invalid"))
             all_scores += scores

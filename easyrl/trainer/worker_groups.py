@@ -126,9 +126,7 @@ class Workers:
         self, cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, media: dict[str, int] | None = None
     ) -> None:
         from easyrl.distributed import ResourcePool
-        from easyrl.workers.actor import ActorWorker
         from easyrl.workers.critic import CriticWorker
-        from easyrl.workers.ref import RefWorker
         from easyrl.workers.teacher import TeacherWorker
 
         gpu = plan.use_gpu
@@ -155,11 +153,12 @@ class Workers:
         try:
             tp = plan.ranks_per_engine
             sp = cfg.worker.actor.sp_size  # the reference follows the actor's split (ulysses x ring)
+            actor_cls, ref_cls = role_classes(plan.modality)
             self.actor = group_cls(
-                ActorWorker, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
+                actor_cls, self.pool, "actor", specs.actor, ranks_per_engine=tp, ranks_per_dp=sp, **share
             )
             if specs.ref is not None:
-                self.ref = group_cls(RefWorker, self.pool, "ref", specs.ref, ranks_per_dp=sp, **share)
+                self.ref = group_cls(ref_cls, self.pool, "ref", specs.ref, ranks_per_dp=sp, **share)
             if specs.critic is not None:
                 csp = cfg.worker.critic.ulysses_size
                 self.critic = group_cls(CriticWorker, self.pool, "critic", specs.critic, ranks_per_dp=csp, **share)
@@ -259,6 +258,27 @@ class Workers:
         self.pool.remove()
         if self.rollout_pool is not None:
             self.rollout_pool.remove()
+
+
+ROLE_CLASSES: dict[str, tuple[str, str]] = {
+    "text": ("easyrl.workers.actor:ActorWorker", "easyrl.workers.ref:RefWorker"),
+    "diffusion": ("easyrl.diffusion.actor:DenoiserActorWorker", "easyrl.diffusion.actor:DenoiserRefWorker"),
+}
+"""(actor, reference) worker classes by `RunPlan.modality`, beside `role_specs.ROLE_SPECS`; as import paths so a text
+run never imports the denoiser's module. The denoiser's workers answer the LLM roles' calls: the rest is shared."""
+
+
+def role_classes(modality: str) -> tuple[type, type]:
+    """The (actor, reference) worker classes of `ROLE_CLASSES[modality]`."""
+    import importlib
+
+    def load(path: str) -> type:
+        module, name = path.split(":")
+        cls: type = getattr(importlib.import_module(module), name)
+        return cls
+
+    actor, ref = ROLE_CLASSES[modality]
+    return load(actor), load(ref)
 
 
 def start_backend(

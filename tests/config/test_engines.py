@@ -108,6 +108,12 @@ def test_the_built_in_engines_are_registered_with_their_records() -> None:
             "worker.rollout.sleep_level: 2, but the plain_hf engine declares no sleep levels: remove it (null), or use "
             "worker.rollout.name=vllm",
         ),
+        (
+            {"worker.rollout.name": "diffusers"},
+            "worker.rollout.name: diffusers, but the diffusers engine samples images from a diffusion pipeline and "
+            "worker.actor.model.model_path is not one (no model_index.json; worker.rollout.diffusion.enable): use "
+            "worker.rollout.name=hf or =vllm",
+        ),
     ],
 )
 def test_what_the_engine_did_not_declare_is_refused_naming_key_engine_and_fix(
