@@ -433,7 +433,8 @@ def _called_names(source: str) -> list[str]:
 def test_one_schedule_class_builds_the_rows() -> None:
     """Issue 43 item 3: synchronous is carry-over at S = 0. Rows are made from trajectories in one schedule,
     `CarryOverLoop` (no other module calls `rows_of`), and every loop the producer builds is it or a thin name for it
-    (`MultiTurnLoop`): no second schedule can drift from the first."""
+    (`MultiTurnLoop`): no second schedule can drift from the first. The producer builds the one-call loop only for
+    samples without tokens (`whole`: diffusion)."""
     from easyrl.rollout import carry_over, loop, multi_turn
 
     assert _called_names("rows.f(1)\ng(f)\nrows_of(x)\n") == ["f", "g", "rows_of"]
@@ -444,7 +445,11 @@ def test_one_schedule_class_builds_the_rows() -> None:
     built = {n for n in _called_names(producer) if isinstance(classes.get(n), type)}
     assert "CarryOverLoop" in built, "the producer builds the carry-over loop"
     others = sorted(n for n in built if not issubclass(classes[n], carry_over.CarryOverLoop))
-    assert not others, f"easyrl/rollout/producer.py builds {others}: build CarryOverLoop (at S = 0: synchronous)"
+    # Issue 48's one exception: an engine whose samples come whole from one call (a diffusion pipeline's images) has
+    # no tokens, trajectories or rows to build: its rows are the engine's, through the one-call loop.
+    assert others in ([], ["SingleTurnLoop"]), f"easyrl/rollout/producer.py builds {others}: build CarryOverLoop"
+    if others:
+        assert re.search(r"if whole:\n(?:\s+.*\n)*?\s+return SingleTurnLoop\(\)", producer), "only for whole samples"
 
 
 def _imported_roots(module: str) -> set[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig
-from easyrl.rollout.loop import RolloutLoop, Scorer
+from easyrl.rollout.loop import RolloutLoop, Scorer, SingleTurnLoop
 
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ def build_rollout_loop(
     staleness: int,
     tools: bool,
     beside: bool,
+    whole: bool = False,
 ) -> RolloutLoop:
     """The one schedule, `CarryOverLoop`, at the run's bound: `trainer.max_staleness` = 0 is the synchronous schedule
     (one engine session per batch, nothing kept between calls: docs/async.md, "S = 0"); S >= 1 keeps groups in flight
@@ -40,10 +41,14 @@ def build_rollout_loop(
     and `worker.rollout.stop_token_ids` as the engines do. The schedule and episode come decided (the trainer's run
     plan, `easyrl.trainer.plan`), not re-read: `engines`, how many engines a call is split over; `chunk_tokens`, the
     carry-over call's length; `staleness`, the bound; `tools`, the tool episode; `beside`, engines of their own that
-    generate while the policy trains."""
+    generate while the policy trains. `whole`: the engine returns each sample whole in one call (a diffusion
+    pipeline's images: no tokens to continue or carry over), so the loop is one engine call per batch."""
     from easyrl.rollout.carry_over import CarryOverLoop, never_draws
     from easyrl.rollout.multi_turn import ToolEpisode
 
+    if whole:
+        assert staleness == 0, "the config refuses trainer.max_staleness >= 1 for an engine without tokens"
+        return SingleTurnLoop()
     assert draw is not None or staleness == 0, "an asynchronous loop draws prompts of its own"
     rollout = cfg.worker.rollout
     per_step = cfg.data.rollout_batch_size
@@ -64,7 +69,7 @@ def build_rollout_loop(
 
 
 def one_session_loop(
-    cfg: EasyRLConfig, loop: RolloutLoop, engines: int, *, staleness: int, tools: bool
+    cfg: EasyRLConfig, loop: RolloutLoop, engines: int, *, staleness: int, tools: bool, whole: bool = False
 ) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines, which take one engine session per call and keep nothing
     in flight: the run's own at S = 0 (it keeps nothing between calls; with tools, they are part of what is
@@ -73,7 +78,7 @@ def one_session_loop(
     from easyrl.rollout.carry_over import CarryOverLoop, never_draws
     from easyrl.rollout.multi_turn import ToolEpisode
 
-    if staleness == 0:
+    if staleness == 0 or whole:
         return loop
     assert isinstance(loop, CarryOverLoop), "build_rollout_loop builds every schedule"
     return CarryOverLoop(

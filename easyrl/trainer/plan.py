@@ -71,7 +71,7 @@ class Backend(str, Enum):
 
 
 Schedule = Literal["synchronous", "carry_over"]
-Episode = Literal["single_turn", "tools"]
+Episode = Literal["single_turn", "tools", "whole_sample"]
 Modality = Literal["text", "diffusion"]
 
 
@@ -104,7 +104,8 @@ class RunPlan:
     schedule: Schedule
     """`synchronous` (one engine session per step) or `carry_over` (groups in flight across steps)."""
     episode: Episode
-    """`single_turn` (one completion per sample) or `tools` (`worker.rollout.multi_turn` turns)."""
+    """`single_turn` (one completion per sample), `tools` (`worker.rollout.multi_turn` turns) or `whole_sample` (an
+    engine that returns each sample whole in one call, with no tokens to carry over: a diffusion pipeline's images)."""
     modality: Modality
     """`text` (an LLM's token responses) or `diffusion` (a pipeline's images: `config.diffusion_run`); what the
     reward is given follows it (`trainer.reward_inputs`)."""
@@ -163,7 +164,7 @@ def plan_of(cfg: EasyRLConfig, task: str = "rl") -> RunPlan:
         logprob_ratio=effective_logprob_ratio(cfg),
         staleness=cfg.trainer.max_staleness,
         schedule="carry_over" if cfg.trainer.max_staleness > 0 else "synchronous",
-        episode="tools" if rollout.multi_turn.enabled else "single_turn",
+        episode=_episode(cfg),
         modality="diffusion" if is_diffusion_run(cfg) else "text",
         chunk_tokens=effective_chunk_tokens(cfg),
         needs=needs,
@@ -279,3 +280,11 @@ def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
         adaptive_entropy=alg.adaptive_entropy,
         bypass=alg.correction.bypass_mode,
     )
+
+
+def _episode(cfg: EasyRLConfig) -> Episode:
+    """What one sample is: a diffusion pipeline's image comes whole from one engine call (nothing to continue), a
+    tool run's trajectory takes turns, anything else is one completion."""
+    if is_diffusion_run(cfg):
+        return "whole_sample"
+    return "tools" if cfg.worker.rollout.multi_turn.enabled else "single_turn"

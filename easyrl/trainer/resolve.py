@@ -40,6 +40,7 @@ def rollout_loop(
         chunk_tokens=plan.chunk_tokens,
         staleness=plan.staleness,
         tools=plan.episode == "tools",
+        whole=plan.episode == "whole_sample",
         beside=plan.separate,
     )
 
@@ -47,7 +48,12 @@ def rollout_loop(
 def one_session_loop(cfg: EasyRLConfig, plan: RunPlan, loop: RolloutLoop) -> RolloutLoop:
     """The loop for validation and ReMax's greedy baselines (`easyrl.rollout.producer.one_session_loop`)."""
     return producer_one_session_loop(
-        cfg, loop, plan.rollout_engines, staleness=plan.staleness, tools=plan.episode == "tools"
+        cfg,
+        loop,
+        plan.rollout_engines,
+        staleness=plan.staleness,
+        tools=plan.episode == "tools",
+        whole=plan.episode == "whole_sample",
     )
 
 
