@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.config.worker import ActorConfig
-from easyrl.diffusion.memory import is_diffusion_run
 from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.plan import RunPlan, plan_of
 from easyrl.trainer.role_specs import cpu_threads
@@ -341,7 +341,7 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     from easyrl.trainer.worker_groups import build_data
 
     if is_diffusion_run(cfg):  # a pipeline: its own prompt, sample, reward call and plans
-        from easyrl.diffusion.check import run_diffusion_check
+        from easyrl.diffusion_check import run_diffusion_check
 
         return run_diffusion_check(cfg, gpu_memory_gib)
     out = sys.stdout

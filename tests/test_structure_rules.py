@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from tests.test_structure import MODULES, PACKAGE, _imports, _inside
+from tests.test_structure import MODULES, PACKAGE, _cycles, _graph, _imports, _inside
 
 
 def test_bubblewrap_is_a_core_dependency_and_no_isolation_is_never_picked() -> None:
@@ -584,3 +584,25 @@ def test_the_denoiser_trains_in_the_llm_update_loop() -> None:
     ]
     assert not calls, "train through easyrl.workers.forward_backward.update_model:\n" + "\n".join(calls)
     assert "update_model" in MODULES["easyrl.diffusion.actor"].read_text(encoding="utf-8")
+
+
+def _room(module: str) -> str:
+    """A room: a top-level module or package of easyrl (`easyrl.rollout.hf` is in `easyrl.rollout`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_circle_between_rooms() -> None:
+    """docs/architecture.md counts rooms, floors and arrows: a room importing one that imports it back (even through
+    others, even lazily in a function) has no floor. Issue 48's first layout had one (the rollout registry built the
+    diffusion engine, the diffusion room's check imported the memory plan, which reads the trainer's plan); the
+    engine registers itself from its own room now, and the diffusion check and memory plan are rooms of their own."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        if module == "easyrl":
+            continue
+        rooms.setdefault(_room(module), set()).update(
+            _room(t) for t in targets if _room(t) not in ("easyrl", _room(module))
+        )
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the check sees a circle of two rooms
+    circles = _cycles(rooms)
+    assert not circles, f"rooms importing each other: {circles}"

@@ -33,6 +33,7 @@ from easyrl.algorithms import agg_loss
 from easyrl.batch import Batch
 from easyrl.config.errors import ConfigError
 from easyrl.config.worker import ModelConfig
+from easyrl.diffusion import engine as _engine  # noqa: F401  (registers the `diffusers` engine this actor hosts)
 from easyrl.diffusion.policy import transition_kl, transition_log_probs
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryLevers, MemoryReporting, peak_memory

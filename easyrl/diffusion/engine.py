@@ -37,8 +37,10 @@ import torch
 from easyrl.algorithms.flow_grpo import sde_step, train_steps_mask
 from easyrl.batch import Batch
 from easyrl.config.diffusion import KEY, DiffusionConfig
+from easyrl.config.engines import BUILTIN_ENGINE_CAPABILITIES
 from easyrl.diffusion.policy import LATENTS, NEGATIVE_FIELDS, SIGMAS, TEXT_FIELDS, TIMESTEPS, denoiser_velocity
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, seeds_of_prompts
+from easyrl.rollout.registry import EngineContext, register_engine
 
 
 logger = logging.getLogger(__name__)
@@ -201,3 +203,12 @@ class DiffusionRolloutEngine(RolloutEngine):
 
     def discard(self) -> None:
         self.pipeline, self._params = None, {}
+
+
+# Registered here, not in `easyrl.rollout.registry` with hf and vllm: this engine stands on the diffusion room's
+# guided forward, and the rollout room imports nothing above it. Its host, the denoiser actor, imports this module.
+@register_engine("diffusers", capabilities=BUILTIN_ENGINE_CAPABILITIES["diffusers"])
+def _diffusers_engine(ctx: EngineContext) -> RolloutEngine:
+    model = ctx.spec.model
+    assert model.model_path is not None
+    return DiffusionRolloutEngine(model.model_path, ctx.device, ctx.dtype, ctx.spec.config.diffusion)

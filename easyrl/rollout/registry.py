@@ -1,5 +1,5 @@
 """Rollout engines by name: `worker.rollout.name` picks one. The built-ins are `hf`, `vllm` and `diffusers` (a
-diffusion pipeline, `easyrl.diffusion.engine`); a user's engine is registered from a file of `algorithm.user_modules`
+diffusion pipeline, registered by `easyrl.diffusion.engine` itself); a user's engine is registered from a file of `algorithm.user_modules`
 (imported on the driver, where the config validates the name, and in every worker, where the engine is built):
 
     from easyrl.rollout import EngineContext, register_engine
@@ -86,13 +86,18 @@ def register_engine(
 def engine_factory(name: str) -> EngineFactory:
     """The factory registered under `name`; a name never registered is one line listing the known ones."""
     engine_capabilities(name)  # a name never declared: the one line listing the known ones
+    if name not in _ENGINES:
+        raise ValueError(
+            f"rollout engine {name!r} is declared but not registered in this process: "
+            f"import {REGISTERED_ELSEWHERE.get(name, 'the module that registers it')} before building it"
+        )
     return _ENGINES[name]
 
 
 def engine_check(name: str) -> EngineCheck:
     """What `easyrl check` runs for the engine registered under `name`."""
     engine_capabilities(name)
-    return _CHECKS[name]
+    return _CHECKS.get(name, EngineCheck())  # an engine registered by a room of its own has no check to run here
 
 
 @register_engine("hf", capabilities=BUILTIN_ENGINE_CAPABILITIES["hf"])
@@ -113,13 +118,10 @@ def _vllm_engine(ctx: EngineContext) -> RolloutEngine:
     return VLLMRolloutEngine(ctx.spec, ctx.eos_token_ids, ctx.pad_token_id, ctx.media_per_prompt)
 
 
-@register_engine("diffusers", capabilities=BUILTIN_ENGINE_CAPABILITIES["diffusers"])
-def _diffusers_engine(ctx: EngineContext) -> RolloutEngine:
-    from easyrl.diffusion.engine import DiffusionRolloutEngine
-
-    model = ctx.spec.model
-    assert model.model_path is not None
-    return DiffusionRolloutEngine(model.model_path, ctx.device, ctx.dtype, ctx.spec.config.diffusion)
-
-
-assert set(_ENGINES) == set(BUILTIN_ENGINE_CAPABILITIES), "config.engines lists the built-in engines' capabilities"
+# `diffusers` is declared with the built-ins (the config validates it without importing torch) but registered by its
+# own room, `easyrl.diffusion.engine`, which the denoiser actor that hosts it imports: an engine built on the
+# diffusion room's guided forward cannot be built from here without the rollout room importing the room above it.
+REGISTERED_ELSEWHERE = {"diffusers": "easyrl.diffusion.engine"}
+assert set(_ENGINES) | set(REGISTERED_ELSEWHERE) == set(BUILTIN_ENGINE_CAPABILITIES), (
+    "config.engines lists the built-in engines' capabilities"
+)

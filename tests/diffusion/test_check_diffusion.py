@@ -129,7 +129,7 @@ def test_recipe_fits_its_gpus(recipe: str, model: str, params: str, sampling: st
     """The recipe loads and validates with the pipeline folder holding only the published configs, and its memory
     plan on 80 GiB GPUs finds no problem (the plan reads the configs alone)."""
     from easyrl.config import load_config
-    from easyrl.diffusion.check import print_diffusion_memory_plan
+    from easyrl.diffusion_check import print_diffusion_memory_plan
 
     monkeypatch.chdir(REPO)
     folder = _published_folder(tmp_path, model)

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from easyrl.config.diffusion import diffusion_enabled, pipeline_geometry, read_config_json
+from easyrl.config.diffusion import pipeline_geometry, read_config_json
 from easyrl.memory_plan import CUDA_CONTEXT_BYTES, DTYPE_BYTES, NCCL_BYTES, GiB
 
 
@@ -183,7 +183,3 @@ def diffusion_plan_problems(plan: DiffusionMemory) -> list[str]:
                 "(worker.actor.model.lora.rank), or add GPUs"
             )
     return problems
-
-
-def is_diffusion_run(cfg: Any) -> bool:
-    return diffusion_enabled(cfg.worker.rollout.diffusion.enable, cfg.worker.actor.model.model_path)

@@ -1,6 +1,6 @@
 """`easyrl check` for a diffusion config: the first prompt, one reward call on an image the pipeline samples for it
 at the config's resolution (a step or two: the reward's contract is checked, not the image's quality), the plan of
-roles and devices, and the denoiser's memory plan (`easyrl.diffusion.memory`)."""
+roles and devices, and the denoiser's memory plan (`easyrl.diffusion_memory`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from easyrl.config import EasyRLConfig
-from easyrl.diffusion.memory import (
+from easyrl.diffusion_memory import (
     PipelineShape,
     diffusion_plan_lines,
     diffusion_plan_problems,
@@ -128,7 +128,7 @@ def print_diffusion_memory_plan(cfg: EasyRLConfig, gpu_memory_gib: float | None)
     assert cfg.worker.actor.model.model_path is not None
     shape = PipelineShape.from_folder(cfg.worker.actor.model.model_path)
     plan = plan_diffusion_memory(shape, cfg, total)
-    print("== memory plan (one GPU, estimates: easyrl/diffusion/memory.py)", file=sys.stdout)
+    print("== memory plan (one GPU, estimates: easyrl/diffusion_memory.py)", file=sys.stdout)
     for line in diffusion_plan_lines(shape, plan, cfg):
         print(line, file=sys.stdout)
     problems = diffusion_plan_problems(plan)
