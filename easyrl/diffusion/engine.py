@@ -39,7 +39,7 @@ from easyrl.batch import Batch
 from easyrl.config.diffusion import KEY, DiffusionConfig
 from easyrl.config.engines import BUILTIN_ENGINE_CAPABILITIES
 from easyrl.diffusion.policy import LATENTS, NEGATIVE_FIELDS, SIGMAS, TEXT_FIELDS, TIMESTEPS, denoiser_velocity
-from easyrl.rollout.engine import RolloutEngine, SamplingParams, seeds_of_prompts
+from easyrl.rollout.engine import RolloutEngine, SamplingParams, copy_weights_into, seeds_of_prompts
 from easyrl.rollout.registry import EngineContext, register_engine
 
 
@@ -173,16 +173,9 @@ class DiffusionRolloutEngine(RolloutEngine):
         return [a.permute(1, 2, 0).cpu().numpy() for a in arrays]
 
     # ------------------------------------------------------------------ weights and memory
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The denoiser's new weights, under its own parameter names (``transformer``'s `named_parameters`)."""
-        loaded = 0
-        for name, tensor in weights:
-            target = self._params.get(name)
-            if target is None:
-                raise KeyError(f"the diffusion engine's transformer has no parameter {name!r}")
-            target.copy_(tensor.to(target.device, target.dtype))
-            loaded += 1
+        loaded = copy_weights_into(self._params, weights, "the diffusion engine's transformer")
         logger.debug("loaded %d tensors into the diffusion engine", loaded)
 
     def sleep(self) -> None:

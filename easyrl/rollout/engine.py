@@ -122,6 +122,20 @@ class EngineCheck:
         return None
 
 
+@torch.no_grad()
+def copy_weights_into(params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]], owner: str) -> int:
+    """Copy each named tensor of `weights` into `params` (a module's parameters by name) in place, so the tensors, tied
+    ones included, stay the same objects; a name the module lacks is one `KeyError` naming `owner`. Returns the count."""
+    loaded = 0
+    for name, tensor in weights:
+        target = params.get(name)
+        if target is None:
+            raise KeyError(f"{owner} has no parameter {name!r}")
+        target.copy_(tensor.to(target.device, target.dtype))
+        loaded += 1
+    return loaded
+
+
 def seeds_of_prompts(prompts: Batch, params: SamplingParams, unseeded: int) -> list[int]:
     """The seed of sample 0 of each prompt (sample `j` takes it plus `j`): the `sample_seed` column the driver
     attached to its whole batch before splitting it over the engines, so a prompt samples alike on any engine. A

@@ -31,7 +31,13 @@ from transformers import (
 
 from easyrl.batch import Batch
 from easyrl.models import generate_with_media, model_class_for
-from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
+from easyrl.rollout.engine import (
+    RolloutEngine,
+    SamplingParams,
+    assemble_sequences,
+    copy_weights_into,
+    seeds_of_prompts,
+)
 from easyrl.rollout.faults import InjectedEngineFault, next_fault
 
 
@@ -170,14 +176,6 @@ class HFRolloutEngine(RolloutEngine):
     def discard(self) -> None:
         self.model, self._params = None, {}
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaded = 0
-        for name, tensor in weights:
-            target = self._params.get(name)
-            if target is None:
-                raise KeyError(f"rollout model has no parameter {name!r}")
-            # in place: the tensors (tied ones included) stay the same objects
-            target.copy_(tensor.to(target.device, target.dtype))
-            loaded += 1
+        loaded = copy_weights_into(self._params, weights, "rollout model")
         logger.debug("loaded %d tensors into the HF rollout engine", loaded)
