@@ -316,6 +316,32 @@ def long_video(ctx: Context) -> Outcome:
     return Outcome(f"1,000-frame videos sampled to 8 frames; prompts {prompt:.0f} tokens; reward {reward}", rows)
 
 
+def diffusion_tiny(ctx: Context) -> Outcome:
+    """Issue 48: Flow-GRPO on the shipped tiny SD3-style pipeline (assets/demo_diffusion): the `diffusers` engine hosted
+    in the denoiser actor samples 4 SDE steps per image, the brightness reward scores the decoded images, the update
+    moves the denoiser. On a GPU: the engine, the guided forward and FSDP2 on a diffusers transformer on CUDA."""
+    demo = REPO / "assets" / "demo_diffusion"
+    edits = {
+        "worker.rollout.name": "diffusers",
+        "worker.rollout.diffusion.num_steps": 4,
+        "worker.rollout.diffusion.guidance_scale": 1.0,
+        "worker.rollout.diffusion.height": 32,
+        "worker.rollout.diffusion.width": 32,
+        "worker.rollout.diffusion.max_sequence_length": 8,
+        "worker.rollout.logprob_sample_ratio": None,
+        "algorithm.disable_kl": True,
+        "data.prompt_key": "prompt",
+        "data.answer_key": "answer",
+        "data.format_prompt": None,
+        "worker.reward.reward_function": str(REPO / "reward_functions" / "colour.py:brightness"),
+    }
+    rows, before, after = ctx.train(str(demo / "pipeline"), {"train": str(demo / "train.jsonl")}, edits, weights=True)
+    expect(moved(before, after, ""), "the denoiser did not move")
+    reward = [round(r["reward/overall"], 3) for r in rows]
+    expect(all(0.0 <= x <= 1.0 for x in reward), f"brightness outside [0, 1]: {reward}")
+    return Outcome(f"tiny SD3 pipeline, 4 SDE steps, 32x32 images; brightness {reward}", rows)
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -342,4 +368,5 @@ FEATURES = (
     _feature("kill9_resume", kill_and_resume, limit_s=120),
     _feature("inline_engine_healing", inline_engine_healing, limit_s=60),
     _feature("long_video", long_video, limit_s=60),
+    _feature("diffusion_tiny", diffusion_tiny, limit_s=60),
 )
