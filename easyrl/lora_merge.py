@@ -47,6 +47,22 @@ def _pair(reader: ShardedReader, module: str) -> tuple[torch.Tensor, torch.Tenso
     return reader.full_tensor(names[0]), reader.full_tensor(names[1])
 
 
+@torch.no_grad()
+def fold_adapters(
+    reader: ShardedReader, info: dict[str, Any], weights: dict[str, torch.Tensor], base_dir: str
+) -> float:
+    """Add each adapted module's B @ A x alpha / rank into its base weight in `weights` (in place); a module the base
+    lacks is one `CheckpointError`. Returns the scale. LLMs and diffusion denoisers fold the same way."""
+    scale = float(info["alpha"]) / float(info["rank"])
+    for module in info["modules"]:
+        weight = weights.get(f"{module}.weight")
+        if weight is None:
+            raise CheckpointError(f"{reader.folder}: adapted module {module} has no weight in {base_dir}")
+        a, b = _pair(reader, module)
+        weight.add_((b.float() @ a.float()).to(weight.dtype) * scale)
+    return scale
+
+
 def merged_source(
     reader: ShardedReader, info: dict[str, Any], tied: bool
 ) -> tuple[list[str], Callable[[str], torch.Tensor]]:
@@ -62,14 +78,7 @@ def merged_source(
         )
     model = load_model(ModelConfig(model_path=base_dir, enable_gradient_checkpointing=False))
     tensors, aliases = model_tensors(model)
-    scale = float(info["alpha"]) / float(info["rank"])
-    with torch.no_grad():
-        for module in info["modules"]:
-            weight = tensors.get(f"{module}.weight")
-            if weight is None:
-                raise CheckpointError(f"{reader.folder}: adapted module {module} has no weight in {base_dir}")
-            a, b = _pair(reader, module)
-            weight.add_((b.float() @ a.float()).to(weight.dtype) * scale)
+    scale = fold_adapters(reader, info, tensors, base_dir)
     names = list(tensors) + ([] if tied else [a for a in aliases if a not in tensors])
     logger.info(
         "folded %d adapters (scale %g) into the base model read from %s", len(info["modules"]), scale, base_dir

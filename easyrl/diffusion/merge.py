@@ -93,16 +93,10 @@ def _tensors(
     if lora is None:
         names = reader.names() + [a for a in reader.aliases if a not in reader.infos]
         return names, lambda n: reader.full_tensor(reader.aliases.get(n, n) if n not in reader.infos else n)
-    from easyrl.lora_merge import _pair
+    from easyrl.lora_merge import fold_adapters
 
     state = _load_component(base_dir).state_dict()
-    scale = float(lora["alpha"]) / float(lora["rank"])
-    for module in lora["modules"]:
-        weight = state.get(f"{module}.weight")
-        if weight is None:
-            raise CheckpointError(f"{reader.folder}: adapted module {module} has no weight in {base_dir}")
-        a, b = _pair(reader, module)
-        weight.add_((b.float() @ a.float()).to(weight.dtype) * scale)
+    scale = fold_adapters(reader, lora, state, base_dir)
     logger.info("folded %d adapters (scale %g) into %s", len(lora["modules"]), scale, base_dir)
     return list(state), lambda n: state[n]
 
