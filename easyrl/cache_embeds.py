@@ -68,7 +68,8 @@ def warm_cache(cfg: EasyRLConfig) -> dict[str, float]:
             with torch.no_grad():
                 for pixels, grid in (("pixel_values_videos", "video_grid_thw"), ("pixel_values", "image_grid_thw")):
                     if pixels in media:
-                        reuse.features(media[pixels].to(device), media[grid].to(device))
+                        # in the dtype the run's tower receives them (FSDP casts a forward's inputs): same key
+                        reuse.features(media[pixels].to(device, DTYPES[compute]), media[grid].to(device))
             rows += 1
     return {
         "rows": rows,

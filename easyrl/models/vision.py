@@ -264,6 +264,7 @@ def generate_with_media(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     multi_modal_inputs: Sequence[dict[str, torch.Tensor] | None] | None,
+    encoder_outputs: dict[str, Any] | None = None,
     **generate_kwargs: Any,
 ) -> Any:
     """``model.generate`` for left-padded prompts whose rows carry media (one dict per row, already repeated for
@@ -273,11 +274,20 @@ def generate_with_media(
     positions), and clears the model's cached ``rope_deltas`` afterwards so later forwards start clean. The vision
     special tokens are never sampled: a ``<|image_pad|>`` in a response would be taken for an image slot by every
     later forward pass ("Image features and image tokens do not match").
+
+    ``encoder_outputs``: the vision tower's outputs of some media kinds (``{"image" | "video": TowerFeatures}``,
+    `easyrl.rollout.media_embeds`), passed as transformers' ``mm_encoder_outputs`` in place of those kinds' pixels:
+    the model scatters them into the prompt's embeddings without running its tower; the grids still go in, so the
+    3D positions come from the token ids and grids as with pixels.
     """
     media = stack_media(list(multi_modal_inputs or []))
     device = input_ids.device
     generate_kwargs = _suppress_media_tokens(model.config, generate_kwargs)
-    extra: dict[str, Any] = {k: v.to(device) for k, v in media.items()}
+    taken = {"image": "pixel_values", "video": "pixel_values_videos"}
+    skip = {taken[kind] for kind in encoder_outputs or {}}
+    extra: dict[str, Any] = {k: v.to(device) for k, v in media.items() if k not in skip}
+    if encoder_outputs:
+        extra["mm_encoder_outputs"] = dict(encoder_outputs)  # generate adds the kinds it encodes to this dict
     for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in extra:
             extra[key] = extra[key].to(_param_dtype(model))

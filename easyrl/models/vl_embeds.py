@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from easyrl.models.dtypes import DTYPES
 from easyrl.models.embed_cache import EmbedCache, content_digest, entry_key
 
 
@@ -112,6 +113,23 @@ class EmbedReuse:
 
     def _key(self, pixels: torch.Tensor, grid: torch.Tensor) -> str:
         return entry_key(content_digest(pixels, grid), self.settings, self.version or "trained")
+
+    def lookup(self, pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor] | None:
+        """The held outputs (``pooler``, then deepstack outputs; on the host) of one item, `pixels` (rows, D) and
+        `grid` (3,) as the data pipeline made them, without running the tower: from the memo, else the disk cache;
+        None when not held, or when the tower is trained (its outputs of an earlier step are stale)."""
+        if self.version is None:
+            return None
+        # The key digests the pixels in the dtype the tower's forward receives them: FSDP's mixed precision casts
+        # a forward's float inputs to the parameter dtype (`compute_dtype`), so a bf16 run keys bf16 patches.
+        dtype = DTYPES.get(str(self.settings.get("compute_dtype")), pixels.dtype)
+        key = self._key(pixels.to(dtype), grid)
+        hit = _MEMO.get(key)
+        if hit is None and self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                _MEMO.put(key, hit)
+        return hit
 
     def features(self, pixels: torch.Tensor, grid: torch.Tensor, *args: Any, **kwargs: Any) -> TowerFeatures:
         """Stand-in for ``get_video_features`` / ``get_image_features``: (rows, D) patches and (n, 3) grids ->

@@ -21,6 +21,7 @@ from easyrl.seeding import SEED_COLUMN, prompt_seeds
 
 if TYPE_CHECKING:
     from easyrl.config import EasyRLConfig
+    from easyrl.rollout.media_embeds import MediaEmbeds
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class RolloutEngine(ABC):
 
     discards_weights_on_sleep = False
     """Whether `sleep` drops the weights (vLLM sleep level 2): they must be loaded again before generating."""
+    media_embeds: MediaEmbeds | None = None
+    """Where the engine takes held vision-tower outputs from in place of pixels, and its counts of both
+    (`easyrl.rollout.media_embeds`; set by the `RolloutWorker` for a vision-language policy)."""
     loads_tied_aliases = False
     """Whether `load_weights` needs a tied parameter under each of its names (vLLM: its in-place reload processes
     each layer from what it is given), or once (the HF engine, whose tied head is its embedding)."""

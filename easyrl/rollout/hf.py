@@ -14,6 +14,7 @@ generator is an exact draw from the softmax of those scores. `generate` then run
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -39,6 +40,7 @@ from easyrl.rollout.engine import (
     seeds_of_prompts,
 )
 from easyrl.rollout.faults import InjectedEngineFault, next_fault
+from easyrl.rollout.media_embeds import batch_outputs
 
 
 logger = logging.getLogger(__name__)
@@ -110,12 +112,17 @@ class HFRolloutEngine(RolloutEngine):
         # Every name, aliases included: a tied head's name maps to the embedding tensor itself, so weights sent under
         # either name land in the one tensor.
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        takes = "mm_encoder_outputs" in inspect.signature(self.model.forward).parameters
+        self._no_embeds = None if takes else f"{type(self.model).__name__} takes no pre-encoded media"
+        """Why this model's media always go as pixels (None: it takes tower outputs, `mm_encoder_outputs`)."""
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         input_ids = prompts["input_ids"].to(self.device)
         attention_mask = prompts["attention_mask"].to(self.device)
         media = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
+        # Tower outputs the actor holds go in place of their pixels (easyrl.rollout.media_embeds), n times per row.
+        held = batch_outputs(self.media_embeds, media or [], params.n, self._no_embeds)
         # Sample j of prompt p is row p * n + j, as in the vLLM engine and the seeds below.
         if params.n > 1:
             input_ids = input_ids.repeat_interleave(params.n, dim=0)
@@ -145,7 +152,7 @@ class HFRolloutEngine(RolloutEngine):
             processors.append(FailAtStep(fault, min(2, params.max_tokens)))
         extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
         out: Any = generate_with_media(
-            self.model, input_ids, attention_mask, media, generation_config=gen_cfg, **extra
+            self.model, input_ids, attention_mask, media, held, generation_config=gen_cfg, **extra
         )
         prompt_len = input_ids.shape[1]
         responses = out.sequences[:, prompt_len:]  # generate returns the prompt and the new tokens

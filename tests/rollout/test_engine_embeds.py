@@ -1,0 +1,135 @@
+"""The rollout engine takes the vision tower's outputs the actor holds instead of pixels (easyrl.rollout.media_embeds):
+the same greedy tokens and log-probs as from pixels, and the engine's own tower never runs; pixels (counted, said
+once) when the tower is trained or an item was never encoded."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from easyrl.batch import Batch
+from easyrl.data.multimodal import encode_multimodal_prompt
+from easyrl.models import load_processor, vision_tower
+from easyrl.models.embed_cache import tower_version
+from easyrl.models.vl_embeds import EmbedReuse, install_embed_reuse, tower_settings
+from easyrl.rollout import SamplingParams
+from easyrl.rollout.hf import HFRolloutEngine
+from easyrl.rollout.media_embeds import MEDIA_KINDS, MediaEmbeds
+from easyrl.seeding import SEED_COLUMN
+from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
+from tests.models.test_vl_embeds import DATA_CFG, write_video
+
+
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=6, logprobs=True)
+
+
+@pytest.fixture(scope="module", params=VL_ARCHS)
+def vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Batch, Path]:
+    root = tmp_path_factory.mktemp("vl")
+    path = build_tiny_vl_checkpoint(root / request.param, request.param)
+    processor = load_processor(path)
+    return path, processor, _prompts(processor, root), root
+
+
+def _prompts(processor: Any, root: Path, seed: int = 3) -> Batch:
+    """Three left-padded prompts: an image; an image and a video; text only (`seed`: the media's content)."""
+    video = write_video(root / f"clip{seed}.mp4", seed=seed)
+    specs: list[tuple[str, list[Image.Image], list[str]]] = [
+        ("Shape? <image>", [Image.new("RGB", (64, 48), (255, seed, 0))], []),
+        ("Same as <image> in <video>?", [Image.new("RGB", (32, 32), (0, 9, seed))], [video]),
+        ("What is 2+2?", [], []),
+    ]
+    encoded = [
+        encode_multimodal_prompt(processor, [{"role": "user", "content": text}], images, videos, DATA_CFG)
+        for text, images, videos in specs
+    ]
+    width = max(len(e["input_ids"]) for e in encoded)
+    ids = torch.full((len(encoded), width), processor.tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(encoded):
+        ids[row, width - len(e["input_ids"]) :] = torch.tensor(e["input_ids"])
+        mask[row, width - len(e["input_ids"]) :] = 1
+    media = [e.get("multi_modal_inputs") or None for e in encoded]
+    tensors = {"input_ids": ids, "attention_mask": mask, SEED_COLUMN: torch.arange(len(encoded))}
+    return Batch(tensors, {"multi_modal_inputs": media})
+
+
+def _actor_encodings(path: str, prompts: Batch, frozen: bool = True) -> EmbedReuse:
+    """The actor's side, for real: a policy model of its own with `EmbedReuse` installed, encoding every item of the
+    prompts once (as its old-log-prob pass would), which keeps a frozen tower's outputs in the memo."""
+    actor = AutoModelForImageTextToText.from_pretrained(path).eval()
+    tower = vision_tower(actor)
+    assert tower is not None
+    version = tower_version(tower) if frozen else None
+    reuse = install_embed_reuse(actor, version, None, tower_settings(actor) | {"compute_dtype": "fp32"})
+    assert reuse is not None
+    with torch.no_grad():
+        for media in prompts["multi_modal_inputs"]:
+            for _, patches, grid in MEDIA_KINDS:
+                if media and patches in media:
+                    reuse.features(media[patches], media[grid])
+    return reuse
+
+
+def _engine(path: str, processor: Any) -> tuple[HFRolloutEngine, list[int]]:
+    tok = processor.tokenizer
+    engine = HFRolloutEngine(path, torch.device("cpu"), torch.float32, [tok.eos_token_id], tok.pad_token_id)
+    calls = [0]
+    tower = vision_tower(engine.model)
+    assert tower is not None
+    tower.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return engine, calls
+
+
+def test_hf_engine_generates_from_held_embeddings_as_from_pixels(vl: tuple[str, Any, Batch, Path]) -> None:
+    path, processor, prompts, _ = vl
+    engine, calls = _engine(path, processor)
+    expected = engine.generate(prompts, GREEDY)
+    assert calls[0] == 2  # pixels: the engine's tower ran, once per media kind of the call
+    assert expected["rollout_log_probs"].abs().sum() > 0
+
+    engine.media_embeds = MediaEmbeds(_actor_encodings(path, prompts))
+    calls[0] = 0
+    got = engine.generate(prompts, GREEDY)
+    assert calls[0] == 0, "the engine ran its vision tower although every item's embeddings were given"
+    assert torch.equal(got["responses"], expected["responses"])
+    torch.testing.assert_close(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5, rtol=1e-5)
+    # per prompt: two images and one video went as embeddings, none as pixels
+    assert engine.media_embeds.counts() == {"rollout/media_as_embeds": 3, "rollout/media_as_pixels": 0}
+
+
+def test_trained_tower_or_unencoded_items_go_as_pixels(
+    vl: tuple[str, Any, Batch, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    path, processor, prompts, root = vl
+    engine, calls = _engine(path, processor)
+    expected = engine.generate(prompts, GREEDY)
+    # a trained tower: the held outputs would be a step stale, so nothing is taken from it
+    engine.media_embeds = MediaEmbeds(_actor_encodings(path, prompts, frozen=False))
+    calls[0] = 0
+    with caplog.at_level(logging.INFO, logger="easyrl.rollout.media_embeds"):
+        got = engine.generate(prompts, GREEDY)
+        engine.generate(prompts, GREEDY)
+    assert calls[0] == 4
+    assert torch.equal(got["responses"], expected["responses"])
+    assert engine.media_embeds.counts() == {"rollout/media_as_embeds": 0, "rollout/media_as_pixels": 6}
+    said = [r.getMessage() for r in caplog.records if "as pixels" in r.getMessage()]
+    assert len(said) == 1 and "the vision tower is trained" in said[0], said  # once, with the reason
+
+    # a frozen tower that encoded only the first prompt's image of new media: the second prompt's image and video
+    # were never encoded (its images go as pixels with the first's: a kind goes one way per call)
+    fresh = _prompts(processor, root, seed=50)
+    engine.media_embeds = MediaEmbeds(_actor_encodings(path, fresh.slice(0, 1)))
+    calls[0] = 0
+    engine.generate(fresh, GREEDY)
+    assert calls[0] == 2
+    assert engine.media_embeds.counts() == {"rollout/media_as_embeds": 0, "rollout/media_as_pixels": 3}
+    engine.generate(fresh.slice(0, 1), GREEDY)  # the first prompt alone: all its items held
+    assert calls[0] == 2
+    assert engine.media_embeds.counts() == {"rollout/media_as_embeds": 1, "rollout/media_as_pixels": 0}
