@@ -144,6 +144,9 @@ class FamilyProfile:
     backbone + head, as the thinker's audio merge)."""
     mm_token_types: bool = True
     """A vision-language forward takes ``mm_token_type_ids`` (Qwen-VL needs it whenever grids are passed)."""
+    vllm_embeds: bool = False
+    """vLLM's embedding inputs (tower outputs + grids in place of pixels) give it the prompt its pixels give: the grid
+    alone sizes the placeholders (`easyrl.rollout.media_embeds`; Qwen3-VL's also need timestamps and deepstack)."""
     qkv_bias: bool = False
     """q/k/v projections carry biases when the config does not say (``attention_bias`` absent: Qwen2 always has them)."""
     qk_norm: bool = False
@@ -196,7 +199,7 @@ FAMILIES: dict[str, FamilyProfile] = {
         _text("qwen3", "Qwen3", qk_norm=True),
         _text("qwen3_moe", "Qwen3 MoE", qk_norm=True),
         _text("llama", "Llama"),
-        _vl("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLProcessor", qkv_bias=True),
+        _vl("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLProcessor", qkv_bias=True, vllm_embeds=True),
         # the Qwen3-VL MoE and Qwen3.5 families ship Qwen3-VL's processor (as transformers' processing_auto maps them)
         _vl("qwen3_vl", "Qwen3-VL", "Qwen3VLProcessor", qk_norm=True),
         _vl("qwen3_vl_moe", "Qwen3-VL MoE", "Qwen3VLProcessor", qk_norm=True),

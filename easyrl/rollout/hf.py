@@ -122,7 +122,7 @@ class HFRolloutEngine(RolloutEngine):
         attention_mask = prompts["attention_mask"].to(self.device)
         media = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
         # Tower outputs the actor holds go in place of their pixels (easyrl.rollout.media_embeds), n times per row.
-        held = batch_outputs(self.media_embeds, media or [], params.n, self._no_embeds)
+        held = batch_outputs(self.media_embeds, media or [], params.n, self._no_embeds, self.device)
         # Sample j of prompt p is row p * n + j, as in the vLLM engine and the seeds below.
         if params.n > 1:
             input_ids = input_ids.repeat_interleave(params.n, dim=0)

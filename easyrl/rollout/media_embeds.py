@@ -10,12 +10,12 @@ tower outputs instead of the pixels:
   embeddings itself; the grids still go in, so the 3D positions are built from the token ids as with pixels);
 * the vLLM engine passes ``{"image_embeds" | "video_embeds", "*_grid_thw"}`` dicts in ``multi_modal_data``
   (vLLM's embedding inputs, ``enable_mm_embeds``), for the families whose embedding route it serves exactly
-  (`VLLM_EMBED_FAMILIES`).
+  (`FamilyProfile.vllm_embeds`: Qwen2.5-VL).
 
 When does the engine take pixels? The tower is trained (its held outputs are of an earlier step: stale), the
 engine runs in a process without the actor (`worker.rollout.placement: separate`), the family has no embedding
 route, or an item was never encoded yet (the first epoch without `easyrl cache-embeds`). Each reason is logged
-once, never silently, and every call counts its items (`rollout/media_as_embeds`, `rollout/media_as_pixels`).
+once, never silently, and every call counts its items (`perf/rollout_items_as_embeds`, `perf/rollout_items_as_pixels`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ from typing import Any, Protocol
 import torch
 
 
-__all__ = ["MEDIA_KINDS", "VLLM_EMBED_FAMILIES", "EmbedLookup", "MediaEmbeds"]
+__all__ = [
+    "MEDIA_KINDS",
+    "NOT_HELD",
+    "EmbedLookup",
+    "MediaEmbeds",
+    "batch_outputs",
+    "row_embeds",
+]
 
 logger = logging.getLogger(__name__)
 
 MEDIA_KINDS = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 """(kind, patches key, grid key) of each media kind in a row's ``multi_modal_inputs``."""
-VLLM_EMBED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-"""Model types whose vLLM embedding inputs give the prompt the pixels give: the grid alone sizes the placeholders.
-(Qwen3-VL's video embeddings also need the frame timestamps and the deepstack outputs concatenated: not wired.)"""
+NOT_HELD = "an item the actor has not encoded yet (the first epoch: `easyrl cache-embeds` fills data.cache_dir ahead)"
 
 
 class EmbedLookup(Protocol):
@@ -85,7 +90,7 @@ class MediaEmbeds:
         if items == 0:
             return
         self.as_pixels += items
-        reason = why or (self.why_not if self.source is None else "an item not encoded by the actor yet")
+        reason = why or (self.why_not if self.source is None else NOT_HELD)
         if reason not in self._said:
             self._said.add(reason)
             logger.info("rollout: media go to the engine as pixels (it encodes them itself): %s", reason)
@@ -95,8 +100,8 @@ class MediaEmbeds:
         last = self._seen
         self._seen = (self.as_embeds, self.as_pixels)
         return {
-            "rollout/media_as_embeds": self.as_embeds - last[0],
-            "rollout/media_as_pixels": self.as_pixels - last[1],
+            "perf/rollout_items_as_embeds": self.as_embeds - last[0],
+            "perf/rollout_items_as_pixels": self.as_pixels - last[1],
         }
 
 
@@ -115,12 +120,16 @@ def item_count(media: dict[str, Any] | None, kind: str) -> int:
 
 
 def batch_outputs(
-    embeds: MediaEmbeds | None, rows: list[dict[str, Any] | None], repeat: int, why_not: str | None = None
+    embeds: MediaEmbeds | None,
+    rows: list[dict[str, Any] | None],
+    repeat: int,
+    why_not: str | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """transformers' ``mm_encoder_outputs`` for a generate call over `rows` (one media dict per prompt), each row
     repeated `repeat` times in place (its n samples): for each kind whose items are all held, a `TowerFeatures`
     (one tensor per item, in the order of the pad runs). A kind not all held goes as pixels (counted). `why_not`:
-    the model takes no pre-encoded media at all."""
+    the model takes no pre-encoded media at all. The outputs are moved to `device` (held ones live on the host)."""
     from easyrl.models.vl_embeds import TowerFeatures
 
     out: dict[str, Any] = {}
@@ -135,7 +144,7 @@ def batch_outputs(
         if any(found is None for found in per_row):
             embeds.pixels(items)
             continue
-        held = [found or [] for found in per_row]
+        held = [[[t.to(device) for t in item] for item in found or []] for found in per_row]
         flat = [item for found in held for _ in range(repeat) for item in found]  # row p's samples: p*n .. p*n+n-1
         deep = len(flat[0]) - 1
         out[kind] = TowerFeatures(
@@ -143,4 +152,37 @@ def batch_outputs(
             [tuple(item[1 + i] for item in flat) for i in range(deep)] if deep else None,
         )
         embeds.took_embeds(items)
+    return out
+
+
+def row_embeds(
+    embeds: MediaEmbeds | None, media: dict[str, Any] | None, why_not: str | None = None
+) -> dict[str, dict[str, torch.Tensor]] | None:
+    """vLLM's embedding inputs for one prompt's media when every item is held: per kind present,
+    ``{"<kind>_embeds": (tokens, H) of its items in order, "<kind>_grid_thw": (items, 3)}``. None: the row goes as
+    pixels (counted; `why_not` says why when the row cannot take embeddings at all). {}: no media."""
+    counts = {kind: item_count(media, kind) for kind, _, _ in MEDIA_KINDS}
+    total = sum(counts.values())
+    if total == 0 or embeds is None:
+        return {} if total == 0 else None
+    if why_not is not None:
+        embeds.pixels(total, why_not)
+        return None
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for kind, _, grid_key in MEDIA_KINDS:
+        if counts[kind] == 0:
+            continue
+        found = embeds.kind_outputs(media, kind)
+        if found is None:
+            embeds.pixels(total)
+            return None
+        if any(len(item) > 1 for item in found):  # deepstack outputs: vLLM wants them concatenated (not wired)
+            embeds.pixels(total, "the tower has deepstack outputs")
+            return None
+        assert media is not None
+        out[kind] = {
+            f"{kind}_embeds": torch.cat([item[0] for item in found]),
+            f"{kind}_grid_thw": torch.as_tensor(media[grid_key]),
+        }
+    embeds.took_embeds(total)
     return out

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -37,9 +38,11 @@ from transformers import AutoConfig
 from easyrl.batch import Batch
 from easyrl.config.worker import LoraConfig
 from easyrl.models import media_token_ids
+from easyrl.models.family import family_of
 from easyrl.models.weight_layout import checkpoint_layout
 from easyrl.rollout.engine import RolloutEngine, SamplingParams, assemble_sequences, seeds_of_prompts
 from easyrl.rollout.faults import InjectedEngineFault, next_fault
+from easyrl.rollout.media_embeds import row_embeds
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.rollout.vllm_args import extra_engine_args
 
@@ -109,6 +112,8 @@ class VLLMRolloutEngine(RolloutEngine):
             "image": getattr(hf_config, "image_token_id", None),
             "video": getattr(hf_config, "video_token_id", None),
         }
+        self._no_embeds: str | None = None
+        """Why this engine takes no tower outputs in place of pixels (None: it takes them when held)."""
         if self.media_token_ids:
             # vLLM runs the model's own processor on the media, which needs the tokenizer.
             engine_args["skip_tokenizer_init"] = False
@@ -120,14 +125,32 @@ class VLLMRolloutEngine(RolloutEngine):
                 "image": max(1, media.get("image", 0)),
                 "video": media.get("video", 0),
             }
+            engine_args |= self._embeds_args(hf_config, mcfg.freeze_vision_tower)
         engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         engine_args |= _tensor_parallel_args(rcfg.tensor_parallel_size, on_gpu)
         # `worker.rollout.engine_kwargs` last: the user's value wins over what easyrl derives (the keys easyrl sets
         # from its own config are refused); the Gated DeltaNet prefill kernel is chosen from the model (vllm_args).
         engine_args |= extra_engine_args(rcfg, hf_config, on_gpu)
+        if self._no_embeds is None and self.media_token_ids and not engine_args.get("enable_mm_embeds"):
+            self._no_embeds = "worker.rollout.engine_kwargs turned enable_mm_embeds off"
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
+
+    def _embeds_args(self, hf_config: Any, frozen_tower: bool) -> dict[str, Any]:
+        """vLLM's embedding inputs (`enable_mm_embeds`) when this engine may take held tower outputs: a frozen tower
+        of a family whose embedding route gives the prompt its pixels give (`FamilyProfile.vllm_embeds`).
+        Otherwise `_no_embeds` says why every item goes as pixels."""
+        from vllm.engine.arg_utils import EngineArgs
+
+        family = family_of(hf_config)
+        if not family.vllm_embeds:
+            self._no_embeds = f"easyrl gives vLLM no {family.title} embeddings (only the pixels' prompt is checked)"
+        elif not frozen_tower:
+            self._no_embeds = "the vision tower is trained (worker.actor.model.freeze_vision_tower=false)"
+        elif "enable_mm_embeds" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+            self._no_embeds = "this vLLM has no enable_mm_embeds"
+        return {} if self._no_embeds else {"enable_mm_embeds": True}
 
     def _lora_args(self, lora: LoraConfig, sync: WeightSync) -> dict[str, Any]:
         """vLLM's LoRA settings when it serves the adapters itself (`WeightSync.ADAPTER`), else none: the base
@@ -153,6 +176,9 @@ class VLLMRolloutEngine(RolloutEngine):
         n = params.n
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
         media = list(prompts["rollout_prompt"]) if "rollout_prompt" in prompts else [None] * len(input_ids)
+        # The actor's held tower outputs in place of a row's pixels, where all its items are held (media_embeds).
+        processed = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else [None] * len(media)
+        held = [row_embeds(self.media_embeds, m, embeds_refusal(self._no_embeds, m)) for m in processed]
         rows = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]  # the prompts without their left padding
         # (first output row, samples) of each request; vLLM refuses n > 1 with greedy sampling: one request per
         # output row then (seeds do not matter).
@@ -161,7 +187,10 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             units = [(p * n + j, 1) for p in range(len(rows)) for j in range(n)]
         # `start // n`: the prompt of output row `start` (prompt p's samples are rows p * n .. p * n + n - 1).
-        requests = [vllm_request(rows[start // n], media[start // n], self.slot_token_ids) for start, _ in units]
+        requests = [
+            vllm_request(rows[start // n], media[start // n], self.slot_token_ids, held[start // n])
+            for start, _ in units
+        ]
         # Log-probs for a share of the requests, each with all its samples (vLLM asks per request).
         unit_logprobs = _logprob_sample(len(units), self.logprob_ratio if params.logprobs else 0.0)
         seeds = seeds_of_prompts(prompts, params, unseeded=self.cfg.seed)
@@ -301,11 +330,19 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.reset_prefix_cache()  # the woken KV cache holds nothing valid
 
 
-def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_token_ids: dict[str, int | None]) -> Any:
+def vllm_request(
+    ids: list[int],
+    rollout_prompt: dict[str, Any] | None,
+    slot_token_ids: dict[str, int | None],
+    embeds: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Any:
     """The vLLM prompt for one row: its token ids, or for a row with media the dataset's ``rollout_prompt`` (see
     :class:`easyrl.data.RLDataset`): the ids with one pad token per image / video, and the very pixels the actor's
     patches were cut from. vLLM's copy of the model processor expands the pads again from the pixels; it is told not
-    to resize them (they already tile into the model's patches), so it cuts the same patches as the actor."""
+    to resize them (they already tile into the model's patches), so it cuts the same patches as the actor.
+
+    `embeds` (`media_embeds.row_embeds`): the tower's outputs of every item of the row with their grids, given to
+    vLLM in place of the pixels; the pads are expanded from the grids alone, and the engine's tower does not run."""
     from PIL import Image
     from vllm.inputs import TokensPrompt
 
@@ -320,6 +357,10 @@ def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_tok
             raise ValueError(f"a prompt carries {kind}s but the model config has no {kind}_token_id")
         if prompt_ids.count(token) != len(items):
             raise ValueError(f"the prompt has {prompt_ids.count(token)} {kind} slots for {len(items)} {kind}s")
+    if embeds:
+        if set(embeds) != {kind for kind, items in media.items() if len(items)}:
+            raise ValueError(f"embeddings for {sorted(embeds)} but the prompt carries {sorted(media)}")
+        return TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data=dict(embeds))
     data: dict[str, Any] = {}
     if media.get("image"):
         data["image"] = [Image.fromarray(a) for a in media["image"]]  # uint8 arrays back to PIL images
@@ -327,6 +368,21 @@ def vllm_request(ids: list[int], rollout_prompt: dict[str, Any] | None, slot_tok
         # Frames already sampled (data.video_fps, max_frames): the metadata's indices give the timestamps.
         data["video"] = [(frames, meta | {"do_sample_frames": False}) for frames, meta in media["video"]]
     return TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data=data, mm_processor_kwargs={"do_resize": False})
+
+
+def embeds_refusal(engine_refusal: str | None, media: dict[str, Any] | None) -> str | None:
+    """Why a row's media (its ``multi_modal_inputs``) cannot go to the vLLM engine as embeddings: the engine's own
+    reason, or a video vLLM would place at other positions. None: they can, when held."""
+    if engine_refusal is not None or not media:
+        return engine_refusal
+    seconds = media.get("second_per_grid_ts")
+    # vLLM's embedding inputs carry no second_per_grid_ts: it then times a video's temporal patches 1 s apart, where
+    # the processor's patches are temporal_patch_size / fps apart (1 s at the default 2 fps)
+    if seconds is not None and bool((torch.as_tensor(seconds) != 1.0).any()):
+        return (
+            "a video whose temporal patches are not 1 s apart (vLLM's video embeddings assume 1 s: data.video_fps=2)"
+        )
+    return None
 
 
 def _check_media_expansion(out: Any, request: Any, expected: list[int], row: int) -> None:
