@@ -27,6 +27,7 @@ from easyrl.distributed.dispatch import Total
 from easyrl.distributed.memory import MemoryLedger
 from easyrl.models.dtypes import DTYPES
 from easyrl.rollout.engine import EngineFailedError, RolloutEngine, SamplingParams
+from easyrl.rollout.media_embeds import MediaEmbeds
 from easyrl.rollout.registry import EngineContext, engine_factory
 from easyrl.rollout.spec import RolloutSpec, WeightSync
 from easyrl.seeding import SEED_COLUMN
@@ -81,15 +82,20 @@ class RolloutWorker:
         ledger: MemoryLedger,
         media_per_prompt: dict[str, int] | None = None,
         sleeps: bool = True,
+        embeds: MediaEmbeds | None = None,
     ) -> None:
         """`sleeps`: the engine sleeps between sessions (it shares its device with training, the HybridEngine);
-        False keeps it resident (a device of its own): a session then only loads new weights."""
+        False keeps it resident (a device of its own): a session then only loads new weights. `embeds`: where the
+        engine takes held vision-tower outputs from in place of pixels (`easyrl.rollout.media_embeds`); None: a
+        process without the actor's encodings (every item goes as pixels, said once)."""
         self.spec = spec
         self.ledger = ledger
         self.sleeps = sleeps
         self.device, self.media_per_prompt = device, media_per_prompt
+        self.embeds = embeds or MediaEmbeds(None, "a rollout worker of its own holds no actor encodings")
         with ledger.building_engine():  # its pools, kept apart from the training figures
             self.engine = build_engine(spec, device, media_per_prompt)
+        self.engine.media_embeds = self.embeds
         self.stale = False  # the engine loaded the same checkpoint the policy did
         self.version = 0  # the initial checkpoint is policy version 0
         self.session_open = False
@@ -175,6 +181,9 @@ class RolloutWorker:
         # A Total: the driver's merge of a lifecycle call sums it over the ranks (the group's restarts), where it
         # takes the mean of the other figures.
         timing: dict[str, float] = {"rollout/engine_restarts": Total(self.restarts)}
+        media = self.embeds.counts()  # the session's media items, as tower outputs and as pixels (summed over ranks)
+        if any(media.values()):
+            timing |= {name: Total(count) for name, count in media.items()}
         if not self.sleeps:
             self.session_open = False
             return timing
@@ -236,6 +245,7 @@ class RolloutWorker:
         self.engine.discard()
         with self.ledger.building_engine():
             self.engine = build_engine(self.spec, self.device, self.media_per_prompt)
+        self.engine.media_embeds = self.embeds
         if self.pushed:  # else the checkpoint the new engine loaded is the policy version it held
             assert self.rebuild_source is not None
             self.receive_weights(self.rebuild_source, self.version)

@@ -21,7 +21,9 @@ from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
 from easyrl.distributed.weight_bus import BusAddress, TensorEntry, WeightBus, manifest_of, sender_address
+from easyrl.models.vl_embeds import embed_reuse_of
 from easyrl.rollout.engine import SamplingParams
+from easyrl.rollout.media_embeds import MediaEmbeds
 from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.forward_backward import (
     LossFn,
@@ -136,7 +138,10 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         # With separate placement the engines live in rollout workers of their own: this process only trains.
         self.rollout: RolloutWorker | None = None
         if self.spec.colocated_engine:
-            self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt)
+            # the engine takes the tower outputs this process holds (a frozen tower's) in place of their pixels
+            reuse = embed_reuse_of(self.trainable.module)
+            embeds = MediaEmbeds(reuse, "the policy has no vision-tower reuse") if media_per_prompt else None
+            self.rollout = RolloutWorker(self.spec.rollout, self.device, self.ledger, media_per_prompt, embeds=embeds)
             if int(os.environ.get("WORLD_SIZE", "1")) == 1:
                 # A dead engine is rebuilt with weights this rank gathers alone; over several ranks the gathers are
                 # collectives the other ranks are not in (they are generating): a rebuild there stops the run.

@@ -1,6 +1,7 @@
 """A video RL run with a frozen vision tower and `data.cache_dir` equals the run without it (rewards, log-probs,
 losses), encodes each video once per run (the second epoch and every later pass reuse it), and a fresh run on the
-filled cache encodes nothing: 2 FSDP2 workers, the HF engine, tiny Qwen2.5-VL, CPU."""
+filled cache encodes nothing; the HF engine takes the held outputs instead of pixels wherever the actor holds them:
+2 FSDP2 workers, tiny Qwen2.5-VL, CPU."""
 
 from __future__ import annotations
 
@@ -78,7 +79,15 @@ def test_cache_run_equals_plain_run_and_reuses(tmp_path: Path) -> None:
         assert all(r["perf/vision_items_encoded"] == 0 for r in rows[steps // 2 :])
         assert all(r["perf/vision_items_reused"] > 0 for r in rows)
     assert len(list(cache.glob("*/*.safetensors"))) == VIDEOS
+    # The rollout engine: epoch 1's videos were not encoded before its generate (pixels), epoch 2's are held by the
+    # actor's memo (the engine takes its outputs and runs no tower: easyrl.rollout.media_embeds)
+    for rows in (plain, cached):
+        assert all(r["perf/rollout_items_as_pixels"] > 0 for r in rows[: steps // 2])
+        assert all(r["perf/rollout_items_as_embeds"] == 0 for r in rows[: steps // 2])
+        assert all(r["perf/rollout_items_as_embeds"] > 0 for r in rows[steps // 2 :])
+        assert all(r["perf/rollout_items_as_pixels"] == 0 for r in rows[steps // 2 :])
     # A fresh run (new workers, empty memory) on the filled cache: every encoding comes from disk
     again, _, _ = run(tmp_path / "again", model, {"train": data["train"]}, edits, steps=steps)
     assert all(r["perf/vision_items_encoded"] == 0 for r in again)
+    assert all(r["perf/rollout_items_as_embeds"] > 0 and r["perf/rollout_items_as_pixels"] == 0 for r in again)
     _assert_same(again, plain)
