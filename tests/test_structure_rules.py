@@ -606,3 +606,46 @@ def test_no_circle_between_rooms() -> None:
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the check sees a circle of two rooms
     circles = _cycles(rooms)
     assert not circles, f"rooms importing each other: {circles}"
+
+
+TOWER_OUTPUT_SOURCES = ("easyrl.models.embed_cache", "easyrl.models.vl_embeds")
+"""Where held vision-tower outputs live (the disk cache, the actor's memo)."""
+
+
+def _tower_output_reads(source: str) -> list[int]:
+    """Lines of `source` that reach held tower outputs: importing their modules (other than the `TowerFeatures`
+    container), or calling ``.lookup(...)`` / naming ``_MEMO``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        imported = (
+            isinstance(node, ast.ImportFrom)
+            and node.module in TOWER_OUTPUT_SOURCES
+            and any(a.name != "TowerFeatures" for a in node.names)
+        ) or (isinstance(node, ast.Import) and any(a.name in TOWER_OUTPUT_SOURCES for a in node.names))
+        named = (isinstance(node, ast.Attribute) and node.attr in ("lookup", "_MEMO")) or (
+            isinstance(node, ast.Name) and node.id == "_MEMO"
+        )
+        if imported or named:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_tower_output_rule_catches_the_ways_to_reach_them() -> None:
+    source = (
+        "from easyrl.models.embed_cache import EmbedCache\nimport easyrl.models.vl_embeds\nx = reuse.lookup(p, g)\n"
+        "y = _MEMO\nfrom easyrl.models.vl_embeds import TowerFeatures\nz = table.get(k)\n"
+    )
+    assert _tower_output_reads(source) == [1, 2, 3, 4]
+
+
+def test_engines_take_tower_outputs_only_through_media_embeds() -> None:
+    """Issue 47 item 2: whether an engine gets a media item's held tower outputs or its pixels is decided in one
+    place, `easyrl.rollout.media_embeds` (frozen towers only, counted, each reason said once): no other module of
+    the rollout room reads the memo or the disk cache itself."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m.startswith("easyrl.rollout.") and m != "easyrl.rollout.media_embeds"
+        for line in _tower_output_reads(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "take tower outputs through easyrl.rollout.media_embeds:\n" + "\n".join(offenders)
