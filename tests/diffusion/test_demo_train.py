@@ -55,15 +55,17 @@ def test_two_steps_train_keep_validation_samples_and_merge_into_a_pipeline(tmp_p
     assert any(not (trained[k] == base[k]).all() for k in base)
 
 
-@pytest.mark.extended  # ~1 min alone, 1.5 min beside other jobs on 2 cores
-def test_the_demo_learns_brighter_images(tmp_path: Path) -> None:
-    """The demo as shipped (24 steps, ~1 min on 2 CPU cores) raises the brightness the tiny pipeline starts at: 0.460
-    -> 0.491 in validation, 0.46 -> 0.49 in training (docs/benchmarks.md); the margins leave room for float order."""
+@pytest.mark.extended  # 24 steps: ~6 min on 2 cores shared with other jobs (load ~12)
+def test_the_demo_learns_the_colour_its_prompt_names(tmp_path: Path) -> None:
+    """The demo as shipped (24 steps) raises the colour reward (`reward_functions/colour.py`: the share of the colour
+    the prompt names) from 0.397 to 0.62 in validation, and from 0.41 over the first four training steps to 0.53-0.62
+    over the last four, with trainer and data seeds 1 and 2 (docs/benchmarks.md); a guess ignoring the prompt stays
+    at the start. The margins leave room for float order and the seed."""
     log = _train(tmp_path / "run")
     val = {row["step"]: row["val/reward/mean@2"] for row in log if "val/reward/mean@2" in row}
-    assert set(val) == {0, 24} and val[24] > val[0] + 0.02, val
+    assert set(val) == {0, 24} and val[24] > val[0] + 0.12, val
     scores = [row["critic/score/mean"] for row in log if "critic/score/mean" in row]
-    assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.015, scores
+    assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.06, scores
 
 
 def _merged_denoiser(step: Path, out: Path) -> dict:
