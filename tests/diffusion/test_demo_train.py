@@ -59,11 +59,12 @@ def test_two_steps_train_keep_validation_samples_and_merge_into_a_pipeline(tmp_p
 def test_the_demo_learns_the_colour_its_prompt_names(tmp_path: Path) -> None:
     """The demo as shipped (24 steps) raises the colour reward (`reward_functions/colour.py`: the share of the colour
     the prompt names) from 0.397 to 0.62 in validation, and from 0.41 over the first four training steps to 0.53-0.62
-    over the last four, with trainer and data seeds 1 and 2 (docs/benchmarks.md); a guess ignoring the prompt stays
-    at the start. The margins leave room for float order and the seed."""
+    over the last four, with trainer and data seeds 1 and 2 (docs/benchmarks.md). Above 0.5 the prompt is read: per
+    pixel, the margins of one image for red, green and blue sum to (smallest - largest channel) <= 0, so images that
+    ignore the prompt average at most 0.5 over the three colours. The margins leave room for float order and seed."""
     log = _train(tmp_path / "run")
     val = {row["step"]: row["val/reward/mean@2"] for row in log if "val/reward/mean@2" in row}
-    assert set(val) == {0, 24} and val[24] > val[0] + 0.12, val
+    assert set(val) == {0, 24} and val[24] > max(val[0] + 0.12, 0.5), val
     scores = [row["critic/score/mean"] for row in log if "critic/score/mean" in row]
     assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.06, scores
 
