@@ -80,7 +80,7 @@ def _merged_denoiser(step: Path, out: Path) -> dict:
     return DiffusionPipeline.from_pretrained(str(out)).transformer.state_dict()
 
 
-@pytest.mark.extended  # two runs, one of them starting Ray: ~1.5 min
+@pytest.mark.extended  # two runs, one of them starting Ray: ~1.5 min quiet, 4 min on 2 loaded cores
 def test_one_and_two_workers_make_the_same_updates(tmp_path: Path) -> None:
     """Two actor ranks (Ray, FSDP2 over gloo), each hosting its engine and sampling half the prompts, train the same
     denoiser as one: the rows are seeded per prompt and the loss is weighed by the global step count."""
@@ -91,14 +91,16 @@ def test_one_and_two_workers_make_the_same_updates(tmp_path: Path) -> None:
         run = tmp_path / f"w{workers}"
         logs.append(_train(run, *common, f"trainer.n_gpus_per_node={workers}"))
         weights.append(_merged_denoiser(run / "global_step_2", tmp_path / f"merged{workers}"))
-    for key in ("critic/score/mean", "actor/grad_norm"):  # the same samples and the same gradients, both steps
+    # The same samples and the same gradients, both steps: measured equal scores and grad norms within 1e-7.
+    for key, rel in (("critic/score/mean", 1e-6), ("actor/grad_norm", 1e-5)):
         one, two = ([row[key] for row in log if key in row] for log in logs)
-        assert one == pytest.approx(two, rel=1e-3), key
-    # Float reduction order apart: Adam divides each gradient by its own scale, so a near-zero component's last bits
-    # can move its weight by a share of lr; over the whole denoiser the two runs' gap is a small part of the update.
+        assert one == pytest.approx(two, rel=rel), key
+    # Float reduction order apart: AdamW divides each gradient by its own scale, so an entry whose gradient is
+    # rounding noise moves by a share of lr either way (in float64 the layouts agree to 1e-14: test_actor.py). Measured
+    # here: a gap of 1.4e-5 of the update after two steps.
     from diffusers import DiffusionPipeline
 
     base = DiffusionPipeline.from_pretrained(str(REPO / "assets/demo_diffusion/pipeline")).transformer.state_dict()
     gap = sum(float((weights[0][k] - weights[1][k]).pow(2).sum()) for k in base) ** 0.5
     moved = sum(float((weights[0][k] - base[k]).pow(2).sum()) for k in base) ** 0.5
-    assert gap < 0.05 * moved, (gap, moved)
+    assert gap < 1e-3 * moved, (gap, moved)
