@@ -6,7 +6,8 @@ writes one with random weights:
 
 * ``transformer``: `SD3Transformer2DModel` (an MMDiT: text and image tokens in joint attention), 2 layers, width 32;
 * ``vae``: `AutoencoderKL` with three blocks, so images of ``4 * latent_size`` pixels (32 by default) map to
-  ``latent_size`` x ``latent_size`` latents with 4 channels;
+  ``latent_size`` x ``latent_size`` latents with 4 channels; random, or with ``colour_decoder`` a decoder that
+  reads latent channels 0-2 as red, green and blue (the demo's: what a policy does to the latents shows);
 * ``text_encoder``/``text_encoder_2``: two tiny `CLIPTextModelWithProjection` models sharing one character-level
   CLIP tokenizer (no merges: each character is a token, so any prompt tokenizes without a trained vocabulary);
 * ``text_encoder_3``: a one-layer `T5EncoderModel` with a character-level tokenizer (SD3's third encoder; its
@@ -90,6 +91,50 @@ def _tiny_vae(latent_size: int) -> Any:
     )
 
 
+@torch.no_grad()
+def _make_colour_decoder(vae: Any) -> None:
+    """Set ``vae``'s decoder so latent channels 0, 1 and 2 read as red, green and blue (channel 3 is ignored).
+
+    A randomly initialised decoder is nearly blind to its input: its GroupNorms and a dozen random convolutions wash
+    the latents out, so a whole standard deviation of shift in a latent channel moves the image's mean pixel by under
+    1%, and no policy over the latents can change what a brightness or colour reward sees. Here every residual
+    branch is zeroed (each block is the identity) and each upsampler's convolution copies its input, so the image is
+    the latents, upsampled, through the last GroupNorm and convolution: ``conv_in`` writes latent channel c as the
+    pair (+l_c, -l_c) of group c, the group norm then holds l_c / rms(l_c) over the image (the pair's mean is 0),
+    and ``conv_out`` returns silu(u) - silu(-u) = u as colour c. A pixel's colour c is thus its latent c over the
+    image's root mean square of latent c, in [-1, 1] after clamping: a channel that is positive everywhere is full
+    colour, pure noise is grey on average.
+    """
+    dec = vae.decoder
+    if vae.post_quant_conv is not None:  # the 1x1 convolution the latents pass before the decoder: the identity
+        vae.post_quant_conv.weight.copy_(torch.eye(4).reshape(4, 4, 1, 1))
+        vae.post_quant_conv.bias.zero_()
+    for module in dec.modules():
+        if module.__class__.__name__ == "ResnetBlock2D":  # out = (x + conv2(...)) / 1: zero conv2 -> identity
+            module.conv2.weight.zero_()
+            module.conv2.bias.zero_()
+        if module.__class__.__name__ == "Upsample2D" and module.conv is not None:
+            module.conv.weight.zero_()
+            module.conv.bias.zero_()
+            for ch in range(module.conv.weight.shape[0]):
+                module.conv.weight[ch, ch, 1, 1] = 1.0
+    width = dec.conv_in.weight.shape[0]
+    groups = dec.conv_norm_out.num_groups
+    if width != 2 * groups or groups < 3:
+        raise ValueError(f"a colour decoder needs 2 channels per group and at least 3 groups, got {width}/{groups}")
+    for conv in (dec.conv_in, dec.conv_out):
+        conv.weight.zero_()
+        conv.bias.zero_()
+    dec.conv_norm_out.weight.fill_(1.0)
+    dec.conv_norm_out.bias.zero_()
+    for c in range(4):
+        dec.conv_in.weight[2 * c, c, 1, 1] = 1.0
+        dec.conv_in.weight[2 * c + 1, c, 1, 1] = -1.0
+    for c in range(3):
+        dec.conv_out.weight[c, 2 * c, 1, 1] = 1.0
+        dec.conv_out.weight[c, 2 * c + 1, 1, 1] = -1.0
+
+
 def _tiny_clip(tokenizer: Any, text_width: int, max_length: int) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -118,12 +163,15 @@ def build_tiny_sd3_pipeline(
     layers: int = 2,
     text_width: int = 16,
     max_length: int = 16,
+    colour_decoder: bool = False,
 ) -> str:
     """Write a tiny SD3 pipeline folder at ``path`` (random weights from ``seed``) and return the path.
 
     The transformer's width is ``width`` (= ``heads`` x head dim); the two CLIP encoders have hidden size and
     projection ``text_width`` each, so the joint text features and the pooled projection are ``2 * text_width`` wide,
-    which is what SD3 concatenates them to.
+    which is what SD3 concatenates them to. ``colour_decoder`` sets the VAE's decoder so the first three latent
+    channels read as red, green and blue (`_make_colour_decoder`; the demo's pipeline): a random decoder hardly
+    responds to its latents, so no reward on the pixels could be learned through it.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import T5Config, T5EncoderModel
@@ -147,10 +195,13 @@ def build_tiny_sd3_pipeline(
         pooled_projection_dim=joint,
         pos_embed_max_size=latent_size,
     )
+    vae = _tiny_vae(latent_size)
+    if colour_decoder:  # draws no random numbers: the other components' weights are those of the plain build
+        _make_colour_decoder(vae)
     pipeline: Any = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
-        vae=_tiny_vae(latent_size),
+        vae=vae,
         text_encoder=_tiny_clip(tokenizer, text_width, max_length),
         tokenizer=tokenizer,
         text_encoder_2=_tiny_clip(tokenizer, text_width, max_length),

@@ -5,6 +5,7 @@ policy in a fresh worker."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,25 @@ def _worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, lora: in
         torch.save(result, out)
 
 
+def _adamw_worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, out: str) -> None:
+    """Two updates with the spec's own AdamW, the denoiser in float64; rank 0 saves the weights after each."""
+    from easyrl.diffusion.actor import DenoiserActorWorker
+    from easyrl.models.dtypes import DTYPES
+
+    # Configs name no float64 (no run wants it); this rank process lets the loader take it for the measurement.
+    DTYPES.setdefault("fp64", torch.float64)
+    init_rank(rank, world)
+    spec = _spec(pipe, world, micro, 0)
+    worker = DenoiserActorWorker(dataclasses.replace(spec, model=dataclasses.replace(spec.model, torch_dtype="fp64")))
+    worker.init_model()
+    mine, weights = batch.chunk(world)[rank], []
+    for _ in range(2):
+        worker.update_actor(mine, 0.0)
+        weights.append(worker.full_weights())
+    if rank == 0:
+        torch.save(weights, out)
+
+
 _SCORED = (
     "latents", "sigmas", "timesteps", "prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
     "negative_pooled_prompt_embeds", "loss_mask",
@@ -122,6 +142,27 @@ def test_one_update_is_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any)
     assert (
         '"_class_name": "SD3Transformer2DModel"' in (tmp_path / "ckpt1_0" / "huggingface" / "config.json").read_text()
     )
+
+
+def test_two_adamw_updates_in_float64_are_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any) -> None:
+    """AdamW, as configured: its first step is ~lr * g / (|g| + eps) per entry, so in float32 an entry whose gradient
+    is float-order noise (the two layouts sum their micro-batches and ranks in different orders) moves by a share of
+    lr in either direction, and the layouts' weights differ by up to ~1e-5 here (1e-5 of the update), more in a
+    longer run. In float64 that noise is ~1e-16 and the two layouts agree to ~1e-14 after two steps: nothing in the
+    update (loss weights, clipping, timestep masks) depends on the layout; the float32 gap is Adam amplifying
+    rounding, not a different update."""
+    pipe, batch, base = setup
+    weights = {}
+    for world, micro in ((1, 2), (2, 1)):
+        out = tmp_path / f"adamw{world}.pt"
+        run_ranks(_adamw_worker, world, pipe, batch, micro, str(out))
+        weights[world] = torch.load(out, weights_only=False)
+    base_sd = base.state_dict()
+    for one, two in zip(weights[1], weights[2]):
+        assert one.keys() == two.keys()
+        gap = max(float((one[k] - two[k]).abs().max()) for k in one)
+        moved = sum(float((one[k].double() - base_sd[k].double()).square().sum()) for k in one) ** 0.5
+        assert one[next(iter(one))].dtype == torch.float64 and moved > 1.0 and gap < 1e-11, (gap, moved)
 
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path: Path, setup: Any) -> None:

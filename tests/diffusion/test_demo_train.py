@@ -55,15 +55,18 @@ def test_two_steps_train_keep_validation_samples_and_merge_into_a_pipeline(tmp_p
     assert any(not (trained[k] == base[k]).all() for k in base)
 
 
-@pytest.mark.extended  # ~1 min alone, 1.5 min beside other jobs on 2 cores
-def test_the_demo_learns_brighter_images(tmp_path: Path) -> None:
-    """The demo as shipped (24 steps, ~1 min on 2 CPU cores) raises the brightness the tiny pipeline starts at: 0.460
-    -> 0.491 in validation, 0.46 -> 0.49 in training (docs/benchmarks.md); the margins leave room for float order."""
+@pytest.mark.extended  # 24 steps: ~6 min on 2 cores shared with other jobs (load ~12)
+def test_the_demo_learns_the_colour_its_prompt_names(tmp_path: Path) -> None:
+    """The demo as shipped (24 steps) raises the colour reward (`reward_functions/colour.py`: the share of the colour
+    the prompt names) from 0.397 to 0.62 in validation, and from 0.41 over the first four training steps to 0.53-0.62
+    over the last four, with trainer and data seeds 1 and 2 (docs/benchmarks.md). Above 0.5 the prompt is read: per
+    pixel, the margins of one image for red, green and blue sum to (smallest - largest channel) <= 0, so images that
+    ignore the prompt average at most 0.5 over the three colours. The margins leave room for float order and seed."""
     log = _train(tmp_path / "run")
     val = {row["step"]: row["val/reward/mean@2"] for row in log if "val/reward/mean@2" in row}
-    assert set(val) == {0, 24} and val[24] > val[0] + 0.02, val
+    assert set(val) == {0, 24} and val[24] > max(val[0] + 0.12, 0.5), val
     scores = [row["critic/score/mean"] for row in log if "critic/score/mean" in row]
-    assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.015, scores
+    assert len(scores) == 24 and sum(scores[-4:]) / 4 > sum(scores[:4]) / 4 + 0.06, scores
 
 
 def _merged_denoiser(step: Path, out: Path) -> dict:
@@ -77,7 +80,7 @@ def _merged_denoiser(step: Path, out: Path) -> dict:
     return DiffusionPipeline.from_pretrained(str(out)).transformer.state_dict()
 
 
-@pytest.mark.extended  # two runs, one of them starting Ray: ~1.5 min
+@pytest.mark.extended  # two runs, one of them starting Ray: ~1.5 min quiet, 4 min on 2 loaded cores
 def test_one_and_two_workers_make_the_same_updates(tmp_path: Path) -> None:
     """Two actor ranks (Ray, FSDP2 over gloo), each hosting its engine and sampling half the prompts, train the same
     denoiser as one: the rows are seeded per prompt and the loss is weighed by the global step count."""
@@ -88,14 +91,16 @@ def test_one_and_two_workers_make_the_same_updates(tmp_path: Path) -> None:
         run = tmp_path / f"w{workers}"
         logs.append(_train(run, *common, f"trainer.n_gpus_per_node={workers}"))
         weights.append(_merged_denoiser(run / "global_step_2", tmp_path / f"merged{workers}"))
-    for key in ("critic/score/mean", "actor/grad_norm"):  # the same samples and the same gradients, both steps
+    # The same samples and the same gradients, both steps: measured equal scores and grad norms within 1e-7.
+    for key, rel in (("critic/score/mean", 1e-6), ("actor/grad_norm", 1e-5)):
         one, two = ([row[key] for row in log if key in row] for log in logs)
-        assert one == pytest.approx(two, rel=1e-3), key
-    # Float reduction order apart: Adam divides each gradient by its own scale, so a near-zero component's last bits
-    # can move its weight by a share of lr; over the whole denoiser the two runs' gap is a small part of the update.
+        assert one == pytest.approx(two, rel=rel), key
+    # Float reduction order apart: AdamW divides each gradient by its own scale, so an entry whose gradient is
+    # rounding noise moves by a share of lr either way (in float64 the layouts agree to 1e-14: test_actor.py). Measured
+    # here: a gap of 1.4e-5 of the update after two steps.
     from diffusers import DiffusionPipeline
 
     base = DiffusionPipeline.from_pretrained(str(REPO / "assets/demo_diffusion/pipeline")).transformer.state_dict()
     gap = sum(float((weights[0][k] - weights[1][k]).pow(2).sum()) for k in base) ** 0.5
     moved = sum(float((weights[0][k] - base[k]).pow(2).sum()) for k in base) ** 0.5
-    assert gap < 0.05 * moved, (gap, moved)
+    assert gap < 1e-3 * moved, (gap, moved)
