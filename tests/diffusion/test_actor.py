@@ -70,27 +70,27 @@ def _worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, lora: in
         fresh.init_model()
         fresh.load_checkpoint(folder)
         result["restored"] = fresh.full_weights()
+    if not lora:  # the same rank processes go on to the float64 AdamW run (one spawn per layout for both tests)
+        result["adamw64"] = _adamw_updates(pipe, world, micro, mine)
     if rank == 0:
         torch.save(result, out)
 
 
-def _adamw_worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, out: str) -> None:
-    """Two updates with the spec's own AdamW, the denoiser in float64; rank 0 saves the weights after each."""
+def _adamw_updates(pipe: str, world: int, micro: int, mine: Batch) -> list[dict[str, torch.Tensor]]:
+    """Two updates with the spec's own AdamW, the denoiser in float64: the full weights after each."""
     from easyrl.diffusion.actor import DenoiserActorWorker
     from easyrl.models.dtypes import DTYPES
 
     # Configs name no float64 (no run wants it); this rank process lets the loader take it for the measurement.
     DTYPES.setdefault("fp64", torch.float64)
-    init_rank(rank, world)
     spec = _spec(pipe, world, micro, 0)
     worker = DenoiserActorWorker(dataclasses.replace(spec, model=dataclasses.replace(spec.model, torch_dtype="fp64")))
     worker.init_model()
-    mine, weights = batch.chunk(world)[rank], []
+    weights = []
     for _ in range(2):
         worker.update_actor(mine, 0.0)
         weights.append(worker.full_weights())
-    if rank == 0:
-        torch.save(weights, out)
+    return weights
 
 
 _SCORED = (
@@ -123,12 +123,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Batch, SD3Tran
 def _run(tmp_path: Path, pipe: str, batch: Batch, world: int, micro: int, lora: int = 0) -> dict[str, Any]:
     out = tmp_path / f"out{world}_{lora}.pt"
     run_ranks(_worker, world, pipe, batch, micro, lora, str(out))
-    return torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=True)
 
 
-def test_one_update_is_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any) -> None:
-    pipe, batch, base = setup
-    one, two = _run(tmp_path, pipe, batch, 1, 2), _run(tmp_path, pipe, batch, 2, 1)
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory, setup: Any) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """1 rank with 2 micro-batches and 2 ranks with 1 each: the SGD update and the float64 AdamW updates (and the
+    folder holding their checkpoints)."""
+    pipe, batch, _ = setup
+    tmp = tmp_path_factory.mktemp("layouts")
+    return _run(tmp, pipe, batch, 1, 2), _run(tmp, pipe, batch, 2, 1), tmp
+
+
+def test_one_update_is_the_same_at_one_and_two_ranks(setup: Any, layouts: Any) -> None:
+    _, _, base = setup
+    one, two, tmp_path = layouts
     params = {n for n, _ in base.named_parameters()}  # buffers (SD3's fixed sin-cos positions) are not streamed
     assert one["weights"].keys() == two["weights"].keys() == params
     for name, value in one["weights"].items():
@@ -144,21 +153,16 @@ def test_one_update_is_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any)
     )
 
 
-def test_two_adamw_updates_in_float64_are_the_same_at_one_and_two_ranks(tmp_path: Path, setup: Any) -> None:
+def test_two_adamw_updates_in_float64_are_the_same_at_one_and_two_ranks(setup: Any, layouts: Any) -> None:
     """AdamW, as configured: its first step is ~lr * g / (|g| + eps) per entry, so in float32 an entry whose gradient
     is float-order noise (the two layouts sum their micro-batches and ranks in different orders) moves by a share of
     lr in either direction, and the layouts' weights differ by up to ~1e-5 here (1e-5 of the update), more in a
     longer run. In float64 that noise is ~1e-16 and the two layouts agree to ~1e-14 after two steps: nothing in the
     update (loss weights, clipping, timestep masks) depends on the layout; the float32 gap is Adam amplifying
     rounding, not a different update."""
-    pipe, batch, base = setup
-    weights = {}
-    for world, micro in ((1, 2), (2, 1)):
-        out = tmp_path / f"adamw{world}.pt"
-        run_ranks(_adamw_worker, world, pipe, batch, micro, str(out))
-        weights[world] = torch.load(out, weights_only=False)
+    _, _, base = setup
     base_sd = base.state_dict()
-    for one, two in zip(weights[1], weights[2]):
+    for one, two in zip(layouts[0]["adamw64"], layouts[1]["adamw64"]):
         assert one.keys() == two.keys()
         gap = max(float((one[k] - two[k]).abs().max()) for k in one)
         moved = sum(float((one[k].double() - base_sd[k].double()).square().sum()) for k in one) ** 0.5
