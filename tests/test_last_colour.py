@@ -98,7 +98,7 @@ that 20 steps show what the demo's 60 do (docs/benchmarks.md has both runs' figu
 
 
 def test_the_last_colour_task_learns_in_20_short_steps(tmp_path: Path) -> None:
-    """20 steps of 8 prompts x 4 samples (~55 CPU-s): the reward of the last 5 steps beats the first 5's and guessing
+    """20 steps of 8 prompts x 4 samples (~58 CPU-s): the reward of the last 5 steps beats the first 5's and guessing
     (0.25); the answer is only in the clip's last frames. Same task, videos and model as the demo's."""
     reward = _rewards(tmp_path, 20, *SHORT)
     first, last = float(np.mean(reward[:5])), float(np.mean(reward[-5:]))

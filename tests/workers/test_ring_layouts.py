@@ -10,7 +10,7 @@
   video of >= 1,000 frames trains with ring 2 x Ulysses 2 over 4 ranks and equals the one-rank run.
 
 Both compute the one-rank reference once, in the test, and fork the 4 ranks from one fresh process (`_fork_ranks`):
-the video proof takes ~25 CPU-s, under 30 s on 2 idle cores, and runs in `make test`.
+the video proof takes ~23 CPU-s instead of ~47 and runs in `make test` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
