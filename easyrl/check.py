@@ -202,14 +202,30 @@ def memory_plan_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) ->
 
 
 def memory_report(shape: Any, cfg: EasyRLConfig, device_total: int) -> tuple[list[str], list[str]]:
-    """The plan's lines and, when it does not fit, its problems followed by the levers that make it fit."""
+    """The update levers the plan chose (`easyrl.update_levers`, with the figures they compared), the plan's lines
+    with those levers and, when it does not fit, its problems followed by the settings that make it fit."""
     from easyrl.memory_plan import plan_fixes, plan_lines, plan_memory, plan_problems
+    from easyrl.update_levers import choose_levers, resolved_config
 
+    levers = choose_levers(cfg, True, plan_of(cfg).world_size, shape, device_total)
+    cfg = resolved_config(cfg, levers)
     plan = plan_memory(shape, cfg, device_total)
     problems = plan_problems(plan)
     if problems:
         problems += [f"fits with {fix}" for fix in plan_fixes(shape, cfg, device_total)]
-    return plan_lines(plan), problems
+    return [f"update lever: {line}" for line in levers.lines()] + plan_lines(plan), problems
+
+
+def lever_lines(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> list[str]:
+    """The update levers as this machine decides them without a memory plan (the plan's section prints its own)."""
+    import torch
+
+    plan = plan_of(cfg)
+    if gpu_memory_gib is not None or (plan.use_gpu and torch.cuda.is_available()):
+        return []
+    from easyrl.update_levers import choose_levers
+
+    return [f"update lever: {line}" for line in choose_levers(cfg, plan.use_gpu, plan.world_size, None, None).lines()]
 
 
 def cpu_noop_settings(cfg: EasyRLConfig) -> list[str]:
@@ -375,7 +391,7 @@ def run_check(cfg: EasyRLConfig, gpu_memory_gib: float | None = None) -> int:
     if _check_reward(cfg, first) != 0:
         return 2
     print("== plan", file=out)
-    for line in plan_lines(cfg) + engine_lines(cfg) + multi_turn_lines(cfg):
+    for line in plan_lines(cfg) + engine_lines(cfg) + multi_turn_lines(cfg) + lever_lines(cfg, gpu_memory_gib):
         print(line, file=out)
     return print_memory_plan(cfg, gpu_memory_gib)
 

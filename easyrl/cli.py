@@ -152,6 +152,9 @@ def _train(cfg: EasyRLConfig, secrets: Secrets, task: str) -> int:
         if refusal is not None:
             print(f"easyrl: memory error: {refusal}", file=sys.stderr)
             return 2
+    from easyrl.update_levers import resolve_update_levers
+
+    cfg = resolve_update_levers(cfg, task)  # the levers left on auto, decided once for this machine (logged)
     plan, warnings = start_lines(cfg, task)
     for line in plan:
         log.info(line)

@@ -131,7 +131,7 @@ def plan_diffusion_memory(shape: PipelineShape, cfg: Any, device_total: int) -> 
     tokens = tokens_per_sample(shape, cfg) * actor.micro_batch_size_per_device_for_update
     tokens *= 2 if diff.guidance_scale > 1 else 1
     layer = tokens * 14 * shape.hidden_size * act
-    if actor.model.enable_gradient_checkpointing:
+    if actor.model.enable_gradient_checkpointing is not False:  # null (auto) keeps it on for a denoiser
         activations = shape.num_layers * tokens * shape.hidden_size * act + layer
     else:
         activations = shape.num_layers * layer

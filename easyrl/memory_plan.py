@@ -10,7 +10,8 @@ Estimates, in bytes, of what one GPU holds (the actor, reference and critic of a
   checkpointing each layer's input (L x T x H) plus one layer's working set T x (3H + 2Q + 2KV + 3I) (norm outputs,
   q/k/v and the attention output, the MLP's gate, up and product; flash attention keeps no T x T matrix); without it,
   that working set for every layer. Plus the log-prob head: T x V x (2 + 8) bytes for bf16 logits with their fp32
-  log-softmax and gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8;
+  log-softmax and gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8; with
+  ``defer_gradient_sync`` on several ranks, each rank's unsharded gradients in ``mp_reduce_dtype`` besides;
 - the engine: ``gpu_memory_utilization`` x the device, of which its weights (the parameters in the rollout dtype,
   split over tensor parallel) and the rest at most the KV cache.
 
@@ -177,10 +178,13 @@ class TrainingMemory:
     grads: int
     optimizer: int
     activations: int
+    accumulated_grads: int = 0
+    """Unsharded gradients held between micro-batches when their reduction waits for the last one
+    (`worker.actor.defer_gradient_sync`), in ``mp_reduce_dtype``: FSDP2 upcasts and keeps them until it reduces."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.accumulated_grads
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,35 @@ def _sharded(numel: int, bytes_per: int, ranks: int) -> int:
     return -(-numel // ranks) * bytes_per
 
 
+def _layer_working_set(shape: ModelShape, tokens: int, act: int) -> int:
+    """One decoder layer's intermediates for `tokens` tokens in `act`-byte activations (see the module docstring)."""
+    h = shape.hidden_size
+    return tokens * (3 * h + 2 * shape.q_size + 2 * shape.kv_size + 3 * shape.intermediate_size) * act
+
+
+def layer_activations(shape: ModelShape, tokens: int, act: int, checkpointing: bool) -> int:
+    """What the backward pass keeps of the decoder layers for `tokens` tokens: each layer's input plus one layer's
+    working set with gradient checkpointing, every layer's working set without it."""
+    working = _layer_working_set(shape, tokens, act)
+    if checkpointing:
+        return shape.num_layers * tokens * shape.hidden_size * act + working
+    return shape.num_layers * working
+
+
+def forward_only_activations(shape: ModelShape, tokens: int, act: int) -> int:
+    """A forward pass with no graph (old and reference log-probs) over `tokens` tokens: the residual stream and one
+    layer's working set at a time (each layer's intermediates are freed as the next runs), without the head."""
+    return tokens * shape.hidden_size * act + _layer_working_set(shape, tokens, act)
+
+
+def head_activations(shape: ModelShape, actor: Any, tokens: int) -> int:
+    """The log-prob head's bytes for a micro-batch of `tokens` tokens: bf16 logits with their fp32 log-softmax and
+    gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8."""
+    fused = actor.fused_logprobs and not shape.full_logits
+    head_tokens = min(tokens, actor.logprob_chunk_size) if fused else tokens
+    return head_tokens * shape.vocab_size * (8 if fused else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
+
+
 def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int) -> TrainingMemory:
     """`role`: the actor's or critic's config. `head`: bytes of the output head's activations. A frozen vision tower
     keeps its weights but gets no gradients and no optimizer state."""
@@ -231,17 +264,15 @@ def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int
     on_gpu = not role.fsdp.enable_cpu_offload
     trained = params - (shape.vision_parameters if getattr(role.model, "freeze_vision_tower", False) else 0)
     moments = 2 * (DTYPE_BYTES["bf16"] if role.optim.strategy == "adamw_bf16" else master)
-    h = shape.hidden_size
-    working = tokens * (3 * h + 2 * shape.q_size + 2 * shape.kv_size + 3 * shape.intermediate_size) * act
-    if role.model.enable_gradient_checkpointing:
-        activations = shape.num_layers * tokens * h * act + working
-    else:
-        activations = shape.num_layers * working
+    # auto (null) is resolved before a run plans (`easyrl.update_levers`); unresolved it counts as on, the safe side
+    checkpointing = role.model.enable_gradient_checkpointing is not False
+    deferred = ranks > 1 and bool(getattr(role, "defer_gradient_sync", False))
     return TrainingMemory(
         weights=_sharded(params, master, ranks) if on_gpu else 0,
         grads=_sharded(trained, master, ranks) if on_gpu else 0,
         optimizer=_sharded(trained, moments, ranks) if on_gpu else 0,
-        activations=activations + head,
+        activations=layer_activations(shape, tokens, act, checkpointing) + head,
+        accumulated_grads=trained * DTYPE_BYTES[role.fsdp.mp_reduce_dtype] if deferred else 0,
     )
 
 
@@ -265,9 +296,7 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     actor = w.actor
     tokens = _micro_batch_tokens(cfg)
     params = shape.parameter_count()
-    fused = actor.fused_logprobs and not shape.full_logits
-    head_tokens = min(tokens, actor.logprob_chunk_size) if fused else tokens
-    head = head_tokens * shape.vocab_size * (8 if fused else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
+    head = head_activations(shape, actor, tokens)
     actor_mem = _training(shape, actor, params, ranks, tokens, head)
     # the reference is a process of its own, unless the LoRA actor serves it (its base, adapters off)
     ref_process = run.ref_worker
@@ -325,7 +354,9 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     lines = [
         f"model: {plan.parameters / 1e9:.2f}B parameters; device: {_g(plan.device_total)} GiB",
         f"actor update: weights {_g(a.weights)} + grads {_g(a.grads)} + optimizer {_g(a.optimizer)} + activations "
-        f"{_g(a.activations)} ({plan.tokens_per_micro_batch} tokens per micro-batch) = {_g(a.total)} GiB",
+        f"{_g(a.activations)} ({plan.tokens_per_micro_batch} tokens per micro-batch)"
+        + (f" + unsharded gradients {_g(a.accumulated_grads)}" if a.accumulated_grads else "")
+        + f" = {_g(a.total)} GiB",
     ]
     if plan.ref_weights:
         lines.append(f"reference: weights {_g(plan.ref_weights)} GiB")

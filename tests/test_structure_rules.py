@@ -668,3 +668,46 @@ def test_issue_47s_proofs_run_in_make_test() -> None:
         marks = [ast.unparse(d) for d in tests[name].decorator_list]
         marks += [ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n)]
         assert not [m for m in marks if "extended" in m], f"{file}::{name} is marked extended: {marks}"
+
+
+LEVER_KEYS = ("enable_gradient_checkpointing", "defer_gradient_sync", "log_prob_max_token_len_per_gpu")
+"""The config keys whose null means "the memory plan decides" (issue 44): `easyrl.update_levers` alone tells null
+apart; everything else reads the value it resolved (`resolve_update_levers`, before the trainer starts)."""
+
+
+def _auto_tests(source: str) -> list[int]:
+    """Lines that compare a lever key with None (`x.defer_gradient_sync is None`, `... is not None`, `== None`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        lever = isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr in LEVER_KEYS
+        if lever and any(isinstance(c, ast.Constant) and c.value is None for c in node.comparators):  # type: ignore[attr-defined]
+            lines.append(node.lineno)
+    return lines
+
+
+def test_auto_lever_rule_catches_a_none_test() -> None:
+    source = "a = m.enable_gradient_checkpointing is None\nb = c.defer_gradient_sync is not False\nd = x.y is None\n"
+    assert _auto_tests(source) == [1]
+
+
+def test_only_the_update_levers_decide_an_auto_lever() -> None:
+    """A null lever is decided in one place, with its reason printed by `easyrl check`; the module is arithmetic
+    that imports no torch at load (check plans before anything heavy loads) and no worker imports it."""
+    offenders = [
+        f"{module}:{line}"
+        for module, path in MODULES.items()
+        if module != "easyrl.update_levers"
+        for line in _auto_tests(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "decide an auto lever in easyrl/update_levers.py:\n" + "\n".join(offenders)
+    tree = ast.parse(MODULES["easyrl.update_levers"].read_text(encoding="utf-8"))
+    top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names
+    }
+    assert top <= {"__future__", "copy", "dataclasses", "typing"}, top
+    workers = [
+        m
+        for m in MODULES
+        if m.startswith("easyrl.workers") and any(i == "easyrl.update_levers" for i, _ in _imports(m))
+    ]
+    assert not workers, f"workers read the resolved spec, not the levers: {workers}"

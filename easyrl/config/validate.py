@@ -195,6 +195,11 @@ def _check_numbers(cfg: EasyRLConfig) -> None:
     for key in positive:
         if not isinstance(_get(cfg, key), int) or int(_get(cfg, key)) < 1:  # type: ignore[call-overload]
             raise ConfigError(key, f"must be a positive integer, got {_get(cfg, key)!r}")
+    budget = cfg.worker.actor.log_prob_max_token_len_per_gpu
+    if budget is not None and budget < 1:
+        raise ConfigError(
+            "worker.actor.log_prob_max_token_len_per_gpu", f"must be a positive integer or null (auto), got {budget}"
+        )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
         raise ConfigError("trainer.max_steps", f"must be >= 1 or null, got {cfg.trainer.max_steps}")
     if not cfg.worker.rollout.temperature > 0:  # `not >`: NaN fails too

@@ -39,8 +39,13 @@ class ModelConfig:
     """Tokenizer (or processor) folder or hub ID; default: `model_path`."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Overrides applied to the model's HF config before building it."""
-    enable_gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass to save memory."""
+    enable_gradient_checkpointing: bool | None = None
+    """Recompute activations in the backward pass to save memory. Null (auto): the memory plan decides per run
+    (`easyrl.update_levers`): off when the update's activations without it fit beside the sleeping engine within 90%
+    of the GPU, on otherwise; off on CPU (no device to plan against); on for a diffusion denoiser. True/false (EasyR1's
+    keys) are obeyed as set; a critic's null follows the actor's choice. `easyrl train` decides it before the workers
+    start (a config handed to the Python API unresolved keeps it on); `easyrl check` prints the choice and the
+    figures it compared."""
     trust_remote_code: bool = False
     """Allow model code shipped in the model folder."""
     freeze_vision_tower: bool = False
@@ -127,6 +132,16 @@ class ActorConfig:
     """Form micro-batches by a token budget instead of a fixed count (also for the reference and critic)."""
     max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch when `dynamic_batching` is on."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of one micro-batch of the forward-only passes (old and reference log-probs; verl's key) when
+    `dynamic_batching` is on. Null (auto): on a GPU the largest budget whose forward-only activations fit where the
+    update's do (the memory plan, at most 8x `max_token_len_per_gpu`); on CPU `max_token_len_per_gpu`.
+    `easyrl check` prints the budget and why."""
+    defer_gradient_sync: bool | None = None
+    """Multi-rank runs: reduce-scatter the gradients once per mini-batch (on its last micro-batch) instead of after
+    every micro-batch (FSDP2's `set_requires_gradient_sync`), at the cost of each rank holding the unsharded
+    gradients in `fsdp.mp_reduce_dtype` between micro-batches. Null (auto): on for a multi-rank GPU run whose memory
+    plan fits with them, off on one rank or on CPU. Results equal the synced ones up to float summation order."""
     fused_logprobs: bool = True
     """Compute log-probs and entropy from hidden states chunk by chunk (no full tokens x vocab fp32 logits)."""
     logprob_chunk_size: int = 1024

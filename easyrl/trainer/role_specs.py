@@ -55,7 +55,8 @@ class RoleSpecs:
 
 def build_role_specs(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, world_size: int) -> RoleSpecs:
     """The spec of every role `plan` starts, by the run's modality (`ROLE_SPECS`). `optimizer_steps`: the actor's
-    optimizer steps over the run."""
+    optimizer steps over the run. The update levers `easyrl train` left on auto are decided already
+    (`easyrl.update_levers.resolve_update_levers`); one still null is read as today's default (see each reader)."""
     return ROLE_SPECS[plan.modality](cfg, plan, optimizer_steps, world_size)
 
 
@@ -275,6 +276,8 @@ def _update_spec(wcfg: ActorConfig | CriticConfig, n: int, world_size: int) -> U
         epochs=wcfg.ppo_epochs,
         max_grad_norm=wcfg.max_grad_norm,
         loss_avg_mode=wcfg.loss_avg_mode,
+        # the critic reduces per micro-batch: the lever is the actor's (`worker.actor.defer_gradient_sync`)
+        defer_gradient_sync=isinstance(wcfg, ActorConfig) and wcfg.defer_gradient_sync is True,
     )
 
 
@@ -325,6 +328,7 @@ def forward_options(cfg: EasyRLConfig, plan: RunPlan) -> ForwardOptions:
     micro-batch holds `ulysses_size x ring_size` times as many tokens."""
     actor_cfg = cfg.worker.actor
     budget = actor_cfg.max_token_len_per_gpu * actor_cfg.sp_size
+    forward_only = actor_cfg.log_prob_max_token_len_per_gpu  # None (not resolved): the update's budget
     return ForwardOptions(
         padding_free=plan.padding_free,
         fused=actor_cfg.fused_logprobs,
@@ -332,6 +336,7 @@ def forward_options(cfg: EasyRLConfig, plan: RunPlan) -> ForwardOptions:
         max_token_len=budget if actor_cfg.dynamic_batching else None,
         ulysses_size=actor_cfg.ulysses_size,
         ring_size=actor_cfg.ring_size,
+        log_prob_max_token_len=forward_only * actor_cfg.sp_size if forward_only is not None else None,
     )
 
 

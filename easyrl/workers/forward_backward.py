@@ -44,7 +44,8 @@ def batched_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_log_probs` over a whole batch in micro-batches (token-budget ones with dynamic batching): (B, R)
     each, on CPU, in the batch's order."""
-    mbs = make_micro_batches(batch, micro_batch_size, opts.max_token_len if opts else None)
+    # forward-only: no graph kept, so its own (larger) token budget (`ForwardOptions.log_prob_max_token_len`)
+    mbs = make_micro_batches(batch, micro_batch_size, opts.forward_only_token_len if opts else None)
     lps, ents = [], []
     for mb, dummy in zip(mbs.parts, mbs.dummy):
         lp, ent = token_log_probs(model, mb, device, temperature, with_entropy, opts)
@@ -132,8 +133,28 @@ def exact_over_ranks(
     return exact_metrics(pairs, dict(zip(max_keys, tops)))
 
 
+SyncSetter = Callable[[bool], None]
+"""Turns the model's gradient reduction on or off for the next backward (FSDP2's `set_requires_gradient_sync`)."""
+
+
+def gradient_sync_setter(model: nn.Module) -> SyncSetter | None:
+    """`model.set_requires_gradient_sync` for a multi-rank FSDP2 model, else None: one rank has nothing to reduce."""
+    from torch.distributed.fsdp import FSDPModule
+
+    multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not (multi_rank and isinstance(model, FSDPModule)):
+        return None
+    return model.set_requires_gradient_sync
+
+
 def _backward_mini_batch(
-    mbs: MicroBatches, loss_fn: LossFn, device: torch.device, loss_agg_mode: str, sp_size: int, exact: bool = True
+    mbs: MicroBatches,
+    loss_fn: LossFn,
+    device: torch.device,
+    loss_agg_mode: str,
+    sp_size: int,
+    exact: bool = True,
+    set_sync: SyncSetter | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Forward and backward over one mini-batch's micro-batches; returns (the mini-batch's loss, its metrics), each
     the value over the whole mini-batch on all ranks, identical on every rank.
@@ -144,6 +165,9 @@ def _backward_mini_batch(
     token-budget micro-batches). FSDP2 averages gradients over all `dp * sp` ranks and the sequence-parallel gather's
     backward multiplies by `sp` (`easyrl.distributed.sequence_parallel`), so the loss backpropagated is also
     multiplied by `dp`: the averaged gradient is then the gradient of the global objective.
+
+    With `set_sync`, only the last micro-batch's backward reduces: the others accumulate unsharded gradients (every
+    rank runs the same number of micro-batches, dummies included, so all ranks reduce on the same one).
     """
     # Weighed by the tokens the loss counts (`loss_mask`), not those attended: tool output carries no weight.
     masks = [mb["loss_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
@@ -154,7 +178,10 @@ def _backward_mini_batch(
     sums: dict[str, torch.Tensor | float] = {}
     ratios: dict[str, torch.Tensor] = {}  # (numerator, denominator) float64, summed over the micro-batches
     maxima: dict[str, torch.Tensor] = {}
-    for mb, dummy in zip(mbs.parts, mbs.dummy):
+    last = len(mbs.parts) - 1
+    for i, (mb, dummy) in enumerate(zip(mbs.parts, mbs.dummy)):
+        if set_sync is not None:
+            set_sync(i == last)
         out = loss_fn(mb, mb.to(device))  # the micro-batch's one transfer to the device
         mask = mb["loss_mask"]
         # Host-side shares (the mask is on the host): no device sync. A dummy (run only so every rank joins the same
@@ -210,6 +237,7 @@ def optimize(
     loss_agg_mode: str = "token-mean",
     max_token_len: int | None = None,
     sp_size: int = 1,
+    defer_gradient_sync: bool = False,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch optimizer steps with gradient accumulation over micro-batches.
 
@@ -219,7 +247,37 @@ def optimize(
     `mini_batch_size` is this rank's share (`sp_size` ranks share one, holding the same rows). Metrics are the
     global values, averaged over the mini-batches. A non-finite loss or gradient norm skips that optimizer step
     (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
+    `defer_gradient_sync`: a multi-rank FSDP2 model reduces its gradients on each mini-batch's last micro-batch only.
     """
+    set_sync = gradient_sync_setter(model) if defer_gradient_sync else None
+    try:
+        return _optimize(
+            model, optimizer, scheduler, batch, device, mini_batch_size, micro_batch_size, epochs, max_grad_norm,
+            loss_fn, prefix, loss_agg_mode, max_token_len, sp_size, set_sync,
+        )  # fmt: skip
+    finally:
+        if set_sync is not None:  # an exception between micro-batches must not leave the reduction off
+            set_sync(True)
+
+
+def _optimize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: Batch,
+    device: torch.device,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    max_grad_norm: float,
+    loss_fn: LossFn,
+    prefix: str,
+    loss_agg_mode: str,
+    max_token_len: int | None,
+    sp_size: int,
+    set_sync: SyncSetter | None,
+) -> dict[str, float]:
+    """`optimize`'s loop, with the gradient-sync setter decided."""
     metrics: dict[str, list[float]] = defaultdict(list)
     skipped = nonfinite_loss = nonfinite_grad = 0
     for epoch in range(epochs):
@@ -228,7 +286,9 @@ def optimize(
             mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
             # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
             first = epoch == 0 and index == 0
-            loss, mini_metrics = _backward_mini_batch(mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first)
+            loss, mini_metrics = _backward_mini_batch(
+                mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first, set_sync=set_sync
+            )
             for k, v in mini_metrics.items():
                 metrics[k].append(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -274,4 +334,5 @@ def update_model(
         loss_agg_mode=spec.loss_avg_mode,
         max_token_len=trainable.spec.forward.max_token_len,
         sp_size=trainable.spec.forward.sp_size,
+        defer_gradient_sync=spec.defer_gradient_sync,
     )

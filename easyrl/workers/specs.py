@@ -32,11 +32,21 @@ class ForwardOptions:
     """Ranks that split each packed row between them (Ulysses sequence parallelism); 1: no split."""
     ring_size: int = 1
     """Ring attention composed with Ulysses: the row is split over ulysses_size x ring_size ranks."""
+    log_prob_max_token_len: int | None = None
+    """Token budget of a forward-only micro-batch (old, reference and teacher log-probs), counted like
+    `max_token_len`; None: `max_token_len` (`easyrl.update_levers` derives a larger one from the memory plan)."""
 
     @property
     def sp_size(self) -> int:
         """Ranks of one sequence-parallel group: ulysses_size x ring_size."""
         return self.ulysses_size * self.ring_size
+
+    @property
+    def forward_only_token_len(self) -> int | None:
+        """The budget of the forward-only passes: `log_prob_max_token_len` with dynamic batching, else None."""
+        if self.max_token_len is None:
+            return None
+        return self.log_prob_max_token_len or self.max_token_len
 
     @property
     def plain(self) -> bool:
@@ -108,6 +118,9 @@ class UpdateSpec:
     epochs: int
     max_grad_norm: float
     loss_avg_mode: str
+    defer_gradient_sync: bool = False
+    """Reduce the gradients once per mini-batch, on its last micro-batch (`worker.actor.defer_gradient_sync`,
+    resolved): FSDP2's `set_requires_gradient_sync(False)` on the others. Only a multi-rank FSDP2 model is affected."""
 
 
 @dataclass(frozen=True)

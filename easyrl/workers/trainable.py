@@ -97,7 +97,8 @@ class TrainableModel:
             _reuse_tower_outputs(model, spec.embeds, tower_compute_dtype(spec, device))
         if sp is not None:  # the model carries its group: the forward head and the attention read it from there
             sp.attach(model)
-        checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing
+        # `easyrl train` resolves auto (`easyrl.update_levers`); a null nobody resolved keeps today's default: on
+        checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing is not False
         self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
