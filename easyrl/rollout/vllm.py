@@ -123,8 +123,9 @@ class VLLMRolloutEngine(RolloutEngine):
         engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         engine_args |= _tensor_parallel_args(rcfg.tensor_parallel_size, on_gpu)
         # `worker.rollout.engine_kwargs` last: the user's value wins over what easyrl derives (the keys easyrl sets
-        # from its own config are refused); the Gated DeltaNet prefill kernel is chosen from the model (vllm_args).
-        engine_args |= extra_engine_args(rcfg, hf_config, on_gpu)
+        # from its own config are refused): graph capture and async scheduling from the run, the Gated DeltaNet
+        # prefill kernel from the model (vllm_args).
+        engine_args |= extra_engine_args(rcfg, hf_config, on_gpu, spec.sequences_per_call)
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
