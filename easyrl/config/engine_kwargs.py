@@ -18,7 +18,7 @@ from easyrl.config.errors import ConfigError
 
 
 if TYPE_CHECKING:
-    from easyrl.config import EasyRLConfig
+    from easyrl.config.schema import EasyRLConfig
     from easyrl.config.worker import RolloutConfig
 
 KEY = "worker.rollout.engine_kwargs"
