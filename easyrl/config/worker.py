@@ -45,6 +45,11 @@ class ModelConfig:
     """Allow model code shipped in the model folder."""
     freeze_vision_tower: bool = False
     """Vision-language models: do not train the vision encoder."""
+    liger_kernels: bool = False
+    """Liger-Kernel's fused Triton RMSNorm, SwiGLU MLP and rotary embedding in the training forward and backward
+    (Qwen2 / Qwen2.5 and Qwen3 dense models; `pip install -e '.[gpu]'`). CUDA only: refused on CPU, and for other
+    families, in one line. The log-prob head stays easyrl's (`worker.actor.fused_logprobs`); vLLM is not affected.
+    Liger swaps the family's classes in the worker's process (`easyrl.models.fused_kernels`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning."""
 
