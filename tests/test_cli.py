@@ -164,17 +164,26 @@ def test_plan_names_the_engine_arguments_and_the_gdn_kernel(tmp_path, tiny_model
     make_vl_config(make_vl_tokenizer(), "qwen3_5").save_pretrained(tmp_path)
     cfg = EasyRLConfig()
     cfg.worker.actor.model.model_path, cfg.worker.rollout.name, cfg.trainer.device = str(tmp_path), "vllm", "auto"
+    cfg.data.rollout_batch_size, cfg.worker.rollout.n, cfg.trainer.n_gpus_per_node = 128, 8, 1
     assert engine_lines(cfg) == [
+        # the generation settings easyrl derives (easyrl.rollout.vllm_args.generation_args)
+        "vLLM max_cudagraph_capture_size (on CUDA): 1024, covers the 1024 sequences a decode step runs: 1024 per "
+        "engine call, at most vLLM's 1024",
+        "vLLM async_scheduling (on CUDA): True, the scheduler prepares the next step while the GPU runs this one; the "
+        "engine sleeps between calls only",
         "Gated DeltaNet prefill kernel (vLLM on CUDA): triton (set by easyrl: the flashinfer package is not installed "
-        "here)"
+        "here)",
     ]
+    cfg.trainer.device = "cpu"
+    assert engine_lines(cfg)[0].startswith("Gated DeltaNet prefill kernel (vLLM on CPU)")  # nothing derived on CPU
+    cfg.trainer.device = "auto"
     cfg.worker.rollout.engine_kwargs = {"gdn_prefill_backend": "flashinfer", "hf_token": "hf_secret"}
     lines = engine_lines(cfg)
     assert lines[0] == "engine arguments (worker.rollout.engine_kwargs): gdn_prefill_backend, hf_token"
-    assert lines[1].endswith(": flashinfer (worker.rollout.engine_kwargs.gdn_prefill_backend)")
+    assert lines[-1].endswith(": flashinfer (worker.rollout.engine_kwargs.gdn_prefill_backend)")
     assert not any("hf_secret" in line for line in lines)
     cfg.worker.actor.model.model_path, cfg.worker.rollout.engine_kwargs = tiny_model_dir, {}
-    assert engine_lines(cfg) == []  # Qwen2: no Gated DeltaNet layer
+    assert not any("Gated DeltaNet" in line for line in engine_lines(cfg))  # Qwen2: no Gated DeltaNet layer
     cfg.worker.rollout.name = "hf"
     assert engine_lines(cfg) == []
 

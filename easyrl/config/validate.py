@@ -22,7 +22,7 @@ from easyrl.config.names import (
     declared_needs,
     declared_policy_losses,
 )
-from easyrl.models.family import UnknownFamilyError, family_of
+from easyrl.models.family import FAMILIES, UnknownFamilyError, family_of
 
 
 if TYPE_CHECKING:
@@ -531,6 +531,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         _check_context_length(Path(model) / "config.json", length, length_key)
         _check_attention_heads(cfg)
         _check_family(cfg, Path(model) / "config.json")
+        _check_liger(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -629,6 +630,23 @@ def _check_family(cfg: EasyRLConfig, config_json: Path) -> None:
         why = family.refusal(capability)
         if why is not None and asked(cfg):
             raise ConfigError(key, f"{path} is a {family.title}: {why}")
+
+
+def _check_liger(cfg: EasyRLConfig, config_json: Path) -> None:
+    """`liger_kernels` asks for Triton kernels: refused on CPU, and for a family Liger is not wired for
+    (`FamilyProfile.liger`)."""
+    for role in ("actor", "critic"):
+        if not getattr(cfg.worker, role).model.liger_kernels:
+            continue
+        key = f"worker.{role}.model.liger_kernels"
+        if cfg.trainer.device == "cpu":
+            raise ConfigError(key, "Liger's kernels are Triton (CUDA only) and trainer.device is cpu: set it to false")
+        family = family_of(str(json.loads(config_json.read_text()).get("model_type")))
+        if family.liger is None:
+            wired = ", ".join(p.model_type for p in FAMILIES.values() if p.liger is not None)
+            raise ConfigError(
+                key, f"wired for {wired} models only, {config_json.parent} is {family.model_type}: set it to false"
+            )
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:

@@ -50,6 +50,11 @@ class ModelConfig:
     """Allow model code shipped in the model folder."""
     freeze_vision_tower: bool = False
     """Vision-language models: do not train the vision encoder."""
+    liger_kernels: bool = False
+    """Liger-Kernel's fused Triton RMSNorm, SwiGLU MLP and rotary embedding in the training forward and backward
+    (Qwen2 / Qwen2.5 and Qwen3 dense models; `pip install -e '.[gpu]'`). CUDA only: refused on CPU, and for other
+    families, in one line. The log-prob head stays easyrl's (`worker.actor.fused_logprobs`); vLLM is not affected.
+    Liger swaps the family's classes in the worker's process (`easyrl.models.fused_kernels`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning."""
 
@@ -274,7 +279,8 @@ class RolloutConfig:
     """Extra keyword arguments for the engine's constructor: vLLM's `LLM(...)` (the fields of its `EngineArgs`), e.g.
     {max_num_seqs: 512, compilation_config: {mode: 0}, kv_cache_memory_bytes: 8000000000, gdn_prefill_backend:
     triton, async_scheduling: true}. A value here wins over what easyrl derives (`enable_prefix_caching`, the Gated
-    DeltaNet prefill kernel); an argument easyrl sets from a key of its own (`gpu_memory_utilization`,
+    DeltaNet prefill kernel, and on CUDA `max_cudagraph_capture_size` covering the sequences one engine call runs
+    and `async_scheduling`: `easyrl check` prints them); an argument easyrl sets from a key of its own (`gpu_memory_utilization`,
     `tensor_parallel_size`, `max_model_len`, ...) is refused, naming that key; a name the installed vLLM does not
     know is refused when the engine starts and by `easyrl check`. The `hf` engine takes none; an engine you
     registered reads them from its spec."""

@@ -151,6 +151,9 @@ class FamilyProfile:
     """q/k/v projections carry biases when the config does not say (``attention_bias`` absent: Qwen2 always has them)."""
     qk_norm: bool = False
     """RMS norms on queries and keys (Qwen3 on)."""
+    liger: str | None = None
+    """Liger-Kernel's patch function for it (``liger_kernel.transformers.monkey_patch``), which
+    ``worker.actor.model.liger_kernels`` applies (``easyrl.models.fused_kernels``); None: not wired, refused."""
     audio_n_window: int | None = None
     """The ``audio_config.n_window`` its audio token arithmetic assumes; None: any."""
     refuses: tuple[tuple[str, str], ...] = ()
@@ -195,8 +198,8 @@ def _thinker(model_type: str, title: str, media: str, variant: str, **kw: Any) -
 FAMILIES: dict[str, FamilyProfile] = {
     p.model_type: p
     for p in (
-        _text("qwen2", "Qwen2 / Qwen2.5", qkv_bias=True),
-        _text("qwen3", "Qwen3", qk_norm=True),
+        _text("qwen2", "Qwen2 / Qwen2.5", qkv_bias=True, liger="apply_liger_kernel_to_qwen2"),
+        _text("qwen3", "Qwen3", qk_norm=True, liger="apply_liger_kernel_to_qwen3"),
         _text("qwen3_moe", "Qwen3 MoE", qk_norm=True),
         _text("llama", "Llama"),
         _vl("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLProcessor", qkv_bias=True, vllm_embeds=True),

@@ -51,3 +51,6 @@ class RolloutSpec:
     """How each push sends the policy's weights to the engine."""
     sleep_level: int
     """vLLM's sleep level: `worker.rollout.sleep_level`, else `weight_sync.sleep_level`."""
+    sequences_per_call: int = 0
+    """The most sequences one engine call is given (`easyrl.rollout.vllm_args.sequences_per_engine_call`; 0:
+    unknown): what the engine's CUDA-graph capture must cover."""

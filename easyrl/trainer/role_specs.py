@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from easyrl.algorithms import policy_loss_params
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
+from easyrl.config.engine_kwargs import sequences_per_engine_call
 from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.distributed.memory import MemoryLevers
 from easyrl.rollout import RolloutSpec, SamplingParams
@@ -354,6 +355,7 @@ def rollout_spec(cfg: EasyRLConfig, plan: RunPlan) -> RolloutSpec:
         logprob_ratio=plan.logprob_ratio,
         weight_sync=plan.weight_sync,
         sleep_level=plan.sleep_level,  # an explicit level, else the one `weight_sync` implies
+        sequences_per_call=sequences_per_engine_call(cfg),
     )
 
 

@@ -72,6 +72,12 @@ def load_model(
         from easyrl.models import model_class_for
 
         model = model_class_for(hf_config).from_pretrained(model_cfg.model_path, **common)
+    if model_cfg.liger_kernels:  # before LoRA and sharding wrap the modules it patches
+        from easyrl.models.fused_kernels import apply_liger_kernels
+
+        apply_liger_kernels(
+            model, "worker.actor.model.liger_kernels" if kind == "causal_lm" else "worker.critic.model.liger_kernels"
+        )
     if model_cfg.freeze_vision_tower:
         from easyrl.models import freeze_vision_tower
 

@@ -342,6 +342,16 @@ def diffusion_tiny(ctx: Context) -> Outcome:
     return Outcome(f"tiny SD3 pipeline, 4 SDE steps, 32x32 images; brightness {reward}", rows)
 
 
+def liger_kernels(ctx: Context) -> Outcome:
+    """Liger's Triton RMSNorm / SwiGLU / RoPE in the actor (`worker.actor.model.liger_kernels`) against vLLM's own
+    kernels: the numerics gate (`check_rl`) is the proof that the switch keeps the log-probs within bf16 noise."""
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), {"worker.actor.model.liger_kernels": True},
+                                    weights=True)  # fmt: skip
+    expect(moved(before, after, "mlp."), "the MLPs (Liger's SwiGLU) did not move")
+    errors = [round(float(r["rollout/token_prob_error"]), 4) for r in rows]
+    return Outcome(f"Liger RMSNorm/SwiGLU/RoPE in the actor; token_prob_error {errors} against vLLM", rows)
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -369,4 +379,5 @@ FEATURES = (
     _feature("inline_engine_healing", inline_engine_healing, limit_s=60),
     _feature("long_video", long_video, limit_s=60),
     _feature("diffusion_tiny", diffusion_tiny, limit_s=60),
+    _feature("liger_kernels", liger_kernels, cpu=False),  # Triton: CUDA only (refused on CPU)
 )

