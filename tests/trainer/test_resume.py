@@ -34,7 +34,11 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_
     # stopped at step 3 would repeat steps 1-3 to make the same files), resumed in a fresh folder.
     checkpoint = tmp_path / "full" / "run" / "global_step_3"
     resumed, _, _ = run(
-        tmp_path / "resumed", tiny_model_dir, digits_data, {**edits, "trainer.load_checkpoint_path": str(checkpoint)}, 6
+        tmp_path / "resumed",
+        tiny_model_dir,
+        digits_data,
+        {**edits, "trainer.load_checkpoint_path": str(checkpoint)},
+        6,
     )
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert _stable(resumed) == _stable(full[3:]), "the resumed run left the uninterrupted curve"
