@@ -12,6 +12,8 @@ import yaml
 
 
 if TYPE_CHECKING:
+    import subprocess
+
     import torch
 
 
@@ -279,3 +281,26 @@ def metric_mismatches(
         for k in w
         if not math.isclose(g[k], w[k], rel_tol=rtol, abs_tol=atol)
     ]
+
+
+def easyrl_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`easyrl ARGS` run by the command's own `main` in this process (exit code, stdout, stderr, as `easyrl` gives
+    them), with the signal handlers it installs put back after. A command of its own costs a Python start and torch's
+    import (~3-5 s on 2 cores) before `main` runs: the tests of the process itself (its exit, its signals, `train`)
+    keep `easyrl` (tests/test_structure_rules.py holds `check` to this)."""
+    import signal
+    import subprocess
+
+    from easyrl.cli import main
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    capsys.readouterr()  # what the test printed before is not the command's
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's --help and usage errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["easyrl", *args], code, out.out, out.err)

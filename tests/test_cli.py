@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from easyrl import __version__
-from tests.conftest import base_config, write_config
+from tests.conftest import base_config, easyrl_in_process, write_config
 
 
 def easyrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -22,13 +22,13 @@ def test_version() -> None:
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "check", "cache-embeds", "merge", "report"])
-def test_help(command: str) -> None:
-    proc = easyrl(command, "--help")
+def test_help(command: str, capsys) -> None:
+    proc = easyrl_in_process(capsys, command, "--help")
     assert proc.returncode == 0, proc.stderr
     assert "usage: easyrl" in proc.stdout
 
 
-def test_check_prints_the_report(tmp_path, tiny_model_dir) -> None:
+def test_check_prints_the_report(tmp_path, tiny_model_dir, capsys) -> None:
     import json
 
     rows = [
@@ -40,7 +40,7 @@ def test_check_prints_the_report(tmp_path, tiny_model_dir) -> None:
     conf = base_config(tiny_model_dir, {"train": str(tmp_path / "train.jsonl")}, tmp_path / "run")
     conf["data"]["max_prompt_length"] = 36  # the longer prompts do not fit: counted, not trained on
     path = write_config(tmp_path / "cfg.yaml", conf)
-    proc = easyrl("check", path, "worker.rollout.n=4")
+    proc = easyrl_in_process(capsys, "check", path, "worker.rollout.n=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for section in ("== data", "== first prompt, rendered", "== reward function", "== plan"):
@@ -53,7 +53,7 @@ def test_check_prints_the_report(tmp_path, tiny_model_dir) -> None:
     assert not (tmp_path / "run").exists(), "check must not start training"
 
 
-def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> None:
+def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data, capsys) -> None:
     """With a VL model, the report counts image tokens and flags rows whose media push the prompt too long."""
     from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
     from tests.trainer.test_vl_e2e import _image_data
@@ -72,13 +72,13 @@ def test_check_reports_media_tokens_and_overlong_rows(tmp_path, digits_data) -> 
         }
     )
     conf["worker"]["actor"]["global_batch_size"] = 2
-    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "cfg.yaml", conf))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "media: rows_with_media=" in proc.stdout and "media_tokens_max=" in proc.stdout, proc.stdout
     assert "'overlong_prompt': " in proc.stdout, proc.stdout
 
 
-def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_model_dir) -> None:
+def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_model_dir, capsys) -> None:
     """A config with an `sft` section is checked as SFT (the first conversation with its trained tokens marked, the
     plan) and `easyrl train` stops on it naming `easyrl sft`."""
     import json
@@ -96,7 +96,7 @@ def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_mo
         "trainer": {"n_gpus_per_node": 2, "device": "cpu", "save_checkpoint_path": str(tmp_path / "run")},
     }
     path = write_config(tmp_path / "sft.yaml", conf)
-    proc = easyrl("check", path)
+    proc = easyrl_in_process(capsys, "check", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "train: 16 usable conversations" in out and "rendering each conversation prefix by prefix" in out
@@ -109,17 +109,19 @@ def test_check_reads_an_sft_config_as_one_and_train_refuses_it(tmp_path, tiny_mo
 
 
 @pytest.mark.gpu
-def test_check_prints_a_memory_plan_on_a_gpu(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_prints_a_memory_plan_on_a_gpu(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
     """On a GPU `easyrl check` prints the memory plan, and refuses a run whose update cannot fit (a token budget of a
     billion tokens per micro-batch), naming the arithmetic."""
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["trainer"] |= {"device": "cuda", "n_gpus_per_node": 1}
     path = write_config(tmp_path / "cfg.yaml", conf)
-    proc = easyrl("check", path)
+    proc = easyrl_in_process(capsys, "check", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== memory plan" in proc.stdout and "actor update: weights" in proc.stdout
     assert "easyrl: memory error" not in proc.stderr
-    proc = easyrl("check", path, "worker.actor.dynamic_batching=true", "worker.actor.max_token_len_per_gpu=1000000000")
+    proc = easyrl_in_process(
+        capsys, "check", path, "worker.actor.dynamic_batching=true", "worker.actor.max_token_len_per_gpu=1000000000"
+    )
     assert proc.returncode == 2 and "easyrl: memory error: the update needs" in proc.stderr, proc.stderr
 
 
@@ -247,64 +249,66 @@ def test_check_flags_a_model_vllm_cpu_cannot_serve(tmp_path, tiny_model_dir, dig
     assert check(unsupported)[0] == 0, "the HF engine serves any head size"
 
 
-def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_refuses_a_template_escaping_the_sandbox(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
     """`easyrl check` renders the prompt template: a template reaching os.system stops it, naming the file."""
     marker = tmp_path / "pwned"
     template = tmp_path / "evil.jinja"
     template.write_text(f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}{{{{ content }}}}")
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["data"]["format_prompt"] = str(template)
-    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "cfg.yaml", conf))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not marker.exists(), "the template ran a shell command"
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("easyrl: data error:") and str(template) in last and "sandbox" in last, last
 
 
-def test_check_loads_the_data_as_train_does(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_loads_the_data_as_train_does(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
     """`easyrl check` passed configs that `easyrl train` then refused: validation rows all unusable, or fewer
     usable training rows than one step's prompts. It loads the data as train does and stops the same way."""
     import json
 
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["data"]["val_files"] = digits_data["val"]
-    proc = easyrl("check", write_config(tmp_path / "good.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "good.yaml", conf))
     assert proc.returncode == 0 and f"val: 8 usable rows from {digits_data['val']}; dropped: none" in proc.stdout
     bad_val = tmp_path / "val.jsonl"
     bad_val.write_text(json.dumps({"prompt": "Copy: 1 2", "solution": "12"}) + "\n")  # no `answer` column
     conf["data"]["val_files"] = str(bad_val)
-    proc = easyrl("check", write_config(tmp_path / "bad_val.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "bad_val.yaml", conf))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("easyrl: data error:") and str(bad_val) in last, proc.stderr
     conf["data"]["val_files"] = ""
     conf["data"]["rollout_batch_size"] = 128  # 64 training rows
     conf["worker"]["actor"]["global_batch_size"] = 128
-    proc = easyrl("check", write_config(tmp_path / "few_rows.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "few_rows.yaml", conf))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "data.rollout_batch_size: 128 is larger than the 64 usable" in last, proc.stderr
 
 
-def test_check_names_a_reward_that_fails_on_the_right_answer(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_names_a_reward_that_fails_on_the_right_answer(tmp_path, tiny_model_dir, digits_data, capsys) -> None:
     """A reward function that raises on the ground truth (scored as the response) stops `easyrl check` with one line
     naming the function and the error, not a traceback."""
     reward = tmp_path / "my_reward.py"
     reward.write_text('REWARD_TYPE = "sequential"\n\ndef score(x):\n    return {"overall": 1 / 0}\n')
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     conf["worker"]["reward"]["reward_function"] = f"{reward}:score"
-    proc = easyrl("check", write_config(tmp_path / "cfg.yaml", conf))
+    proc = easyrl_in_process(capsys, "check", write_config(tmp_path / "cfg.yaml", conf))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("easyrl: reward error: reward function my_reward.py:score") and "ZeroDivisionError" in last
 
 
-def test_check_warns_when_disable_kl_turns_off_the_kl_loss_asked_for(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_check_warns_when_disable_kl_turns_off_the_kl_loss_asked_for(
+    tmp_path, tiny_model_dir, digits_data, capsys
+) -> None:
     """configs/demo.yaml has `disable_kl: true`; `algorithm.use_kl_loss=true` on top of it trained without a KL and
     said nothing."""
     path = write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path / "run"))
     warning = "easyrl: warning: algorithm.use_kl_loss=true has no effect: algorithm.disable_kl=true turns the KL"
-    proc = easyrl("check", path, "algorithm.use_kl_loss=true")
+    proc = easyrl_in_process(capsys, "check", path, "algorithm.use_kl_loss=true")
     assert proc.returncode == 0 and warning in proc.stdout and "KL off" in proc.stdout, proc.stdout
-    proc = easyrl("check", path, "algorithm.use_kl_loss=true", "algorithm.disable_kl=false")
+    proc = easyrl_in_process(capsys, "check", path, "algorithm.use_kl_loss=true", "algorithm.disable_kl=false")
     assert proc.returncode == 0 and "warning" not in proc.stdout and "in the loss" in proc.stdout, proc.stdout
 
 
@@ -375,7 +379,7 @@ def test_train_exits_with_its_final_checkpoint_and_logs(tmp_path, tiny_model_dir
 
 # Qwen3.5 ships Qwen3-VL's processor: its run is the same path again, kept with the slow tests
 @pytest.mark.parametrize("arch", ["qwen3_vl", pytest.param("qwen3_5", marks=pytest.mark.slow)])
-def test_check_counts_video_tokens_at_the_configured_fps_and_pixels(tmp_path, arch: str) -> None:
+def test_check_counts_video_tokens_at_the_configured_fps_and_pixels(tmp_path, arch: str, capsys) -> None:
     """Qwen3-VL's processor (Qwen3-VL dense and MoE, Qwen3.5) writes a timestamp before every temporal patch of a
     video: `easyrl check` counts those and the pads at the configured fps and pixels, so a clip that fits at 1 fps
     is over max_prompt_length at 4 fps, and with `filter_overlong_prompts=false` the check stops before any run."""
@@ -408,11 +412,15 @@ def test_check_counts_video_tokens_at_the_configured_fps_and_pixels(tmp_path, ar
     slow, fast = tokens(1.0), tokens(4.0)
     assert fast > slow
     conf["data"]["max_prompt_length"] = slow  # fits at 1 fps, exactly
-    fits = easyrl("check", write_config(tmp_path / "a.yaml", conf), "data.video_fps=1.0")
+    fits = easyrl_in_process(capsys, "check", write_config(tmp_path / "a.yaml", conf), "data.video_fps=1.0")
     assert fits.returncode == 0, fits.stderr[-3000:]
     assert f"prompt tokens: min={slow:.1f}" in fits.stdout and "'overlong_prompt'" not in fits.stdout, fits.stdout
-    strict = easyrl(
-        "check", write_config(tmp_path / "b.yaml", conf), "data.video_fps=4.0", "data.filter_overlong_prompts=false"
+    strict = easyrl_in_process(
+        capsys,
+        "check",
+        write_config(tmp_path / "b.yaml", conf),
+        "data.video_fps=4.0",
+        "data.filter_overlong_prompts=false",
     )
     assert strict.returncode == 2, strict.stdout
     assert (

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from easyrl.config import load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, easyrl_in_process
 
 
 RECIPES = sorted((REPO / "configs" / "easyr1").glob("*.yaml")) + sorted((REPO / "configs" / "agentic").glob("*.yaml"))
@@ -300,7 +300,11 @@ def test_easyr1_layout_with_script_overrides_passes_check(
 
 
 def test_easyr1_dapo17k_script_checks_its_sequence_parallelism(
-    tmp_path: Path, stand_ins: dict[str, str], easyr1_data: dict[str, Path]
+    tmp_path: Path,
+    stand_ins: dict[str, str],
+    easyr1_data: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """EasyR1's Qwen3-14B DAPO script sets worker.actor.ulysses_size=8 on 8 GPUs: `easyrl check` accepts it for a
     model whose attention heads the split divides (Qwen3-14B has 40; tests/config/test_sequence_parallel.py has the
@@ -327,7 +331,8 @@ def test_easyr1_dapo17k_script_checks_its_sequence_parallelism(
     eight_heads = build_tiny_checkpoint(
         tmp_path / "m", arch="qwen3", num_heads=8, num_kv_heads=4, max_position_embeddings=32768
     )
-    proc = easyrl("check", str(path), *overrides, f"worker.actor.model.model_path={eight_heads}")
+    monkeypatch.chdir(REPO)  # the reward file is named relative to the repository root
+    proc = easyrl_in_process(capsys, "check", str(path), *overrides, f"worker.actor.model.model_path={eight_heads}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sequence parallel 8 (1 data-parallel groups)" in proc.stdout
 

@@ -711,3 +711,32 @@ def test_only_the_update_levers_decide_an_auto_lever() -> None:
         if m.startswith("easyrl.workers") and any(i == "easyrl.update_levers" for i, _ in _imports(m))
     ]
     assert not workers, f"workers read the resolved spec, not the levers: {workers}"
+
+
+def _check_commands_of_their_own(source: str) -> list[int]:
+    """Lines of `source` calling a test's command helper (`easyrl(...)` / `_easyrl(...)`, a subprocess) with `check`."""
+    return [
+        n.lineno
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in ("easyrl", "_easyrl")
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == "check"
+    ]
+
+
+def test_easyrl_check_runs_in_the_test_process() -> None:
+    """`make test`'s time budget (docs/testing.md): a test asking `easyrl check` about a config runs the command's
+    `main` in its own process (`tests.conftest.easyrl_in_process`); a command of its own costs a Python start and
+    torch's import, ~3-5 s on 2 cores, each time. The tests of a process as such (a newcomer's shell, bytes in argv)
+    spell their commands as lists and are not this rule's."""
+    assert _check_commands_of_their_own('easyrl("check", "c.yaml")\n_easyrl("train", "c.yaml")\n') == [1]
+    tests = PACKAGE.parent / "tests"
+    found = [
+        f"{path.relative_to(tests.parent)}:{line}"
+        for path in sorted(tests.rglob("*.py"))
+        for line in _check_commands_of_their_own(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "run `easyrl check` with tests.conftest.easyrl_in_process:\n" + "\n".join(found)

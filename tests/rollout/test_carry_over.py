@@ -276,23 +276,23 @@ def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 def test_a_resumed_asynchronous_run_continues_every_response_in_flight(
     ray_session, tmp_path, tiny_model_dir, digits_data
 ) -> None:
-    """S = 1: stopping after step 1 and resuming from its checkpoint gives the uninterrupted run's steps 2 to 4 to the
-    bit: the checkpoint holds the groups in flight (partial responses with their log-probs and versions), none is
-    lost or sampled again. (Step 1 is the one whose checkpoint holds partial responses for these seeds.)"""
+    """S = 1: resuming from the step-1 checkpoint gives the uninterrupted run's steps 2 to 4 to the bit: the
+    checkpoint holds the groups in flight (partial responses with their log-probs and versions), none is lost or
+    sampled again. (Step 1 is the one whose checkpoint holds partial responses for these seeds.) The checkpoint is
+    the uninterrupted run's own, as a run killed after step 1 leaves it; the resumed run starts in a fresh folder."""
     from tests.conftest import train_steps
 
     edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "trainer.save_freq": 1}
     full, _, _ = train_steps(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=4)
-    first, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=1)
-    saved = json.loads((tmp_path / "split" / "run" / "global_step_1" / "trainer_state.json").read_text())
+    checkpoint = tmp_path / "full" / "run" / "global_step_1"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
     in_flight = saved["state"]["rollout_loop"]["groups"]
     assert any(len(s["response_ids"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), (
         "no partial response"
     )
-    second, _, _ = train_steps(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=4)
-    resumed = [r for r in second if r["step"] > 1]
+    edits["trainer.load_checkpoint_path"] = str(checkpoint)
+    resumed, _, _ = train_steps(tmp_path / "resumed", tiny_model_dir, digits_data, edits, steps=4)
     assert [r["step"] for r in resumed] == [2, 3, 4]
-    assert _stable(first) == _stable(full[:1])
     assert _stable(resumed) == _stable(full[1:]), "the resumed run left the uninterrupted curve"
     assert max(r["async/resumed_fraction"] for r in resumed) > 0
 

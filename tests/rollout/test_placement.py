@@ -13,6 +13,7 @@ from tests.conftest import metric_mismatches, train_steps
 
 pytestmark = pytest.mark.slow
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,45 +27,53 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def separate(ray_session, tmp_path_factory, tiny_model_dir: str, digits_data: dict[str, str]) -> tuple[list, dict]:
+    """3 steps with a rollout worker of its own and the default weight transfer (broadcast): (rows, final weights),
+    one run that both tests below compare against."""
+    from easyrl.config import RolloutConfig
+
+    assert RolloutConfig().weight_transfer == "broadcast"  # what the transfer test takes this run for
+    rows, _, weights = train_steps(
+        tmp_path_factory.mktemp("separate"), tiny_model_dir, digits_data, SEPARATE, steps=3, weights=True
+    )
+    assert weights is not None
+    return rows, weights
+
+
 def test_separate_rollout_workers_train_like_the_hybrid_engine(
-    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], separate: tuple[list, dict]
 ) -> None:
     hybrid, _, hybrid_weights = train_steps(
         tmp_path / "hybrid", tiny_model_dir, digits_data, {}, steps=3, weights=True
     )
-    edits = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
-    separate, _, weights = train_steps(
-        tmp_path / "separate", tiny_model_dir, digits_data, edits, steps=3, weights=True
-    )
+    separate_rows, weights = separate
     # One engine instead of two, and every sample seeded by its place in the whole batch: the same rollouts, so the
     # same training (up to float noise: the engine sees the prompts in one batch instead of two).
     stable = [
-        [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows] for rows in (separate, hybrid)
+        [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows] for rows in (separate_rows, hybrid)
     ]
     bad = metric_mismatches(*stable)
     assert not bad, "\n".join(bad)
-    assert [r["rollout/policy_version_max"] for r in separate] == [0.0, 1.0, 2.0]
+    assert [r["rollout/policy_version_max"] for r in separate_rows] == [0.0, 1.0, 2.0]
     # The weights moved to the rollout worker after each update, not before the first step (it loaded the checkpoint).
-    assert ["timing_s/weight_transfer" in r for r in separate] == [False, True, True]
-    assert all(r["perf/weight_transfer_gb"] > 0 for r in separate[1:])
-    assert "timing_s/sleep" not in separate[0]  # a resident engine never sleeps
-    assert weights is not None and hybrid_weights is not None
+    assert ["timing_s/weight_transfer" in r for r in separate_rows] == [False, True, True]
+    assert all(r["perf/weight_transfer_gb"] > 0 for r in separate_rows[1:])
+    assert "timing_s/sleep" not in separate_rows[0]  # a resident engine never sleeps
+    assert hybrid_weights is not None
     for name, tensor in hybrid_weights.items():
         assert (weights[name] - tensor).abs().max() < 1e-5, name
 
 
 def test_broadcast_and_driver_transfers_train_alike(
-    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], separate: tuple[list, dict]
 ) -> None:
     """`weight_transfer: broadcast` (the default: a gloo group of its own between the policy's rank 0 and the
     rollout worker) and `driver` (through Ray's object store) deliver the same bytes: the same rollouts, the same
-    training, the same bytes counted."""
-    runs = {}
-    for transfer in ("broadcast", "driver"):
-        edits = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
-        edits["worker.rollout.weight_transfer"] = transfer
-        runs[transfer], _, _ = train_steps(tmp_path / transfer, tiny_model_dir, digits_data, edits, steps=3)
-    broadcast, driver = runs["broadcast"], runs["driver"]
+    training, the same bytes counted. The broadcast run is the module's `separate` run (broadcast is the default)."""
+    broadcast = separate[0]
+    edits = {**SEPARATE, "worker.rollout.weight_transfer": "driver"}
+    driver, _, _ = train_steps(tmp_path / "driver", tiny_model_dir, digits_data, edits, steps=3)
     stable = [
         [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows] for rows in (broadcast, driver)
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,17 +21,30 @@ pytestmark = pytest.mark.slow
 STEPS = 12
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    """One Ray instance for the module's HF-engine runs (a start costs seconds on 2 cores; the runs share nothing
+    through it: each starts its own workers)."""
+    import ray
+
+    from easyrl.distributed import init_ray
+
+    init_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
 def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
 def _train(
-    tmp_path: Path, steps: int, extra: list[str], val: list[dict[str, float]] | None = None
+    tmp_path: Path, steps: int, extra: list[str], val: list[dict[str, float]] | None = None, expect: int | None = None
 ) -> list[dict[str, float]]:
-    from easyrl.distributed import init_ray
+    """`steps` steps of the tool demo with `extra` overrides; returns its rows with a reward (`expect` of them:
+    default `steps`, fewer for a run resumed in a fresh folder)."""
     from easyrl.trainer.trainer import Trainer
 
-    init_ray(num_cpus=4)
     overrides = [
         f"trainer.max_steps={steps}",
         "trainer.val_before_train=false",
@@ -47,14 +61,11 @@ def _train(
         trainer.fit()
     finally:
         trainer.close()
-        import ray
-
-        ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     if val is not None:
         val += [r for r in rows if "val/reward/overall" in r]
     rows = [r for r in rows if "reward/overall" in r]
-    assert len(rows) == steps
+    assert len(rows) == (steps if expect is None else expect)
     for row in rows:  # one engine call per turn, one forward of the actor over the row: the same log-probs
         # (with staleness, over the tokens the compared weights sampled: a step may train none of them)
         assert row.get("rollout/logprob_diff_max", 0.0) < 1e-3, row["rollout/logprob_diff_max"]
@@ -113,37 +124,59 @@ RESUME_VOLATILE = (
 )
 
 
-@pytest.mark.parametrize("env", ["envs/calc.py:CalcEnv", "tests/assets/calc_resume_envs.py:SavedCalcEnv"])
+# calls of 4 tokens: at step 3's checkpoint 17 trajectories are between a tool call and their next turn
+RESUME_EDITS = ["trainer.max_staleness=1", "worker.rollout.chunk_tokens=4", "trainer.save_freq=3"]
+DEMO_ENV = "envs/calc.py:CalcEnv"  # configs/demo_tools.yaml's
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
+    """The demo's S = 1 tool run of 4 steps, saving at step 3: (its folder, its rows), shared by both environments
+    of the resume test below (one run instead of one per environment)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)  # the demo's paths are relative to the repository root
+        return folder, _train(folder, 4, RESUME_EDITS)
+
+
+@pytest.mark.parametrize("env", [DEMO_ENV, "tests/assets/calc_resume_envs.py:SavedCalcEnv"])
 def test_a_resumed_tool_run_continues_the_trajectories_in_flight_to_the_bit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str, uninterrupted: tuple[Path, list[dict[str, float]]]
 ) -> None:
     """S = 1 with tools, stopped after step 3 and resumed from its checkpoint: the checkpoint holds the trajectories
     in flight with their conversations and the tool calls they ran, and the resumed run rebuilds each environment
     (the demo's `CalcEnv` by replaying its calls; one with `state_dict` from its saved state) and gives the
-    uninterrupted demo run's step 4 to the bit (the two environments answer alike)."""
+    uninterrupted demo run's step 4 to the bit (the two environments answer alike). The demo's environment resumes
+    from the uninterrupted run's own step-3 checkpoint (what a run killed after step 3 leaves); the other from a
+    3-step run of its own."""
     monkeypatch.chdir(REPO)
-    # calls of 4 tokens: at step 3's checkpoint 17 trajectories are between a tool call and their next turn
-    edits = ["trainer.max_staleness=1", "worker.rollout.chunk_tokens=4", "trainer.save_freq=3"]
-    full = _train(tmp_path / "full", 4, edits)
-    edits.append(f"worker.rollout.multi_turn.env={env}")
-    _train(tmp_path / "split", 3, edits)
-    saved = json.loads((tmp_path / "split" / "run" / "global_step_3" / "trainer_state.json").read_text())
+    full_folder, full = uninterrupted
+    edits = [*RESUME_EDITS, f"worker.rollout.multi_turn.env={env}"]
+    if env == DEMO_ENV:
+        checkpoint = full_folder / "run" / "global_step_3"
+    else:
+        _train(tmp_path / "split", 3, edits)
+        checkpoint = tmp_path / "split" / "run" / "global_step_3"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
     in_flight = [s for g in saved["state"]["rollout_loop"]["groups"] for s in g["samples"]]
     assert any(s["episode_state"]["ran"] and not s["done"] for s in in_flight), "no tool trajectory mid-episode"
     assert all((s["episode_state"]["env_state"] is not None) == env.endswith("SavedCalcEnv") for s in in_flight)
-    rows = _train(tmp_path / "split", 4, edits)  # resumes from global_step_3
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[3]["rollout/resume_restarts"] == 0 and rows[3]["rollout/resume_exact"] > 0
+    rows = _train(tmp_path / "resumed", 4, [*edits, f"trainer.load_checkpoint_path={checkpoint}"], expect=1)
+    assert [r["step"] for r in rows] == [4]
+    assert rows[0]["rollout/resume_restarts"] == 0 and rows[0]["rollout/resume_exact"] > 0
 
     def stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
         return [{k: v for k, v in r.items() if not k.startswith(RESUME_VOLATILE)} for r in rows]
 
-    assert stable(rows[3:]) == stable(full[3:]), "the resumed run left the uninterrupted curve"
+    assert stable(rows) == stable(full[3:]), "the resumed run left the uninterrupted curve"
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_the_tool_demo_runs_on_the_vllm_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
+    import ray
+
+    ray.shutdown()  # the run starts Ray anew with the vLLM engine's environment in every worker
     rows = _train(tmp_path, 2, ["worker.rollout.name=vllm"])
     assert all(r["multi_turn/tool_call_rate"] > 0 and r["multi_turn/observation_tokens_mean"] > 0 for r in rows)

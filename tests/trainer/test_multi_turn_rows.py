@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+import pytest
+
+from tests.conftest import REPO, easyrl_in_process
 
 
 def _easyrl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -18,7 +20,10 @@ def _easyrl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_row_naming_an_unknown_environment_stops_check_and_train_at_load(tmp_path: Path) -> None:
+def test_a_row_naming_an_unknown_environment_stops_check_and_train_at_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)  # the demo's paths are relative to the repository root
     rows = [{"prompt": f"{a}*3", "answer": str(3 * a), "env": "calc" if a != 4 else "calculator"} for a in range(8)]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -36,7 +41,7 @@ def test_a_row_naming_an_unknown_environment_stops_check_and_train_at_load(tmp_p
         f"{data}, row 4: row column 'env' (worker.rollout.multi_turn.env_key) is 'calculator'; "
         "worker.rollout.multi_turn.envs has: calc, other"
     )
-    check = _easyrl("check", "configs/demo_tools.yaml", *overrides)
+    check = easyrl_in_process(capsys, "check", "configs/demo_tools.yaml", *overrides)
     assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr[-3000:]
     assert check.stderr.strip().splitlines()[-1] == f"easyrl: data error: {line}"
     train = _easyrl("train", "configs/demo_tools.yaml", *overrides)
@@ -45,12 +50,15 @@ def test_a_row_naming_an_unknown_environment_stops_check_and_train_at_load(tmp_p
     assert not (tmp_path / "run").exists()  # stopped before anything started
 
 
-def test_check_names_an_environment_whose_constructor_needs_arguments(tmp_path: Path) -> None:
+def test_check_names_an_environment_whose_constructor_needs_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
     env = tmp_path / "needs.py"
     env.write_text(
         "class Needs:\n    def __init__(self, board):\n        pass\n    def reset(self, **row):\n        return 'x'\n"
     )
-    check = _easyrl("check", "configs/demo_tools.yaml", f"worker.rollout.multi_turn.env={env}:Needs")
+    check = easyrl_in_process(capsys, "check", "configs/demo_tools.yaml", f"worker.rollout.multi_turn.env={env}:Needs")
     assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr[-3000:]
     last = check.stderr.strip().splitlines()[-1]
     # `check` reads the constructor's signature before building one (`check.constructor_problem`)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, base_config, write_config
+from tests.conftest import REPO, base_config, train_steps, write_config
 
 
 pytestmark = pytest.mark.slow
@@ -152,23 +152,23 @@ def _config(tmp_path: Path, model: str, data: dict[str, str], name: str) -> str:
 
 
 def test_two_nodes_match_one_node(tmp_path: Path, tiny_model_dir, digits_data, cluster: LocalCluster) -> None:
-    env = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")}
-    one = _config(tmp_path, tiny_model_dir, digits_data, "one_node")
-    _train(one, env, "trainer.nnodes=1", "trainer.n_gpus_per_node=2")  # a private instance, as `easyrl train` runs
+    # The one-node run in this process (a private instance, the trainer `easyrl train` runs; a command of its own
+    # would add a Python start and a Ray start to compare against the same numbers).
+    train_steps(tmp_path / "one", tiny_model_dir, digits_data, {"trainer.save_freq": 2}, steps=2)
 
     two = _config(tmp_path, tiny_model_dir, digits_data, "two_nodes")
     log = _train(two, {**cluster.env, "RAY_ADDRESS": cluster.address}, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")
     assert "2 bundles {'CPU': 1.0} (PACK) on 2 node(s)" in log, log[-3000:]
     assert f"rendezvous {cluster.ip}:" in log, log[-3000:]  # rank 0's node address, the one the other node reaches
 
-    rows_one, rows_two = _rows(tmp_path / "one_node"), _rows(tmp_path / "two_nodes")
+    rows_one, rows_two = _rows(tmp_path / "one" / "run"), _rows(tmp_path / "two_nodes")
     assert [r["step"] for r in rows_two] == [1, 2]
     assert rows_one[0].keys() == rows_two[0].keys()
     # Same data-parallel size, seeds and thread counts: the same rollouts and the same sums in the same order, so
     # the two runs are bit-identical (only the transport between the two ranks differs).
     for a, b in zip(rows_one, rows_two, strict=True):
         assert b == a, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-    weights_one, weights_two = _actor_weights(tmp_path / "one_node"), _actor_weights(tmp_path / "two_nodes")
+    weights_one, weights_two = _actor_weights(tmp_path / "one" / "run"), _actor_weights(tmp_path / "two_nodes")
     assert weights_one.keys() == weights_two.keys()
     unequal = [name for name, value in weights_one.items() if not torch.equal(weights_two[name], value)]
     assert not unequal, unequal

@@ -21,7 +21,7 @@ def _stable(rows: list[dict]) -> list[dict]:
 
 
 def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_model_dir, digits_data) -> None:
-    # 64 rows / 16 prompts per step = 4 steps per epoch: saving at step 3 and resuming crosses into epoch 2.
+    # 64 rows / 16 prompts per step = 4 steps per epoch: resuming from step 3 crosses into epoch 2.
     edits = {
         "data.rollout_batch_size": 16,
         "worker.actor.global_batch_size": 8,
@@ -30,15 +30,19 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tmp_path: Path, tiny_
         "worker.actor.micro_batch_size_per_device_for_update": 4,
     }
     full, _, _ = run(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=6)
-    first, _, _ = run(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=3)
-    assert (tmp_path / "split" / "run" / "global_step_3").is_dir()
-    # Same folder, longer run: find_last_checkpoint picks up global_step_3 and continues at step 4.
-    second, _, _ = run(tmp_path / "split", tiny_model_dir, digits_data, edits, steps=6)
-    resumed = [r for r in second if r["step"] > 3]
+    # The uninterrupted run's own step-3 checkpoint, as a run killed after it would have left it (a run of its own
+    # stopped at step 3 would repeat steps 1-3 to make the same files), resumed in a fresh folder.
+    checkpoint = tmp_path / "full" / "run" / "global_step_3"
+    resumed, _, _ = run(
+        tmp_path / "resumed",
+        tiny_model_dir,
+        digits_data,
+        {**edits, "trainer.load_checkpoint_path": str(checkpoint)},
+        6,
+    )
     assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert _stable(first) == _stable(full[:3])
     assert _stable(resumed) == _stable(full[3:]), "the resumed run left the uninterrupted curve"
-    tracker = (tmp_path / "split" / "run" / "latest_checkpointed_iteration.txt").read_text().strip()
+    tracker = (tmp_path / "resumed" / "run" / "latest_checkpointed_iteration.txt").read_text().strip()
     assert tracker == "6"
 
 

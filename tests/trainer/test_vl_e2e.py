@@ -174,9 +174,10 @@ def test_vl_grpo_with_one_step_of_staleness(tmp_path: Path, arch: str, media: st
 
 
 def test_a_resumed_vl_run_with_images_in_flight_is_the_uninterrupted_one(tmp_path: Path) -> None:
-    """Carry-over (S = 1) on image prompts, stopped after step 2 and resumed from its checkpoint: the checkpoint holds
-    partial responses with their images (base64, `trajectory.columns_state`), and the resumed run's steps 3 and 4 are
-    the uninterrupted run's to the bit (the same pixels and grids reach the engine and the update)."""
+    """Carry-over (S = 1) on image prompts, resumed from the step-2 checkpoint: the checkpoint holds partial responses
+    with their images (base64, `trajectory.columns_state`), and the resumed run's steps 3 and 4 are the uninterrupted
+    run's to the bit (the same pixels and grids reach the engine and the update). The checkpoint is the uninterrupted
+    run's own, as a run killed after step 2 leaves it; the resumed run starts in a fresh folder."""
     from tests.conftest import train_steps
     from tests.rollout.test_carry_over import ASYNC_EDITS, _stable
 
@@ -184,13 +185,13 @@ def test_a_resumed_vl_run_with_images_in_flight_is_the_uninterrupted_one(tmp_pat
     data = _image_data(tmp_path / "data")
     edits = vl_edits(data) | ASYNC_EDITS | {"trainer.max_staleness": 1, "trainer.save_freq": 2}
     full, _, _ = train_steps(tmp_path / "full", model, {"train": data["train"]}, edits, steps=4)
-    train_steps(tmp_path / "split", model, {"train": data["train"]}, edits, steps=2)
-    saved = json.loads((tmp_path / "split" / "run" / "global_step_2" / "trainer_state.json").read_text())
+    checkpoint = tmp_path / "full" / "run" / "global_step_2"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
     groups = saved["state"]["rollout_loop"]["groups"]
     partial = [g for g in groups if any(s["response_ids"] and not s["done"] for s in g["samples"])]
     assert partial and all("__tensor__" in str(g["columns"]["multi_modal_inputs"]) for g in partial)
-    second, _, _ = train_steps(tmp_path / "split", model, {"train": data["train"]}, edits, steps=4)
-    resumed = [r for r in second if r["step"] > 2]
+    edits["trainer.load_checkpoint_path"] = str(checkpoint)
+    resumed, _, _ = train_steps(tmp_path / "resumed", model, {"train": data["train"]}, edits, steps=4)
     assert [r["step"] for r in resumed] == [3, 4]
     assert _stable(resumed) == _stable(full[2:]), "the resumed VL run left the uninterrupted curve"
     assert max(r["async/resumed_fraction"] for r in resumed) > 0
