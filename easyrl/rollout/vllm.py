@@ -115,17 +115,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._no_embeds: str | None = None
         """Why this engine takes no tower outputs in place of pixels (None: it takes them when held)."""
         if self.media_token_ids:
-            # vLLM runs the model's own processor on the media, which needs the tokenizer.
-            engine_args["skip_tokenizer_init"] = False
-            engine_args["tokenizer"] = mcfg.tokenizer_path or mcfg.model_path
-            # vLLM sizes its encoder cache and start-up profiling for these counts: nothing for videos the data does
-            # not have. At least one image, so the vision tower is built and takes the policy's weights.
-            media = media_per_prompt or {}
-            engine_args["limit_mm_per_prompt"] = {
-                "image": max(1, media.get("image", 0)),
-                "video": media.get("video", 0),
-            }
-            engine_args |= self._embeds_args(hf_config, mcfg.freeze_vision_tower)
+            engine_args |= self._media_args(hf_config, mcfg, media_per_prompt or {})
         engine_args |= self._lora_args(mcfg.lora, spec.weight_sync)
         engine_args |= _tensor_parallel_args(rcfg.tensor_parallel_size, on_gpu)
         # `worker.rollout.engine_kwargs` last: the user's value wins over what easyrl derives (the keys easyrl sets
@@ -137,6 +127,18 @@ class VLLMRolloutEngine(RolloutEngine):
         with _visible_local_rank(on_gpu):
             self.llm = LLM(**engine_args)
         self._asleep = False
+
+    def _media_args(self, hf_config: Any, mcfg: Any, media: dict[str, int]) -> dict[str, Any]:
+        """The engine arguments of a model that reads images or videos."""
+        return {
+            # vLLM runs the model's own processor on the media, which needs the tokenizer.
+            "skip_tokenizer_init": False,
+            "tokenizer": mcfg.tokenizer_path or mcfg.model_path,
+            # vLLM sizes its encoder cache and start-up profiling for these counts: nothing for videos the data does
+            # not have. At least one image, so the vision tower is built and takes the policy's weights.
+            "limit_mm_per_prompt": {"image": max(1, media.get("image", 0)), "video": media.get("video", 0)},
+            **self._embeds_args(hf_config, mcfg.freeze_vision_tower),
+        }
 
     def _embeds_args(self, hf_config: Any, frozen_tower: bool) -> dict[str, Any]:
         """vLLM's embedding inputs (`enable_mm_embeds`) when this engine may take held tower outputs: a frozen tower
