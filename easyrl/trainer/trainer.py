@@ -17,7 +17,7 @@ from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.plan import plan_of
 from easyrl.trainer.resolve import one_session_loop, rollout_loop
 from easyrl.trainer.reward_inputs import reward_inputs_for, validation_samples_for
-from easyrl.trainer.role_specs import sampling_params
+from easyrl.trainer.role_specs import sampling_params, validation_sampling
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
     apply_distillation,
@@ -54,6 +54,7 @@ class Trainer(RunFolder):
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg, self.plan)
+        self.val_sampling = validation_sampling(cfg, self.plan)
         self.reward_inputs = reward_inputs_for(
             self.plan.modality, self.tokenizer, cfg.worker.reward.skip_special_tokens
         )
@@ -307,8 +308,7 @@ class Trainer(RunFolder):
             return {}
         from easyrl.data import collate_prompts
 
-        # nothing compares validation samples with the trainer: no engine log-probs (they cost generation speed)
-        overrides = {"logprobs": False, **self.cfg.worker.rollout.val_override_config}
+        overrides = {**self.val_sampling, **self.cfg.worker.rollout.val_override_config}
         size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
         all_scores: list[dict[str, float]] = []
         generations: list[dict[str, Any]] = []
