@@ -111,7 +111,9 @@ class Trainer(RunFolder):
         if self.trained_to is not None:
             self.log_already_trained()
             return metrics
-        if cfg.trainer.val_before_train or cfg.trainer.val_only:
+        # a resumed run validated (or not) at its checkpoint's step already: validating again would add a row the
+        # uninterrupted run does not have
+        if (cfg.trainer.val_before_train and self.global_step == 0) or cfg.trainer.val_only:
             val = self.validate()
             self.tracker.log_metrics(val, self.global_step)
             if cfg.trainer.val_only:
