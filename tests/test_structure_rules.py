@@ -497,13 +497,16 @@ def test_the_roles_of_each_modality_come_from_one_table() -> None:
     from typing import get_args
 
     from easyrl.trainer.plan import Modality
-    from easyrl.trainer.role_specs import ROLE_SPECS
-    from easyrl.trainer.worker_groups import ROLE_CLASSES, role_classes
+    from easyrl.trainer.role_specs import ROLE_SPECS, VALIDATION_SAMPLING
+    from easyrl.trainer.worker_groups import LORA_TARGET_CHECKS, ROLE_CLASSES, _load, role_classes
 
     assert set(ROLE_SPECS) == set(ROLE_CLASSES) == set(get_args(Modality))
+    # what validation samples (`val_num_steps`) and the driver's LoRA check follow the modality by table too
+    assert set(VALIDATION_SAMPLING) == set(LORA_TARGET_CHECKS) == set(get_args(Modality))
     for modality in ROLE_CLASSES:  # every path imports to a worker class with the actor's session calls
         actor, _ = role_classes(modality)
         assert all(callable(getattr(actor, m, None)) for m in ("open_rollout", "generate", "close_rollout"))
+        assert callable(_load(LORA_TARGET_CHECKS[modality]))
     for module in ("easyrl.trainer.role_specs", "easyrl.trainer.worker_groups"):
         tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
         compared = [

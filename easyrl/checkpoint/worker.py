@@ -80,7 +80,7 @@ def write_hf_files(folder: str, model: nn.Module, model_path: str | None, tokeni
             if os.path.isfile(src):
                 fsio.copy_file(src, os.path.join(folder, name))
                 copied.append(name)
-    if not copied:
+    if not copied and source:  # no source at all: a role without a tokenizer (a diffusion pipeline's denoiser)
         logger.warning("no tokenizer files found in %s; %s has no tokenizer", source, folder)
     fsio.fsync_dir(folder)
 

@@ -36,7 +36,7 @@ class TrainerConfig:
     val_freq: int = -1
     """Validate every N steps; -1: never (except before training/at the end when asked)."""
     val_before_train: bool = True
-    """Validate once before the first step."""
+    """Validate once before the first step (a resumed run does not: it continues the history it resumes)."""
     val_only: bool = False
     """Only validate, then exit."""
     val_generations_to_log: int = 0

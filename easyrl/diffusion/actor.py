@@ -1,7 +1,7 @@
 """The denoiser's actor and reference roles: FSDP2 on the pipeline's transformer, LoRA as for LLMs, Flow-GRPO's loss.
 
 Public names (stable; the trainer wiring builds the specs and calls the workers): `SamplerSettings`,
-`DenoiserActorSpec`, `DenoiserRefSpec`, `DenoiserModel`, `load_denoiser`, `DenoiserActorWorker`,
+`DenoiserActorSpec`, `DenoiserRefSpec`, `DenoiserModel`, `load_denoiser`, `check_lora_targets`, `DenoiserActorWorker`,
 `DenoiserRefWorker`, `denoiser_objective`.
 
 The workers expose the LLM actor's interface to the trainer (`compute_log_probs`, `compute_ref_log_probs`,
@@ -56,6 +56,7 @@ __all__ = [
     "DenoiserRefSpec",
     "DenoiserRefWorker",
     "SamplerSettings",
+    "check_lora_targets",
     "denoiser_objective",
     "load_denoiser",
 ]
@@ -102,6 +103,30 @@ def load_denoiser(model_cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
     """The ``transformer`` of the local diffusers pipeline folder ``model_cfg.model_path``."""
     from diffusers import AutoModel
 
+    path = _pipeline_folder(model_cfg)
+    model: nn.Module = AutoModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+    return model
+
+
+def check_lora_targets(model_cfg: ModelConfig) -> None:
+    """On the driver, before any worker starts: LoRA applied to the denoiser built on the meta device from its
+    config (no weights read), so `target_modules` matching nothing stops the run in one line, as for LLMs
+    (`easyrl.workers.lora.check_targets`, which builds a transformers model and cannot read a diffusers config)."""
+    import diffusers
+
+    from easyrl.config.diffusion import read_config_json
+    from easyrl.workers.lora import apply_lora
+
+    config = read_config_json(os.path.join(_pipeline_folder(model_cfg), "transformer", "config.json"))
+    # The class named in the config, not diffusers' AutoModel: its from_pretrained of a pipeline folder leaves
+    # AutoModel.config_name at "model_index.json" (diffusers 0.42), and a later from_config reads the pipeline's.
+    model_cls: Any = getattr(diffusers, str(config["_class_name"]))
+    with torch.device("meta"):
+        model = model_cls.from_config(config)
+    apply_lora(model, model_cfg.lora)
+
+
+def _pipeline_folder(model_cfg: ModelConfig) -> str:
     path = model_cfg.model_path
     if path is None or not os.path.isfile(os.path.join(path, "model_index.json")):
         raise ConfigError(
@@ -114,8 +139,7 @@ def load_denoiser(model_cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
             "worker.actor.model.model_path",
             f"{path} has no transformer/ folder: only transformer-based (flow-matching) pipelines train, not UNets",
         )
-    model: nn.Module = AutoModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-    return model
+    return path
 
 
 class DenoiserModel(TrainableModel):

@@ -90,7 +90,8 @@ class DiffusionRolloutEngine(RolloutEngine):
         features = self.encode(texts, guided)
         # every row of a prompt shares its prompt's features: (N, ...) by repeating each prompt's n times
         features = {k: v.repeat_interleave(n, dim=0) for k, v in features.items()}
-        sigmas = self.schedule(cfg.num_steps)  # (T+1,), from 1 (pure noise) down to 0
+        # (T+1,), from 1 (pure noise) down to 0; validation asks for its own count (`val_num_steps`)
+        sigmas = self.schedule(params.denoising_steps or cfg.num_steps)
         num_rows, steps = len(generators), len(sigmas) - 1
         latents = [self.initial_noise(generators)]
         log_probs = torch.zeros(num_rows, steps)

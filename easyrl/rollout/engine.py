@@ -40,6 +40,9 @@ class SamplingParams:
     carry each prompt's own seed in the prompts' `sample_seed` column instead, made from this one."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token."""
+    denoising_steps: int | None = None
+    """A diffusion engine's denoising steps per sample (None: `worker.rollout.diffusion.num_steps`; validation sets
+    `val_num_steps`); text engines ignore it."""
 
     def override(self, changes: dict[str, Any]) -> SamplingParams:
         """A copy with `changes` applied (e.g. `val_override_config`)."""

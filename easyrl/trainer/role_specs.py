@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from easyrl.algorithms import policy_loss_params
 from easyrl.config import EasyRLConfig
@@ -376,6 +376,26 @@ def sampling_params(cfg: EasyRLConfig, plan: RunPlan) -> SamplingParams:
         ignore_eos=rcfg.ignore_eos,
         stop_token_ids=tuple(rcfg.stop_token_ids),
     )
+
+
+def _denoiser_validation(cfg: EasyRLConfig) -> dict[str, Any]:
+    diffusion = cfg.worker.rollout.diffusion
+    return {"denoising_steps": diffusion.val_num_steps or diffusion.num_steps}
+
+
+VALIDATION_SAMPLING: dict[str, Callable[[EasyRLConfig], dict[str, Any]]] = {
+    "text": lambda cfg: {},
+    "diffusion": _denoiser_validation,
+}
+"""What validation samples differently by `RunPlan.modality`: a diffusion run's denoising steps are `val_num_steps`
+(null: `num_steps`)."""
+
+
+def validation_sampling(cfg: EasyRLConfig, plan: RunPlan) -> dict[str, Any]:
+    """What validation changes in the training sampling, before `worker.rollout.val_override_config`: no engine
+    log-probs (nothing compares validation samples with the trainer, and they cost generation speed), and what the
+    modality adds (`VALIDATION_SAMPLING`)."""
+    return {"logprobs": False, **VALIDATION_SAMPLING[plan.modality](cfg)}
 
 
 def rollout_role_spec(actor: ActorSpec | DenoiserActorSpec) -> RolloutRoleSpec:

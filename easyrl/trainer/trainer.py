@@ -17,7 +17,7 @@ from easyrl.seeding import GREEDY_STREAM, VALIDATION_STREAM, derive_seed
 from easyrl.trainer.plan import plan_of
 from easyrl.trainer.resolve import one_session_loop, rollout_loop
 from easyrl.trainer.reward_inputs import reward_inputs_for, validation_samples_for
-from easyrl.trainer.role_specs import sampling_params
+from easyrl.trainer.role_specs import sampling_params, validation_sampling
 from easyrl.trainer.run import RunFolder, StopRequested, TrainingError
 from easyrl.trainer.step_math import (
     apply_distillation,
@@ -54,6 +54,7 @@ class Trainer(RunFolder):
         self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg)
         self.total_steps, self.optimizer_steps = count_steps(cfg, self.sampler.steps_per_epoch)
         self.sampling = sampling_params(cfg, self.plan)
+        self.val_sampling = validation_sampling(cfg, self.plan)
         self.reward_inputs = reward_inputs_for(
             self.plan.modality, self.tokenizer, cfg.worker.reward.skip_special_tokens
         )
@@ -110,7 +111,9 @@ class Trainer(RunFolder):
         if self.trained_to is not None:
             self.log_already_trained()
             return metrics
-        if cfg.trainer.val_before_train or cfg.trainer.val_only:
+        # a resumed run validated (or not) at its checkpoint's step already: validating again would add a row the
+        # uninterrupted run does not have
+        if (cfg.trainer.val_before_train and self.global_step == 0) or cfg.trainer.val_only:
             val = self.validate()
             self.tracker.log_metrics(val, self.global_step)
             if cfg.trainer.val_only:
@@ -307,8 +310,7 @@ class Trainer(RunFolder):
             return {}
         from easyrl.data import collate_prompts
 
-        # nothing compares validation samples with the trainer: no engine log-probs (they cost generation speed)
-        overrides = {"logprobs": False, **self.cfg.worker.rollout.val_override_config}
+        overrides = {**self.val_sampling, **self.cfg.worker.rollout.val_override_config}
         size = self.cfg.data.val_batch_size if self.cfg.data.val_batch_size > 0 else len(self.val_data)
         all_scores: list[dict[str, float]] = []
         generations: list[dict[str, Any]] = []

@@ -268,17 +268,25 @@ ROLE_CLASSES: dict[str, tuple[str, str]] = {
 run never imports the denoiser's module. The denoiser's workers answer the LLM roles' calls: the rest is shared."""
 
 
-def role_classes(modality: str) -> tuple[type, type]:
-    """The (actor, reference) worker classes of `ROLE_CLASSES[modality]`."""
+LORA_TARGET_CHECKS: dict[str, str] = {
+    "text": "easyrl.workers.lora:check_targets",
+    "diffusion": "easyrl.diffusion.actor:check_lora_targets",
+}
+"""What checks `worker.actor.model.lora.target_modules` against the model on the driver, by `RunPlan.modality`: a
+transformers config and a diffusers pipeline's transformer are built differently."""
+
+
+def _load(path: str) -> Any:
     import importlib
 
-    def load(path: str) -> type:
-        module, name = path.split(":")
-        cls: type = getattr(importlib.import_module(module), name)
-        return cls
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
+
+def role_classes(modality: str) -> tuple[type, type]:
+    """The (actor, reference) worker classes of `ROLE_CLASSES[modality]`."""
     actor, ref = ROLE_CLASSES[modality]
-    return load(actor), load(ref)
+    return _load(actor), _load(ref)
 
 
 def start_backend(
@@ -364,8 +372,7 @@ def build_workers(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, *datas
     """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
     prompt may carry."""
     if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
-        from easyrl.workers.lora import check_targets
-
+        check_targets: Callable[[Any], None] = _load(LORA_TARGET_CHECKS[plan.modality])
         check_targets(cfg.worker.actor.model)
     media: dict[str, int] = {}
     for data in datasets:

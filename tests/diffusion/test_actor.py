@@ -183,3 +183,21 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path: Path,
     assert torch.allclose(out["ref"]["ref_log_probs"][mask], batch["ref_log_probs"][mask], atol=1e-5)
     assert torch.allclose(out["ref"]["ref_means"], batch["ref_means"], atol=1e-5)
     assert not torch.allclose(out["old"]["old_log_probs"][mask], batch["ref_log_probs"][mask], atol=1e-5)
+
+
+def test_lora_targets_are_checked_on_the_denoiser_before_any_worker_starts(setup: Any) -> None:
+    """The driver's check builds the pipeline's transformer on the meta device (the LLM check reads a transformers
+    config a pipeline folder does not have), also after diffusers' AutoModel loaded that folder (which leaves
+    AutoModel pointed at model_index.json), and names the denoiser's linear layers when the targets match none."""
+    from diffusers import AutoModel
+
+    from easyrl.config import ConfigError, ModelConfig
+    from easyrl.config.worker import LoraConfig
+    from easyrl.diffusion.actor import check_lora_targets
+
+    pipe = setup[0]
+    AutoModel.from_pretrained(pipe, subfolder="transformer")
+    check_lora_targets(ModelConfig(model_path=pipe, lora=LoraConfig(rank=4, alpha=8)))
+    bad = ModelConfig(model_path=pipe, lora=LoraConfig(rank=4, alpha=8, target_modules="q_proj"))
+    with pytest.raises(ConfigError, match=r"^worker\.actor\.model\.lora\.target_modules: 'q_proj' .*to_q"):
+        check_lora_targets(bad)

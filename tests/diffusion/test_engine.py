@@ -114,3 +114,20 @@ def test_the_reward_gets_each_rows_image_and_columns(pipeline_path: str) -> None
     assert inputs[2]["image"] is out["images"][2] and inputs[2]["prompt"] == "a blue image"
     scores = load_reward_function(str(REPO / "reward_functions" / "colour.py")).fn(inputs)
     assert all(0.0 <= s["overall"] <= 1.0 for s in scores) and len({s["overall"] for s in scores}) == 4
+
+
+def test_a_call_denoises_with_the_steps_it_asks_for(pipeline_path: str) -> None:
+    """`SamplingParams.denoising_steps` (validation's `val_num_steps`) wins over the config's `num_steps` (3): as many
+    denoiser forwards (guidance off: one per step) and states as asked; None keeps `num_steps`."""
+    engine = make_engine(pipeline_path, guidance_scale=1.0)
+    calls: list[int] = []
+    hook = engine.pipeline.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        short = engine.generate(prompts(["a red square"], [5]), SamplingParams(n=2, denoising_steps=2))
+        forwards_short, calls[:] = len(calls), []
+        default = engine.generate(prompts(["a red square"], [5]), SamplingParams(n=2))
+    finally:
+        hook.remove()
+    assert forwards_short == 2 and short["latents"].shape[1] == 3 and short["rollout_log_probs"].shape == (2, 2)
+    assert len(calls) == 3 and default["latents"].shape[1] == 4
+    assert torch.equal(short["latents"][:, 0], default["latents"][:, 0])  # the same seed: the same starting noise
