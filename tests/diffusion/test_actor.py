@@ -61,8 +61,9 @@ def _worker(rank: int, world: int, pipe: str, batch: Batch, micro: int, lora: in
     result["metrics"] = worker.update_actor(mine, 0.0)
     result["weights"] = worker.full_weights()
     if lora:  # after the update: the reference must still be the base, the policy not
-        result["ref"] = worker.compute_ref_log_probs(mine.select(*_SCORED))
-        result["old"] = worker.compute_log_probs(mine.select(*_SCORED))
+        # the tensors alone: the parent loads the result with weights_only=True, which holds no easyrl classes
+        result["ref"] = worker.compute_ref_log_probs(mine.select(*_SCORED)).tensors
+        result["old"] = worker.compute_log_probs(mine.select(*_SCORED)).tensors
     folder = str(Path(out).parent / f"ckpt{world}_{lora}")
     worker.save_checkpoint(folder)
     if lora:  # a fresh worker restores the trained adapters from the (adapters-only) checkpoint
