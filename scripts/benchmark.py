@@ -399,10 +399,13 @@ def train(run: Path, config: dict[str, Any], num_cpus: int | None) -> list[dict[
     from easyrl.config import load_config_and_secrets
     from easyrl.distributed import init_ray
     from easyrl.trainer.trainer import Trainer
+    from easyrl.update_levers import resolve_update_levers
 
     (run / "cfg.yaml").write_text(yaml.safe_dump(config))
     init_ray(num_cpus=num_cpus)
-    trainer = Trainer(*load_config_and_secrets(str(run / "cfg.yaml")))
+    cfg, secrets = load_config_and_secrets(str(run / "cfg.yaml"))
+    # The update levers left on auto, decided as `easyrl train` decides them: the benchmark measures what a user runs.
+    trainer = Trainer(resolve_update_levers(cfg), secrets)
     try:
         trainer.fit()
     finally:
