@@ -743,3 +743,22 @@ def test_easyrl_check_runs_in_the_test_process() -> None:
         for line in _check_commands_of_their_own(path.read_text(encoding="utf-8"))
     ]
     assert not found, "run `easyrl check` with tests.conftest.easyrl_in_process:\n" + "\n".join(found)
+
+
+def _private_ray_starts(source: str) -> list[int]:
+    """Lines of `source` (a test module, its probe scripts included) that start a private Ray instance: `init_ray`
+    without a cluster's `address`."""
+    return [line for line, text in enumerate(source.splitlines(), 1)
+            if "init_ray(" in text and "address=" not in text and "import" not in text]  # fmt: skip
+
+
+def test_the_private_ray_probes_share_one_start() -> None:
+    """`make test`'s time budget: the tests reading what a private Ray instance runs, listens on and leaves behind
+    share tests/distributed/conftest.py's one start (`private_ray_run`); a start of their own costs ~10 s of wall
+    time on 2 cores each."""
+    assert _private_ray_starts('init_ray(num_cpus=1)\ninit_ray(address="a:1")\n') == [1]
+    folder = PACKAGE.parent / "tests" / "distributed"
+    starts = [f"{name}:{line}" for name in ("test_ray_session.py", "test_dist_ports.py")
+              for line in _private_ray_starts((folder / name).read_text(encoding="utf-8"))]  # fmt: skip
+    assert not starts, f"use the private_ray_run fixture (tests/distributed/conftest.py), not init_ray, at {starts}"
+    assert _private_ray_starts((folder / "conftest.py").read_text(encoding="utf-8"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,9 +137,8 @@ def load_config_and_secrets(
     notes = [] if notes is None else notes
     user = _apply_easyr1_compat(user, notes)
     _check_unknown_keys(user, EasyRLConfig, "")
-    base = OmegaConf.structured(EasyRLConfig)
     try:
-        merged = OmegaConf.merge(base, user)
+        merged = OmegaConf.merge(_defaults(), user)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_key_of(exc), _type_message(exc)) from None
@@ -149,8 +149,18 @@ def load_config_and_secrets(
     validate(cfg, task)
     raw = OmegaConf.to_container(user, resolve=False)
     assert isinstance(raw, dict)
-    secrets = find_secrets(raw, dataclasses.asdict(cfg), _schema_paths(EasyRLConfig))
+    secrets = find_secrets(raw, dataclasses.asdict(cfg), set(_schema_paths(EasyRLConfig)))
     return cfg, secrets
+
+
+@functools.cache
+def _defaults() -> DictConfig:
+    """The schema's defaults as a structured config, built once per process (~0.25 s each time, which a process
+    loading many configs, a test session above all, paid per load): `OmegaConf.merge` deep-copies its first
+    argument, so no load changes this one. The defaults are constants (no field's default reads the environment)."""
+    from easyrl.config.schema import EasyRLConfig
+
+    return OmegaConf.structured(EasyRLConfig)
 
 
 def import_user_modules(paths: list[str]) -> None:
@@ -343,10 +353,7 @@ def _check_unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
 
 
 def _dataclass_type(schema: type, name: str) -> type | None:
-    import typing
-
-    hints = typing.get_type_hints(schema)
-    t = hints.get(name)
+    t = _type_hints(schema).get(name)
     return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
 
 
@@ -412,18 +419,26 @@ def _resolve_paths(cfg: EasyRLConfig, base_dir: Path) -> None:
         cfg.worker.reward.reward_function = f"{absolute(file)}:{fn or 'main'}"
 
 
-def _schema_paths(schema: type, prefix: str = "") -> set[str]:
-    """Dotted paths of every field of the dataclass tree: our own keys, never secrets by their name."""
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    """The dataclass's resolved field types, once per class: `typing.get_type_hints` evaluates every annotation
+    string (`from __future__ import annotations`) on each call."""
     import typing
 
-    out = set()
+    return typing.get_type_hints(schema)
+
+
+@functools.cache
+def _schema_paths(schema: type, prefix: str = "") -> frozenset[str]:
+    """Dotted paths of every field of the dataclass tree: our own keys, never secrets by their name."""
+    out: set[str] = set()
     for f in dataclasses.fields(schema):
         path = f"{prefix}{f.name}"
         out.add(path)
-        sub = typing.get_type_hints(schema).get(f.name)
+        sub = _type_hints(schema).get(f.name)
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             out |= _schema_paths(sub, f"{path}.")
-    return out
+    return frozenset(out)
 
 
 def to_masked_dict(cfg: EasyRLConfig, secrets: Secrets) -> dict[str, Any]:

@@ -28,6 +28,17 @@ def test_precedence_defaults_yaml_cli(good_config: str) -> None:
     assert cfg.worker.reward.reward_function.endswith("digit_fraction_reward.py:compute_score")
 
 
+def test_a_load_leaves_the_defaults_of_the_next_load_alone(good_config: str) -> None:
+    """The defaults are built once per process and shared by every load: a value set by one load (a section's
+    field, a list's item) is not a default for the next."""
+    first = load_config(good_config, ["worker.actor.clip_ratio_dual=5.0", "trainer.logger=[file,tensorboard]"])
+    assert first.worker.actor.clip_ratio_dual == 5.0 and first.trainer.logger == ["file", "tensorboard"]
+    first.worker.actor.clip_ratio_dual = 7.0  # the loaded object is the caller's to change
+    second = load_config(good_config)
+    assert second.worker.actor.clip_ratio_dual == 3.0
+    assert second.trainer.logger == ["file"]  # the YAML's
+
+
 def test_reward_function_default_name_is_main(
     tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:

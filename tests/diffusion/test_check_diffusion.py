@@ -101,6 +101,7 @@ RECIPE_PLANS = [
 def _published_folder(root: Path, name: str) -> Path:
     """A pipeline folder with the published configs alone (no weights, no tokenizer files)."""
     import diffusers
+    import torch
     import transformers
 
     spec = PUBLISHED[name]
@@ -112,7 +113,8 @@ def _published_folder(root: Path, name: str) -> Path:
         cls_name, fields = value
         folder = root / name / part
         if hasattr(diffusers, cls_name):
-            getattr(diffusers, cls_name).from_config(fields).save_config(folder)
+            with torch.device("meta"):  # the config with its defaults filled in; real weights took ~25 CPU-s
+                getattr(diffusers, cls_name).from_config(fields).save_config(folder)
             index[part] = ["diffusers", cls_name]
         else:
             getattr(transformers, cls_name).config_class(**fields).save_pretrained(folder)

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.distributed.conftest import PrivateRayRun
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,24 +58,9 @@ def _exposed(listeners: list[list[Any]]) -> list[list[Any]]:
     return [entry for entry in listeners if not loopback(entry[1])]
 
 
-def test_local_ray_listens_on_loopback_only() -> None:
-    listeners = _run(
-        """
-        import ray, time
-        from easyrl.distributed import init_ray
-        init_ray(num_cpus=1)
-
-        @ray.remote
-        class Echo:
-            def ping(self):
-                return 1
-
-        actor = Echo.remote()
-        assert ray.get(actor.ping.remote()) == 1
-        time.sleep(1.0)  # the agents open their ports shortly after start
-        print(json.dumps(listeners([me, *me.children(recursive=True)])))
-        """
-    )
+def test_local_ray_listens_on_loopback_only(private_ray_run: PrivateRayRun) -> None:
+    """Every listening socket of the process that started Ray (with one actor up) and of all its children."""
+    listeners = private_ray_run.report["listeners"]
     names = {name for name, _, _ in listeners}
     assert {"gcs_server", "raylet"} <= names, listeners  # the servers were found, so the check means something
     assert _exposed(listeners) == [], f"listening beyond loopback: {_exposed(listeners)}"

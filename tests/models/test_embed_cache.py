@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,8 +118,9 @@ def test_bad_limit_names_the_key(tmp_path: Path) -> None:
         EmbedCache(tmp_path, max_gb=0)
 
 
-def _writer(root: str, key: str, rounds: int) -> None:
+def _writer(root: str, key: str, rounds: int, start: Any) -> None:
     cache = EmbedCache(root, max_gb=1.0)
+    start.wait(timeout=120)  # imports done: write at once, together with the other writer and under the reads
     for _ in range(rounds):
         cache.put(key, _outputs(7, tokens=512), SETTINGS)
 
@@ -128,11 +130,15 @@ def test_concurrent_writers_of_one_key(tmp_path: Path) -> None:
     entry or a miss, never a half file; one complete entry is left and no temporary file."""
     key = "ab" * 20
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), key, 30)) for _ in range(2)]
+    start = ctx.Barrier(3)
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), key, 30, start)) for _ in range(2)]
     for p in procs:
         p.start()
     reader = EmbedCache(tmp_path, max_gb=1.0)
     want = _outputs(7, tokens=512)
+    # The reads spin only once both writers are up: spinning through their Python start and torch import took a
+    # core from them on 2 cores (6 CPU-s of the test's 9) and read nothing but misses.
+    start.wait(timeout=120)
     while any(p.is_alive() for p in procs):
         got = reader.get(key)
         assert got is None or all(torch.equal(a, b) for a, b in zip(got, want))
