@@ -20,11 +20,8 @@ import pytest
 from tests.conftest import REPO
 
 
-_PROBE = """
-import json, sys, time, psutil, ray
-from easyrl.distributed import init_ray
-from ray._raylet import AuthenticationMode, get_authentication_mode
-
+LIST_LISTENERS = """
+import json, psutil
 def listeners(procs):
     out = []
     for proc in procs:
@@ -35,8 +32,17 @@ def listeners(procs):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
-
 me = psutil.Process()
+"""
+"""Probe code's prefix: `listeners(procs)`, the (name, ip, port) each process listens on; `me`, this process."""
+
+_PROBE = (
+    LIST_LISTENERS
+    + """
+import sys, time, ray
+from easyrl.distributed import init_ray
+from ray._raylet import AuthenticationMode, get_authentication_mode
+
 init_ray(num_cpus=2, _temp_dir=sys.argv[1])
 time.sleep(2)  # pre-started workers, were there any, would be up by now
 tree = [" ".join(proc.cmdline()) for proc in me.children(recursive=True)]  # before any actor starts a worker
@@ -55,7 +61,8 @@ print(json.dumps({
     "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN,
     "listeners": listeners([me, *me.children(recursive=True)]),
 }))
-"""  # then the process exits: the session folder's removal is init_ray's exit hook at work
+"""
+)  # then the process exits: the session folder's removal is init_ray's exit hook at work
 
 
 @dataclass(frozen=True)

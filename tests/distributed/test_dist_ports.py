@@ -13,25 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.conftest import PrivateRayRun
+from tests.distributed.conftest import LIST_LISTENERS, PrivateRayRun
 
 
 REPO = Path(__file__).resolve().parents[2]
-
-LIST_LISTENERS = """
-import json, psutil
-def listeners(procs):
-    out = []
-    for proc in procs:
-        try:
-            for conn in proc.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN:
-                    out.append([proc.name(), conn.laddr.ip, conn.laddr.port])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-me = psutil.Process()
-"""
 
 
 def _run(code: str, timeout: float = 240) -> Any:
