@@ -45,6 +45,9 @@ def test_the_baseline_is_easyrls_engine_call_and_each_lever_flips_one_setting(
     files = bench.write_inputs(tmp_path, 4, 8, 2, 4, 0)
     config = bench.make_config(args, tiny_model_dir, files, tmp_path)
     config["data"]["rollout_batch_size"] = 128  # the GPU shape's batch over the tiny model's few rows is fine here
+    # Loading the config imports `algorithm.user_modules`: the benchmark's truncation module would wrap the engines'
+    # `generate` in this pytest process for every later test. The settings compared here do not depend on it.
+    config["algorithm"]["user_modules"] = []
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
     base_engine, base_request = bench.raw_settings(tmp_path, True, None)
     assert base_engine["engine"]["max_cudagraph_capture_size"] == 1024 and base_engine["engine"]["async_scheduling"]
