@@ -762,3 +762,33 @@ def test_the_private_ray_probes_share_one_start() -> None:
               for line in _private_ray_starts((folder / name).read_text(encoding="utf-8"))]  # fmt: skip
     assert not starts, f"use the private_ray_run fixture (tests/distributed/conftest.py), not init_ray, at {starts}"
     assert _private_ray_starts((folder / "conftest.py").read_text(encoding="utf-8"))
+
+
+def _third_party_imports(source: str, package: str) -> list[int]:
+    """Lines of `source` that import `package` or a module under it, at any depth."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        if any(n == package or n.startswith(package + ".") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_rule_finds_an_import_of_a_package() -> None:
+    source = "import liger_kernel\nfrom liger_kernel.ops import rms_norm\nimport liger\nfrom . import liger_kernel\n"
+    assert _third_party_imports(source, "liger_kernel") == [1, 2]
+
+
+def test_liger_is_imported_only_by_the_fused_kernels_module() -> None:
+    """Liger's kernels swap a family's classes for the whole process: one module applies them, behind one switch
+    (`worker.actor.model.liger_kernels`), and nothing else reaches for them on its own."""
+    offenders = [
+        f"{m}:{line}"
+        for m, path in MODULES.items()
+        if m != "easyrl.models.fused_kernels"
+        for line in _third_party_imports(path.read_text(encoding="utf-8"), "liger_kernel")
+    ]
+    assert not offenders, "apply Liger through easyrl.models.fused_kernels:\n" + "\n".join(offenders)
+    assert _third_party_imports(MODULES["easyrl.models.fused_kernels"].read_text(encoding="utf-8"), "liger_kernel")
