@@ -3,9 +3,10 @@ critic roles. The per-micro-batch forward head (`token_log_probs`, `response_val
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +148,18 @@ def gradient_sync_setter(model: nn.Module) -> SyncSetter | None:
     return model.set_requires_gradient_sync
 
 
+@contextlib.contextmanager
+def _deferred_sync(model: nn.Module, on: bool) -> Iterator[SyncSetter | None]:
+    """The model's gradient-sync setter while `on` (None otherwise), reduction turned back on at exit: an exception
+    between micro-batches must not leave it off."""
+    set_sync = gradient_sync_setter(model) if on else None
+    try:
+        yield set_sync
+    finally:
+        if set_sync is not None:
+            set_sync(True)
+
+
 def _backward_mini_batch(
     mbs: MicroBatches,
     loss_fn: LossFn,
@@ -249,64 +262,36 @@ def optimize(
     (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
     `defer_gradient_sync`: a multi-rank FSDP2 model reduces its gradients on each mini-batch's last micro-batch only.
     """
-    set_sync = gradient_sync_setter(model) if defer_gradient_sync else None
-    try:
-        return _optimize(
-            model, optimizer, scheduler, batch, device, mini_batch_size, micro_batch_size, epochs, max_grad_norm,
-            loss_fn, prefix, loss_agg_mode, max_token_len, sp_size, set_sync,
-        )  # fmt: skip
-    finally:
-        if set_sync is not None:  # an exception between micro-batches must not leave the reduction off
-            set_sync(True)
-
-
-def _optimize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batch: Batch,
-    device: torch.device,
-    mini_batch_size: int,
-    micro_batch_size: int,
-    epochs: int,
-    max_grad_norm: float,
-    loss_fn: LossFn,
-    prefix: str,
-    loss_agg_mode: str,
-    max_token_len: int | None,
-    sp_size: int,
-    set_sync: SyncSetter | None,
-) -> dict[str, float]:
-    """`optimize`'s loop, with the gradient-sync setter decided."""
-    metrics: dict[str, list[float]] = defaultdict(list)
-    skipped = nonfinite_loss = nonfinite_grad = 0
-    for epoch in range(epochs):
-        for index, mini in enumerate(batch.split(mini_batch_size)):
-            optimizer.zero_grad(set_to_none=True)  # gradients accumulate over this mini-batch's micro-batches only
-            mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
-            # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
-            first = epoch == 0 and index == 0
-            loss, mini_metrics = _backward_mini_batch(
-                mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first, set_sync=set_sync
-            )
-            for k, v in mini_metrics.items():
-                metrics[k].append(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            # Both are global (an all-reduce, the norm of the whole sharded gradient), so every rank decides alike;
-            # inf and NaN survive any summation order.
-            loss_ok, grad_ok = math.isfinite(loss), math.isfinite(grad_norm_value)
-            if loss_ok and grad_ok:
-                optimizer.step()
-                metrics[f"{prefix}/grad_norm"].append(grad_norm_value)
-            else:  # the gradients are dropped: nothing non-finite reaches the optimizer
-                skipped += 1
-                nonfinite_loss += int(not loss_ok)
-                nonfinite_grad += int(loss_ok and not grad_ok)
-                optimizer.zero_grad(set_to_none=True)
-            # Advanced on a skipped update too: the schedule follows the step count it was built for.
-            scheduler.step()
-            metrics[f"{prefix}/lr"].append(float(scheduler.get_last_lr()[0]))
+    with _deferred_sync(model, defer_gradient_sync) as set_sync:
+        metrics: dict[str, list[float]] = defaultdict(list)
+        skipped = nonfinite_loss = nonfinite_grad = 0
+        for epoch in range(epochs):
+            for index, mini in enumerate(batch.split(mini_batch_size)):
+                optimizer.zero_grad(set_to_none=True)  # gradients accumulate over this mini-batch's micro-batches only
+                mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
+                # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
+                first = epoch == 0 and index == 0
+                loss, mini_metrics = _backward_mini_batch(
+                    mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first, set_sync=set_sync
+                )
+                for k, v in mini_metrics.items():
+                    metrics[k].append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+                grad_norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                # Both are global (an all-reduce, the norm of the whole sharded gradient), so every rank decides alike;
+                # inf and NaN survive any summation order.
+                loss_ok, grad_ok = math.isfinite(loss), math.isfinite(grad_norm_value)
+                if loss_ok and grad_ok:
+                    optimizer.step()
+                    metrics[f"{prefix}/grad_norm"].append(grad_norm_value)
+                else:  # the gradients are dropped: nothing non-finite reaches the optimizer
+                    skipped += 1
+                    nonfinite_loss += int(not loss_ok)
+                    nonfinite_grad += int(loss_ok and not grad_ok)
+                    optimizer.zero_grad(set_to_none=True)
+                # Advanced on a skipped update too: the schedule follows the step count it was built for.
+                scheduler.step()
+                metrics[f"{prefix}/lr"].append(float(scheduler.get_last_lr()[0]))
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     out[f"{prefix}/skipped_updates"] = float(skipped)
     out[f"{prefix}/nonfinite_loss"] = float(nonfinite_loss)
