@@ -26,6 +26,7 @@ from easyrl.rollout.engine import SamplingParams
 from easyrl.rollout.media_embeds import MediaEmbeds
 from easyrl.rollout.worker import RolloutWorker
 from easyrl.workers.forward_backward import (
+    FirstForwardOld,
     LossFn,
     MicroBatchLoss,
     batched_log_probs,
@@ -40,6 +41,18 @@ from easyrl.workers.trainable import TrainableModel, TrainedRole
 
 
 logger = logging.getLogger(__name__)
+
+ROLLOUT_ENTROPY = "actor/entropy_rollout"
+"""The old-log-prob pass's entropy over the trained tokens, as the driver logs it from the pass (`data_metrics`); the
+update reports it when it ran the pass itself (`worker.actor.reuse_first_forward`)."""
+
+
+def _masked_sums(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of `values` (b, R) over the 1s of `mask` (b, R), how many), float64: an exact-metric part
+    (`MicroBatchLoss.ratios`). Masked positions are selected away, never multiplied by 0 (padding may hold NaN)."""
+    keep = mask.bool()
+    picked = torch.where(keep, values.double(), torch.zeros((), dtype=torch.float64, device=values.device))
+    return picked.sum(), keep.sum().to(torch.float64)
 
 
 def policy_objective(
@@ -98,6 +111,8 @@ def policy_objective(
         loss = loss + spec.distill_topk_coef * fkl_loss
         terms["actor/distill_topk_fkl"] = fkl_loss.detach()
     out = MicroBatchLoss(loss, terms, {f"actor/{k}": v for k, v in pg_metrics.items()})
+    if old_log_prob is None:  # what this forward took as the old log-probs: mini-batch 1's, when the update keeps them
+        out.own_old_log_prob = log_prob.detach()
     if spec.measures_engine and "rollout_log_probs" in mb:  # keys from the tensors present: alike on every rank
         versions = mb.tensors.get("token_policy_version")
         scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"), versions, policy_version)
@@ -249,10 +264,15 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         or adaptive; 0 turns the bonus off, the entropy then a detached metric); returns `actor/*` metrics (values
         over all ranks' rows, averaged over the mini-batches; `actor/entropy` always) and, without `old_log_probs`
         but with the engine's log-probs, the engine-vs-actor `rollout/token_prob_error` and `rollout/logprob_diff_*`
-        (`policy_objective`)."""
-        self.model.train()
-        if "old_log_probs" not in batch and (
-            self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size
+        (`policy_objective`). With `spec.old_from_first_forward` and no `old_log_probs`, it runs the old-log-prob pass
+        over the rows after its first mini-batch itself (`timing_s/old_in_update`), mini-batch 1 taking its own first
+        forward's, and reports what the driver would have measured against the pass: `actor/entropy_rollout` and the
+        engine figures over every row."""
+        reuse = self.spec.old_from_first_forward and "old_log_probs" not in batch
+        if (
+            not reuse
+            and "old_log_probs" not in batch
+            and (self.spec.update.epochs != 1 or len(batch) > self.spec.update.mini_batch_size)
         ):
             # A second optimizer step would run moved weights: its "old" log-probs would not be the rollout policy's.
             raise ValueError(
@@ -260,7 +280,12 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
                 f"(worker.actor.ppo_epochs={self.spec.update.epochs}, {len(batch)} rows, mini-batch "
                 f"{self.spec.update.mini_batch_size}): the driver's old-log-prob pass decision is out of step"
             )
-        metrics = update_model(self.trainable, batch, self.spec.update, self._loss_fn(entropy_coeff), prefix="actor")
+        start = time.perf_counter()
+        first_forward_old = self._old_after_first_mini_batch(batch) if reuse else None
+        metrics = {"timing_s/old_in_update": time.perf_counter() - start} if reuse else {}
+        self.model.train()
+        fn = self._loss_fn(entropy_coeff, rollout_entropy=reuse)
+        metrics |= update_model(self.trainable, batch, self.spec.update, fn, "actor", first_forward_old)
         if self.spec.loss.kl_in_loss:
             metrics["actor/kl_coef"] = self.spec.loss.kl_coef
         metrics |= self.trainable.state_sizes()
@@ -270,8 +295,41 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
             self.rollout.stale = True
         return metrics
 
-    def _loss_fn(self, entropy_coeff: float) -> LossFn:
-        """The policy loss of one micro-batch (plus the entropy bonus and the KL loss when they are on)."""
+    def _old_after_first_mini_batch(self, batch: Batch) -> FirstForwardOld:
+        """The old-log-prob pass over this rank's rows after its first mini-batch (`worker.actor.reuse_first_forward`),
+        forward-only with the weights before the update, as `compute_log_probs` runs it; with those rows' parts of
+        what the driver measures against a whole pass: the rollout entropy and the engine-vs-actor figures."""
+        rest = batch.slice(self.spec.update.mini_batch_size, len(batch))
+        # One mini-batch over several epochs: the first forward gives every row (the same on all ranks).
+        if len(rest) == 0:
+            return FirstForwardOld(batch["loss_mask"].new_zeros((0, batch["loss_mask"].shape[1]), dtype=torch.float32))
+        self.model.eval()
+        lp, ent = batched_log_probs(
+            self.model,
+            rest,
+            self.device,
+            self.spec.temperature,
+            self.spec.micro_batch_size_for_experience,
+            with_entropy=True,
+            opts=self.spec.model.forward,
+        )
+        assert ent is not None
+        ratios = {ROLLOUT_ENTROPY: torch.stack(_masked_sums(ent, rest["loss_mask"]))}
+        maxima: dict[str, torch.Tensor] = {}
+        if self.spec.loss.measures_engine and "rollout_log_probs" in rest:  # tensors present: alike on every rank
+            versions = rest.tensors.get("token_policy_version")
+            mask = rest.tensors.get("rollout_logprob_mask")
+            gap = logprob_gap(
+                rest["rollout_log_probs"], lp, scored_tokens(rest["loss_mask"], mask, versions, self._policy_version)
+            )
+            ratios |= {k: torch.stack(pair) for k, pair in gap.ratios().items()}
+            maxima = gap.maxima()
+        return FirstForwardOld(lp, ratios, maxima)
+
+    def _loss_fn(self, entropy_coeff: float, rollout_entropy: bool = False) -> LossFn:
+        """The policy loss of one micro-batch (plus the entropy bonus and the KL loss when they are on).
+        `rollout_entropy`: a micro-batch without old log-probs (mini-batch 1's, taken from this forward) adds its part
+        of the entropy an old-log-prob pass would have given (`actor/entropy_rollout`)."""
         opts, device, temperature = self.spec.model.forward, self.device, self.spec.temperature
 
         def loss_fn(mb: Batch, on_device: Batch) -> MicroBatchLoss:
@@ -287,10 +345,14 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
                 log_prob, entropy = token_log_probs(
                     self.model, mb, device, temperature, True, opts=opts, entropy_grad=grad
                 )
-            return policy_objective(
+            out = policy_objective(
                 on_device, log_prob, entropy, self.spec.loss, self.spec.update.loss_avg_mode, entropy_coeff, at,
                 self._policy_version,
             )  # fmt: skip
+            if rollout_entropy and "old_log_probs" not in mb:
+                assert entropy is not None  # the actor's forward always gives it
+                out.ratios[ROLLOUT_ENTROPY] = _masked_sums(entropy.detach(), on_device["loss_mask"])
+            return out
 
         return loss_fn
 

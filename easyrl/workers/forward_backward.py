@@ -23,6 +23,7 @@ from easyrl.workers.trainable import TrainableModel
 
 
 __all__ = [
+    "FirstForwardOld",
     "MicroBatchLoss",
     "batched_log_probs",
     "batched_values",
@@ -88,6 +89,23 @@ class MicroBatchLoss:
     maxima: dict[str, torch.Tensor] = field(default_factory=dict)
     """Metrics that are maxima over the whole mini-batch (`rollout/logprob_diff_max`): this micro-batch's, -inf over
     nothing (then left out)."""
+    own_old_log_prob: torch.Tensor | None = None
+    """(b, R) detached: the current log-probs this forward took as the old ones (the micro-batch brought none);
+    `optimize` keeps mini-batch 1's as its rows' old log-probs when told to (`FirstForwardOld`)."""
+
+
+@dataclass(frozen=True)
+class FirstForwardOld:
+    """Mini-batch 1's old log-probs from the update's own first forward (`worker.actor.reuse_first_forward`): the
+    rest of the rank's rows came through a forward-only pass with the same, unmoved weights before `optimize`."""
+
+    rest: torch.Tensor
+    """(B - m, R): the old log-probs of this rank's rows after its first mini-batch of m rows, in the batch's order."""
+    ratios: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Those rows' parts of the exact metrics (`MicroBatchLoss.ratios`), each a float64 (numerator, denominator)
+    pair stacked in one (2,) tensor: added to mini-batch 1's, so the figures cover every row as a whole pass does."""
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Those rows' parts of the exact maxima (`MicroBatchLoss.maxima`)."""
 
 
 LossFn = Callable[[Batch, Batch], MicroBatchLoss]
@@ -168,6 +186,7 @@ def _backward_mini_batch(
     sp_size: int,
     exact: bool = True,
     set_sync: SyncSetter | None = None,
+    exact_before: FirstForwardOld | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Forward and backward over one mini-batch's micro-batches; returns (the mini-batch's loss, its metrics), each
     the value over the whole mini-batch on all ranks, identical on every rank.
@@ -181,6 +200,7 @@ def _backward_mini_batch(
 
     With `set_sync`, only the last micro-batch's backward reduces: the others accumulate unsharded gradients (every
     rank runs the same number of micro-batches, dummies included, so all ranks reduce on the same one).
+    `exact_before`: exact-metric parts of rows outside this mini-batch, added before the reduction.
     """
     # Weighed by the tokens the loss counts (`loss_mask`), not those attended: tool output carries no weight.
     masks = [mb["loss_mask"] for mb, dummy in zip(mbs.parts, mbs.dummy) if not dummy]
@@ -189,8 +209,10 @@ def _backward_mini_batch(
     tokens, count = sum_over_ranks(torch.tensor(local, dtype=torch.float64, device=device), sp_size).tolist()
     dp = data_parallel_size(sp_size)
     sums: dict[str, torch.Tensor | float] = {}
-    ratios: dict[str, torch.Tensor] = {}  # (numerator, denominator) float64, summed over the micro-batches
-    maxima: dict[str, torch.Tensor] = {}
+    # (numerator, denominator) float64, summed over the micro-batches (and the rows of `exact_before`)
+    before = exact_before or FirstForwardOld(torch.empty(0))
+    ratios = {k: v.to(device=device, dtype=torch.float64) for k, v in before.ratios.items()}
+    maxima = {k: v.to(device=device, dtype=torch.float64) for k, v in before.maxima.items()}
     last = len(mbs.parts) - 1
     for i, (mb, dummy) in enumerate(zip(mbs.parts, mbs.dummy)):
         if set_sync is not None:
@@ -251,6 +273,7 @@ def optimize(
     max_token_len: int | None = None,
     sp_size: int = 1,
     defer_gradient_sync: bool = False,
+    first_forward_old: FirstForwardOld | None = None,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch optimizer steps with gradient accumulation over micro-batches.
 
@@ -261,19 +284,33 @@ def optimize(
     global values, averaged over the mini-batches. A non-finite loss or gradient norm skips that optimizer step
     (gradients dropped, counted in `<prefix>/skipped_updates`); the caller decides when to stop.
     `defer_gradient_sync`: a multi-rank FSDP2 model reduces its gradients on each mini-batch's last micro-batch only.
+    `first_forward_old`: `batch` has no `old_log_probs`; the rows after the first mini-batch take `rest`, the first
+    mini-batch its own first forward's (`MicroBatchLoss.own_old_log_prob`), which later epochs read.
     """
+    minis = batch.split(mini_batch_size)
+    if first_forward_old is not None:
+        rest = first_forward_old.rest.split(mini_batch_size) if len(minis) > 1 else ()  # (0, R) splits into 1 part
+        for mini, old in zip(minis[1:], rest, strict=True):
+            mini.set(old_log_probs=old)
     with _deferred_sync(model, defer_gradient_sync) as set_sync:
         metrics: dict[str, list[float]] = defaultdict(list)
         skipped = nonfinite_loss = nonfinite_grad = 0
         for epoch in range(epochs):
-            for index, mini in enumerate(batch.split(mini_batch_size)):
+            for index, mini in enumerate(minis):
                 optimizer.zero_grad(set_to_none=True)  # gradients accumulate over this mini-batch's micro-batches only
                 mbs = make_micro_batches(mini, micro_batch_size, max_token_len)
                 # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
                 first = epoch == 0 and index == 0
+                fills = first and first_forward_old is not None
+                outs: list[MicroBatchLoss] = []
                 loss, mini_metrics = _backward_mini_batch(
-                    mbs, loss_fn, device, loss_agg_mode, sp_size, exact=first, set_sync=set_sync
-                )
+                    mbs, _kept(loss_fn, outs) if fills else loss_fn, device, loss_agg_mode, sp_size, exact=first,
+                    set_sync=set_sync, exact_before=first_forward_old if fills else None,
+                )  # fmt: skip
+                if (
+                    fills
+                ):  # the forward ran the weights the pass would have: its log-probs are the old ones from now on
+                    mini.set(old_log_probs=_own_old(mbs, outs))
                 for k, v in mini_metrics.items():
                     metrics[k].append(v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -299,10 +336,39 @@ def optimize(
     return out
 
 
+def _kept(loss_fn: LossFn, outs: list[MicroBatchLoss]) -> LossFn:
+    """`loss_fn`, keeping each micro-batch's `MicroBatchLoss` in `outs` (dummies too, in run order)."""
+
+    def kept(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+        out = loss_fn(mb, on_device)
+        outs.append(out)
+        return out
+
+    return kept
+
+
+def _own_old(mbs: MicroBatches, outs: list[MicroBatchLoss]) -> torch.Tensor:
+    """The mini-batch's `own_old_log_prob` (rows, R) on the host, in the mini-batch's order (dummies dropped)."""
+    parts = []
+    for out, dummy in zip(outs, mbs.dummy, strict=True):
+        if dummy:
+            continue
+        if out.own_old_log_prob is None:
+            raise ValueError("the loss gave no own_old_log_prob: it cannot fill mini-batch 1's old log-probs")
+        parts.append(out.own_old_log_prob.cpu())
+    return mbs.restore(torch.cat(parts))
+
+
 def update_model(
-    trainable: TrainableModel, batch: Batch, spec: UpdateSpec, loss_fn: LossFn, prefix: str
+    trainable: TrainableModel,
+    batch: Batch,
+    spec: UpdateSpec,
+    loss_fn: LossFn,
+    prefix: str,
+    first_forward_old: FirstForwardOld | None = None,
 ) -> dict[str, float]:
-    """`optimize` a role's model over `batch` with the sizes of its `UpdateSpec` (already per rank)."""
+    """`optimize` a role's model over `batch` with the sizes of its `UpdateSpec` (already per rank) and, for the
+    actor, `first_forward_old`."""
     assert trainable.optimizer is not None, "a frozen model has no optimizer to update"
     return optimize(
         trainable.module,
@@ -320,4 +386,5 @@ def update_model(
         max_token_len=trainable.spec.forward.max_token_len,
         sp_size=trainable.spec.forward.sp_size,
         defer_gradient_sync=spec.defer_gradient_sync,
+        first_forward_old=first_forward_old,
     )

@@ -141,9 +141,10 @@ class PolicyLossSpec:
     """`algorithm.distill.mode: topk_fkl`: add `coef` times the forward KL over the teacher's top-k tokens
     (`easyrl.algorithms.topk_forward_kl`) to the loss; 0: no such term."""
     measures_engine: bool = False
-    """No old-log-prob pass runs (skipped, or bypass mode): the update's first forward, which runs the weights that
-    sampled, measures the engine's log-probs against its own (`rollout/token_prob_error`, `rollout/logprob_diff_*`),
-    as the driver does against the pass otherwise."""
+    """No old-log-prob pass runs before the update (skipped, run inside the update, or bypass mode): the update's
+    first forward, which runs the weights that sampled, measures the engine's log-probs against its own
+    (`rollout/token_prob_error`, `rollout/logprob_diff_*`; with the pass inside the update, its rows too), as the
+    driver does against the pass otherwise."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,9 @@ class ActorSpec:
     colocated_engine: bool = True
     """The rollout engine lives in this process (the HybridEngine); False with `worker.rollout.placement: separate`,
     where rollout workers of their own generate and the actor only trains."""
+    old_from_first_forward: bool = False
+    """An update given no `old_log_probs` runs the old-log-prob pass itself over the rows after its first mini-batch,
+    and takes the first mini-batch's from its own first forward (`OldPass.AFTER_FIRST_MINI_BATCH`)."""
 
 
 @dataclass(frozen=True)
