@@ -14,8 +14,9 @@ from easyrl.config.algorithm import KLMode
 from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.config.worker import ActorConfig
 from easyrl.models.family import unlisted_family_warning
-from easyrl.trainer.plan import RunPlan, plan_of
+from easyrl.trainer.plan import RunPlan, effective_reuse_first_forward, plan_of
 from easyrl.trainer.role_specs import cpu_threads
+from easyrl.trainer.step_math import OldPass
 from easyrl.workers.varlen import attention_kernel
 
 
@@ -150,11 +151,27 @@ def old_log_probs_line(cfg: EasyRLConfig, plan: RunPlan) -> str:
     corr = cfg.algorithm.correction
     if corr.bypass_mode:
         return "the rollout engine's (rollout_correction.bypass_mode: no forward pass)"
-    source = "a forward pass before the update" if plan.old_log_prob_pass else "the update's own, detached (1 pass)"
+    source = old_pass_source(cfg, plan)
     parts = [f"rollout_is: {corr.rollout_is}"] if corr.rollout_is is not None else []
     parts += [f"rollout_rs: {corr.rollout_rs}"] if corr.rollout_rs is not None else []
     parts += ["token veto"] if corr.rollout_token_veto_threshold is not None else []
     return source + (f"; rollout correction: {', '.join(parts)}" if parts else "")
+
+
+def old_pass_source(cfg: EasyRLConfig, plan: RunPlan) -> str:
+    """Where each mini-batch's old log-probs come from (`RunPlan.old_log_prob_pass`), and why mini-batch 1's do."""
+    rows = plan.old_log_prob_pass
+    if rows is OldPass.NONE:
+        return "the update's own, detached (1 pass)"
+    reuse, why = effective_reuse_first_forward(cfg, plan.use_gpu)
+    if rows is OldPass.AFTER_FIRST_MINI_BATCH:
+        return (
+            "mini-batch 1: the update's own first forward, detached; the others: a forward pass inside the update, "
+            f"before its first optimizer step (worker.actor.reuse_first_forward: {why})"
+        )
+    if reuse:  # on, yet every row: a reader before the update needs them all
+        return "a forward pass before the update, every mini-batch (read before the update, so none reused)"
+    return f"a forward pass before the update, every mini-batch (worker.actor.reuse_first_forward off: {why})"
 
 
 def validation_line(cfg: EasyRLConfig) -> str:

@@ -167,6 +167,13 @@ class ActorConfig:
     sequence-parallel group is ulysses_size x ring_size workers, which must divide the workers; the data-parallel
     size is workers / (ulysses_size x ring_size). Long-RL has no key for it (its `ulysses_size` is the whole group,
     its ring degree fixed at 1), so its configs read unchanged. The reference follows it; the critic does not ring."""
+    reuse_first_forward: bool | None = None
+    """Several mini-batches (or `ppo_epochs` > 1) with nothing reading the old log-probs before the update: mini-batch
+    1's old log-probs are the update's own first forward's, detached (the weights have not moved yet), and the
+    forward-only old-log-prob pass covers the other rows only, inside the update call. Null (auto): on for GPU runs,
+    off on CPU (the update's micro-batches round mini-batch 1 otherwise than the pass's, so recorded CPU figures
+    would move); never with KL in the reward, a rollout correction, adaptive entropy, distillation or bypass mode,
+    nor on a diffusion run. `easyrl check` says where each mini-batch's old log-probs come from."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -24,7 +24,7 @@ from easyrl.config.algorithm import KLMode
 from easyrl.config.backend import inline_blockers
 from easyrl.config.diffusion_run import is_diffusion_run
 from easyrl.rollout import WeightSync
-from easyrl.trainer.step_math import needs_old_log_prob_pass
+from easyrl.trainer.step_math import OldPass, old_pass_rows
 
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "effective_chunk_tokens",
     "effective_logprob_ratio",
     "effective_padding_free",
+    "effective_reuse_first_forward",
     "effective_sleep_level",
     "estimator_needs",
     "old_log_prob_pass",
@@ -113,8 +114,9 @@ class RunPlan:
     """The carry-over loop's tokens per engine call (`effective_chunk_tokens`)."""
     needs: EstimatorNeeds
     """What the advantage estimator declared it needs (a critic, greedy baselines)."""
-    old_log_prob_pass: bool
-    """Each step runs the actor's old-log-prob pass before the update (`old_log_prob_pass`)."""
+    old_log_prob_pass: OldPass
+    """Which rows each step's old-log-prob pass runs over: all before the update, all but the update's first
+    mini-batch inside the update call, or none (`old_log_prob_pass`)."""
     ref_log_probs: bool
     """Each step computes the reference policy's log-probs (KL on)."""
     ref_worker: bool
@@ -168,7 +170,7 @@ def plan_of(cfg: EasyRLConfig, task: str = "rl") -> RunPlan:
         modality="diffusion" if is_diffusion_run(cfg) else "text",
         chunk_tokens=effective_chunk_tokens(cfg),
         needs=needs,
-        old_log_prob_pass=old_log_prob_pass(cfg),
+        old_log_prob_pass=old_log_prob_pass(cfg, gpu),
         ref_log_probs=kl_on,
         ref_worker=kl_on and cfg.worker.actor.model.lora.rank == 0,
         critic=needs.needs_critic,
@@ -268,10 +270,12 @@ def effective_logprob_ratio(cfg: EasyRLConfig) -> float:
     return 1.0 if reads else DEFAULT_LOGPROB_RATIO
 
 
-def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
-    """Whether each step runs the actor's old-log-prob pass (`step_math.needs_old_log_prob_pass` on this config)."""
+def old_log_prob_pass(cfg: EasyRLConfig, on_gpu: bool | None = None) -> OldPass:
+    """Which rows each step's old-log-prob pass runs over (`step_math.old_pass_rows` on this config; `on_gpu`: the
+    plan's `use_gpu`, decided here when None), with mini-batch 1's old log-probs taken from the update's first forward
+    (`effective_reuse_first_forward`) where that applies."""
     acfg, alg = cfg.worker.actor, cfg.algorithm
-    return needs_old_log_prob_pass(
+    return old_pass_rows(
         distill=alg.distill.enabled,
         ppo_epochs=acfg.ppo_epochs,
         mini_batches=cfg.data.rollout_batch_size // acfg.global_batch_size,
@@ -279,7 +283,23 @@ def old_log_prob_pass(cfg: EasyRLConfig) -> bool:
         correction=alg.correction.active,
         adaptive_entropy=alg.adaptive_entropy,
         bypass=alg.correction.bypass_mode,
+        reuse_first_forward=effective_reuse_first_forward(cfg, use_gpu(cfg) if on_gpu is None else on_gpu)[0],
     )
+
+
+def effective_reuse_first_forward(cfg: EasyRLConfig, on_gpu: bool) -> tuple[bool, str]:
+    """(`worker.actor.reuse_first_forward` resolved, why). Null (auto): on for GPU runs (the pass's forward over
+    mini-batch 1 is work the update's first forward repeats), off on CPU: the update's micro-batches are not the
+    pass's, so mini-batch 1's old log-probs would round otherwise and CPU runs' recorded figures (the golden
+    trajectory) would move. A diffusion run's actor has no such path: off whatever the key says."""
+    explicit = cfg.worker.actor.reuse_first_forward
+    if is_diffusion_run(cfg):
+        return False, "a diffusion actor scores its denoising steps in a pass of its own"
+    if explicit is not None:
+        return explicit, f"worker.actor.reuse_first_forward: {str(explicit).lower()}, as set"
+    if on_gpu:
+        return True, "auto on GPU"
+    return False, "auto on CPU: keeps the pass's rounding of mini-batch 1, so recorded CPU figures stay"
 
 
 def _episode(cfg: EasyRLConfig) -> Episode:

@@ -22,6 +22,7 @@ from easyrl.config.worker import ActorConfig, CriticConfig, ModelConfig
 from easyrl.distributed.memory import MemoryLevers
 from easyrl.rollout import RolloutSpec, SamplingParams
 from easyrl.trainer.plan import RunPlan
+from easyrl.trainer.step_math import OldPass
 from easyrl.workers.specs import (
     ActorSpec,
     CriticSpec,
@@ -203,7 +204,7 @@ def _actor_spec(
             kl_penalty=alg.kl_penalty,
             kl_coef=alg.kl_coef,
             distill_topk_coef=alg.distill.coef if alg.distill.enabled and alg.distill.mode == "topk_fkl" else 0.0,
-            measures_engine=not plan.old_log_prob_pass,
+            measures_engine=not plan.old_log_prob_pass.before_update,
         ),
         rollout=rollout_spec(cfg, plan),
         temperature=cfg.worker.rollout.temperature,
@@ -211,6 +212,7 @@ def _actor_spec(
         memory_levers=memory_levers(cfg),
         serves_reference=plan.ref_log_probs and not plan.ref_worker,  # a LoRA actor's base, adapters off
         colocated_engine=not plan.separate,
+        old_from_first_forward=plan.old_log_prob_pass is OldPass.AFTER_FIRST_MINI_BATCH,
     )
 
 

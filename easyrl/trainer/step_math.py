@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from enum import Enum
 
 import torch
 
@@ -125,7 +126,24 @@ def pool_reward_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[s
     return pooled
 
 
-def needs_old_log_prob_pass(
+class OldPass(str, Enum):
+    """Which rows the actor's forward-only old-log-prob pass runs over in a step (`old_pass_rows`)."""
+
+    ALL_ROWS = "all_rows"
+    """Every row, in a call of its own before anything reads the old log-probs (the driver's `old` stage)."""
+    AFTER_FIRST_MINI_BATCH = "after_first_mini_batch"
+    """Inside the update call, before its first optimizer step, every row but the worker's first mini-batch: that
+    mini-batch's old log-probs are its own first forward's, detached (the weights have not moved yet)."""
+    NONE = "none"
+    """No pass: one epoch over one mini-batch takes its forward's log-probs, or bypass mode the engine's."""
+
+    @property
+    def before_update(self) -> bool:
+        """The driver runs the pass before the update (the old log-probs and the entropy are in its batch)."""
+        return self is OldPass.ALL_ROWS
+
+
+def old_pass_rows(
     *,
     distill: bool = False,
     ppo_epochs: int,
@@ -134,8 +152,9 @@ def needs_old_log_prob_pass(
     correction: bool,
     adaptive_entropy: bool,
     bypass: bool,
-) -> bool:
-    """Whether a step must run the actor's old-log-prob pass before the update (TRL skips it when it may).
+    reuse_first_forward: bool = False,
+) -> OldPass:
+    """Which rows a step's old-log-prob pass runs over (TRL skips the pass when it may).
 
     With one epoch over one mini-batch the update's only forward pass runs the very weights the old pass would:
     the old log-probs are the current ones, detached (ratio 1, same gradient), and the loss can take them from that
@@ -145,11 +164,19 @@ def needs_old_log_prob_pass(
     figures (`rollout/token_prob_error`, `rollout/logprob_diff_*`) need no pass: that same forward measures them.
     Bypass mode never runs it: the engine's log-probs are the old ones (config validation refuses what would read
     the pass there).
+    With several mini-batches or epochs and none of those readers, the first mini-batch's forward still runs the
+    unmoved weights: with `reuse_first_forward` its rows take their old log-probs from it and the pass covers the
+    other rows only (`AFTER_FIRST_MINI_BATCH`); later epochs read the values stored then.
     """
     if bypass:
-        return False
-    reused = ppo_epochs != 1 or mini_batches != 1  # a second optimizer step sees moved weights: ratio != 1
-    return reused or kl_in_reward or correction or adaptive_entropy or distill
+        return OldPass.NONE
+    read_before_update = kl_in_reward or correction or adaptive_entropy or distill
+    if read_before_update:
+        return OldPass.ALL_ROWS
+    if ppo_epochs == 1 and mini_batches == 1:
+        return OldPass.NONE
+    # a second optimizer step sees moved weights (ratio != 1): its rows need the pass, the first mini-batch's may not
+    return OldPass.AFTER_FIRST_MINI_BATCH if reuse_first_forward else OldPass.ALL_ROWS
 
 
 def sampled_validation_metrics(scores: Sequence[dict[str, float]], n: int) -> dict[str, float]:

@@ -65,7 +65,8 @@ class Trainer(RunFolder):
         # the loop owns its work in flight: state, settling, and (asynchronous) the groups it scored early
         self.rollout_loop = rollout_loop(cfg, self.plan, self.next_prompts, tok.eos_token_id, pad, self.score_rows)
         self.one_session = one_session_loop(cfg, self.plan, self.rollout_loop)  # validation and greedy baselines
-        self.old_pass = self.plan.old_log_prob_pass  # off: the update takes its own forward's log-probs, detached
+        # off: the update takes its own forward's log-probs, detached (and runs the pass itself after mini-batch 1)
+        self.old_pass = self.plan.old_log_prob_pass.before_update
         self.needs = self.plan.needs
         self.rollout_seed = cfg.worker.rollout.seed
         alg = cfg.algorithm

@@ -17,6 +17,7 @@ from easyrl.rollout import WeightSync
 from easyrl.seeding import SEED_COLUMN, prompt_seeds
 from easyrl.trainer.plan import old_log_prob_pass, plan_of
 from easyrl.trainer.role_specs import build_role_specs, sampling_params
+from easyrl.trainer.step_math import OldPass
 from tests.conftest import base_config, left_padded_prompts, write_config
 
 
@@ -344,11 +345,12 @@ def test_engine_log_probs_are_asked_for_whenever_the_sample_ratio_is_above_zero(
     it, in the update's own forward: the engines report log-probs whenever a share of the prompts gets them (1 in
     8 by default), pass or no pass, and none at `logprob_sample_ratio: 0`; the figures force no pass."""
     demo = load_config(DEMO, [])  # 1 epoch over 1 mini-batch: the pass is skipped
-    assert not old_log_prob_pass(demo) and sampling_params(demo, plan_of(demo)).logprobs is True
+    assert old_log_prob_pass(demo) is OldPass.NONE and sampling_params(demo, plan_of(demo)).logprobs is True
     two = load_config(DEMO, ["worker.actor.ppo_epochs=2"])
     assert sampling_params(two, plan_of(two)).logprobs is True
     explicit = load_config(DEMO, ["worker.rollout.logprob_sample_ratio=0.5"])
-    assert sampling_params(explicit, plan_of(explicit)).logprobs is True and not old_log_prob_pass(explicit)
+    assert sampling_params(explicit, plan_of(explicit)).logprobs is True
+    assert old_log_prob_pass(explicit) is OldPass.NONE
     for overrides in ([], ["worker.actor.ppo_epochs=2"]):  # pass or no pass: 0 asks for none
         off = load_config(DEMO, [*overrides, "worker.rollout.logprob_sample_ratio=0"])
         assert sampling_params(off, plan_of(off)).logprobs is False

@@ -16,7 +16,7 @@ from easyrl.batch import Batch
 from easyrl.config import EasyRLConfig, RolloutCorrectionConfig, load_config
 from easyrl.trainer.plan import effective_logprob_ratio, old_log_prob_pass, plan_of
 from easyrl.trainer.role_specs import sampling_params
-from easyrl.trainer.step_math import apply_rollout_correction, token_level_scores
+from easyrl.trainer.step_math import OldPass, apply_rollout_correction, token_level_scores
 from tests.conftest import base_config, metric_mismatches, train_steps, write_config
 
 
@@ -105,8 +105,8 @@ def test_bypass_mode_skips_the_pass_and_asks_the_engine_for_every_log_prob(
 ) -> None:
     recomputed = _config(tmp_path, tiny_model_dir, digits_data, "recomputed", {})
     bypass = _config(tmp_path, tiny_model_dir, digits_data, "bypass", {f"{RC}.bypass_mode": True})
-    assert old_log_prob_pass(recomputed)  # two mini-batches per step: the second runs moved weights
-    assert not old_log_prob_pass(bypass)
+    assert old_log_prob_pass(recomputed) is OldPass.ALL_ROWS  # two mini-batches: the second runs moved weights
+    assert old_log_prob_pass(bypass) is OldPass.NONE
     assert sampling_params(bypass, plan_of(bypass)).logprobs and effective_logprob_ratio(bypass) == 1.0
 
 

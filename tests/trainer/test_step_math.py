@@ -10,10 +10,11 @@ import torch
 from easyrl.batch import Batch
 from easyrl.config import RolloutCorrectionConfig
 from easyrl.trainer.step_math import (
+    OldPass,
     apply_rollout_correction,
     logprob_consistency,
     mini_batch_major_order,
-    needs_old_log_prob_pass,
+    old_pass_rows,
     policy_version_metrics,
     pool_reward_metrics,
     resumed_policy_version,
@@ -57,7 +58,7 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         "adaptive_entropy": False,
         "bypass": False,
     }
-    assert needs_old_log_prob_pass(**base) is False  # the update's forward runs the rollout policy's weights
+    assert old_pass_rows(**base) is OldPass.NONE  # the update's forward runs the rollout policy's weights
     for key, value in (
         ("ppo_epochs", 2),  # the second epoch runs moved weights
         ("mini_batches", 2),  # so does the second mini-batch
@@ -66,10 +67,26 @@ def test_old_log_prob_pass_is_skipped_only_for_one_epoch_over_one_mini_batch_wit
         ("adaptive_entropy", True),  # the controller reads the pass's entropy before the update
         ("distill", True),  # the student's log-probs meet the teacher's in the advantages
     ):
-        assert needs_old_log_prob_pass(**{**base, key: value}) is True, key
+        assert old_pass_rows(**{**base, key: value}) is OldPass.ALL_ROWS, key
     # Bypass mode: the engine's log-probs are the old ones, whatever the epochs, mini-batches or KL in the reward.
     reusing = {**base, "ppo_epochs": 2, "mini_batches": 2, "kl_in_reward": True}
-    assert needs_old_log_prob_pass(**{**reusing, "bypass": True}) is False
+    assert old_pass_rows(**{**reusing, "bypass": True}) is OldPass.NONE
+
+
+def test_mini_batch_1_takes_the_first_forward_only_when_the_pass_is_there_for_later_optimizer_steps() -> None:
+    """With `reuse_first_forward` the pass leaves mini-batch 1 out exactly when it runs only because a later
+    optimizer step sees moved weights; a reader before the update still needs every row, and one epoch over one
+    mini-batch still needs none."""
+    base = {"kl_in_reward": False, "correction": False, "adaptive_entropy": False, "bypass": False}
+    on = {**base, "reuse_first_forward": True}
+    for epochs, minis in ((1, 2), (2, 1), (3, 4)):
+        assert old_pass_rows(**on, ppo_epochs=epochs, mini_batches=minis) is OldPass.AFTER_FIRST_MINI_BATCH
+        assert old_pass_rows(**base, ppo_epochs=epochs, mini_batches=minis) is OldPass.ALL_ROWS  # off by default
+    assert old_pass_rows(**on, ppo_epochs=1, mini_batches=1) is OldPass.NONE
+    for reader in ("kl_in_reward", "correction", "adaptive_entropy", "distill"):
+        assert old_pass_rows(**{**on, reader: True}, ppo_epochs=1, mini_batches=2) is OldPass.ALL_ROWS, reader
+    assert old_pass_rows(**{**on, "bypass": True}, ppo_epochs=2, mini_batches=2) is OldPass.NONE
+    assert [rows.before_update for rows in OldPass] == [True, False, False]
 
 
 def test_logprob_consistency_scores_the_trained_tokens_of_rows_with_engine_log_probs() -> None:
