@@ -34,6 +34,18 @@ def test_levers_are_named_or_refused_in_one_line() -> None:
     assert args.raw_vllm and args.raw_repeats == 3  # an A/B asks for raw vLLM whatever the engine
 
 
+def test_reuse_first_forward_is_an_update_a_b_left_to_the_config_by_default(tmp_path: Path) -> None:
+    """`--reuse-first-forward` / `--no-reuse-first-forward` set `worker.actor.reuse_first_forward`; without either the
+    key is absent, so the run plan's auto decides (on for GPU runs)."""
+    bench = _benchmark()
+    files = bench.write_inputs(tmp_path, 4, 8, 2, 4, 0)
+    for flags, want in (([], None), (["--reuse-first-forward"], True), (["--no-reuse-first-forward"], False)):
+        args = bench.parse_args(["--model", "0.5b", *flags])
+        actor = bench.make_config(args, "model", files, tmp_path)["worker"]["actor"]
+        assert actor.get("reuse_first_forward") is want, flags
+    assert bench.parse_args(["--model", "0.5b"]).mini_batches > 1  # the A/B has a pass to shorten
+
+
 def test_the_baseline_is_easyrls_engine_call_and_each_lever_flips_one_setting(
     tmp_path: Path, tiny_model_dir: str
 ) -> None:
