@@ -210,9 +210,11 @@ def _backward_mini_batch(
     dp = data_parallel_size(sp_size)
     sums: dict[str, torch.Tensor | float] = {}
     # (numerator, denominator) float64, summed over the micro-batches (and the rows of `exact_before`)
-    before = exact_before or FirstForwardOld(torch.empty(0))
-    ratios = {k: v.to(device=device, dtype=torch.float64) for k, v in before.ratios.items()}
-    maxima = {k: v.to(device=device, dtype=torch.float64) for k, v in before.maxima.items()}
+    ratios: dict[str, torch.Tensor] = {}
+    maxima: dict[str, torch.Tensor] = {}
+    if exact_before is not None:
+        ratios = {k: v.to(device=device, dtype=torch.float64) for k, v in exact_before.ratios.items()}
+        maxima = {k: v.to(device=device, dtype=torch.float64) for k, v in exact_before.maxima.items()}
     last = len(mbs.parts) - 1
     for i, (mb, dummy) in enumerate(zip(mbs.parts, mbs.dummy)):
         if set_sync is not None:
@@ -302,15 +304,14 @@ def optimize(
                 # `MicroBatchLoss.ratios`/`.maxima` of the first mini-batch only: the later ones run moved weights
                 first = epoch == 0 and index == 0
                 fills = first and first_forward_old is not None
-                outs: list[MicroBatchLoss] = []
+                owns: list[torch.Tensor | None] = []
                 loss, mini_metrics = _backward_mini_batch(
-                    mbs, _kept(loss_fn, outs) if fills else loss_fn, device, loss_agg_mode, sp_size, exact=first,
-                    set_sync=set_sync, exact_before=first_forward_old if fills else None,
+                    mbs, _keeping_own_old(loss_fn, owns) if fills else loss_fn, device, loss_agg_mode, sp_size,
+                    exact=first, set_sync=set_sync, exact_before=first_forward_old if fills else None,
                 )  # fmt: skip
-                if (
-                    fills
-                ):  # the forward ran the weights the pass would have: its log-probs are the old ones from now on
-                    mini.set(old_log_probs=_own_old(mbs, outs))
+                # This forward ran the weights the pass would have: its log-probs are the rows' old ones from now on.
+                if fills:
+                    mini.set(old_log_probs=_own_old(mbs, owns))
                 for k, v in mini_metrics.items():
                     metrics[k].append(v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -336,26 +337,27 @@ def optimize(
     return out
 
 
-def _kept(loss_fn: LossFn, outs: list[MicroBatchLoss]) -> LossFn:
-    """`loss_fn`, keeping each micro-batch's `MicroBatchLoss` in `outs` (dummies too, in run order)."""
+def _keeping_own_old(loss_fn: LossFn, owns: list[torch.Tensor | None]) -> LossFn:
+    """`loss_fn`, keeping each micro-batch's `MicroBatchLoss.own_old_log_prob` in `owns` (dummies too, in run
+    order); only that detached tensor, not the loss and its graph."""
 
-    def kept(mb: Batch, on_device: Batch) -> MicroBatchLoss:
+    def keeping(mb: Batch, on_device: Batch) -> MicroBatchLoss:
         out = loss_fn(mb, on_device)
-        outs.append(out)
+        owns.append(out.own_old_log_prob)
         return out
 
-    return kept
+    return keeping
 
 
-def _own_old(mbs: MicroBatches, outs: list[MicroBatchLoss]) -> torch.Tensor:
-    """The mini-batch's `own_old_log_prob` (rows, R) on the host, in the mini-batch's order (dummies dropped)."""
+def _own_old(mbs: MicroBatches, owns: list[torch.Tensor | None]) -> torch.Tensor:
+    """The mini-batch's own old log-probs (rows, R) on the host, in the mini-batch's order (dummies dropped)."""
     parts = []
-    for out, dummy in zip(outs, mbs.dummy, strict=True):
+    for own, dummy in zip(owns, mbs.dummy, strict=True):
         if dummy:
             continue
-        if out.own_old_log_prob is None:
+        if own is None:
             raise ValueError("the loss gave no own_old_log_prob: it cannot fill mini-batch 1's old log-probs")
-        parts.append(out.own_old_log_prob.cpu())
+        parts.append(own.cpu())
     return mbs.restore(torch.cat(parts))
 
 
