@@ -150,7 +150,8 @@ class TritonLinearLogProbs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         block = _block_v(vocab)
-        stats = hidden.new_empty(4, n, dtype=torch.float32)  # logp, second, lse, E_p[z]
+        # logp, second, lse, E_p[z]: four tensors, not views of one (a caller may write into what it is returned)
+        stats = [hidden.new_empty(n, dtype=torch.float32) for _ in range(4)]
         if n:
             buf = hidden.new_empty(min(chunk, n), vocab)  # (chunk, V) in the model's dtype
             for start in range(0, n, chunk):
