@@ -8,6 +8,7 @@ Usage:
     python scripts/benchmark.py --model 1.5b --raw-only --raw-ab seeds,logprobs,multiproc   # generation levers A/B
     python scripts/benchmark.py --model 0.5b --liger-kernels --no-raw-vllm   # Liger's fused kernels in the update
     python scripts/benchmark.py --model 0.5b --no-reuse-first-forward --no-raw-vllm  # old pass over every row
+    python scripts/benchmark.py --model 0.5b --fused-head-kernel triton --no-raw-vllm   # the Triton log-prob head
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -168,7 +169,8 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "max_token_len_per_gpu": args.max_token_len,
                 **{key: value for key, value in (("dynamic_batching", args.dynamic_batching),
                    ("padding_free", args.padding_free), ("fused_logprobs", args.fused_logprobs),
-                   ("reuse_first_forward", args.reuse_first_forward)) if value is not None},
+                   ("reuse_first_forward", args.reuse_first_forward),
+                   ("fused_head_kernel", args.fused_head_kernel)) if value is not None},
                 "optim": {"lr": 1e-5 if args.lora_rank else 1e-6, "strategy": args.optim},
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
@@ -454,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reuse-first-forward", action=argparse.BooleanOptionalAction, default=None,
                     help="worker.actor.reuse_first_forward: mini-batch 1's old log-probs from the update's first "
                     "forward (default: the config's auto, on for GPU runs)")  # fmt: skip
+    ap.add_argument("--fused-head-kernel", choices=["torch", "triton"], default=None,
+                    help="worker.actor.fused_head_kernel: the fused log-prob head's softmax work (triton: CUDA only)")  # fmt: skip
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -43,6 +43,7 @@ _ENUMS: dict[str, tuple[str, ...]] = {
     "data.on_bad_row": ("drop", "error"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "trainer.backend": BACKENDS,
+    "worker.actor.fused_head_kernel": ("torch", "triton"),
 }
 
 
@@ -532,6 +533,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         _check_attention_heads(cfg)
         _check_family(cfg, Path(model) / "config.json")
         _check_liger(cfg, Path(model) / "config.json")
+        _check_head_kernel(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -647,6 +649,17 @@ def _check_liger(cfg: EasyRLConfig, config_json: Path) -> None:
             raise ConfigError(
                 key, f"wired for {wired} models only, {config_json.parent} is {family.model_type}: set it to false"
             )
+
+
+def _check_head_kernel(cfg: EasyRLConfig) -> None:
+    """`fused_head_kernel: triton` is the fused head's Triton path: refused without the fused head, and on CPU."""
+    if cfg.worker.actor.fused_head_kernel != "triton":
+        return
+    key = "worker.actor.fused_head_kernel"
+    if not cfg.worker.actor.fused_logprobs:
+        raise ConfigError(key, "triton is a kernel of the fused head and fused_logprobs is false: set it to torch")
+    if cfg.trainer.device == "cpu":
+        raise ConfigError(key, "the Triton head runs on CUDA only and trainer.device is cpu: set it to torch")
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:

@@ -151,6 +151,10 @@ class ActorConfig:
     """Compute log-probs and entropy from hidden states chunk by chunk (no full tokens x vocab fp32 logits)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the fused log-prob head."""
+    fused_head_kernel: str = "torch"
+    """The fused head's per-chunk softmax work: torch (fp32 (chunk, vocab) blocks; any device) or triton (easyrl's
+    kernels read the logits once in the model's dtype and write the gradient in place: no fp32 (chunk, vocab) block;
+    CUDA only, `pip install -e '.[gpu]'`). Same values and gradients up to float rounding. Needs `fused_logprobs`."""
     max_consecutive_skips: int = 3
     """Stop the run after this many consecutive updates skipped for a non-finite loss or grad norm."""
     tau_positive: float = 1.0

@@ -11,7 +11,8 @@ Why not Liger's fused linear log-prob ops for the head (read in liger-kernel 0.8
 cross-entropy (ops/fused_linear_cross_entropy.py) computes the gradient inside the forward, so a per-token upstream
 gradient must be known before the loss is (`token_grad_output`), and it returns no entropy; its PPO/GRPO chunked
 loss (chunked_loss/fused_linear_ppo.py) is PyTorch, not Triton, builds fp32 (rows x vocab-chunk) blocks and keeps an
-fp32 (V x H) gradient buffer, the very temporary issue 44 wants gone. A head kernel of easyrl's own remains to write.
+fp32 (V x H) gradient buffer, the very temporary issue 44 wants gone. easyrl's own head kernel is
+`easyrl.workers.head_kernel` (`worker.actor.fused_head_kernel: triton`).
 
 Triton runs on CUDA only: on CPU the switch is refused in one line (the config check, and here for a worker built
 without it), never dropped silently.

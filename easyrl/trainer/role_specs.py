@@ -336,6 +336,7 @@ def forward_options(cfg: EasyRLConfig, plan: RunPlan) -> ForwardOptions:
         padding_free=plan.padding_free,
         fused=actor_cfg.fused_logprobs,
         chunk_size=actor_cfg.logprob_chunk_size,
+        head_kernel=actor_cfg.fused_head_kernel,
         max_token_len=budget if actor_cfg.dynamic_batching else None,
         ulysses_size=actor_cfg.ulysses_size,
         ring_size=actor_cfg.ring_size,

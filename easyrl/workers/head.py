@@ -68,6 +68,7 @@ def _run_head(
     second: str | None,
     fused: bool,
     chunk_size: int,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward on the layout `inputs`: (N,) at its selected positions, and (N,) of the `second` statistic
     (`entropy`, or `top1`: 1.0 where the label is the argmax, for SFT's token accuracy) or None.
@@ -79,7 +80,8 @@ def _run_head(
     # computes full logits: the fused head runs the backbone alone
     if temperature is not None and fused and family_of(model).fused_head:
         # The fused head computes the entropy of each chunk it already holds anyway: a metric costs a detach only
-        lp, stat = fused_forward(model, inputs, temperature, chunk_size, "top1" if second == "top1" else "entropy")
+        kind = "top1" if second == "top1" else "entropy"
+        lp, stat = fused_forward(model, inputs, temperature, chunk_size, kind, head_kernel)
         return lp, (None if second is None else stat.detach() if second == ENTROPY_METRIC else stat)
     logits = _selected_logits(model, inputs, value_head=temperature is None)
     if temperature is None:
@@ -128,6 +130,7 @@ def _forward(
             second=second,
             fused=opts.fused,
             chunk_size=opts.chunk_size,
+            head_kernel=opts.head_kernel,
         )
 
     sp = sequence_parallel_of(model) if opts.sp_size > 1 else None

@@ -21,7 +21,8 @@ tokens, `hidden @ W.T` in the model's dtype, then fp32 log-softmax, the sampled 
 backward recomputes each chunk. Under FSDP2 the head weight (possibly tied to the embedding) belongs to the root
 unit and is only unsharded inside the root's forward, so the whole computation runs as a method of the root module
 registered with `register_fsdp_forward_method`: FSDP's pre-forward all-gathers the root's parameters and its
-backward hooks reduce-scatter their gradients exactly as for the usual `forward`.
+backward hooks reduce-scatter their gradients exactly as for the usual `forward`. `worker.actor.fused_head_kernel:
+triton` swaps the per-chunk row-wise work for `easyrl.workers.head_kernel`'s Triton kernels (same contract).
 """
 
 from __future__ import annotations
@@ -251,6 +252,11 @@ class FusedLinearLogProbs(torch.autograd.Function):
         return grad_hidden, grad_w, None, None, None, None  # labels, temperature, chunk, second: no gradient
 
 
+HEAD_KERNELS = ("torch", "triton")
+"""`worker.actor.fused_head_kernel`: the fused head's row-wise work in torch (fp32 (chunk, V) blocks, any device) or
+in Triton (`easyrl.workers.head_kernel`: the logits block read once in the model's dtype, CUDA)."""
+
+
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -258,20 +264,42 @@ def fused_linear_logprobs(
     temperature: float,
     chunk_size: int,
     second: str = "entropy",
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `labels` and entropy (or with `second="top1"` whether the label is the argmax) under
-    `hidden @ weight.T / temperature`, without full logits."""
+    `hidden @ weight.T / temperature`, without full logits; `kernel` one of `HEAD_KERNELS`."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if second not in ("entropy", "top1"):
         raise ValueError(f"second must be 'entropy' or 'top1', got {second!r}")
+    if kernel not in HEAD_KERNELS:
+        raise ValueError(f"worker.actor.fused_head_kernel={kernel!r}: choose one of {', '.join(HEAD_KERNELS)}")
     scale_logits(hidden.new_zeros(0), temperature)  # refuse greedy (0) before any work, as every head does
+    if kernel == "triton":
+        return _triton_head()(hidden, weight, labels, temperature, chunk_size, second)
     out = FusedLinearLogProbs.apply(hidden, weight, labels, temperature, chunk_size, second)
     return out[0], out[1]
 
 
+def _triton_head() -> Any:
+    """`easyrl.workers.head_kernel.triton_linear_logprobs`, imported on first use: triton is an optional extra."""
+    try:
+        from easyrl.workers.head_kernel import triton_linear_logprobs
+    except ImportError as exc:
+        raise RuntimeError(
+            f"worker.actor.fused_head_kernel=triton: cannot import triton ({exc}): pip install -e '.[gpu]', or set "
+            "it to torch"
+        ) from None
+    return triton_linear_logprobs
+
+
 def _fused_method(
-    self: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int, second: str = "entropy"
+    self: nn.Module,
+    inputs: ModelInputs,
+    temperature: float,
+    chunk_size: int,
+    second: str = "entropy",
+    kernel: str = "torch",
 ) -> tuple[Any, Any]:
     """Backbone forward, then the fused head on the selected positions. Runs as a method of the root module so
     FSDP2 unshards the root's parameters (embedding, final norm, head) around it."""
@@ -290,14 +318,19 @@ def _fused_method(
     hidden = out.last_hidden_state
     # (N, H): `select` indexes the flattened (rows * width) positions
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)
-    return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size, second)
+    return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size, second, kernel)
 
 
 def fused_forward(
-    model: nn.Module, inputs: ModelInputs, temperature: float, chunk_size: int, second: str = "entropy"
+    model: nn.Module,
+    inputs: ModelInputs,
+    temperature: float,
+    chunk_size: int,
+    second: str = "entropy",
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) log-probs and entropy (or top-1 flags, `second="top1"`) of the selected positions through the fused
-    head (attaching it on first use)."""
+    head (attaching it on first use), its row-wise work on `kernel` (`HEAD_KERNELS`)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     if not hasattr(model, FUSED_METHOD):
@@ -305,4 +338,4 @@ def fused_forward(
             raise NotImplementedError(f"fused log-probs need a causal LM with .model and .lm_head, not {type(model)}")
         setattr(model, FUSED_METHOD, types.MethodType(_fused_method, model))
         register_fsdp_forward_method(model, FUSED_METHOD)  # a no-op for unsharded models
-    return getattr(model, FUSED_METHOD)(inputs, temperature, chunk_size, second)
+    return getattr(model, FUSED_METHOD)(inputs, temperature, chunk_size, second, kernel)

@@ -25,6 +25,8 @@ class ForwardOptions:
     """Compute log-probs and entropy from hidden states chunk by chunk (no full logits)."""
     chunk_size: int = 1024
     """Tokens per chunk of the fused head."""
+    head_kernel: str = "torch"
+    """The fused head's row-wise work: torch or triton (`worker.actor.fused_head_kernel`)."""
     max_token_len: int | None = None
     """Token budget of a micro-batch (dynamic batching); None: fixed-count micro-batches. With sequence parallelism
     it is the group's (the per-rank budget times `sp_size`): each rank holds 1/`sp_size` of the tokens."""

@@ -352,6 +352,17 @@ def liger_kernels(ctx: Context) -> Outcome:
     return Outcome(f"Liger RMSNorm/SwiGLU/RoPE in the actor; token_prob_error {errors} against vLLM", rows)
 
 
+def fused_head_triton(ctx: Context) -> Outcome:
+    """The fused log-prob head on easyrl's Triton kernels (`worker.actor.fused_head_kernel: triton`) in the update
+    and the old/reference passes: the numerics gate (`check_rl`) holds the log-probs to vLLM's within bf16 noise,
+    and the embedding (the tied head, whose gradient the kernel writes) moves."""
+    edits = {"worker.actor.fused_logprobs": True, "worker.actor.fused_head_kernel": "triton"}
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, weights=True)
+    expect(moved(before, after, "embed_tokens"), "the embedding (tied head) did not move")
+    errors = [round(float(r["rollout/token_prob_error"]), 4) for r in rows]
+    return Outcome(f"Triton fused head; token_prob_error {errors} against vLLM", rows)
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -380,4 +391,5 @@ FEATURES = (
     _feature("long_video", long_video, limit_s=60),
     _feature("diffusion_tiny", diffusion_tiny, limit_s=60),
     _feature("liger_kernels", liger_kernels, cpu=False),  # Triton: CUDA only (refused on CPU)
+    _feature("fused_head_triton", fused_head_triton, cpu=False),  # Triton: CUDA only (refused on CPU)
 )

@@ -1,0 +1,54 @@
+"""Architecture as executable rules for the Triton kernels of issue 44 item 3 (tests/test_structure.py and
+tests/test_structure_rules.py hold the others; both are at their size budget)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.test_structure import MODULES, PACKAGE
+from tests.test_structure_rules import _third_party_imports
+
+
+HEAD_KERNEL = "easyrl.workers.head_kernel"
+
+
+def _top_level_imports_of(source: str, module: str) -> list[int]:
+    """Lines of `source` that import `module` (or a name from it) at module level, where every import of the module
+    that holds them would run it."""
+    lines = []
+    for node in ast.parse(source).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        if module in names:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_rule_finds_a_top_level_import_only() -> None:
+    source = f"import {HEAD_KERNEL}\ndef f():\n    from {HEAD_KERNEL} import x\nfrom {HEAD_KERNEL} import y\n"
+    assert _top_level_imports_of(source, HEAD_KERNEL) == [1, 4]
+
+
+def test_triton_is_imported_by_the_head_kernel_module_only_and_it_lazily() -> None:
+    """triton is an optional extra (`gpu`, `dev`): one module imports it, and no module imports that one at its top
+    level, so `import easyrl...` never needs triton; the fused head reaches it on first use of the switch
+    (`worker.actor.fused_head_kernel: triton`)."""
+    naming = [f"{m}:{line}" for m, path in MODULES.items() if m != HEAD_KERNEL
+              for line in _third_party_imports(path.read_text(encoding="utf-8"), "triton")]  # fmt: skip
+    assert not naming, f"import triton in {HEAD_KERNEL} only:\n" + "\n".join(naming)
+    assert _third_party_imports(MODULES[HEAD_KERNEL].read_text(encoding="utf-8"), "triton")
+    eager = [f"{m}:{line}" for m, path in MODULES.items()
+             for line in _top_level_imports_of(path.read_text(encoding="utf-8"), HEAD_KERNEL)]  # fmt: skip
+    assert not eager, f"import {HEAD_KERNEL} inside the function that needs it:\n" + "\n".join(eager)
+
+
+def test_the_gpu_and_dev_extras_bring_triton() -> None:
+    """The `gpu` extra runs the kernels; `dev` runs their CPU tests in Triton's interpreter (CI)."""
+    import tomllib
+
+    extras = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    for extra in ("gpu", "dev"):
+        names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"][extra]}
+        assert "triton" in names, (extra, names)
