@@ -532,6 +532,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         _check_attention_heads(cfg)
         _check_family(cfg, Path(model) / "config.json")
         _check_liger(cfg, Path(model) / "config.json")
+        _check_compile_layers(cfg, Path(model) / "config.json")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -647,6 +648,23 @@ def _check_liger(cfg: EasyRLConfig, config_json: Path) -> None:
             raise ConfigError(
                 key, f"wired for {wired} models only, {config_json.parent} is {family.model_type}: set it to false"
             )
+
+
+def _check_compile_layers(cfg: EasyRLConfig, config_json: Path) -> None:
+    """`compile_layers` and `liger_kernels` fuse the same elementwise work two ways: one of them (Liger's patched
+    classes inside inductor's graphs are untested); and no linear-attention model (`easyrl.models.compiled_layers`)."""
+    from easyrl.models.compiled_layers import LINEAR_ATTENTION_REFUSAL
+    from easyrl.models.linear_attention import has_linear_attention
+
+    for role in ("actor", "critic"):
+        model = getattr(cfg.worker, role).model
+        key = f"worker.{role}.model.compile_layers"
+        if model.compile_layers and model.liger_kernels:
+            raise ConfigError(
+                key, f"and worker.{role}.model.liger_kernels both fuse RMSNorm/SwiGLU/RoPE: set one of them to false"
+            )
+        if model.compile_layers and has_linear_attention(json.loads(config_json.read_text())):
+            raise ConfigError(key, LINEAR_ATTENTION_REFUSAL)
 
 
 def _check_context_length(config_json: Path, total: int, key: str) -> None:
