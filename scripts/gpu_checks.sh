@@ -77,6 +77,7 @@ ab|ab_no_padding_free|195|$BENCH|$B1 --model 0.5b --no-padding-free --no-raw-vll
 ab|ab_no_dynamic|195|$BENCH|$B1 --model 0.5b --no-dynamic-batching --no-raw-vllm
 ab_fused|ab_no_fused|195|$BENCH|$B1 --model 0.5b --no-fused-logprobs --no-raw-vllm
 ab_fused|ab_liger|195|$BENCH|$B1 --model 0.5b --liger-kernels --no-raw-vllm
+ab_compile|ab_compile_layers|195|$BENCH|$B1 --model 0.5b --compile-layers --no-raw-vllm
 lora|lora_0.5b|190|$BENCH|$B1 --model 0.5b --lora-rank 8 --no-raw-vllm
 lora|lora_sync_merged|100|-|$PY scripts/bench_lora_sync.py --modes merged $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
 lora|lora_sync_adapter|100|-|$PY scripts/bench_lora_sync.py --modes adapter $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
