@@ -34,6 +34,20 @@ def test_levers_are_named_or_refused_in_one_line() -> None:
     assert args.raw_vllm and args.raw_repeats == 3  # an A/B asks for raw vLLM whatever the engine
 
 
+def test_the_update_kernel_levers_reach_the_actor_model(tmp_path: Path, tiny_model_dir: str) -> None:
+    """`--compile-layers` and `--liger-kernels` (the `ab_compile` / `ab_liger` A/B) set the actor's switch; off by
+    default, so every other run is the baseline."""
+    bench = _benchmark()
+    files = bench.write_inputs(tmp_path, 4, 8, 2, 4, 0)
+    for flags, expected in (
+        ([], (False, False)),
+        (["--compile-layers"], (True, False)),
+        (["--liger-kernels"], (False, True)),
+    ):
+        model = bench.make_config(bench.parse_args(flags), tiny_model_dir, files, tmp_path)["worker"]["actor"]["model"]
+        assert (model["compile_layers"], model["liger_kernels"]) == expected, flags
+
+
 def test_the_baseline_is_easyrls_engine_call_and_each_lever_flips_one_setting(
     tmp_path: Path, tiny_model_dir: str
 ) -> None:
