@@ -9,6 +9,7 @@ Usage:
     python scripts/benchmark.py --model 0.5b --liger-kernels --no-raw-vllm   # Liger's fused kernels in the update
     python scripts/benchmark.py --model 0.5b --no-reuse-first-forward --no-raw-vllm  # old pass over every row
     python scripts/benchmark.py --model 0.5b --fused-head-kernel triton --no-raw-vllm   # the Triton log-prob head
+    python scripts/benchmark.py --model 0.5b --compile-layers --no-raw-vllm  # torch.compile per decoder layer
 
 Models are built from the public Qwen2.5 configs (vocabulary 151936) with random weights and the tiny
 character tokenizer of `easyrl.testing.tiny`; prompts are random characters (one token each), so prompt token
@@ -175,6 +176,7 @@ def make_config(args: argparse.Namespace, model_dir: str, files: dict[str, str],
                 "offload": {"offload_params": args.offload, "offload_optimizer": args.offload},
                 "model": {"model_path": model_dir, "enable_gradient_checkpointing": gpu,
                           "liger_kernels": args.liger_kernels,
+                          "compile_layers": args.compile_layers,
                           "lora": {"rank": args.lora_rank, "alpha": 2 * max(args.lora_rank, 1)}},
             },
             "rollout": {"name": args.engine, "n": args.n, "temperature": 1.0, "ignore_eos": True,
@@ -458,6 +460,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "forward (default: the config's auto, on for GPU runs)")  # fmt: skip
     ap.add_argument("--fused-head-kernel", choices=["torch", "triton"], default=None,
                     help="worker.actor.fused_head_kernel: the fused log-prob head's softmax work (triton: CUDA only)")  # fmt: skip
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="worker.actor.model.compile_layers: torch.compile each decoder layer (inductor fuses them)")  # fmt: skip
     ap.add_argument("--offload", action="store_true", help="offload actor params/optimizer around generation")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "adamw_bf16"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -81,6 +81,7 @@ ab_reuse|ab_reuse_first_forward|195|$BENCH|$B1 --model 0.5b --reuse-first-forwar
 ab_reuse|ab_no_reuse_first_forward|195|$BENCH|$B1 --model 0.5b --no-reuse-first-forward --no-raw-vllm
 ab_head|ab_head_torch|195|$BENCH|$B1 --model 0.5b --fused-head-kernel torch --no-raw-vllm
 ab_head|ab_head_triton|195|$BENCH|$B1 --model 0.5b --fused-head-kernel triton --no-raw-vllm
+ab_compile|ab_compile_layers|195|$BENCH|$B1 --model 0.5b --compile-layers --no-raw-vllm
 lora|lora_0.5b|190|$BENCH|$B1 --model 0.5b --lora-rank 8 --no-raw-vllm
 lora|lora_sync_merged|100|-|$PY scripts/bench_lora_sync.py --modes merged $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256
 lora|lora_sync_adapter|100|-|$PY scripts/bench_lora_sync.py --modes adapter $LORA_SHAPE --rank 16 --updates 3 --prompts 64 --max-tokens 256

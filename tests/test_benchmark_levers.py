@@ -46,6 +46,20 @@ def test_reuse_first_forward_is_an_update_a_b_left_to_the_config_by_default(tmp_
     assert bench.parse_args(["--model", "0.5b"]).mini_batches > 1  # the A/B has a pass to shorten
 
 
+def test_the_update_kernel_levers_reach_the_actor_model(tmp_path: Path, tiny_model_dir: str) -> None:
+    """`--compile-layers` and `--liger-kernels` (the `ab_compile` / `ab_liger` A/B) set the actor's switch; off by
+    default, so every other run is the baseline."""
+    bench = _benchmark()
+    files = bench.write_inputs(tmp_path, 4, 8, 2, 4, 0)
+    for flags, expected in (
+        ([], (False, False)),
+        (["--compile-layers"], (True, False)),
+        (["--liger-kernels"], (False, True)),
+    ):
+        model = bench.make_config(bench.parse_args(flags), tiny_model_dir, files, tmp_path)["worker"]["actor"]["model"]
+        assert (model["compile_layers"], model["liger_kernels"]) == expected, flags
+
+
 def test_the_baseline_is_easyrls_engine_call_and_each_lever_flips_one_setting(
     tmp_path: Path, tiny_model_dir: str
 ) -> None:

@@ -55,6 +55,12 @@ class ModelConfig:
     (Qwen2 / Qwen2.5 and Qwen3 dense models; `pip install -e '.[gpu]'`). CUDA only: refused on CPU, and for other
     families, in one line. The log-prob head stays easyrl's (`worker.actor.fused_logprobs`); vLLM is not affected.
     Liger swaps the family's classes in the worker's process (`easyrl.models.fused_kernels`)."""
+    compile_layers: bool = False
+    """`torch.compile` each text decoder layer (inductor fuses RMSNorm, SwiGLU, RoPE and the other elementwise work
+    of the training forward and backward, and of the log-prob passes): any family, on a GPU or the CPU. One layer
+    class compiles once per worker process (dynamic shapes: micro-batch lengths do not recompile); parameter names
+    are unchanged. Refused together with `liger_kernels` (pick one), for linear-attention models (Qwen3.5) and for a
+    model without decoder layers (`easyrl.models.compiled_layers`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning."""
 

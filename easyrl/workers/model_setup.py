@@ -102,9 +102,16 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(
-    model: nn.Module, fsdp_cfg: FSDPConfig, device: torch.device, gradient_checkpointing: bool = False
+    model: nn.Module,
+    fsdp_cfg: FSDPConfig,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    compile_key: str | None = None,
 ) -> nn.Module:
     """FSDP2-shard `model` over the default process group: one unit per decoder layer, then the root.
+
+    `compile_key`: the config switch (`worker.actor.model.compile_layers`) that asked to `torch.compile` each decoder
+    layer (`easyrl.models.compiled_layers`), named in its refusals; None: no compilation.
 
     A vision-language model runs its vision tower on every forward, media or not (`easyrl.models.vl_tower`), so
     ranks whose micro-batches differ in media join the same collectives. Mixed precision follows `fsdp_cfg` on GPUs;
@@ -115,6 +122,12 @@ def shard_model(
         # Non-reentrant: the reentrant checkpoint leaves a layer without gradients when none of its inputs requires
         # grad (a LoRA policy's frozen embeddings feed the first layer).
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_key is not None:
+        from easyrl.models.compiled_layers import compile_decoder_layers
+
+        # After checkpointing (its recompute replays the compiled layer), before fully_shard (FSDP2's hooks stay
+        # outside the compiled region): torchtitan's order.
+        compile_decoder_layers(model, compile_key)
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[fsdp_cfg.mp_param_dtype], reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype]

@@ -99,7 +99,11 @@ class TrainableModel:
             sp.attach(model)
         # `easyrl train` resolves auto (`easyrl.update_levers`); a null nobody resolved keeps today's default: on
         checkpointing = spec.trainable and spec.model.enable_gradient_checkpointing is not False
-        self.module: nn.Module = shard_model(model, spec.fsdp, device, checkpointing)
+        compile_key = f"worker.{'critic' if spec.kind == 'value' else 'actor'}.model.compile_layers"
+        compile_on = spec.model.compile_layers
+        self.module: nn.Module = shard_model(
+            model, spec.fsdp, device, checkpointing, compile_key if compile_on else None
+        )
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._vision_seen = (0, 0)

@@ -363,6 +363,18 @@ def fused_head_triton(ctx: Context) -> Outcome:
     return Outcome(f"Triton fused head; token_prob_error {errors} against vLLM", rows)
 
 
+def compile_layers(ctx: Context) -> Outcome:
+    """`torch.compile` per decoder layer in the actor (`worker.actor.model.compile_layers`) and its old-log-prob pass,
+    padding-free with gradient checkpointing, against vLLM's own kernels: the numerics gate (`check_rl`) is the proof
+    that inductor's fused layers keep the log-probs within bf16 noise; the weights sync to vLLM by their names."""
+    edits = {"worker.actor.model.compile_layers": True, "worker.actor.model.enable_gradient_checkpointing": True}
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, weights=True)
+    expect(moved(before, after, "mlp."), "the MLPs (compiled layers) did not move")
+    expect(not any("_orig_mod" in name for name in after or {}), "compiled names leaked into the weights")
+    errors = [round(float(r["rollout/token_prob_error"]), 4) for r in rows]
+    return Outcome(f"torch.compile per decoder layer in the actor; token_prob_error {errors} against vLLM", rows)
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -392,4 +404,6 @@ FEATURES = (
     _feature("diffusion_tiny", diffusion_tiny, limit_s=60),
     _feature("liger_kernels", liger_kernels, cpu=False),  # Triton: CUDA only (refused on CPU)
     _feature("fused_head_triton", fused_head_triton, cpu=False),  # Triton: CUDA only (refused on CPU)
+    # its CPU form is tests/models/test_compiled_layers.py (a CPU compile costs ~30 s a process: over this budget)
+    _feature("compile_layers", compile_layers, limit_s=90, cpu=False),
 )
