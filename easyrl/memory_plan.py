@@ -220,6 +220,8 @@ class MemoryPlan:
     """Engine plus the training state that stays on the GPU while it generates, plus the processes' contexts."""
     updating: int
     """The actor's update plus what the other roles keep on the GPU meanwhile, the CUDA graphs and the contexts."""
+    capture_sizes: tuple[int, ...] = ()
+    """The batch sizes vLLM captures CUDA graphs for (`engine_capture_sizes`), which `cuda_graphs` is sized from."""
 
     @property
     def kv_cache(self) -> int:
@@ -346,7 +348,8 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
-    graphs = cuda_graph_bytes(shape, engine_capture_sizes(cfg), engine_dtype)
+    sizes = engine_capture_sizes(cfg)
+    graphs = cuda_graph_bytes(shape, sizes, engine_dtype)
     kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
     kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
     processes = 1 + int(ref_process) + int(critic is not None)
@@ -377,6 +380,7 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         generating=engine + resident + ref_resident + critic_resident + per_process,
         # asleep, the engine still holds its CUDA graphs (without sleep mode, all of its budget)
         updating=actor_mem.total + ref_resident + critic_resident + per_process + (graphs if sleeps else engine),
+        capture_sizes=tuple(sizes),
     )
 
 
@@ -399,8 +403,9 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if plan.critic is not None:
         lines.append(f"critic: {_g(plan.critic.total)} GiB while it trains")
     lines += [
-        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)} + "
-        f"KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
+        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)}"
+        + (f" for {len(plan.capture_sizes)} batch sizes up to {max(plan.capture_sizes)}" if plan.capture_sizes else "")
+        + f" + KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
         f"processes on the GPU: {plan.processes}, their CUDA contexts and NCCL buffers {_g(plan.per_process)} GiB",
         f"while generating: {_g(plan.generating)} of {_g(plan.device_total)} GiB",
         f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB (the engine's CUDA graphs stay)",

@@ -13,6 +13,7 @@ from easyrl.memory_plan import (
     ModelShape,
     cuda_graph_bytes,
     engine_capture_sizes,
+    plan_lines,
     plan_memory,
 )
 from easyrl.rollout.vllm_args import capture_sizes
@@ -77,7 +78,9 @@ def test_plan_and_levers_read_the_graphs_of_the_runs_ceiling(batch: int, ceiling
     sizes = engine_capture_sizes(cfg)
     assert max(sizes) == ceiling
     plan = plan_memory(shape, cfg, 80 * GiB)
-    assert plan.cuda_graphs == cuda_graph_bytes(shape, sizes, 2)
+    assert plan.cuda_graphs == cuda_graph_bytes(shape, sizes, 2) and plan.capture_sizes == tuple(sizes)
+    graphs = f"CUDA graphs {plan.cuda_graphs / GiB:.1f} for {len(sizes)} batch sizes up to {ceiling} + KV cache"
+    assert graphs in "\n".join(plan_lines(plan))  # what `easyrl check` prints
     eager = _config(trainer={"n_gpus_per_node": 1}, data={"rollout_batch_size": batch},
                     worker={"rollout": {"n": 8, "enforce_eager": True}})  # fmt: skip
     assert plan_memory(shape, eager, 80 * GiB).updating == plan.updating - plan.cuda_graphs
