@@ -2,15 +2,17 @@
 the measured peak of the update (and of a forward-only log-prob pass at its larger budget) is the plan's figure
 within 10%.
 
-What is measured: the allocator's peak (`torch.cuda.max_memory_allocated`) of one FSDP2 update over a micro-batch of
-exactly the token budget, on the path the actor runs (padding-free rows, the fused log-prob head, its attention,
+What is measured: the allocator's peak (`torch.cuda.max_memory_allocated`) of one FSDP2 update over two micro-batches
+of exactly the token budget, on the path the actor runs (padding-free rows, the fused log-prob head, its attention,
 AdamW with fp32 states, one optimizer step so the moments exist), in a fresh spawned process per setting. What it is
 compared with: `plan_memory(...).actor` (weights + grads + optimizer + activations [+ unsharded gradients]), the
 update's part of the plan; CUDA contexts, NCCL buffers and vLLM's graphs are the plan's other terms, measured by
 the benchmark stages (`perf/device_memory_used_gb`, vLLM's log).
 
-The model has Qwen2.5-0.5B's layer and vocabulary shape with 6 layers (about 200M parameters): big enough that
-activations and state dominate, small enough for a recipe's limit (tests/recipes/features.py: `memory_within_plan`).
+The model is Qwen2.5-0.5B's shape with random weights (494M parameters, built here: nothing downloaded), the model
+the benchmark's plan table starts from. Terms the plan leaves out and a failure here would point at first: FSDP2's
+unsharded bf16 copies of the root's parameters (the tied embedding, 0.25 GiB here) and of one or two decoder layers,
+and their bf16 gradients before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ TOKENS = 16384
 """The update's per-GPU token budget (`worker.actor.max_token_len_per_gpu`'s default)."""
 ROW = 1024
 """Tokens per row: 256 of prompt, 768 of response; TOKENS / ROW rows fill one micro-batch exactly."""
-SHAPE = {"hidden_size": 896, "num_layers": 6, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864}
+SHAPE = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864}
 SETTINGS = {
     # name: (gradient checkpointing, deferred gradient sync, forward-only budget factor over TOKENS, ranks)
     "checkpointing_on": (True, False, 0, 1),
