@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 
 from easyrl.config.worker import RolloutConfig
@@ -86,3 +89,34 @@ def test_plan_and_levers_read_the_graphs_of_the_runs_ceiling(batch: int, ceiling
     assert plan_memory(shape, eager, 80 * GiB).updating == plan.updating - plan.cuda_graphs
     levers = choose_levers(cfg, True, 1, shape, 80 * GiB)
     assert f"the sleeping engine's CUDA graphs {plan.cuda_graphs / GiB:.1f} GiB" in levers.gradient_checkpointing_why
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+@pytest.mark.parametrize(
+    ("engine_kwargs", "sequences", "budget"),
+    [({}, 0, 16384), ({}, 1024, 16384), ({}, 0, 300), ({"max_num_seqs": 100}, 0, 8192), ({}, 4000, 2048),
+     ({"max_cudagraph_capture_size": 16}, 1024, 8192), ({"cudagraph_capture_sizes": [64, 8, 9000]}, 0, 8192)],
+)  # fmt: skip
+def test_capture_sizes_are_what_the_installed_vllm_computes(engine_kwargs: dict, sequences: int, budget: int) -> None:
+    """The installed vLLM's own `VllmConfig._set_cudagraph_sizes` (0.32: the CPU build's code is the CUDA build's) run
+    on the engine's settings as easyrl passes them (the derived ceiling, the user's keys) gives the same list."""
+    from vllm.config import CompilationConfig, VllmConfig
+
+    from easyrl.rollout.vllm_args import VLLM_OFFLINE_MAX_SEQS, generation_args
+
+    rollout = RolloutConfig(engine_kwargs=engine_kwargs)
+    derived = {a.name: a.value for a in generation_args(rollout, sequences, on_cuda=True) if a.value is not None}
+    passed = {k: v for k, v in (derived | engine_kwargs).items() if "cudagraph" in k}
+    compilation = CompilationConfig(**passed)
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False),
+        compilation_config=compilation,
+        uniform_decode_query_len=1,  # no speculative decoding
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=engine_kwargs.get("max_num_seqs", VLLM_OFFLINE_MAX_SEQS), max_num_batched_tokens=budget
+        ),
+        performance_mode="balanced",
+        speculative_config=None,
+    )
+    VllmConfig._set_cudagraph_sizes(engine)  # type: ignore[arg-type]
+    assert capture_sizes(rollout, sequences, budget) == compilation.cudagraph_capture_sizes

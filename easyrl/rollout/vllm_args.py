@@ -216,7 +216,8 @@ def capture_sizes(rollout: RolloutConfig, sequences: int, max_num_batched_tokens
     it captures none. Mirrors `VllmConfig._set_cudagraph_sizes` without speculative decoding: the ceiling (the user's,
     easyrl's derived one, else vLLM's min(2 x max_num_seqs, 512)), cut to the token budget; 1, 2, 4, every 8 below
     256, every 16 from 256 to the ceiling, plus the token budget and (default ceiling only) `max_num_seqs` where
-    they fit. Pure: the memory plan sizes the graphs' pool from it."""
+    they fit. Pure: the memory plan sizes the graphs' pool from it. tests/test_cuda_graph_plan.py runs the installed
+    vLLM's own method on the same settings and compares."""
     kwargs = rollout.engine_kwargs
     compilation = kwargs.get("compilation_config")
     compilation = compilation if isinstance(compilation, Mapping) else {}
