@@ -17,7 +17,8 @@ Estimates, in bytes, of what one GPU holds (the actor, reference and critic of a
 
 - the engine: ``gpu_memory_utilization`` x the device. vLLM (since 0.21) profiles the CUDA graphs it will capture and
   subtracts them from that budget, so its KV cache is the budget less its weights and the graphs
-  (`CUDA_GRAPH_BYTES`, an estimate; ``enforce_eager`` captures none). The graphs' pool is not part of what sleep
+  (`cuda_graph_bytes`: an estimate from the sizes it captures and the model's shape; ``enforce_eager`` captures
+  none). The graphs' pool is not part of what sleep
   unmaps: it stays on the GPU through the update;
 - per process on the GPU (actor with its engine, reference unless LoRA serves it, critic): a CUDA context with its
   library workspaces (`CUDA_CONTEXT_BYTES`), and NCCL's buffers when there are several ranks (`NCCL_BYTES`);
@@ -47,9 +48,15 @@ for a process that has done one matmul; an estimate, to be measured by the GPU c
 NCCL_BYTES = 256 * MiB
 """NCCL's communicator buffers per process once it talks to other ranks (an estimate: 4 MiB per channel and
 protocol for a few peers and channels; none with one rank)."""
-CUDA_GRAPH_BYTES = GiB
-"""vLLM's CUDA-graph pool for its default capture sizes (up to 512 sequences; vLLM logs the measured figure as
-"Graph capturing finished ... took X GiB"; an estimate until the GPU checks replace it)."""
+GRAPH_BYTES_PER_LAYER = 384 * 1024
+"""Per captured batch size and decoder layer: what a CUDA graph's own nodes and its piecewise pieces cost beside the
+shared pool (`cuda_graph_bytes`). Calibrated, not measured alone: see `RECORDED_GRAPH_GIB`."""
+RECORDED_GRAPH_GIB = 0.49
+"""The one figure measured (docs/benchmarks.md, 0.5B on an H100 that reports 79.2 GiB, vLLM 0.26, utilization 0.5,
+vLLM's default 51 capture sizes up to 512): the engine logged a KV cache of 3,336,400 tokens (x 12,288 bytes = 38.18
+GiB) and 0.93 GiB of weights in its 39.6 GiB, which leaves 0.49 GiB (+-0.05, the log's rounding) for the CUDA
+graphs and the profile run's transient peak together. The estimate counts it all as graphs (the safe side); the 1
+GiB constant that stood here before was a guess, never measured."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,8 @@ class MemoryPlan:
     """Engine plus the training state that stays on the GPU while it generates, plus the processes' contexts."""
     updating: int
     """The actor's update plus what the other roles keep on the GPU meanwhile, the CUDA graphs and the contexts."""
+    capture_sizes: tuple[int, ...] = ()
+    """The batch sizes vLLM captures CUDA graphs for (`engine_capture_sizes`), which `cuda_graphs` is sized from."""
 
     @property
     def kv_cache(self) -> int:
@@ -276,6 +285,35 @@ def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int
     )
 
 
+def cuda_graph_bytes(shape: ModelShape, sizes: list[int], act: int) -> int:
+    """vLLM's CUDA-graph pool for graphs captured at `sizes` (tokens; `easyrl.rollout.vllm_args.capture_sizes`) with
+    `act`-byte activations. vLLM profiles it the same way (`GPUModelRunner.profile_cudagraph_memory`): the first
+    (largest) capture allocates the pool that every smaller graph reuses, each further graph adds its own overhead.
+    Assumed: the pool holds the largest batch's intermediates, one layer's working set plus each layer's output (a
+    piecewise graph keeps the residual stream between its pieces), in the engine's dtype, tensor parallelism ignored
+    (the safe side); the overhead grows with the layers (a graph's nodes are the layers' kernels), at
+    `GRAPH_BYTES_PER_LAYER`, calibrated on the one measured figure (`RECORDED_GRAPH_GIB`). 0 when nothing is captured."""
+    if not sizes:
+        return 0
+    largest = max(sizes)
+    pool = _layer_working_set(shape, largest, act) + shape.num_layers * largest * shape.hidden_size * act
+    return pool + len(sizes) * shape.num_layers * GRAPH_BYTES_PER_LAYER
+
+
+def engine_capture_sizes(cfg: Any) -> list[int]:
+    """The sizes the run's vLLM engine captures graphs for on CUDA (its `max_num_batched_tokens` as vllm.py sets it,
+    at least the context length); [] for an engine without CUDA graphs."""
+    from easyrl.config.engine_kwargs import sequences_per_engine_call
+    from easyrl.rollout.vllm_args import capture_sizes
+
+    rollout, data = cfg.worker.rollout, cfg.data
+    if not engine_capabilities(rollout.name).cuda_graphs:
+        return []
+    context = rollout.max_model_len or data.max_prompt_length + data.max_response_length
+    budget = max(rollout.max_num_batched_tokens, context)
+    return capture_sizes(rollout, sequences_per_engine_call(cfg), budget)
+
+
 def _micro_batch_tokens(cfg: Any) -> int:
     actor, d = cfg.worker.actor, cfg.data
     if actor.dynamic_batching:
@@ -310,7 +348,8 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
-    graphs = CUDA_GRAPH_BYTES if caps.cuda_graphs and not rollout.enforce_eager else 0
+    sizes = engine_capture_sizes(cfg)
+    graphs = cuda_graph_bytes(shape, sizes, engine_dtype)
     kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
     kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
     processes = 1 + int(ref_process) + int(critic is not None)
@@ -341,6 +380,7 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         generating=engine + resident + ref_resident + critic_resident + per_process,
         # asleep, the engine still holds its CUDA graphs (without sleep mode, all of its budget)
         updating=actor_mem.total + ref_resident + critic_resident + per_process + (graphs if sleeps else engine),
+        capture_sizes=tuple(sizes),
     )
 
 
@@ -363,8 +403,9 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if plan.critic is not None:
         lines.append(f"critic: {_g(plan.critic.total)} GiB while it trains")
     lines += [
-        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)} + "
-        f"KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
+        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)}"
+        + (f" for {len(plan.capture_sizes)} batch sizes up to {max(plan.capture_sizes)}" if plan.capture_sizes else "")
+        + f" + KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
         f"processes on the GPU: {plan.processes}, their CUDA contexts and NCCL buffers {_g(plan.per_process)} GiB",
         f"while generating: {_g(plan.generating)} of {_g(plan.device_total)} GiB",
         f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB (the engine's CUDA graphs stay)",

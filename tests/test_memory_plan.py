@@ -16,7 +16,15 @@ from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen3_5Config, Qwen3MoeC
 
 from easyrl.check import memory_report
 from easyrl.config import EasyRLConfig
-from easyrl.memory_plan import GiB, ModelShape, plan_fixes, plan_memory, vision_parameter_count
+from easyrl.memory_plan import (
+    GiB,
+    ModelShape,
+    cuda_graph_bytes,
+    engine_capture_sizes,
+    plan_fixes,
+    plan_memory,
+    vision_parameter_count,
+)
 
 
 H100 = 80 * GiB
@@ -122,10 +130,13 @@ def test_plan_of_the_published_shapes_on_one_gpu(model: str, params: int, head_d
     engine = int(0.6 * H100)
     assert plan.engine_weights == 2 * params
     kv_per_token = 2 * layers * 2 * head_dim * 2  # k and v, every layer, 2 KV heads, bf16
-    assert plan.kv_cache_tokens == (engine - 2 * params - GiB) // kv_per_token  # less the 1 GiB of CUDA graphs
+    # vLLM's CUDA graphs for the sizes it captures (tests/test_cuda_graph_plan.py pins the estimate)
+    graphs = cuda_graph_bytes(_shape(model), engine_capture_sizes(cfg), 2)
+    assert plan.cuda_graphs == graphs > 0
+    assert plan.kv_cache_tokens == (engine - 2 * params - graphs) // kv_per_token  # less the CUDA graphs
     contexts = 2 * GiB // 2  # actor and reference processes, one CUDA context each, no NCCL on one rank
     assert plan.generating == engine + 4 * params + 8 * params + 4 * params + contexts
-    assert plan.updating == 16 * params + activations + 4 * params + GiB + contexts
+    assert plan.updating == 16 * params + activations + 4 * params + graphs + contexts
 
 
 def test_bench_vl_3b_old_setting_is_refused_with_its_arithmetic() -> None:
@@ -162,7 +173,7 @@ def test_bench_vl_3b_old_setting_is_refused_with_its_arithmetic() -> None:
 
 def test_level_one_sleep_pins_the_engine_weights_and_lora_serves_the_reference() -> None:
     """Sleep level 1 keeps a copy of the engine's weights in pinned host memory; a LoRA actor is its own reference
-    (no reference process, no reference weights); without CUDA graphs the KV cache gets their GiB."""
+    (no reference process, no reference weights); without CUDA graphs the KV cache gets their bytes."""
     shape = _shape("1.5b")
     level1 = plan_memory(shape, _config(worker={"rollout": {"sleep_level": 1}}), H100)
     assert level1.pinned_host == 2 * 1_543_714_304
@@ -219,9 +230,9 @@ PUBLISHED = {
 # (recipe, published model, parameters, GiB while generating, GiB while updating) on GPUs of 80 GiB; the first two
 # defer their gradient reduction (their unsharded gradients fit: docs/models.md), the 30B one cannot
 RECIPE_PLANS = [
-    ("geo3k_grpo_qwen3_vl_8b", "qwen3_vl_8b", "8.77B", "53.6", "63.0"),
-    ("math_grpo_qwen3_5_4b", "qwen3_5_4b", "4.54B", "51.6", "35.8"),
-    ("math_grpo_qwen3_30b_a3b", "qwen3_30b_a3b", "30.53B", "56.6", "43.2"),
+    ("geo3k_grpo_qwen3_vl_8b", "qwen3_vl_8b", "8.77B", "53.6", "63.1"),
+    ("math_grpo_qwen3_5_4b", "qwen3_5_4b", "4.54B", "51.6", "35.6"),
+    ("math_grpo_qwen3_30b_a3b", "qwen3_30b_a3b", "30.53B", "56.6", "43.9"),
 ]
 
 

@@ -791,3 +791,17 @@ def test_torch_compile_is_applied_in_one_place_in_place() -> None:
     ]
     assert not offenders, "compile through easyrl.models.compiled_layers: " + ", ".join(offenders)
     assert _compile_calls(MODULES["easyrl.models.compiled_layers"].read_text()) == ["layer"]  # never torch.compile
+
+
+def test_every_update_lever_is_in_the_learning_check() -> None:
+    """Issue 44 item 6: each config key `easyrl.update_levers` decides runs at its non-default value in the CPU run
+    that shows the learning unchanged (tests/trainer/test_levers_learning.py's `CPU_LEVERS`), and the recipe matrix
+    runs the GPU check of the memory plan at those levers."""
+    from tests.recipes.matrix import RECIPES
+    from tests.trainer.test_levers_learning import CPU_LEVERS
+
+    source = (Path(__file__).resolve().parents[1] / "easyrl" / "update_levers.py").read_text(encoding="utf-8")
+    decided = set(re.findall(r"\.(worker\.actor\.[\w.]+) = ", source))
+    assert decided >= {"worker.actor.defer_gradient_sync", "worker.actor.model.enable_gradient_checkpointing"}
+    assert decided <= set(CPU_LEVERS), f"add {sorted(decided - set(CPU_LEVERS))} to CPU_LEVERS"
+    assert "memory_within_plan" in RECIPES

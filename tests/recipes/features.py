@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -375,6 +376,19 @@ def compile_layers(ctx: Context) -> Outcome:
     return Outcome(f"torch.compile per decoder layer in the actor; token_prob_error {errors} against vLLM", rows)
 
 
+def gpu_tests(ctx: Context, path: str) -> Outcome:
+    """The `gpu`-marked tests of `path` in one pytest process, as a recipe: the matrix is what a lent GPU runs first,
+    and these have never run on one. Passes when pytest does with at least one test passed (a setting that needs more
+    GPUs than the machine has is skipped and says so); the tests' own lines with "measured" are the effect."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu", path]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)  # bounded by the recipe's limit
+    lines = (proc.stdout + proc.stderr).splitlines()
+    summary = next((x for x in reversed(lines) if re.search(r"\b(passed|failed|skipped|error)", x)), "no summary")
+    expect(proc.returncode == 0 and "passed" in summary, f"{path}: {summary}\n" + "\n".join(lines[-40:]))
+    figures = [x.strip() for x in lines if "measured" in x]
+    return Outcome(f"{path}: {summary.strip('= ')}" + "".join(f"; {f}" for f in figures))
+
+
 def _feature(name: str, run: Any, limit_s: float = 40.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "feature", run, limit_s, cpu)
 
@@ -406,4 +420,8 @@ FEATURES = (
     _feature("fused_head_triton", fused_head_triton, cpu=False),  # Triton: CUDA only (refused on CPU)
     # its CPU form is tests/models/test_compiled_layers.py (a CPU compile costs ~30 s a process: over this budget)
     _feature("compile_layers", compile_layers, limit_s=90, cpu=False),
+    # issue 44 item 5: the update's measured peak against the plan at each lever setting (3 runs of a 0.5B on one GPU)
+    _feature("memory_within_plan", partial(gpu_tests, path="tests/workers/test_memory_plan_gpu.py"), 150, cpu=False),
+    # issue 47: vLLM generating from the actor's held Qwen2.5-VL image and video embeddings
+    _feature("vllm_held_embeds", partial(gpu_tests, path="tests/rollout/test_engine_embeds.py"), 75, cpu=False),
 )

@@ -25,6 +25,7 @@ from easyrl.rollout.media_embeds import MEDIA_KINDS, MediaEmbeds, row_embeds
 from easyrl.seeding import SEED_COLUMN
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
 from tests.models.test_vl_embeds import DATA_CFG, write_video
+from tests.recipes.base import KV_CACHE_BYTES
 
 
 GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=6, logprobs=True)
@@ -217,7 +218,11 @@ def test_vllm_engine_generates_from_held_embeddings_as_from_pixels(tmp_path: Pat
     cfg.data.max_prompt_length, cfg.data.max_response_length = 256, GREEDY.max_tokens
     cfg.worker.rollout.logprob_sample_ratio = 1.0
     cfg.worker.rollout.dtype = "fp32"
-    cfg.worker.rollout.gpu_memory_utilization = 0.2
+    # as the recipe matrix runs engines side by side on one GPU (tests/recipes/base.py): a sized KV cache (no start-up
+    # profile, which vLLM refuses while another process's memory moves) and no graph capture (start-up time)
+    cfg.worker.rollout.gpu_memory_utilization = 0.05
+    cfg.worker.rollout.enforce_eager = True
+    cfg.worker.rollout.engine_kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES}
     tok = processor.tokenizer
     spec = rollout_spec(cfg, plan_of(cfg))
     engine = VLLMRolloutEngine(spec, [tok.eos_token_id], tok.pad_token_id, {"image": 1, "video": 1})

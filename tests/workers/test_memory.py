@@ -74,10 +74,13 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.ref_weights == 3_087_428_608
     assert plan.engine == int(0.6 * 80 * GiB) == 51_539_607_552
     assert plan.engine_weights == 1_543_714_304 * 2
-    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672; vLLM takes its CUDA graphs (1 GiB)
-    # out of the same budget.
-    assert plan.cuda_graphs == GiB
-    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608 - GiB) // 28_672 == 1_652_428
+    # KV per token: 2 (k, v) x 28 layers x 2 heads x 128 x 2 bytes = 28,672; vLLM takes its CUDA graphs out of the
+    # same budget: 256 sequences a call leave vLLM's default 51 sizes up to 512, whose pool is one layer's working
+    # set 512 x 35,072 x 2 = 35,913,728 + each layer's output 28 x 512 x 1536 x 2 = 44,040,192, plus 51 x 28 x 384 KiB
+    # = 561,512,448 of per-graph overhead (easyrl.memory_plan.cuda_graph_bytes).
+    graphs = 35_913_728 + 44_040_192 + 561_512_448
+    assert plan.cuda_graphs == graphs == 641_466_368
+    assert plan.kv_cache_tokens == (51_539_607_552 - 3_087_428_608 - graphs) // 28_672 == 1_667_505
     # Two processes (actor with the engine, reference), each a CUDA context (0.5 GiB) and NCCL buffers (256 MiB,
     # two ranks).
     assert plan.per_process == 2 * (GiB // 2 + 256 * 2**20) == 1_610_612_736
@@ -85,12 +88,12 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608 + 1_610_612_736
     # Updating: the actor's whole state and activations + the reference's weights + the engine's CUDA graphs (they
     # stay through sleep) + the processes.
-    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608 + GiB + 1_610_612_736
+    assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + 3_803_185_152 + 3_087_428_608 + graphs + 1_610_612_736
     # Sleep level 2 by default (full weight sync): nothing pinned on the host.
     assert plan.pinned_host == 0
     assert plan_problems(plan) == []
     lines = "\n".join(plan_lines(plan))
-    assert "1.54B parameters" in lines and "about 1652428 tokens" in lines
+    assert "1.54B parameters" in lines and "about 1667505 tokens" in lines
 
 
 def test_memory_plan_levers_and_problems() -> None:
