@@ -19,7 +19,9 @@
 #
 # `recipes` comes first in every plan: the recipe matrix (tests/recipes: every model family and every feature that
 # changes what runs on the device, 2 steps each, with the numerics gate), one call of at most 480 s with the cold
-# start, which leaves a performance stage room in the same loan. GPU tests run one test id per pytest process, each
+# start, which leaves a performance stage room in the same loan. 4 processes side by side: the 38 recipes' limits add
+# up to ~2,080 s (~520 s a process against the stage's 360 s) and a tiny model leaves the GPU mostly idle.
+# GPU tests run one test id per pytest process, each
 # with its own limit (tests/recipes/each_test.py), never one pytest process per stage: a hang costs one test.
 #
 # Every run has its own timeout; past it the run gets SIGINT first (pytest and the runners print what they have),
@@ -56,7 +58,7 @@ EACH="$PY -m tests.recipes.each_test --out $OUT --budget"
 # stage | run | limit (s) | where its summary.json lands (- for none) | command. In the order the plan gives them:
 # the recipe matrix first, then the 1.5B figure that fits beside it, the GPU tests, then the runs nothing else covers.
 TABLE="
-recipes|recipes|390|-|$PY -m tests.recipes --device cuda --out $OUT --jobs 3 --budget 360
+recipes|recipes|390|-|$PY -m tests.recipes --device cuda --out $OUT --jobs 4 --budget 360
 recipes|gdn_probe|60|-|$PY scripts/probe_gdn.py --heads 128 --backends auto --timeout 50
 mid|bench_1.5b|330|$BENCH|$B1 --model 1.5b --no-raw-vllm
 tests|gpu_tests|390|-|$EACH 370 -- -m gpu tests --ignore=tests/trainer/test_families_e2e.py --ignore=tests/workers/test_rollout_engines.py

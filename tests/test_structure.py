@@ -771,28 +771,6 @@ def test_every_schedule_seeds_its_engine_calls_with_call_seed() -> None:
     assert not offenders, "seed an engine call with easyrl.seeding.call_seed:\n" + "\n".join(offenders)
 
 
-def _compile_calls(source: str) -> list[str]:
-    """The receiver of each `X.compile(...)` call (`torch` for torch.compile), `re.compile` aside."""
-    calls = [
-        n.func for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-    ]
-    return [ast.unparse(f.value) for f in calls if f.attr == "compile" and ast.unparse(f.value) != "re"]
-
-
-def test_torch_compile_is_applied_in_one_place_in_place() -> None:
-    """`worker.actor.model.compile_layers`: one module compiles, with `nn.Module.compile` (in place); `torch.compile`
-    would wrap modules and put `_orig_mod.` into every name a checkpoint, merge or weight sync reads."""
-    assert _compile_calls("import re, torch\nre.compile('x')\ntorch.compile(m)\nlayer.compile()\n") == [
-        "torch",
-        "layer",
-    ]
-    offenders = [
-        m for m, path in MODULES.items() if m != "easyrl.models.compiled_layers" and _compile_calls(path.read_text())
-    ]
-    assert not offenders, "compile through easyrl.models.compiled_layers: " + ", ".join(offenders)
-    assert _compile_calls(MODULES["easyrl.models.compiled_layers"].read_text()) == ["layer"]  # never torch.compile
-
-
 def test_every_update_lever_is_in_the_learning_check() -> None:
     """Issue 44 item 6: each config key `easyrl.update_levers` decides runs at its non-default value in the CPU run
     that shows the learning unchanged (tests/trainer/test_levers_learning.py's `CPU_LEVERS`), and the recipe matrix

@@ -1,5 +1,5 @@
-"""Architecture as executable rules for the Triton kernels of issue 44 item 3 (tests/test_structure.py and
-tests/test_structure_rules.py hold the others; both are at their size budget)."""
+"""Architecture as executable rules for the kernels of issue 44 item 3, Triton and torch.compile (tests/test_structure.py
+and tests/test_structure_rules.py hold the others; both are at their size budget)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,25 @@ def test_the_gpu_and_dev_extras_bring_triton() -> None:
     for extra in ("gpu", "dev"):
         names = {re.split(r"[<>=\[; ]", dep)[0] for dep in extras["optional-dependencies"][extra]}
         assert "triton" in names, (extra, names)
+
+
+def _compile_calls(source: str) -> list[str]:
+    """The receiver of each `X.compile(...)` call (`torch` for torch.compile), `re.compile` aside."""
+    calls = [
+        n.func for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    ]
+    return [ast.unparse(f.value) for f in calls if f.attr == "compile" and ast.unparse(f.value) != "re"]
+
+
+def test_torch_compile_is_applied_in_one_place_in_place() -> None:
+    """`worker.actor.model.compile_layers`: one module compiles, with `nn.Module.compile` (in place); `torch.compile`
+    would wrap modules and put `_orig_mod.` into every name a checkpoint, merge or weight sync reads."""
+    assert _compile_calls("import re, torch\nre.compile('x')\ntorch.compile(m)\nlayer.compile()\n") == [
+        "torch",
+        "layer",
+    ]
+    offenders = [
+        m for m, path in MODULES.items() if m != "easyrl.models.compiled_layers" and _compile_calls(path.read_text())
+    ]
+    assert not offenders, "compile through easyrl.models.compiled_layers: " + ", ".join(offenders)
+    assert _compile_calls(MODULES["easyrl.models.compiled_layers"].read_text()) == ["layer"]  # never torch.compile

@@ -142,6 +142,11 @@ class OldPass(str, Enum):
         """The driver runs the pass before the update (the old log-probs and the entropy are in its batch)."""
         return self is OldPass.ALL_ROWS
 
+    def __bool__(self) -> bool:
+        # This was a bool ("runs the pass"); as a str every member would be truthy and `if plan.old_log_prob_pass:`
+        # would silently always run it. Ask the question by name instead.
+        raise TypeError("OldPass has three values: test `.before_update` or compare with a member, not its truth")
+
 
 def old_pass_rows(
     *,

@@ -199,21 +199,6 @@ def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> Non
     assert not mismatches, "trajectory differs from tests/trainer/golden_grpo.json:\n" + "\n".join(mismatches)
 
 
-def test_mini_batch_1_from_the_update_s_first_forward_keeps_the_golden_trajectory(
-    tmp_path, tiny_model_dir, digits_data
-) -> None:
-    """`worker.actor.reuse_first_forward: true` on the golden run (2 mini-batches a step, 2 workers): no driver-side
-    pass, each worker runs it over its rows after mini-batch 1 inside the update; every metric the golden run logs
-    is there (`actor/entropy_rollout` and the engine figures from the update), within the golden's tolerance (the
-    update's 2-row micro-batches round mini-batch 1's old log-probs otherwise than the pass's 4-row ones)."""
-    edits = {**GOLDEN_EDITS, "worker.actor.reuse_first_forward": True}
-    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=5)
-    assert all("timing_s/old" not in r and r["timing_s/old_in_update"] > 0 for r in rows)
-    stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE + _BOOKKEEPING)} for r in rows]
-    mismatches = golden_mismatches(stable, json.loads(GOLDEN.read_text()))
-    assert not mismatches, "reuse moved the golden trajectory:\n" + "\n".join(mismatches)
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_grpo_with_vllm_engine_two_workers(tmp_path, tiny_model_dir, digits_data) -> None:

@@ -41,12 +41,18 @@ CPU_LEVERS: dict[str, Any] = {
     "worker.actor.model.enable_gradient_checkpointing": True,
     "worker.actor.log_prob_max_token_len_per_gpu": 4 * BUDGET,
     "worker.actor.defer_gradient_sync": True,  # the demo's 2 gloo workers: a reduction to defer
+    # the demo's 2 mini-batches a step: mini-batch 1's old log-probs from the update's first forward (auto: GPU only)
+    "worker.actor.reuse_first_forward": True,
 }
-"""Every update lever with a CPU path, at its non-default value (`easyrl.update_levers` decides them on a GPU)."""
+"""Every update lever with a CPU path, at its non-default value (`easyrl.update_levers` and the run plan decide them
+on a GPU). Not here: `worker.actor.model.compile_layers` (a CPU compile costs ~20-50 s in each worker process; its
+CPU proof is tests/models/test_compiled_layers.py, log-probs and gradients against eager) and
+`worker.actor.fused_head_kernel: triton` (CUDA or Triton's interpreter only: tests/workers/test_head_kernel.py)."""
 OFF: dict[str, Any] = {
     "worker.actor.model.enable_gradient_checkpointing": False,
     "worker.actor.log_prob_max_token_len_per_gpu": None,
     "worker.actor.defer_gradient_sync": False,
+    "worker.actor.reuse_first_forward": False,
 }
 """What the off run sets where a lever's default is auto (null): the value auto takes on CPU."""
 RTOL = 1e-4
@@ -103,5 +109,8 @@ def test_every_cpu_lever_leaves_the_trajectory_unchanged(tmp_path, tiny_model_di
     assert [r["step"] for r in on] == list(range(1, STEPS + 1))
     for key in ("reward/overall", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert all(key in r for r in on), key
+    # the levers took effect: no driver-side old pass, each worker ran it inside the update after mini-batch 1
+    assert all("timing_s/old" not in r and r["timing_s/old_in_update"] > 0 for r in on)
+    assert all("timing_s/old" in r for r in off_run)
     bad = mismatches(_math(on), _math(off_run))
     assert not bad, f"{len(bad)} metrics moved with {sorted(CPU_LEVERS)}:\n" + "\n".join(bad[:30])
