@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords:
             item.add_marker(vllm_group)
+
+
+_SHARED_RAY: dict[str, bool] = {"up": False}
+"""Whether `ray_session` started the Ray instance now up (and so may stop it)."""
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """A local Ray instance (4 CPUs) for the module's runs. Each run starts and stops its own workers, so the modules
+    share nothing through it: it stays up for the next module when that one asks for it too (a start and a stop cost
+    ~5-8 s on 2 cores), and stops before any other test (`pytest_runtest_teardown` below). A module whose runs left
+    resources held (an actor, a placement group) stops it, so the next module starts on a fresh one."""
+    import ray
+
+    from easyrl.distributed import init_ray
+
+    if init_ray(num_cpus=4):
+        _SHARED_RAY["up"] = True
+    yield
+    if _SHARED_RAY["up"] and ray.is_initialized() and not _ray_is_idle(ray):
+        _stop_shared_ray()
+
+
+def _ray_is_idle(ray: Any) -> bool:
+    """Every CPU and GPU is free and no placement group is left (Ray frees an ended actor's share within moments)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if not any("_group_" in key for key in total) and all(
+            free.get(k, 0) >= total[k] for k in ("CPU", "GPU") if k in total
+        ):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _stop_shared_ray() -> None:
+    import ray
+
+    _SHARED_RAY["up"] = False
+    ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the module fixtures are torn down: stop the shared Ray instance unless the next test is in the same module
+    (its module fixture is still up) or asks for it too."""
+    yield
+    if not _SHARED_RAY["up"]:
+        return
+    same_module = nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None)
+    if not (same_module or (nextitem is not None and "ray_session" in getattr(nextitem, "fixturenames", ()))):
+        _stop_shared_ray()
 
 
 @pytest.fixture(scope="session")

@@ -18,19 +18,8 @@ from easyrl.batch import Batch
 from tests.rollout.test_carry_over import ASYNC_EDITS, _made_by_the_engine, _stable, _trainer
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 def _calls_of(request: Batch, out: Batch) -> list[tuple[list[int], list[int], list[float], list[int]]]:

@@ -88,15 +88,6 @@ def test_left_padded_prompts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- training
-@pytest.fixture(scope="module")
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 # A random tiny model rarely says EOS: 60 of its ~270 tokens end a response too, so lengths vary (1 to 16 tokens,

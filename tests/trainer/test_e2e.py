@@ -14,24 +14,13 @@ import torch
 from tests.conftest import train_steps as run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 GOLDEN = Path(__file__).with_name("golden_grpo.json")
 # Metrics that depend on wall time or the machine, not on the computation.
 _VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 # Counters of the loop rather than results of the math (which policy sampled the rows): checked exactly on their own,
 # kept out of the recorded golden trajectory so that adding one does not mean recording it again.
 _BOOKKEEPING = ("rollout/policy_version_", "rollout/engine_restarts")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 def assert_finite(rows: list[dict[str, float]]) -> None:

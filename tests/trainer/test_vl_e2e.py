@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
-from tests.trainer.test_e2e import assert_finite, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import assert_finite, run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 def _image_data(folder: Path) -> dict[str, str]:
