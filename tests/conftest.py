@@ -80,10 +80,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords:
             item.add_marker(vllm_group)
+    _RAY_MODULES.update(ray_modules_last(items))
+
+
+def ray_modules_last(items: list[Any]) -> set[Path]:
+    """Put the modules whose tests use the shared Ray instance (`ray_session` below) after the other modules of their
+    folder, one after another (in place, otherwise in the same order): it then starts once per folder, not once per
+    such module (~5 s each on 2 cores). Returns those modules."""
+    ray = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    folders = {folder: i for i, folder in enumerate(dict.fromkeys(item.path.parent for item in items))}
+    items.sort(key=lambda item: (folders[item.path.parent], item.path in ray))
+    return ray
 
 
 _SHARED_RAY: dict[str, bool] = {"up": False}
 """Whether `ray_session` started the Ray instance now up (and so may stop it)."""
+_RAY_MODULES: set[Path] = set()
+"""The test modules with a test that asks for `ray_session` (filled at collection)."""
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +139,10 @@ def _stop_shared_ray() -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """After the module fixtures are torn down: stop the shared Ray instance unless the next test is in the same module
-    (its module fixture is still up) or asks for it too."""
+    """After the module fixtures are torn down: stop the shared Ray instance unless the next test is in a module that
+    uses it (this one, its module fixture still up, or the next such module)."""
     yield
-    if not _SHARED_RAY["up"]:
-        return
-    same_module = nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None)
-    if not (same_module or (nextitem is not None and "ray_session" in getattr(nextitem, "fixturenames", ()))):
+    if _SHARED_RAY["up"] and (nextitem is None or nextitem.path not in _RAY_MODULES):
         _stop_shared_ray()
 
 
