@@ -224,6 +224,34 @@ def run_script(name: str, *args: str, workdir: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def run_script_in_process(name: str, *args: str, workdir: Path) -> Any:
+    """``scripts/<name>``'s ``main(args + --workdir workdir)`` in this process, from that folder; what it returns.
+    The environment, ``sys.path`` and the current folder are put back after, and a Ray instance the script started
+    is stopped (one already up, `ray_session`'s, it joins and leaves up). A script of its own costs a Python start
+    and torch's import (~5 CPU-s on 2 cores): `run_script` stays for the tests of the script's process."""
+    import importlib.util
+    import sys
+
+    ray = sys.modules.get("ray")
+    ray_was_up = bool(ray and ray.is_initialized())
+    saved_env, saved_path, cwd = dict(os.environ), list(sys.path), os.getcwd()
+    spec = importlib.util.spec_from_file_location(f"_script_{Path(name).stem}", REPO / "scripts" / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        os.chdir(workdir)
+        spec.loader.exec_module(module)
+        return module.main([*args, "--workdir", str(workdir)])
+    finally:
+        ray = sys.modules.get("ray")
+        if not ray_was_up and ray is not None and ray.is_initialized():
+            ray.shutdown()
+        os.chdir(cwd)
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
 def write_config(path: Path, config: dict[str, Any]) -> str:
     path.write_text(yaml.safe_dump(config))
     return str(path)

@@ -188,10 +188,10 @@ def test_dynamic_batching_two_workers_end_to_end(ray_session, tmp_path, tiny_mod
 
 
 @pytest.mark.slow
-def test_benchmark_script_tiny_runs(tmp_path) -> None:
+def test_benchmark_script_tiny_runs(ray_session, tmp_path) -> None:
     """`scripts/benchmark.py --tiny` runs the real trainer end to end on CPU and prints its summary."""
-    from tests.conftest import run_script
+    from tests.conftest import run_script_in_process
 
-    run_script("benchmark.py", "--tiny", "--steps", "1", "--warmup", "0", workdir=tmp_path)
+    run_script_in_process("benchmark.py", "--tiny", "--steps", "1", "--warmup", "0", workdir=tmp_path)
     summary = json.loads(next(tmp_path.glob("run_tiny_*/summary.json")).read_text())
     assert summary["perf/throughput"][0] > 0 and summary["gen_tokens_per_s"][0] > 0
