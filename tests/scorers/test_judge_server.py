@@ -143,25 +143,20 @@ def test_the_teachers_log_probs_of_the_sampled_tokens_are_a_local_forward_pass(s
     assert got[1, 1:].eq(0).all()  # padding stays 0
 
 
-def test_a_run_distills_through_the_served_teacher(server, tmp_path, tiny_model_dir, digits_data) -> None:
+def test_a_run_distills_through_the_served_teacher(ray_session, server, tmp_path, tiny_model_dir, digits_data) -> None:
     """The served teacher is the student's own checkpoint: at step 1 the two agree on every sampled token (up to
     vLLM's float sums against torch's), and every sample cost one counted request."""
     from easyrl.config import load_config_and_secrets
-    from easyrl.distributed import init_ray
     from easyrl.trainer.trainer import Trainer
 
     conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
     teacher = {"base_url": server.base_url, "api_key_env": KEY_ENV, "tokenizer_path": tiny_model_dir}
     conf["algorithm"]["distill"] = {"teacher": teacher}
-    init_ray(num_cpus=4)
     trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         trainer.fit()
     finally:
         trainer.close()
-        import ray
-
-        ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     first = rows[0]
     assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/teacher_log_prob"] < -1.0
@@ -170,12 +165,13 @@ def test_a_run_distills_through_the_served_teacher(server, tmp_path, tiny_model_
     assert abs(rows[1]["distill/reverse_kl"]) > 1e-4  # the student moved, the served teacher did not
 
 
-def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path, tiny_model_dir, digits_data) -> None:
+def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(
+    ray_session, server, tmp_path, tiny_model_dir, digits_data
+) -> None:
     """Step 1 is judged; the server is killed; step 2 trains on zero verdicts (`on_error: zero`), every one counted
     after its retry; with `on_error: raise` the same dead judge stops scoring with a RewardError naming it."""
     from easyrl.config import load_config_and_secrets
     from easyrl.config.worker import RewardConfig
-    from easyrl.distributed import init_ray
     from easyrl.rewards import RewardError, RewardManager
     from easyrl.trainer.trainer import Trainer
 
@@ -188,7 +184,6 @@ def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path,
         "parse": PARSE,
         "sampling": {"max_tokens": 8},
     }
-    init_ray(num_cpus=4)
     trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         trainer.total_steps = 1
@@ -198,9 +193,6 @@ def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path,
         trainer.fit()
     finally:
         trainer.close()
-        import ray
-
-        ray.shutdown()
     first, second = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     samples_per_step = 4 * 2
     assert first["judge/errors"] == 0 and first["reward/overall"] > 0
