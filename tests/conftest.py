@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,70 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords:
             item.add_marker(vllm_group)
+    _RAY_MODULES.update(ray_modules_last(items))
+
+
+def ray_modules_last(items: list[Any]) -> set[Path]:
+    """Put the modules whose tests use the shared Ray instance (`ray_session` below) after the other modules of their
+    folder, one after another (in place, otherwise in the same order): it then starts once per folder, not once per
+    such module (~5 s each on 2 cores). Returns those modules."""
+    ray = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    folders = {folder: i for i, folder in enumerate(dict.fromkeys(item.path.parent for item in items))}
+    items.sort(key=lambda item: (folders[item.path.parent], item.path in ray))
+    return ray
+
+
+_SHARED_RAY: dict[str, bool] = {"up": False}
+"""Whether `ray_session` started the Ray instance now up (and so may stop it)."""
+_RAY_MODULES: set[Path] = set()
+"""The test modules with a test that asks for `ray_session` (filled at collection)."""
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """A local Ray instance (4 CPUs) for the module's runs. Each run starts and stops its own workers, so the modules
+    share nothing through it: it stays up for the next module when that one asks for it too (a start and a stop cost
+    ~5-8 s on 2 cores), and stops before any other test (`pytest_runtest_teardown` below). A module whose runs left
+    resources held (an actor, a placement group) stops it, so the next module starts on a fresh one."""
+    import ray
+
+    from easyrl.distributed import init_ray
+
+    if init_ray(num_cpus=4):
+        _SHARED_RAY["up"] = True
+    yield
+    if _SHARED_RAY["up"] and ray.is_initialized() and not _ray_is_idle(ray):
+        _stop_shared_ray()
+
+
+def _ray_is_idle(ray: Any) -> bool:
+    """Every CPU and GPU is free and no placement group is left (Ray frees an ended actor's share within moments)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if not any("_group_" in key for key in total) and all(
+            free.get(k, 0) >= total[k] for k in ("CPU", "GPU") if k in total
+        ):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _stop_shared_ray() -> None:
+    import ray
+
+    _SHARED_RAY["up"] = False
+    ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the module fixtures are torn down: stop the shared Ray instance unless the next test is in a module that
+    uses it (this one, its module fixture still up, or the next such module)."""
+    yield
+    if _SHARED_RAY["up"] and (nextitem is None or nextitem.path not in _RAY_MODULES):
+        _stop_shared_ray()
 
 
 @pytest.fixture(scope="session")
@@ -156,6 +222,34 @@ def run_script(name: str, *args: str, workdir: Path) -> None:
     cmd = [sys.executable, str(REPO / "scripts" / name), *args, "--workdir", str(workdir)]
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def run_script_in_process(name: str, *args: str, workdir: Path) -> Any:
+    """``scripts/<name>``'s ``main(args + --workdir workdir)`` in this process, from that folder; what it returns.
+    The environment, ``sys.path`` and the current folder are put back after, and a Ray instance the script started
+    is stopped (one already up, `ray_session`'s, it joins and leaves up). A script of its own costs a Python start
+    and torch's import (~5 CPU-s on 2 cores): `run_script` stays for the tests of the script's process."""
+    import importlib.util
+    import sys
+
+    ray = sys.modules.get("ray")
+    ray_was_up = bool(ray and ray.is_initialized())
+    saved_env, saved_path, cwd = dict(os.environ), list(sys.path), os.getcwd()
+    spec = importlib.util.spec_from_file_location(f"_script_{Path(name).stem}", REPO / "scripts" / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        os.chdir(workdir)
+        spec.loader.exec_module(module)
+        return module.main([*args, "--workdir", str(workdir)])
+    finally:
+        ray = sys.modules.get("ray")
+        if not ray_was_up and ray is not None and ray.is_initialized():
+            ray.shutdown()
+        os.chdir(cwd)
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def write_config(path: Path, config: dict[str, Any]) -> str:

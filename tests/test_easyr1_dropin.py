@@ -380,9 +380,11 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_one_grpo_step_easyr1_text_layout_then_merge_local_dir(
-    tmp_path: Path, stand_ins: dict[str, str], easyr1_data: dict[str, Path]
+    tmp_path: Path, stand_ins: dict[str, str], easyr1_data: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """KL on, so the reference is built with EasyR1's `ref.fsdp.enable_cpu_offload: true` (it crashed CPU runs)."""
+    """KL on, so the reference is built with EasyR1's `ref.fsdp.enable_cpu_offload: true` (it crashed CPU runs). The
+    merge runs `easyrl merge`'s `main` in this process: a command of its own would add a Python start and torch's
+    import (~5 s on 2 cores) to the same code."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(EASYR1_LAYOUT))
     run_dir = tmp_path / "run"
@@ -391,7 +393,7 @@ def test_one_grpo_step_easyr1_text_layout_then_merge_local_dir(
     assert proc.stderr.count("running on CPU: GPU-only settings have no effect") == 1
     assert _steps(run_dir), "no training step logged"
     actor = run_dir / "global_step_1" / "actor"
-    proc = easyrl("merge", "--local_dir", str(actor))
+    proc = easyrl_in_process(capsys, "merge", "--local_dir", str(actor))
     assert proc.returncode == 0, proc.stderr[-4000:]
     merged = actor / "huggingface_merged"
     assert proc.stdout.strip().splitlines()[-1].startswith(f"merged model: {merged} ")

@@ -18,19 +18,8 @@ from easyrl.batch import Batch
 from tests.rollout.test_carry_over import ASYNC_EDITS, _made_by_the_engine, _stable, _trainer
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 def _calls_of(request: Batch, out: Batch) -> list[tuple[list[int], list[int], list[float], list[int]]]:
@@ -61,12 +50,10 @@ class _Recorded:
         return out, timing
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bound(
-    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], staleness: int
-) -> None:
-    edits = {**ASYNC_EDITS, **SEPARATE, "trainer.max_staleness": staleness}
-    trainer = _trainer(tmp_path, tiny_model_dir, digits_data, edits, 5)
+def _recorded_run(path: Path, model: str, data: dict[str, str], edits: dict[str, Any]) -> tuple[list, list, list]:
+    """5 steps with a rollout worker of its own, every engine call (in a step's session or beside an update) and
+    every trained batch (with the policy version it trained) recorded: (calls, trained, logged rows)."""
+    trainer = _trainer(path, model, data, edits, 5)
     engines, actor = trainer.workers.engines, trainer.actor
     calls: list[tuple[list[int], list[int], list[float], list[int]]] = []
     trained: list[tuple[int, Batch]] = []
@@ -95,6 +82,28 @@ def test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bo
         trainer.fit()
     finally:
         trainer.close()
+    rows = [json.loads(line) for line in (path / "run" / "experiment_log.jsonl").read_text().splitlines()]
+    return calls, trained, rows
+
+
+@pytest.fixture(scope="module")
+def s1_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, digits_data: dict[str, str]) -> tuple:
+    """The recorded run at S = 1, saving every step: its folder, calls, trained batches and rows. The staleness
+    test reads its records; the resume test resumes from its step-1 checkpoint (one run serves both)."""
+    path = tmp_path_factory.mktemp("s1_run")
+    edits = {**ASYNC_EDITS, **SEPARATE, "trainer.max_staleness": 1, "trainer.save_freq": 1}
+    return (path, *_recorded_run(path, tiny_model_dir, digits_data, edits))
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bound(
+    request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str], staleness: int
+) -> None:
+    if staleness == 1:
+        _, calls, trained, rows = request.getfixturevalue("s1_run")
+    else:
+        edits = {**ASYNC_EDITS, **SEPARATE, "trainer.max_staleness": staleness}
+        calls, trained, rows = _recorded_run(tmp_path, tiny_model_dir, digits_data, edits)
     assert len(trained) == 5
     spans = 0
     for version, batch in trained:
@@ -113,7 +122,6 @@ def test_rollout_workers_generate_while_the_actor_trains_within_the_staleness_bo
             )
             spans += len(set(tokens)) > 1
     assert spans > 0, "no response resumed with newer weights after a call beside the update"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     beside = [r for r in rows if "async/beside_calls" in r]
     assert beside, "no call ran beside the training"
@@ -184,20 +192,21 @@ def test_the_demo_learns_with_its_rollout_worker_generating_during_the_updates(
 
 
 def test_a_resumed_run_continues_the_call_beside_the_update_to_the_bit(
-    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+    s1_run: tuple, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:
     """S = 1, separate: resuming from the step-1 checkpoint (it collects the call started beside that step's update)
-    gives the uninterrupted run's steps 2 to 4 to the bit, the call's tokens included. (Step 1 is the one that leaves
-    responses unfinished for that call with these seeds.) The checkpoint is the uninterrupted run's own, as a run
-    killed after step 1 leaves it; the resumed run starts in a fresh folder."""
+    gives the uninterrupted run's steps 2 to 5 to the bit, the call's tokens included. (Step 1 is the one that leaves
+    responses unfinished for that call with these seeds.) The checkpoint is the uninterrupted run's own (`s1_run`,
+    whose engine calls are recorded: the recording changes nothing it computes), as a run killed after step 1 leaves
+    it; the resumed run starts in a fresh folder."""
     from tests.conftest import train_steps
 
     edits = {**ASYNC_EDITS, **SEPARATE, "trainer.max_staleness": 1, "trainer.save_freq": 1}
-    full, _, _ = train_steps(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=4)
-    checkpoint = tmp_path / "full" / "run" / "global_step_1"
+    full_path, _, _, full = s1_run
+    checkpoint = full_path / "run" / "global_step_1"
     edits["trainer.load_checkpoint_path"] = str(checkpoint)
-    resumed, _, _ = train_steps(tmp_path / "resumed", tiny_model_dir, digits_data, edits, steps=4)
-    assert [r["step"] for r in resumed] == [2, 3, 4]
+    resumed, _, _ = train_steps(tmp_path / "resumed", tiny_model_dir, digits_data, edits, steps=5)
+    assert [r["step"] for r in resumed] == [2, 3, 4, 5]
     # wall-clock figures of the call beside the update
     volatile = ("async/beside_engine_s", "async/beside_wait_s", "async/beside_st", "async/beside_end", "async/overlap")
 

@@ -88,15 +88,6 @@ def test_left_padded_prompts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- training
-@pytest.fixture(scope="module")
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 # A random tiny model rarely says EOS: 60 of its ~270 tokens end a response too, so lengths vary (1 to 16 tokens,
@@ -150,14 +141,15 @@ def _made_by_the_engine(prompt: list[int], tokens: list[int], lps: list[float], 
     return pieces
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_engines(
-    ray_session, tmp_path, tiny_model_dir, digits_data, staleness
-) -> None:
-    trainer = _trainer(tmp_path, tiny_model_dir, digits_data, {**ASYNC_EDITS, "trainer.max_staleness": staleness}, 5)
+Call = tuple[list[int], list[int], list[float], list[int]]
+
+
+def _recorded_run(path: Path, model: str, data: dict[str, str], edits: dict[str, Any]) -> tuple[list, list, list]:
+    """5 steps with every engine call (request, tokens, log-probs, versions) and every trained batch (with the
+    policy version it trained) recorded: (calls, trained, logged rows)."""
+    trainer = _trainer(path, model, data, edits, 5)
     engines, actor = trainer.workers.engines, trainer.actor
-    calls: list[tuple[list[int], list[int], list[float], list[int]]] = []
+    calls: list[Call] = []
     trained: list[tuple[int, Batch]] = []
     generate, update = engines.generate, actor.update_actor
 
@@ -185,6 +177,28 @@ def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_eng
         trainer.fit()
     finally:
         trainer.close()
+    return calls, trained, _log(path)
+
+
+@pytest.fixture(scope="module")
+def s1_run(ray_session, tmp_path_factory, tiny_model_dir, digits_data) -> tuple[Path, list, list, list]:
+    """The recorded run at S = 1, saving every step: its folder, calls, trained batches and rows. The staleness
+    test reads its records; the resume test resumes from its step-1 checkpoint (one run serves both)."""
+    path = tmp_path_factory.mktemp("s1_run")
+    edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "trainer.save_freq": 1}
+    return (path, *_recorded_run(path, tiny_model_dir, digits_data, edits))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_engines(
+    request, ray_session, tmp_path, tiny_model_dir, digits_data, staleness
+) -> None:
+    if staleness == 1:
+        _, calls, trained, rows = request.getfixturevalue("s1_run")
+    else:
+        edits = {**ASYNC_EDITS, "trainer.max_staleness": staleness}
+        calls, trained, rows = _recorded_run(tmp_path, tiny_model_dir, digits_data, edits)
     assert len(trained) == 5
     pieces_of_resumed = []
     for version, batch in trained:
@@ -208,7 +222,6 @@ def test_no_trained_token_is_older_than_the_bound_and_resumed_tokens_are_the_eng
                 pieces_of_resumed.append(pieces)
     # some responses were cut at a step's end and resumed with newer weights
     assert pieces_of_resumed and min(pieces_of_resumed) >= 2
-    rows = _log(tmp_path)
     assert max(r["async/staleness_max"] for r in rows) <= staleness
     assert max(r["async/version_span_max"] for r in rows) >= 1
     assert all(0.0 <= r["async/trainer_idle_ratio"] <= 1.0 for r in rows[1:])
@@ -274,25 +287,26 @@ def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 
 @pytest.mark.slow
 def test_a_resumed_asynchronous_run_continues_every_response_in_flight(
-    ray_session, tmp_path, tiny_model_dir, digits_data
+    ray_session, s1_run, tmp_path, tiny_model_dir, digits_data
 ) -> None:
-    """S = 1: resuming from the step-1 checkpoint gives the uninterrupted run's steps 2 to 4 to the bit: the
+    """S = 1: resuming from the step-1 checkpoint gives the uninterrupted run's steps 2 to 5 to the bit: the
     checkpoint holds the groups in flight (partial responses with their log-probs and versions), none is lost or
     sampled again. (Step 1 is the one whose checkpoint holds partial responses for these seeds.) The checkpoint is
-    the uninterrupted run's own, as a run killed after step 1 leaves it; the resumed run starts in a fresh folder."""
+    the uninterrupted run's own (`s1_run`, whose engine calls are recorded: the recording changes nothing it
+    computes), as a run killed after step 1 leaves it; the resumed run starts in a fresh folder."""
     from tests.conftest import train_steps
 
     edits = {**ASYNC_EDITS, "trainer.max_staleness": 1, "trainer.save_freq": 1}
-    full, _, _ = train_steps(tmp_path / "full", tiny_model_dir, digits_data, edits, steps=4)
-    checkpoint = tmp_path / "full" / "run" / "global_step_1"
+    full_path, _, _, full = s1_run
+    checkpoint = full_path / "run" / "global_step_1"
     saved = json.loads((checkpoint / "trainer_state.json").read_text())
     in_flight = saved["state"]["rollout_loop"]["groups"]
     assert any(len(s["response_ids"]) > 0 and not s["done"] for g in in_flight for s in g["samples"]), (
         "no partial response"
     )
     edits["trainer.load_checkpoint_path"] = str(checkpoint)
-    resumed, _, _ = train_steps(tmp_path / "resumed", tiny_model_dir, digits_data, edits, steps=4)
-    assert [r["step"] for r in resumed] == [2, 3, 4]
+    resumed, _, _ = train_steps(tmp_path / "resumed", tiny_model_dir, digits_data, edits, steps=5)
+    assert [r["step"] for r in resumed] == [2, 3, 4, 5]
     assert _stable(resumed) == _stable(full[1:]), "the resumed run left the uninterrupted curve"
     assert max(r["async/resumed_fraction"] for r in resumed) > 0
 

@@ -11,20 +11,9 @@ import pytest
 from tests.conftest import metric_mismatches, train_steps
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 SEPARATE = {"worker.rollout.placement": "separate", "worker.rollout.n_gpus": 1}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from easyrl.rollout.loop import OneSessionLoop, seeded_request, with_prompts
 from tests.conftest import metric_mismatches, train_steps
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 # The engine recipe: a file of `algorithm.user_modules` registers a factory under a new name, with what the engine can
@@ -59,17 +59,6 @@ def build(ctx: EngineContext):
         model.model_path, ctx.device, ctx.dtype, ctx.eos_token_ids, ctx.pad_token_id, model.trust_remote_code
     )
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 def _stable(rows: list[dict[str, float]]) -> list[dict[str, float]]:

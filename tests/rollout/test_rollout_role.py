@@ -20,15 +20,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
-    tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
+    ray_session: None, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]
 ) -> None:
-    from easyrl.distributed import ResourcePool, WorkerGroup, init_ray
+    from easyrl.distributed import ResourcePool, WorkerGroup
     from easyrl.workers.actor import ActorWorker
     from easyrl.workers.rollout_role import RolloutRole
 
     cfg = load_config(write_config(tmp_path / "cfg.yaml", base_config(tiny_model_dir, digits_data, tmp_path)), [])
     specs = build_role_specs(cfg, plan_of(cfg), optimizer_steps=1, world_size=2)
-    init_ray(num_cpus=4)
     pool = ResourcePool(1, 2, False)
     actor = rollout = None
     try:
@@ -64,6 +63,4 @@ def test_a_rollout_group_of_its_own_generates_with_the_weights_it_is_given(
         for group in (actor, rollout):
             if group is not None:
                 group.shutdown()
-        import ray
-
-        ray.shutdown()
+        pool.remove()

@@ -1,8 +1,9 @@
-"""The judge against a real OpenAI-compatible server: vLLM (the CPU build) serving a tiny model built here, started
-by this module and killed by it, mid-run, to show `on_error`.
+"""The judge and the remote distillation teacher against a real OpenAI-compatible server: vLLM (the CPU build)
+serving a tiny model built here, started by this module and killed by it, mid-run, to show `on_error`.
 
-The tests run in order on one server (starting one costs a minute or two on CPU): verdicts, the key, the reward
-worker processes' counters, then a training run whose judge dies after its first step.
+The tests run in order on one server (starting one costs 20-60 s on CPU): verdicts, the key, the reward worker
+processes' counters; the teacher's prompt log-probs of the student's sampled tokens against a local forward pass, and
+a training run that distills through it; then a training run whose judge dies after its first step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from easyrl.config.model_ref import JudgeConfig, JudgeSamplingConfig, ModelRefConfig
 from easyrl.scorers.judge import Judge
@@ -103,12 +105,73 @@ def test_reward_workers_call_the_judge_and_send_their_counts_back(server) -> Non
     assert metrics["grader/latency_s"] > 0 and metrics["reward/errors"] == 0
 
 
-def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path, tiny_model_dir, digits_data) -> None:
+# ----------------------------------------------------------------- the same server as a distillation teacher
+def test_the_teachers_log_probs_of_the_sampled_tokens_are_a_local_forward_pass(server, tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from easyrl.batch import Batch
+    from easyrl.scorers.teacher import RemoteTeacher
+
+    g = torch.Generator().manual_seed(0)
+    # two rows as the rollout lays them out: left-padded prompts (4 and 2 tokens), right-padded responses (3 and 1)
+    prompts = torch.tensor([[11, 12, 13, 14], [256, 256, 21, 22]])
+    responses = torch.tensor([[31, 32, 33], [41, 256, 256]])
+    pmask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    rmask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    batch = Batch(
+        {
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([pmask, rmask], 1),
+            "responses": responses,
+            "response_mask": rmask,
+            "old_log_probs": torch.randn(2, 3, generator=g),
+        }
+    )
+    got = RemoteTeacher(ModelRefConfig(base_url=server.base_url, api_key_env=KEY_ENV)).compute_teacher_log_probs(
+        batch
+    )["teacher_log_probs"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    expected = torch.zeros(2, 3)
+    for i in range(2):
+        seq = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq[None]).logits[0].float(), -1)
+        n = int(rmask[i].sum())
+        targets = seq[-n:]
+        expected[i, :n] = logp[len(seq) - n - 1 : len(seq) - 1].gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    assert got[1, 1:].eq(0).all()  # padding stays 0
+
+
+def test_a_run_distills_through_the_served_teacher(ray_session, server, tmp_path, tiny_model_dir, digits_data) -> None:
+    """The served teacher is the student's own checkpoint: at step 1 the two agree on every sampled token (up to
+    vLLM's float sums against torch's), and every sample cost one counted request."""
+    from easyrl.config import load_config_and_secrets
+    from easyrl.trainer.trainer import Trainer
+
+    conf = base_config(tiny_model_dir, digits_data, tmp_path / "run")
+    teacher = {"base_url": server.base_url, "api_key_env": KEY_ENV, "tokenizer_path": tiny_model_dir}
+    conf["algorithm"]["distill"] = {"teacher": teacher}
+    trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
+    first = rows[0]
+    assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/teacher_log_prob"] < -1.0
+    # one model lookup at the first step, then one request per sample (4 prompts x 2)
+    assert [r["teacher/requests"] for r in rows] == [9.0, 8.0] and all(r["teacher/errors"] == 0 for r in rows)
+    assert abs(rows[1]["distill/reverse_kl"]) > 1e-4  # the student moved, the served teacher did not
+
+
+def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(
+    ray_session, server, tmp_path, tiny_model_dir, digits_data
+) -> None:
     """Step 1 is judged; the server is killed; step 2 trains on zero verdicts (`on_error: zero`), every one counted
     after its retry; with `on_error: raise` the same dead judge stops scoring with a RewardError naming it."""
     from easyrl.config import load_config_and_secrets
     from easyrl.config.worker import RewardConfig
-    from easyrl.distributed import init_ray
     from easyrl.rewards import RewardError, RewardManager
     from easyrl.trainer.trainer import Trainer
 
@@ -121,7 +184,6 @@ def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path,
         "parse": PARSE,
         "sampling": {"max_tokens": 8},
     }
-    init_ray(num_cpus=4)
     trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         trainer.total_steps = 1
@@ -131,9 +193,6 @@ def test_the_judge_killed_mid_run_scores_zero_or_stops_the_run(server, tmp_path,
         trainer.fit()
     finally:
         trainer.close()
-        import ray
-
-        ray.shutdown()
     first, second = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     samples_per_step = 4 * 2
     assert first["judge/errors"] == 0 and first["reward/overall"] > 0

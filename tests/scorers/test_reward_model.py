@@ -136,10 +136,11 @@ def test_a_remote_reward_model_gives_the_local_scores(tmp_path, rm_dir) -> None:
 
 
 @pytest.mark.slow
-def test_a_training_run_routes_rows_to_a_rule_and_to_the_reward_model(tmp_path, tiny_model_dir, rm_dir) -> None:
+def test_a_training_run_routes_rows_to_a_rule_and_to_the_reward_model(
+    ray_session, tmp_path, tiny_model_dir, rm_dir
+) -> None:
     """Two steps of GRPO where half the prompts are scored by the digits rule and half by the reward model."""
     from easyrl.config import load_config_and_secrets
-    from easyrl.distributed import init_ray
     from easyrl.trainer.trainer import Trainer
 
     rows = [
@@ -157,15 +158,11 @@ def test_a_training_run_routes_rows_to_a_rule_and_to_the_reward_model(tmp_path, 
         route_key="domain",
         routes={"rule": str(REPO / "reward_functions" / "digits.py") + ":compute_score"},
     )
-    init_ray(num_cpus=4)
     trainer = Trainer(*load_config_and_secrets(write_config(tmp_path / "cfg.yaml", conf)))
     try:
         trainer.fit()
     finally:
         trainer.close()
-        import ray
-
-        ray.shutdown()
     logged = [json.loads(line) for line in (tmp_path / "run" / "experiment_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2]
     for r in logged:

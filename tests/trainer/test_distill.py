@@ -9,18 +9,7 @@ from tests.conftest import REPO, base_config, write_config
 from tests.conftest import train_steps as run
 
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 DEMO_MODEL = str(REPO / "assets" / "demo" / "model")

@@ -14,11 +14,11 @@ from easyrl.merge import main as merge_main
 from easyrl.models import model_class_for
 from easyrl.testing.tiny import build_tiny_checkpoint
 from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
-from tests.trainer.test_e2e import assert_finite, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import assert_finite, run
 from tests.trainer.test_vl_e2e import _image_data, vl_edits
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 NEWER = ("qwen3_moe", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 NAN_ADVANTAGE_AT_STEP_2 = """
 import torch

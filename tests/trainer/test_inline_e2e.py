@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, base_config, write_config
-from tests.trainer.test_e2e import _VOLATILE, GOLDEN_EDITS, ray_session, run  # noqa: F401  (module-scoped Ray)
+from tests.trainer.test_e2e import _VOLATILE, GOLDEN_EDITS, run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 ONE_WORKER = {"trainer.n_gpus_per_node": 1}
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.trainer.test_e2e import _VOLATILE, ray_session, run  # noqa: F401  (module-scoped Ray)
+from tests.trainer.test_e2e import _VOLATILE, run
 from tests.trainer.test_sft_e2e import _train as sft_train
 from tests.trainer.test_sft_e2e import sft_data  # noqa: F401  (the SFT conversations fixture)
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 ONE_WORKER = {"trainer.n_gpus_per_node": 1}
 # The carry-over loop's wall-time figures (who waited how long for whom): measured, not computed.

@@ -15,10 +15,10 @@ from safetensors import safe_open
 from easyrl.batch import Batch
 from easyrl.config import load_config_and_secrets
 from tests.conftest import base_config, write_config
-from tests.trainer.test_e2e import _VOLATILE, ray_session  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import _VOLATILE
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 LORA = {"rank": 4, "alpha": 8}
 
 

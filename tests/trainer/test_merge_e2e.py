@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from easyrl.merge import main as merge_main
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 @pytest.mark.vllm  # starts a vLLM engine where vLLM is installed: with the others (tests/conftest.py)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,21 +16,8 @@ from easyrl.config import load_config_and_secrets
 from tests.conftest import REPO
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 STEPS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session() -> Iterator[None]:
-    """One Ray instance for the module's HF-engine runs (a start costs seconds on 2 cores; the runs share nothing
-    through it: each starts its own workers)."""
-    import ray
-
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:

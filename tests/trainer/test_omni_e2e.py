@@ -12,7 +12,10 @@ import torch
 from easyrl.merge import main as merge_main
 from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint
 from tests.models.test_omni import audio_data
-from tests.trainer.test_e2e import assert_finite, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import assert_finite, run
+
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # Ray: tests/conftest.py
 
 
 @pytest.mark.slow

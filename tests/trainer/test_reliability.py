@@ -17,10 +17,9 @@ import pytest
 from easyrl.checkpoint import is_complete
 from easyrl.config import load_config_and_secrets
 from tests.conftest import base_config, write_config
-from tests.trainer.test_e2e import ray_session  # noqa: F401  (module-scoped Ray fixture)
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 KILLS = int(os.environ.get("EASYRL_TEST_KILLS", "3"))  # 3 fit `make test`'s time budget; `make test-extended`: 10
 
 

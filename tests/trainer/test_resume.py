@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from easyrl.config import ConfigError
-from tests.trainer.test_e2e import _VOLATILE, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import _VOLATILE, run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 def _stable(rows: list[dict]) -> list[dict]:

@@ -114,17 +114,6 @@ def test_bypass_mode_skips_the_pass_and_asks_the_engine_for_every_log_prob(
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_bypass_mode_trains_as_the_recomputed_mode_when_engine_and_trainer_agree(
     ray_session: None, tmp_path: Path, tiny_model_dir: str, digits_data: dict[str, str]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 KWARG_SECRET = "sk-kwarg-7f3a9c1e5b"
 ENV_SECRET = "env-secret-42d8b6a0"
 

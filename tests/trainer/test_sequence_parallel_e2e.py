@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (the module's Ray session fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 def test_grpo_step_with_ulysses_or_ring_equals_without(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from easyrl.merge import main as merge_main
 from tests.conftest import apply_edits, write_config
-from tests.trainer.test_e2e import _VOLATILE, ray_session  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import _VOLATILE
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

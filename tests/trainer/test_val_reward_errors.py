@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 FLAKY_REWARD = """
 REWARD_TYPE = "sequential"

@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from easyrl.testing.tiny_vl import VL_ARCHS, build_tiny_vl_checkpoint
-from tests.trainer.test_e2e import assert_finite, ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import assert_finite, run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 
 def _image_data(folder: Path) -> dict[str, str]:
@@ -78,9 +78,9 @@ def test_vl_ppo_with_critic(tmp_path: Path, arch: str) -> None:
 
 def test_bench_vl_script_tiny_video_runs(tmp_path: Path) -> None:
     """`scripts/bench_vl.py --tiny --media video` trains through Ray on CPU and writes its per-step summary."""
-    from tests.conftest import run_script
+    from tests.conftest import run_script_in_process
 
-    run_script("bench_vl.py", "--tiny", "--media", "video", "--steps", "1", workdir=tmp_path)
+    run_script_in_process("bench_vl.py", "--tiny", "--media", "video", "--steps", "1", workdir=tmp_path)
     summary = json.loads(next(tmp_path.glob("run_tiny_video_*/summary.json")).read_text())
     assert len(summary["steps"]) == 2 and all(s["timing_s/step"] > 0 for s in summary["steps"])
 

@@ -13,10 +13,10 @@ import pytest
 
 from easyrl.testing.tiny_vl import build_tiny_vl_checkpoint
 from tests.models.test_vl_embeds import write_video
-from tests.trainer.test_e2e import ray_session, run  # noqa: F401  (module-scoped Ray fixture)
+from tests.trainer.test_e2e import run
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # Ray: tests/conftest.py
 
 VIDEOS = 4
 

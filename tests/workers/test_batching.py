@@ -164,41 +164,34 @@ def test_adamw_bf16_states() -> None:
 
 
 @pytest.mark.slow
-def test_dynamic_batching_two_workers_end_to_end(tmp_path, tiny_model_dir, digits_data) -> None:
+def test_dynamic_batching_two_workers_end_to_end(ray_session, tmp_path, tiny_model_dir, digits_data) -> None:
     """The real trainer (Ray, 2 FSDP2 workers, GAE so the critic runs too) with dynamic batching, padding-free
     packing and the fused head all on."""
-    from easyrl.distributed import init_ray
     from tests.trainer.test_e2e import assert_finite, run
 
-    init_ray(num_cpus=4)
-    try:
-        edits = {
-            "worker.actor.dynamic_batching": True,
-            "worker.actor.max_token_len_per_gpu": 64,
-            "worker.actor.padding_free": True,
-            "worker.actor.fused_logprobs": True,
-            "worker.actor.logprob_chunk_size": 5,
-            "algorithm.adv_estimator": "gae",
-            "algorithm.disable_kl": False,
-            "algorithm.use_kl_loss": True,
-            "worker.critic.global_batch_size": 2,
-            "worker.critic.micro_batch_size_per_device_for_update": 2,
-        }
-        rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
-    finally:
-        import ray
-
-        ray.shutdown()
+    edits = {
+        "worker.actor.dynamic_batching": True,
+        "worker.actor.max_token_len_per_gpu": 64,
+        "worker.actor.padding_free": True,
+        "worker.actor.fused_logprobs": True,
+        "worker.actor.logprob_chunk_size": 5,
+        "algorithm.adv_estimator": "gae",
+        "algorithm.disable_kl": False,
+        "algorithm.use_kl_loss": True,
+        "worker.critic.global_batch_size": 2,
+        "worker.critic.micro_batch_size_per_device_for_update": 2,
+    }
+    rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert len(rows) == 2
     assert_finite(rows)
     assert "actor/kl_loss" in rows[-1] and "critic/vf_loss" in rows[-1] and "actor/pg_loss" in rows[-1]
 
 
 @pytest.mark.slow
-def test_benchmark_script_tiny_runs(tmp_path) -> None:
+def test_benchmark_script_tiny_runs(ray_session, tmp_path) -> None:
     """`scripts/benchmark.py --tiny` runs the real trainer end to end on CPU and prints its summary."""
-    from tests.conftest import run_script
+    from tests.conftest import run_script_in_process
 
-    run_script("benchmark.py", "--tiny", "--steps", "1", "--warmup", "0", workdir=tmp_path)
+    run_script_in_process("benchmark.py", "--tiny", "--steps", "1", "--warmup", "0", workdir=tmp_path)
     summary = json.loads(next(tmp_path.glob("run_tiny_*/summary.json")).read_text())
     assert summary["perf/throughput"][0] > 0 and summary["gen_tokens_per_s"][0] > 0

@@ -13,15 +13,7 @@ from easyrl.distributed.memory import memory_keys
 from tests.conftest import base_config, write_config
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_session")  # Ray: tests/conftest.py
 
 
 def _one_generation(events: list[str]) -> list[str]:
