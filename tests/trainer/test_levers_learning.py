@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import train_steps
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 STEPS = 2
 BUDGET = 64
 """The update's token budget per worker: a row is at most 48 + 8 tokens, so a micro-batch holds one row and the
@@ -59,17 +59,6 @@ RTOL = 1e-4
 ATOL = 1e-6
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 """Wall time and memory, not the math."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from easyrl.distributed import init_ray
-
-    init_ray(num_cpus=4)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 def _math(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
