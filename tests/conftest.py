@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,6 +145,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     if _SHARED_RAY["up"] and (nextitem is None or nextitem.path not in _RAY_MODULES):
         _stop_shared_ray()
+    elif nextitem is None or (nextitem.path != item.path and nextitem.path not in _RAY_MODULES):
+        # A Ray that a test started itself (a Trainer starts one when none is up) and left up: stopped where the
+        # next module does not use Ray, so no later test sees its CPUs (`role_specs.node_cores` reads a live Ray).
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -184,8 +184,11 @@ def single_process(monkeypatch: pytest.MonkeyPatch):
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    # An in-process vLLM engine of an earlier test may own the default group (vLLM keeps its world group in a
+    # global): destroying that one would break the next engine of this process. Only the group this test made goes.
+    ours = not dist.is_initialized()
     yield
-    if dist.is_initialized():
+    if ours and dist.is_initialized():
         dist.destroy_process_group()
 
 
