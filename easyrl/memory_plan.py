@@ -257,12 +257,38 @@ def forward_only_activations(shape: ModelShape, tokens: int, act: int) -> int:
     return tokens * shape.hidden_size * act + _layer_working_set(shape, tokens, act)
 
 
-def head_activations(shape: ModelShape, actor: Any, tokens: int) -> int:
+def head_activations(shape: ModelShape, actor: Any, tokens: int, backward: bool = True) -> int:
     """The log-prob head's bytes for a micro-batch of `tokens` tokens: bf16 logits with their fp32 log-softmax and
-    gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8."""
+    gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8 (the Triton kernel's chunk
+    stays in the model's dtype: x V x 2 in bf16). `backward`: the update's micro-batch, which also builds the head
+    weight's gradient (`head_weight_grad`); a forward-only pass does not."""
+    act = DTYPE_BYTES[actor.fsdp.mp_param_dtype]
     fused = actor.fused_logprobs and not shape.full_logits
+    triton = fused and getattr(actor, "fused_head_kernel", "torch") == "triton"
     head_tokens = min(tokens, actor.logprob_chunk_size) if fused else tokens
-    return head_tokens * shape.vocab_size * (8 if fused else DTYPE_BYTES[actor.fsdp.mp_param_dtype] + 8)
+    per_token = act if triton else 8 if fused else act + 8
+    weight_grad = head_weight_grad(shape, actor, tokens, fused) if backward else 0
+    return head_tokens * shape.vocab_size * per_token + weight_grad
+
+
+def head_weight_grad(shape: ModelShape, actor: Any, tokens: int, fused: bool = True) -> int:
+    """The head's (V, H) weight gradient at its backward's peak, which sits on top of every activation the backward
+    still holds (it is the first op the backward runs). Unfused, autograd makes it in the model's dtype: act bytes
+    per weight. The fused torch head sums its chunks into an fp32 (V, H) buffer, each chunk's product made in the
+    model's dtype and cast to fp32 before the add: 4 + act + 4 bytes per weight in bf16 (at 1.5B, 151,936 x 1,536 x
+    10 = 2.3 GB). The Triton head's `addmm` writes into the fp32 buffer directly, which only exists over several
+    chunks of a bf16 weight: act (+ 4) bytes. A LoRA actor's head gets no gradient (its adapters are in the decoder
+    layers)."""
+    if actor.model.lora.rank > 0:
+        return 0
+    act = DTYPE_BYTES[actor.fsdp.mp_param_dtype]
+    weights = shape.vocab_size * shape.hidden_size
+    if not fused:
+        return weights * act
+    if getattr(actor, "fused_head_kernel", "torch") == "triton":
+        several = tokens > actor.logprob_chunk_size and act < 4
+        return weights * (act + (4 if several else 0))
+    return weights * (4 + act + (4 if act < 4 else 0))  # fp32 (act 4): `.float()` is the product itself
 
 
 def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int) -> TrainingMemory:

@@ -163,8 +163,9 @@ def _log_prob_budget(cfg: EasyRLConfig, shape: ModelShape | None) -> tuple[int, 
     # the update's micro-batch memory (layers kept for the backward, head): what a forward-only one may use instead
     allowed = layer_activations(shape, update, act, checkpointing) + head_activations(shape, actor, update)
     per_token = forward_only_activations(shape, 1, act)
-    head_per_token = head_activations(shape, actor, update + 1) - head_activations(shape, actor, update)
-    fixed_head = head_activations(shape, actor, update) - update * head_per_token  # the fused head's one chunk
+    # a forward-only pass builds no weight gradient: its head is one chunk (fused) or per-token logits
+    head_per_token = head_activations(shape, actor, update + 1, False) - head_activations(shape, actor, update, False)
+    fixed_head = head_activations(shape, actor, update, False) - update * head_per_token  # the fused head's one chunk
     fits = max(update, (allowed - fixed_head) // (per_token + head_per_token))
     budget = min(fits, MAX_LOG_PROB_FACTOR * update)
     capped = f", capped at {MAX_LOG_PROB_FACTOR}x" if fits > budget else ""

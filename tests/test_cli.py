@@ -171,8 +171,8 @@ def test_plan_names_the_engine_arguments_and_the_gdn_kernel(tmp_path, tiny_model
         # the generation settings easyrl derives (easyrl.rollout.vllm_args.generation_args)
         "vLLM max_cudagraph_capture_size (on CUDA): 1024, covers the 1024 sequences a decode step runs: 1024 per "
         "engine call, at most vLLM's 1024",
-        "vLLM async_scheduling (on CUDA): True, the scheduler prepares the next step while the GPU runs this one; the "
-        "engine sleeps between calls only",
+        "vLLM async_scheduling (on CUDA): vLLM's own, on where vLLM's executor and config allow it (the scheduler "
+        "prepares the next step while the GPU runs this one; the engine sleeps between calls only)",
         "Gated DeltaNet prefill kernel (vLLM on CUDA): triton (set by easyrl: the flashinfer package is not installed "
         "here)",
     ]

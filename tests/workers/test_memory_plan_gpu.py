@@ -166,7 +166,9 @@ def test_update_memory_within_the_plan(model_dir: str, setting: str) -> None:
         state = plan.actor.weights + plan.actor.grads + plan.actor.optimizer
         act = 2  # bf16 activations (mp_param_dtype)
         forward = (
-            state + forward_only_activations(shape, tokens, act) + head_activations(shape, cfg.worker.actor, tokens)
+            state
+            + forward_only_activations(shape, tokens, act)
+            + head_activations(shape, cfg.worker.actor, tokens, False)
         )
         got = max(m["forward_only"] for m in measured)
         line = f"forward-only pass of {tokens} tokens: {got / GiB:.2f} GiB measured, {forward / GiB:.2f} planned"
