@@ -227,6 +227,13 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
     @peak_memory("old")
     def compute_log_probs(self, batch: Batch) -> Batch:
         """The policy's log-prob (B, R) and entropy (B, R) of each response token before the update."""
+        lp, ent = self._forward_only_log_probs(batch)
+        return Batch({"old_log_probs": lp, "entropys": ent})
+
+    def _forward_only_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's log-probs and entropy (B, R) of `batch`, forward-only in the experience micro-batches: the
+        old-log-prob pass, whether the driver calls it or the update runs it over the rows after its first
+        mini-batch."""
         self.model.eval()
         lp, ent = batched_log_probs(
             self.model,
@@ -238,7 +245,7 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
             opts=self.spec.model.forward,
         )
         assert ent is not None
-        return Batch({"old_log_probs": lp, "entropys": ent})
+        return lp, ent
 
     @register(dispatch=Dispatch.DP_SPLIT)
     @peak_memory("ref")
@@ -303,17 +310,7 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         # One mini-batch over several epochs: the first forward gives every row (the same on all ranks).
         if len(rest) == 0:
             return FirstForwardOld(batch["loss_mask"].new_zeros((0, batch["loss_mask"].shape[1]), dtype=torch.float32))
-        self.model.eval()
-        lp, ent = batched_log_probs(
-            self.model,
-            rest,
-            self.device,
-            self.spec.temperature,
-            self.spec.micro_batch_size_for_experience,
-            with_entropy=True,
-            opts=self.spec.model.forward,
-        )
-        assert ent is not None
+        lp, ent = self._forward_only_log_probs(rest)
         ratios = {ROLLOUT_ENTROPY: torch.stack(_masked_sums(ent, rest["loss_mask"]))}
         maxima: dict[str, torch.Tensor] = {}
         if self.spec.loss.measures_engine and "rollout_log_probs" in rest:  # tensors present: alike on every rank
