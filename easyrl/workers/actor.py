@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from easyrl.algorithms import agg_loss, kl_penalty, policy_loss_with_params, topk_forward_kl
-from easyrl.algorithms.logprob_gap import logprob_gap, scored_tokens
+from easyrl.algorithms.logprob_gap import LogprobGap, logprob_gap, scored_tokens
 from easyrl.batch import Batch
 from easyrl.distributed import Dispatch, register
 from easyrl.distributed.memory import MemoryLedger, MemoryReporting, peak_memory
@@ -114,11 +114,17 @@ def policy_objective(
     if old_log_prob is None:  # what this forward took as the old log-probs: mini-batch 1's, when the update keeps them
         out.own_old_log_prob = log_prob.detach()
     if spec.measures_engine and "rollout_log_probs" in mb:  # keys from the tensors present: alike on every rank
-        versions = mb.tensors.get("token_policy_version")
-        scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"), versions, policy_version)
-        gap = logprob_gap(mb["rollout_log_probs"], log_prob.detach(), scored)
+        gap = _engine_gap(mb, log_prob.detach(), policy_version)
         out.ratios, out.maxima = gap.ratios(), gap.maxima()
     return out
+
+
+def _engine_gap(mb: Batch, log_prob: torch.Tensor, policy_version: int | None) -> LogprobGap:
+    """The engine's log-probs of `mb` against the actor's `log_prob` (b, R) at the tokens both scored (sampled by the
+    current policy version, where the engine reported them): `rollout/token_prob_error`, `rollout/logprob_diff_*`."""
+    versions = mb.tensors.get("token_policy_version")
+    scored = scored_tokens(mb["loss_mask"], mb.tensors.get("rollout_logprob_mask"), versions, policy_version)
+    return logprob_gap(mb["rollout_log_probs"], log_prob, scored)
 
 
 class ResidentPolicy:
@@ -314,11 +320,7 @@ class ActorWorker(TrainedRole, MemoryReporting, OneCallSession):
         ratios = {ROLLOUT_ENTROPY: torch.stack(_masked_sums(ent, rest["loss_mask"]))}
         maxima: dict[str, torch.Tensor] = {}
         if self.spec.loss.measures_engine and "rollout_log_probs" in rest:  # tensors present: alike on every rank
-            versions = rest.tensors.get("token_policy_version")
-            mask = rest.tensors.get("rollout_logprob_mask")
-            gap = logprob_gap(
-                rest["rollout_log_probs"], lp, scored_tokens(rest["loss_mask"], mask, versions, self._policy_version)
-            )
+            gap = _engine_gap(rest, lp, self._policy_version)
             ratios |= {k: torch.stack(pair) for k, pair in gap.ratios().items()}
             maxima = gap.maxima()
         return FirstForwardOld(lp, ratios, maxima)
