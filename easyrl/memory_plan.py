@@ -273,22 +273,18 @@ def head_activations(shape: ModelShape, actor: Any, tokens: int, backward: bool 
 
 def head_weight_grad(shape: ModelShape, actor: Any, tokens: int, fused: bool = True) -> int:
     """The head's (V, H) weight gradient at its backward's peak, which sits on top of every activation the backward
-    still holds (it is the first op the backward runs). Unfused, autograd makes it in the model's dtype: act bytes
-    per weight. The fused torch head sums its chunks into an fp32 (V, H) buffer, each chunk's product made in the
-    model's dtype and cast to fp32 before the add: 4 + act + 4 bytes per weight in bf16 (at 1.5B, 151,936 x 1,536 x
-    10 = 2.3 GB). The Triton head's `addmm` writes into the fp32 buffer directly, which only exists over several
-    chunks of a bf16 weight: act (+ 4) bytes. A LoRA actor's head gets no gradient (its adapters are in the decoder
-    layers)."""
+    still holds (it is the first op the backward runs): act bytes per weight, on every head. Unfused, autograd makes
+    it in the model's dtype; the fused heads write each block of vocabulary columns of it once
+    (`easyrl.workers.head_grad`: no fp32 (V, H) sum). Over several blocks (more tokens than
+    ``logprob_chunk_size``) of a bf16 weight they sum the hidden states' gradient instead: an fp32 (T, H) sum and
+    one block's (T, H) product. A LoRA actor's head gets no gradient (its adapters are in the decoder layers)."""
     if actor.model.lora.rank > 0:
         return 0
     act = DTYPE_BYTES[actor.fsdp.mp_param_dtype]
-    weights = shape.vocab_size * shape.hidden_size
-    if not fused:
-        return weights * act
-    if getattr(actor, "fused_head_kernel", "torch") == "triton":
-        several = tokens > actor.logprob_chunk_size and act < 4
-        return weights * (act + (4 if several else 0))
-    return weights * (4 + act + (4 if act < 4 else 0))  # fp32 (act 4): `.float()` is the product itself
+    grad = shape.vocab_size * shape.hidden_size * act
+    if fused and tokens > actor.logprob_chunk_size and act < 4:
+        grad += tokens * shape.hidden_size * (4 + act)
+    return grad
 
 
 def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int) -> TrainingMemory:

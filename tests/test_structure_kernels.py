@@ -74,3 +74,25 @@ def test_torch_compile_is_applied_in_one_place_in_place() -> None:
     ]
     assert not offenders, "compile through easyrl.models.compiled_layers: " + ", ".join(offenders)
     assert _compile_calls(MODULES["easyrl.models.compiled_layers"].read_text()) == ["layer"]  # never torch.compile
+
+
+def test_both_fused_heads_take_their_backward_from_head_grad() -> None:
+    """One backward walk for both fused heads (`easyrl.workers.head_grad.backward_by_vocab_blocks`: blocks of
+    vocabulary columns, no (V, H) sum): each head's autograd backward calls it and makes no buffer shaped like the
+    weight itself (`zeros_like(weight, ...)` and kin: the row-chunked sum this replaced)."""
+    for module in ("easyrl.workers.packing", HEAD_KERNEL):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        backwards = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "backward"]
+        assert len(backwards) == 1, (module, len(backwards))
+        calls = [c for c in ast.walk(backwards[0]) if isinstance(c, ast.Call)]
+        assert any(isinstance(c.func, ast.Name) and c.func.id == "backward_by_vocab_blocks" for c in calls), module
+        like_weight = [
+            c.lineno
+            for c in calls
+            if isinstance(c.func, ast.Attribute)
+            and c.func.attr in ("zeros_like", "empty_like", "full_like", "ones_like")
+            and c.args[:1]
+            and isinstance(c.args[0], ast.Name)
+            and c.args[0].id == "weight"
+        ]
+        assert not like_weight, f"{module}: a buffer shaped like the head weight in its backward, lines {like_weight}"

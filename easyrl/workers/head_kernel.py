@@ -1,14 +1,16 @@
 """The fused head's Triton path (`worker.actor.fused_head_kernel: triton`): the same outputs and gradients as
 `easyrl.workers.packing.FusedLinearLogProbs`, without its fp32 (chunk, V) blocks.
 
-Per chunk of token rows the two matmuls stay in torch (tensor cores, the model's dtype in and out); Triton does the
-row-wise work on the (chunk, V) logits block in the model's dtype, reading it once with fp32 math in registers:
+The matmuls stay in torch (tensor cores, the model's dtype in and out); Triton does the row-wise work on the logits
+blocks in the model's dtype, reading each once with fp32 math in registers:
 
-- forward (`_forward_rows`): one pass of online softmax per row gives the label's log-prob, the entropy (or the
-  top-1 flag) and, saved for the backward, the row's `lse` and `E_p[z]` (two floats per row, not a (chunk, V) block);
-- backward (`_backward_rows`): the logits are recomputed into the same buffer, and the kernel overwrites them in
-  place, in the model's dtype, with d/dz of `g_lp * logp + g_H * H` divided by the temperature:
-  `g_lp * (onehot - p) - g_H * p * (z - E_p[z])`. Then grad_hidden = grad_z @ W and grad_W += grad_z^T @ h.
+- forward (`_forward_rows`), by (chunk, V) blocks of token rows: one pass of online softmax per row gives the
+  label's log-prob, the entropy (or the top-1 flag) and, saved for the backward, the row's `lse` and `E_p[z]` (two
+  floats per row, not a (chunk, V) block);
+- backward (`_backward_rows`), by (N, c) blocks of vocabulary columns (`easyrl.workers.head_grad`, shared with the
+  torch head: no fp32 (V, H) buffer): each block's logits are recomputed into one buffer, and the kernel overwrites
+  them in place, in the model's dtype, with d/dz of `g_lp * logp + g_H * H` divided by the temperature:
+  `g_lp * (onehot - p) - g_H * p * (z - E_p[z])`. Then grad_W[c] = grad_z^T @ h and grad_h += grad_z @ W[c].
 
 Interpreter: with `TRITON_INTERPRET=1` set before this module is imported (`triton.jit` reads it when it decorates)
 the kernels run on CPU tensors through numpy; that is how the CPU tests check them. Otherwise CUDA only.
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from easyrl.workers.head_grad import backward_by_vocab_blocks
 
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -91,7 +95,8 @@ def _backward_rows(
     grad_logp_ptr,
     grad_ent_ptr,
     stride,
-    vocab,
+    col0,
+    cols,
     temperature,
     HAS_GLP: tl.constexpr,
     HAS_GH: tl.constexpr,
@@ -102,16 +107,16 @@ def _backward_rows(
     label = tl.load(labels_ptr + row)
     lse = tl.load(lse_ptr + row)
     mean_z = tl.load(mean_z_ptr + row)
-    for start in range(0, vocab, BLOCK_V):
+    for start in range(0, cols, BLOCK_V):  # the row's columns col0 .. col0 + cols of the vocabulary
         offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < vocab
+        mask = offs < cols
         x = tl.load(base + offs, mask=mask, other=0.0)
         z = x.to(tl.float32) / temperature
         p = tl.exp(z - lse)
         grad = tl.zeros([BLOCK_V], tl.float32)
         if HAS_GLP:
             g_lp = tl.load(grad_logp_ptr + row)
-            grad += g_lp * (tl.where(offs == label, 1.0, 0.0) - p)  # d logp / dz = onehot - p
+            grad += g_lp * (tl.where(offs + col0 == label, 1.0, 0.0) - p)  # d logp / dz = onehot - p
         if HAS_GH:
             g_h = tl.load(grad_ent_ptr + row)
             grad -= g_h * p * (z - mean_z)  # dH / dz = -p (z - E_p[z])
@@ -134,8 +139,9 @@ class TritonLinearLogProbs(torch.autograd.Function):
     """(N, H) hidden, (V, H) head weight, (N,) labels -> (N,) fp32 log-probs and (N,) entropy (or top-1 flags), by
     token chunks; the contract of `FusedLinearLogProbs`.
 
-    Memory per chunk: one (chunk, V) logits buffer in the model's dtype (reused by every chunk, forward and
-    backward); per row two fp32 floats kept from the forward. No fp32 (chunk, V) block.
+    Memory: one (chunk, V) logits buffer in the model's dtype (reused by every chunk of the forward; the backward's
+    blocks hold as many logits); per row two fp32 floats kept from the forward. No fp32 (chunk, V) block, and no
+    (V, H) buffer but the weight's gradient itself.
     """
 
     @staticmethod
@@ -173,84 +179,42 @@ class TritonLinearLogProbs(torch.autograd.Function):
                     **_launch_options(block),
                 )
         ctx.save_for_backward(hidden, weight, labels, stats[2], stats[3])
-        ctx.temperature, ctx.chunk, ctx.second, ctx.block = temperature, chunk, second, block
+        ctx.temperature, ctx.chunk, ctx.second = temperature, chunk, second
         return stats[0], stats[1]
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         hidden, weight, labels, lse, mean_z = ctx.saved_tensors
-        n, vocab, chunk = hidden.shape[0], weight.shape[0], ctx.chunk
         has_gh = grad_ent is not None and ctx.second == "entropy"  # a top-1 flag has no gradient
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = _GradWeight(weight, n, chunk) if ctx.needs_input_grad[1] else None
         dummy = lse  # an unused pointer argument (its constexpr flag is off)
-        buf = hidden.new_empty(min(chunk, n), vocab) if n else None
-        for start in range(0, n, chunk):
-            assert buf is not None
-            rows = min(chunk, n - start)
-            sl = slice(start, start + rows)
-            h = hidden[sl]
-            logits = torch.mm(h, weight.T, out=buf[:rows])  # recomputed; overwritten with grad_z below
-            _backward_rows[(rows,)](
+        g_lp = grad_logp.float().contiguous() if grad_logp is not None else dummy
+        g_h = grad_ent.float().contiguous() if has_gh else dummy  # type: ignore[union-attr]
+
+        def grad_block(start: int, end: int, logits: torch.Tensor) -> torch.Tensor:
+            # The block's logits (N, c), recomputed into the shared buffer, overwritten with grad_z in place
+            block = _block_v(end - start)
+            _backward_rows[(logits.shape[0],)](
                 logits,
-                labels[sl],
-                lse[sl],
-                mean_z[sl],
-                grad_logp[sl].float().contiguous() if grad_logp is not None else dummy,
-                grad_ent[sl].float().contiguous() if has_gh else dummy,  # type: ignore[index]
+                labels,
+                lse,
+                mean_z,
+                g_lp,
+                g_h,
                 logits.stride(0),
-                vocab,
+                start,
+                end - start,
                 float(ctx.temperature),
                 HAS_GLP=grad_logp is not None,
                 HAS_GH=has_gh,
-                BLOCK_V=ctx.block,
-                **_launch_options(ctx.block),
+                BLOCK_V=block,
+                **_launch_options(block),
             )
-            grad_z = logits  # (rows, V) in the model's dtype, as the torch head's before its matmuls
-            if grad_hidden is not None:
-                torch.mm(grad_z, weight, out=grad_hidden[sl])
-            if grad_weight is not None:
-                grad_weight.add(grad_z, h)
-        grad_w = grad_weight.result() if grad_weight is not None else None
-        return grad_hidden, grad_w, None, None, None, None  # labels, temperature, chunk, second: no gradient
+            return logits  # grad_z, (N, c) in the model's dtype, as the torch head's before its matmuls
 
-
-class _GradWeight:
-    """grad_W = sum over chunks of grad_z^T @ h, (V, H), returned in the weight's dtype.
-
-    Where the sum lives, and why:
-    - one chunk: the product is the result, written once in the weight's dtype (no accumulator at all);
-    - an fp32 weight (fp32 master weights unsharded as is, the CPU runs): accumulated in place in the result
-      (`addmm_`: the GEMM adds into it, no temporary);
-    - a bf16/fp16 weight over several chunks: one fp32 (V, H) accumulator for the whole backward, filled on CUDA by
-      `addmm(..., out_dtype=float32, out=acc)` (bf16 inputs, fp32 accumulate and output inside the GEMM: no
-      per-chunk (V, H) product or fp32 cast). A bf16 running sum would round at every chunk, ~k/2 ulps after k
-      chunks (what the torch head avoids with its fp32 buffer), so the sum stays fp32 and is rounded once.
-      The CPU (interpreter tests) has no mixed-dtype GEMM: there the chunk's product is cast, as the torch head does.
-    """
-
-    def __init__(self, weight: torch.Tensor, n: int, chunk: int) -> None:
-        self.dtype = weight.dtype
-        self.single = 0 < n <= chunk
-        if self.single:
-            self.acc = torch.empty_like(weight)  # written whole by the one product
-        elif weight.dtype == torch.float32 or n == 0:  # no rows: a zero gradient, as the torch head's
-            self.acc = torch.zeros_like(weight)
-        else:
-            self.acc = torch.zeros_like(weight, dtype=torch.float32)
-
-    def add(self, grad_z: torch.Tensor, h: torch.Tensor) -> None:
-        if self.single:
-            torch.mm(grad_z.T, h, out=self.acc)
-        elif self.acc.dtype == grad_z.dtype:
-            self.acc.addmm_(grad_z.T, h)
-        elif grad_z.is_cuda:
-            torch.addmm(self.acc, grad_z.T, h, out_dtype=torch.float32, out=self.acc)
-        else:
-            self.acc += (grad_z.T @ h).float()
-
-    def result(self) -> torch.Tensor:
-        return self.acc if self.acc.dtype == self.dtype else self.acc.to(self.dtype)
+        grads = backward_by_vocab_blocks(
+            hidden, weight, ctx.chunk, grad_block, ctx.needs_input_grad[:2], logits_buffer=True
+        )
+        return *grads, None, None, None, None  # labels, temperature, chunk, second: no gradient
 
 
 def triton_linear_logprobs(

@@ -18,7 +18,7 @@ over the whole packed row.
 
 Fused head: logits are never materialized for all tokens. `FusedLinearLogProbs` computes, chunk by chunk over the
 tokens, `hidden @ W.T` in the model's dtype, then fp32 log-softmax, the sampled token's log-prob and the entropy; its
-backward recomputes each chunk. Under FSDP2 the head weight (possibly tied to the embedding) belongs to the root
+backward recomputes the logits by blocks of vocabulary columns (`easyrl.workers.head_grad`: no (V, H) sum). Under FSDP2 the head weight (possibly tied to the embedding) belongs to the root
 unit and is only unsharded inside the root's forward, so the whole computation runs as a method of the root module
 registered with `register_fsdp_forward_method`: FSDP's pre-forward all-gathers the root's parameters and its
 backward hooks reduce-scatter their gradients exactly as for the usual `forward`. `worker.actor.fused_head_kernel:
@@ -39,6 +39,7 @@ from easyrl.algorithms import scale_logits
 from easyrl.batch import Batch
 from easyrl.models.family import family_of
 from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
+from easyrl.workers.head_grad import backward_by_vocab_blocks
 
 
 FUSED_METHOD = "easyrl_fused_logprobs"
@@ -179,13 +180,12 @@ def _vision_inputs(mb: Batch, model: nn.Module | None) -> tuple[dict[str, torch.
 def _chunk_stats(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, ...]:
-    """fp32 logits / temperature of one chunk, their softmax, log-prob of `labels` and entropy."""
+    """fp32 logits / temperature of one chunk, their log-sum-exp, log-prob of `labels` and entropy."""
     z = scale_logits(h @ w.T, temperature)  # (chunk, V): the matmul in the model's dtype, then fp32 / T
     lse = torch.logsumexp(z, dim=-1)
-    probs = torch.exp(z - lse[:, None])
     logp = z.gather(1, labels[:, None]).squeeze(1) - lse
-    entropy = lse - (probs * z).sum(dim=-1)  # H = -sum p log p, with log p = z - lse
-    return z, probs, logp, entropy
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)  # H = -sum p log p, with log p = z - lse
+    return z, lse, logp, entropy
 
 
 class FusedLinearLogProbs(torch.autograd.Function):
@@ -193,7 +193,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
     chunks. The second is the entropy, or with `second="top1"` 1.0 where the label is the argmax (SFT's token
     accuracy; no gradient).
 
-    Memory: one (chunk, V) fp32 block at a time in forward and backward (the backward recomputes it).
+    Memory: one (chunk, V) fp32 block at a time in forward and backward; the backward recomputes the logits by
+    blocks of vocabulary columns (`easyrl.workers.head_grad`), from two floats per row kept by the forward.
     Gradients: d logp/dz = onehot - p and d H/dz = -p (z - E_p[z]) for z = logits / temperature.
     """
 
@@ -207,49 +208,48 @@ class FusedLinearLogProbs(torch.autograd.Function):
         chunk: int,
         second: str = "entropy",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, ents = [], []
+        logps, seconds, lses, mean_zs = [], [], [], []
         for h, lab in zip(hidden.split(chunk), labels.split(chunk)):
-            z, _, logp, ent = _chunk_stats(h, weight, lab, temperature)
+            z, lse, logp, ent = _chunk_stats(h, weight, lab, temperature)
             logps.append(logp)
-            ents.append(ent if second == "entropy" else (z.argmax(dim=-1) == lab).float())
-        # Only the inputs are kept, never a (chunk, V) block: the backward recomputes each chunk's logits.
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature, ctx.chunk, ctx.second = temperature, chunk, second
+            seconds.append(ent if second == "entropy" else (z.argmax(dim=-1) == lab).float())
+            lses.append(lse)
+            mean_zs.append(lse - ent)  # E_p[z] = lse - H
         # No selected token (a micro-batch of empty responses): torch.cat refuses an empty list.
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
+        lse, mean_z = (torch.cat(x) if x else empty for x in (lses, mean_zs))
+        # Two floats per row, never a (chunk, V) block: the backward recomputes the logits.
+        ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
+        ctx.temperature, ctx.chunk, ctx.second = temperature, chunk, second
+        return (torch.cat(logps) if logps else empty), (torch.cat(seconds) if seconds else empty)
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, labels = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        # Left uninitialized: each chunk writes its own rows below.
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # Summed over the chunks in fp32: a bf16 running sum would round at every chunk.
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], chunk):
-            sl = slice(start, start + chunk)
-            h, lab = hidden[sl], labels[sl]
-            z, probs, _, _ = _chunk_stats(h, weight, lab, temperature)
-            grad_z = torch.zeros_like(z)
-            if grad_logp is not None:
-                gl = grad_logp[sl].float()
-                # d logp / dz = onehot(label) - p, times the incoming gradient
-                grad_z -= probs * gl[:, None]
-                grad_z.scatter_add_(1, lab[:, None], gl[:, None])
-            if grad_ent is not None and ctx.second == "entropy":  # a top-1 flag has no gradient
-                # dH / dz = -p (z - E_p[z])
-                mean_z = (probs * z).sum(dim=-1, keepdim=True)
-                grad_z -= probs * (z - mean_z) * grad_ent[sl].float()[:, None]
+        hidden, weight, labels, lse, mean_z = ctx.saved_tensors
+        temperature = ctx.temperature
+        g_lp = None if grad_logp is None else grad_logp.float()
+        g_h = None if grad_ent is None or ctx.second != "entropy" else grad_ent.float()  # a top-1 flag: no gradient
+
+        def grad_block(start: int, end: int, logits: torch.Tensor) -> torch.Tensor:
+            z = scale_logits(logits, temperature)  # (N, c) fp32
+            p = torch.exp(z - lse[:, None])
+            grad_z = torch.zeros_like(z) if g_lp is None and g_h is None else None
+            if g_h is not None:
+                # dH / dz = -p (z - E_p[z]), written over z (not read again)
+                grad_z = z.sub_(mean_z[:, None]).mul_(p).mul_(-g_h[:, None])
+            if g_lp is not None:
+                # d logp / dz = onehot(label) - p: the -p part over p, then the labels that fall in this block
+                term = p.mul_(-g_lp[:, None])
+                grad_z = term if grad_z is None else grad_z.add_(term)
+                rows = ((labels >= start) & (labels < end)).nonzero().squeeze(1)
+                grad_z.index_put_((rows, labels[rows] - start), g_lp[rows], accumulate=True)
+            assert grad_z is not None
             if temperature != 1.0:
-                grad_z = grad_z / temperature  # chain rule through z = logits / T
-            grad_z = grad_z.to(weight.dtype)  # both matmuls below run in the model's dtype, as the forward's
-            if grad_hidden is not None:
-                grad_hidden[sl] = grad_z @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_z.T @ h).float()  # (V, H)
-        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_w, None, None, None, None  # labels, temperature, chunk, second: no gradient
+                grad_z.div_(temperature)  # chain rule through z = logits / T
+            return grad_z.to(weight.dtype)  # both matmuls run in the model's dtype, as the forward's
+
+        grads = backward_by_vocab_blocks(hidden, weight, ctx.chunk, grad_block, ctx.needs_input_grad[:2])
+        return *grads, None, None, None, None  # labels, temperature, chunk, second: no gradient
 
 
 HEAD_KERNELS = ("torch", "triton")

@@ -18,6 +18,7 @@ import torch
 from easyrl.workers.forward_backward import token_log_probs
 from easyrl.workers.packing import fused_linear_logprobs
 from easyrl.workers.specs import ForwardOptions
+from tests.workers.test_logprob_fused import Allocations
 from tests.workers.test_packing import make_batch, tiny_lm
 
 
@@ -88,7 +89,7 @@ def test_triton_head_matches_the_torch_head_and_fp64(interpreted, dtype, tempera
 
 def test_one_statistic_at_a_time_and_one_chunk(interpreted) -> None:
     """Only the log-probs or only the entropy carries a gradient (the other's is None in the backward), and a
-    micro-batch that fits one chunk (grad_W written once, no accumulator)."""
+    micro-batch that fits one chunk (its backward one block of the whole vocabulary: grad_h written once, no sum)."""
     hidden, weight, labels, g_lp, _ = _inputs(torch.float32, seed=1)
     for use, chunk in (("logp", CHUNK), ("entropy", CHUNK), ("logp", 64)):
         grads = []
@@ -155,3 +156,19 @@ def test_refused_where_it_cannot_run(interpreted, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # what Python's import sees when a package is absent
     with pytest.raises(RuntimeError, match=r"^worker.actor.fused_head_kernel=triton: cannot import triton .*\[gpu\]"):
         fused_linear_logprobs(hidden, weight, labels, 1.0, CHUNK, "entropy", "triton")
+
+
+def test_a_bf16_backward_makes_no_vh_buffer(interpreted, monkeypatch) -> None:
+    """Over several blocks of vocabulary columns (13 rows, chunks of 5: blocks of 38 columns), no tensor the
+    backward makes holds fp32 values beyond one forward chunk's count (chunk x V): no fp32 (V, H) sum of grad_W, and
+    no fp32 logits block (the kernel works in place on the bf16 block)."""
+    monkeypatch.setattr(interpreted, "_MAX_BLOCK_V", BLOCK)
+    hidden, weight, labels, g_lp, g_ent = _inputs(torch.bfloat16, seed=4)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = fused_linear_logprobs(h, w, labels, 0.7, CHUNK, "entropy", "triton")
+    loss = (lp * g_lp).sum() + (ent * g_ent).sum()
+    with Allocations() as mode:
+        gh, gw = torch.autograd.grad(loss, (h, w))
+    fp32 = [numel for dtype, numel in mode.seen if dtype == torch.float32]
+    assert max(fp32) < CHUNK * V < V * H, max(fp32)
+    assert gh.dtype == gw.dtype == torch.bfloat16

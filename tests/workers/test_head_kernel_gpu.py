@@ -1,7 +1,7 @@
 """`worker.actor.fused_head_kernel: triton` on CUDA in bf16 at a Qwen2.5-1.5B head (vocabulary 151,936, hidden 1,536):
 the same log-probs, entropy and gradients as the torch head within bf16 rounding (each measured against an fp32
-reference), and a lower peak of memory over forward + backward (no fp32 (chunk, V) blocks, no per-chunk fp32 (V, H)
-temporary). The CPU cases (Triton's interpreter) are tests/workers/head_kernel_cases.py."""
+reference), and a lower peak of memory over forward + backward (no fp32 (chunk, V) blocks; neither head builds an fp32
+(V, H) sum: both backwards go by blocks of vocabulary columns, easyrl/workers/head_grad.py). The CPU cases (Triton's interpreter) are tests/workers/head_kernel_cases.py."""
 
 from __future__ import annotations
 
@@ -60,5 +60,6 @@ def test_triton_head_matches_the_torch_head_in_bf16_with_a_lower_peak() -> None:
         print(f"{name}: relative error against fp32, triton {err_tri:.2e}, torch {err_ref:.2e}")
         assert err_tri <= max(1.5 * err_ref, 2**-8), f"{name}: {err_tri:.2e} against fp32 (torch head {err_ref:.2e})"
     print(f"peak above the inputs: triton {tri_peak / 2**20:.0f} MiB, torch {ref_peak / 2**20:.0f} MiB")
-    # The torch head holds several fp32 (1024 x V) blocks (0.6 GiB each) and an fp32 (V, H) product per chunk
+    # The torch head holds fp32 logits and probabilities of each (1024 x V)-sized block (0.6 GiB each); the Triton
+    # head one bf16 block
     assert tri_peak < 0.7 * ref_peak, (tri_peak, ref_peak)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from easyrl.algorithms import entropy_from_logits, logprobs_from_logits
 from easyrl.workers.forward_backward import token_log_probs
+from easyrl.workers.head_grad import vocab_block
 from easyrl.workers.packing import fused_linear_logprobs
 from easyrl.workers.specs import ForwardOptions
 from tests.workers.test_batching import init_rank, run_ranks
@@ -104,3 +106,59 @@ def test_fused_and_packed_under_fsdp2_two_ranks(tmp_path, tiny_model_dir) -> Non
     assert res["plain"].keys() == res["fused"].keys()
     for name, ref in res["plain"].items():
         torch.testing.assert_close(torch.tensor(res["fused"][name]), torch.tensor(ref), atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_vocab_blocks_hold_no_more_logits_than_a_forward_chunk() -> None:
+    """The backward's blocks of columns: the whole vocabulary for a micro-batch of at most `chunk` rows, otherwise
+    at most chunk x V logits a block, a multiple of 128 columns where that many fit."""
+    assert vocab_block(1024, 151_936, 1024) == vocab_block(3, 151_936, 1024) == 151_936
+    for rows, vocab, chunk in ((16_384, 151_936, 1024), (2500, 151_936, 1024), (50, 300, 7)):
+        cols = vocab_block(rows, vocab, chunk)
+        assert 1 <= cols < vocab and rows * cols <= chunk * vocab, (rows, vocab, chunk, cols)
+        assert cols % 128 == 0 or cols < 128
+    assert vocab_block(16_384, 151_936, 1024) == 9472  # 17 blocks, the last one ragged
+    assert vocab_block(10**6, 300, 1) == 1  # past chunk x V rows: one column, the least a block can be
+
+
+class Allocations(TorchDispatchMode):
+    """Every tensor an op returns while active: (dtype, numel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((t.dtype, t.numel()))
+        return out
+
+
+@pytest.mark.parametrize("n", [40, 47])  # 4 blocks of 125 columns; 4 of 106 and a ragged one of 76
+def test_bf16_backward_builds_no_vh_buffer_and_keeps_bf16_precision(n: int) -> None:
+    """Issue 44: no fp32 (V, H) temporary. Every tensor the backward makes is recorded: none has V x H fp32
+    values (the row-chunked backward summed grad_W in one), no fp32 block is larger than the forward's chunk, and
+    the gradients are within bf16 rounding of an fp64 reference."""
+    h_dim, vocab, chunk = 64, 500, 10
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, h_dim, generator=g).bfloat16().requires_grad_()
+    weight = (0.3 * torch.randn(vocab, h_dim, generator=g)).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    cols = vocab_block(n, vocab, chunk)
+    labels[:4] = torch.tensor([0, cols - 1, cols, vocab - 1])  # the first block's edges, the last column
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lp, ent = fused_linear_logprobs(hidden, weight, labels, 0.7, chunk)
+    loss = (lp * g_lp + ent * g_ent).sum()
+    with Allocations() as mode:
+        gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    fp32 = [numel for dtype, numel in mode.seen if dtype == torch.float32]
+    assert max(fp32) <= chunk * vocab < vocab * h_dim, max(fp32)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logits = (h64 @ w64.T) / 0.7
+    ref = (logprobs_from_logits(logits, labels) * g_lp + entropy_from_logits(logits) * g_ent).sum()
+    for got, want in zip((gh, gw), torch.autograd.grad(ref, (h64, w64))):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 2**-6, err  # bf16 logits and gradients (8 bits of mantissa), each rounded once

@@ -69,9 +69,10 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.actor.optimizer == 771_857_152 * 8 == 6_174_857_216  # two fp32 moments
     # 28 layers x 16384 tokens x 1536 x 2 bytes = 1,409,286,144 (checkpointed layer inputs);
     # one layer's working set 16384 x (3*1536 + 2*1536 + 2*256 + 3*8960) x 2 = 1,149,239,296;
-    # fused head: 1024 tokens x 151936 x 8 = 1,244,659,712, and its weight gradient (an fp32 sum and one chunk's
-    # bf16 product cast to fp32) 151936 x 1536 x 10 = 2,333,736,960.
-    assert plan.actor.activations == 1_409_286_144 + 1_149_239_296 + 1_244_659_712 + 2_333_736_960
+    # fused head: 1024 tokens x 151936 x 8 = 1,244,659,712, its weight gradient in bf16 151936 x 1536 x 2 =
+    # 466,747,392 (written block by block of columns), and over those 16 blocks the hidden states' gradient summed in
+    # fp32 with one block's bf16 product, 16384 x 1536 x (4 + 2) = 150,994,944.
+    assert plan.actor.activations == 1_409_286_144 + 1_149_239_296 + 1_244_659_712 + 466_747_392 + 150_994_944
     assert plan.ref_weights == 3_087_428_608
     assert plan.engine == int(0.6 * 80 * GiB) == 51_539_607_552
     assert plan.engine_weights == 1_543_714_304 * 2
@@ -89,7 +90,7 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan.generating == 51_539_607_552 + 3_087_428_608 + 6_174_857_216 + 3_087_428_608 + 1_610_612_736
     # Updating: the actor's whole state and activations + the reference's weights + the engine's CUDA graphs (they
     # stay through sleep) + the processes.
-    activations = 3_803_185_152 + 2_333_736_960  # the layers' and the head's chunk, the head's weight gradient
+    activations = 3_803_185_152 + 466_747_392 + 150_994_944  # the layers' and the head's chunk, the head's gradients
     assert plan.updating == 2 * 3_087_428_608 + 6_174_857_216 + activations + 3_087_428_608 + graphs + 1_610_612_736
     # Sleep level 2 by default (full weight sync): nothing pinned on the host.
     assert plan.pinned_host == 0
