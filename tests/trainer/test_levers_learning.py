@@ -45,8 +45,8 @@ CPU_LEVERS: dict[str, Any] = {
     "worker.actor.reuse_first_forward": True,
 }
 """Every update lever with a CPU path, at its non-default value (`easyrl.update_levers` and the run plan decide them
-on a GPU). Not here: `worker.actor.model.compile_layers` (a CPU compile costs ~20-50 s in each worker process; its
-CPU proof is tests/models/test_compiled_layers.py, log-probs and gradients against eager) and
+on a GPU). Not here: `worker.actor.model.compile_layers` (a CPU compile costs ~20-50 s in each worker process: it
+joins them in the `extended` test at the end; its `make test` proof is tests/models/test_compiled_layers.py) and
 `worker.actor.fused_head_kernel: triton` (CUDA or Triton's interpreter only: tests/workers/test_head_kernel.py)."""
 OFF: dict[str, Any] = {
     "worker.actor.model.enable_gradient_checkpointing": False,
@@ -103,3 +103,17 @@ def test_every_cpu_lever_leaves_the_trajectory_unchanged(tmp_path, tiny_model_di
     assert all("timing_s/old" in r for r in off_run)
     bad = mismatches(_math(on), _math(off_run))
     assert not bad, f"{len(bad)} metrics moved with {sorted(CPU_LEVERS)}:\n" + "\n".join(bad[:30])
+
+
+@pytest.mark.extended
+def test_compiled_layers_join_the_levers_and_the_trajectory_stays(
+    tmp_path, tiny_model_dir, digits_data, off_run
+) -> None:
+    """`worker.actor.model.compile_layers` on top of every lever above (extended: each of the 2 workers compiles
+    its decoder layers, 20-50 s on this CPU): the same trajectory within the same tolerance. Its `make test` proof
+    is tests/models/test_compiled_layers.py (log-probs and gradients against eager, no recompiles)."""
+    levers = CPU_LEVERS | {"worker.actor.model.compile_layers": True}
+    on, _, _ = train_steps(tmp_path, tiny_model_dir, digits_data, DEMO | levers, steps=STEPS)
+    assert [r["step"] for r in on] == list(range(1, STEPS + 1))
+    bad = mismatches(_math(on), _math(off_run))
+    assert not bad, f"{len(bad)} metrics moved with {sorted(levers)}:\n" + "\n".join(bad[:30])
