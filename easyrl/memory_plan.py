@@ -11,7 +11,8 @@ Estimates, in bytes, of what one GPU holds (the actor, reference and critic of a
   q/k/v and the attention output, the MLP's gate, up and product; flash attention keeps no T x T matrix); without it,
   that working set for every layer. Plus the log-prob head: T x V x (2 + 8) bytes for bf16 logits with their fp32
   log-softmax and gradient, or with the fused head one chunk of ``logprob_chunk_size`` tokens x V x 8; with
-  ``defer_gradient_sync`` on several ranks, each rank's unsharded gradients in ``mp_reduce_dtype`` besides;
+  ``defer_gradient_sync`` on several ranks, each rank's unsharded gradients in ``mp_reduce_dtype`` besides; and
+  FSDP2's all-gathered copies in ``mp_param_dtype`` of the units the head's backward needs (`gathered_weights`);
 - the engine: ``gpu_memory_utilization`` x the device, of which its weights (the parameters in the rollout dtype,
   split over tensor parallel) and the rest at most the KV cache.
 
@@ -188,10 +189,13 @@ class TrainingMemory:
     accumulated_grads: int = 0
     """Unsharded gradients held between micro-batches when their reduction waits for the last one
     (`worker.actor.defer_gradient_sync`), in ``mp_reduce_dtype``: FSDP2 upcasts and keeps them until it reduces."""
+    gathered: int = 0
+    """FSDP2's all-gathered working copies of the sharded weights, in ``mp_param_dtype``, at the update's peak
+    (`gathered_weights`)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.accumulated_grads
+        return self.weights + self.grads + self.optimizer + self.activations + self.accumulated_grads + self.gathered
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,30 @@ def head_weight_grad(shape: ModelShape, actor: Any, tokens: int, fused: bool = T
     return grad
 
 
-def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int) -> TrainingMemory:
+def gathered_weights(shape: ModelShape, role: Any, params: int, lm_head: bool = True) -> int:
+    """What FSDP2 has all-gathered (cast to ``mp_param_dtype``, on the GPU even with offload: the gathered copy is
+    what the kernels read) at the update's peak, the head's backward, its first op.
+
+    With ``enable_full_shard`` (`reshard_after_forward=True`, `easyrl.workers.model_setup.shard_model`) each unit is
+    gathered for its forward and again for its backward: then the root unit (the embeddings, an untied head, the
+    final norm) for the head's backward, and the last decoder layer, which FSDP2 prefetches for its backward (two
+    layers counted: the one computing and the one prefetched). Even on one rank: the gathered copy is the cast.
+    Without it every unit stays gathered from its forward to its backward: the whole model. A vision tower's blocks
+    are units of their own, gathered around their own forward and backward, not at the head's. `lm_head` False: a
+    critic's model (a one-output value head instead of the V x H one)."""
+    act = DTYPE_BYTES[role.fsdp.mp_param_dtype]
+    if not role.fsdp.enable_full_shard:
+        return params * act
+    h = shape.hidden_size
+    embeddings = shape.vocab_size * h * (2 if lm_head and not shape.tie_word_embeddings else 1)
+    root = embeddings + h
+    layer = max(0, params - shape.vision_parameters - root) // max(1, shape.num_layers)
+    return (root + 2 * layer) * act
+
+
+def _training(
+    shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int, lm_head: bool = True
+) -> TrainingMemory:
     """`role`: the actor's or critic's config. `head`: bytes of the output head's activations. A frozen vision tower
     keeps its weights but gets no gradients and no optimizer state."""
     master = DTYPE_BYTES[role.fsdp.torch_dtype or "fp32"]
@@ -304,6 +331,7 @@ def _training(shape: ModelShape, role: Any, params: int, ranks: int, tokens: int
         optimizer=_sharded(trained, moments, ranks) if on_gpu else 0,
         activations=layer_activations(shape, tokens, act, checkpointing) + head,
         accumulated_grads=trained * DTYPE_BYTES[role.fsdp.mp_reduce_dtype] if deferred else 0,
+        gathered=gathered_weights(shape, role, params, lm_head),
     )
 
 
@@ -363,7 +391,8 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     ref_weights = _sharded(params, DTYPE_BYTES[w.ref.fsdp.torch_dtype or "fp32"], ranks) if ref_process else 0
     critic = None
     if run.critic:
-        critic = _training(shape, w.critic, params - shape.vocab_size * shape.hidden_size, ranks, tokens, 0)
+        critic_params = params - shape.vocab_size * shape.hidden_size
+        critic = _training(shape, w.critic, critic_params, ranks, tokens, 0, lm_head=False)
     rollout = w.rollout
     caps = engine_capabilities(rollout.name)
     tp = run.ranks_per_engine
@@ -418,7 +447,7 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         f"actor update: weights {_g(a.weights)} + grads {_g(a.grads)} + optimizer {_g(a.optimizer)} + activations "
         f"{_g(a.activations)} ({plan.tokens_per_micro_batch} tokens per micro-batch)"
         + (f" + unsharded gradients {_g(a.accumulated_grads)}" if a.accumulated_grads else "")
-        + f" = {_g(a.total)} GiB",
+        + f" + gathered weights {_g(a.gathered)} = {_g(a.total)} GiB",
     ]
     if plan.ref_weights:
         lines.append(f"reference: weights {_g(plan.ref_weights)} GiB")

@@ -111,4 +111,4 @@ def test_check_prints_the_levers_and_their_figures() -> None:
     assert problems == []
     assert lines[0].startswith("update lever: gradient checkpointing: off (auto: the update without it needs")
     assert lines[1].startswith("update lever: deferred gradient sync: on (auto: the update with the unsharded")
-    assert "+ unsharded gradients 5.8 = 40.3 GiB" in "\n".join(lines)
+    assert "+ unsharded gradients 5.8 + gathered weights 0.6 = 40.9 GiB" in "\n".join(lines)
