@@ -184,7 +184,8 @@ def _chunk_stats(
     z = scale_logits(h @ w.T, temperature)  # (chunk, V): the matmul in the model's dtype, then fp32 / T
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(1, labels[:, None]).squeeze(1) - lse
-    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1)  # H = -sum p log p, with log p = z - lse
+    # H = -sum p log p = lse - sum p z; `mul_` into p: two fp32 (chunk, V) blocks at most (z and p), as the plan counts
+    entropy = lse - torch.exp(z - lse[:, None]).mul_(z).sum(dim=-1)
     return z, lse, logp, entropy
 
 
