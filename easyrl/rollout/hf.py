@@ -79,6 +79,45 @@ class FailAtStep(LogitsProcessor):
         return scores
 
 
+class SampledLogProbs(LogitsProcessor):
+    """The sampled token's log-prob at each decoding step, taken as `generate` runs.
+
+    Why not `output_logits`: it keeps every step's (B, V) fp32 logits until `generate` returns, B x steps x V x 4
+    bytes (160 GB for 128 rows x 2,048 tokens x 152k vocabulary: an OOM on any GPU); this keeps one (B,) per step.
+    It goes last among the processors, so the argmax of the scores it is given is the token greedy search takes
+    next. The log-prob is of the model's raw logits at `temperature` (what the actor computes), which a forward hook
+    reads from the model's output: transformers runs its own processors (EOS held back by `min_new_tokens`,
+    suppressed media tokens) before any custom one, and those would change the softmax. `close()` removes the hook.
+    """
+
+    def __init__(self, model: Any, temperature: float) -> None:
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []
+        self._raw: torch.Tensor | None = None
+        self._hook = model.register_forward_hook(self._keep_last_logits)
+
+    def _keep_last_logits(self, module: Any, args: Any, output: Any) -> None:
+        self._raw = output.logits[:, -1]  # the step's next-token logits, before any processor
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        assert self._raw is not None, "generate called the processors before the model"
+        # .float() of the model's logits: the same values as the fp32 copy `generate` hands the processors
+        logp = torch.log_softmax(self._raw.float() / self.temperature, dim=-1)
+        self.steps.append(logp.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1))
+        self._raw = None
+        return scores
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    def log_probs(self, rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """(rows, width) fp32: step t's log-probs in column t, zeros after the last step."""
+        out = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        if self.steps:
+            out[:, : len(self.steps)] = torch.stack(self.steps, dim=1)
+        return out
+
+
 def row_sampler(params: SamplingParams, seeds: list[int], device: torch.device) -> LogitsProcessorList:
     """The processors that turn `generate`'s greedy search into per-row seeded sampling with `params`' warpers,
     in the order transformers applies them when it samples (temperature, top-k, top-p)."""
@@ -137,7 +176,6 @@ class HFRolloutEngine(RolloutEngine):
             min_new_tokens=params.max_tokens if params.ignore_eos else None,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_token_id,
-            output_logits=params.logprobs,  # the raw logits, before any processor: log-probs of the policy
             return_dict_in_generate=True,
         )
         processors = LogitsProcessorList()
@@ -145,27 +183,35 @@ class HFRolloutEngine(RolloutEngine):
             # Sample j gets the prompt's seed + j, as vLLM seeds the j-th sample of a request.
             seeds = [s + j for s in seeds_of_prompts(prompts, params, unseeded=0) for j in range(params.n)]
             processors = row_sampler(params, seeds, self.device)
+        recorder = None
+        if params.logprobs:  # after the sampler: it reads the token the perturbed scores pick
+            # greedy (0) has no distribution: its tokens are scored at T = 1
+            recorder = SampledLogProbs(self.model, 1.0 if greedy else params.temperature)
+            processors.append(recorder)
         fault = next_fault()
         if fault == "kill":  # the engine's state is gone: this call and any later one fail until it is rebuilt
             self.model = None
         elif fault is not None:  # fails inside the decoding loop, after the first token of every row was drawn
             processors.append(FailAtStep(fault, min(2, params.max_tokens)))
         extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
-        out: Any = generate_with_media(
-            self.model, input_ids, attention_mask, media, held, generation_config=gen_cfg, **extra
-        )
+        try:
+            out: Any = generate_with_media(
+                self.model, input_ids, attention_mask, media, held, generation_config=gen_cfg, **extra
+            )
+        finally:
+            if recorder is not None:
+                recorder.close()
         prompt_len = input_ids.shape[1]
         responses = out.sequences[:, prompt_len:]  # generate returns the prompt and the new tokens
         if responses.shape[1] < params.max_tokens:  # every sequence stopped early: pad to a fixed width
             pad = torch.full((responses.shape[0], params.max_tokens - responses.shape[1]), self.pad_token_id)
             responses = torch.cat([responses, pad.to(responses)], dim=1)
-        log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
-        if params.logprobs:
-            temperature = 1.0 if greedy else params.temperature  # greedy (0) has no distribution: score at T = 1
-            # One (B, V) tensor per generated step, as the model produced it: before the warpers and the Gumbel noise.
-            for t, step_logits in enumerate(out.logits):
-                lp = torch.log_softmax(step_logits.float() / temperature, dim=-1)
-                log_probs[:, t] = lp.gather(-1, responses[:, t : t + 1]).squeeze(-1)
+        rows, device = responses.shape[0], responses.device
+        log_probs = (
+            recorder.log_probs(rows, params.max_tokens, device)
+            if recorder is not None
+            else torch.zeros(responses.shape, dtype=torch.float32, device=device)
+        )
         stop = set() if params.ignore_eos else set(stop_ids)
         return assemble_sequences(
             input_ids.cpu(), attention_mask.cpu(), responses.cpu(), stop, self.pad_token_id, log_probs.cpu()
