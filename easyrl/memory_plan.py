@@ -14,7 +14,9 @@ Estimates, in bytes, of what one GPU holds (the actor, reference and critic of a
   ``defer_gradient_sync`` on several ranks, each rank's unsharded gradients in ``mp_reduce_dtype`` besides; and
   FSDP2's all-gathered copies in ``mp_param_dtype`` of the units the head's backward needs (`gathered_weights`);
 - the engine: ``gpu_memory_utilization`` x the device, of which its weights (the parameters in the rollout dtype,
-  split over tensor parallel) and the rest at most the KV cache.
+  split over tensor parallel) and the rest at most the KV cache; an engine that reserves no budget (the HF engine:
+  `EngineCapabilities.reserves_budget`) holds its weights, and while a call runs that call's KV cache at full length
+  and a decoding step's logits.
 
 - the engine: ``gpu_memory_utilization`` x the device. vLLM (since 0.21) profiles the CUDA graphs it will capture and
   subtracts them from that budget, so its KV cache is the budget less its weights and the graphs
@@ -208,7 +210,8 @@ class MemoryPlan:
     ref_weights: int
     critic: TrainingMemory | None
     engine: int
-    """The engine's budget, ``gpu_memory_utilization`` x the device: weights + CUDA graphs + KV cache."""
+    """The engine's budget, ``gpu_memory_utilization`` x the device: weights + CUDA graphs + KV cache (vLLM); an
+    engine that reserves none: its weights + one call's KV cache and logits (`engine_rows`)."""
     engine_weights: int
     cuda_graphs: int
     """vLLM's CUDA-graph pool (inside the engine's budget; not freed by sleep)."""
@@ -226,6 +229,9 @@ class MemoryPlan:
     """The actor's update plus what the other roles keep on the GPU meanwhile, the CUDA graphs and the contexts."""
     capture_sizes: tuple[int, ...] = ()
     """The batch sizes vLLM captures CUDA graphs for (`engine_capture_sizes`), which `cuda_graphs` is sized from."""
+    engine_rows: int = 0
+    """An engine that reserves no budget (`EngineCapabilities.reserves_budget` False, the HF engine): the rows of one
+    call, whose KV cache at full length `kv_cache_tokens` counts; 0 for vLLM."""
 
     @property
     def kv_cache(self) -> int:
@@ -376,6 +382,7 @@ def _micro_batch_tokens(cfg: Any) -> int:
 def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     """The per-GPU plan of the run `cfg` (an `EasyRLConfig`) on GPUs of `device_total` bytes: its roles, ranks, tensor
     parallelism and sleep level as the run plan decides them (`easyrl.trainer.plan`)."""
+    from easyrl.config.engine_kwargs import sequences_per_engine_call
     from easyrl.trainer.plan import plan_of
 
     run = plan_of(cfg)
@@ -396,13 +403,22 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     rollout = w.rollout
     caps = engine_capabilities(rollout.name)
     tp = run.ranks_per_engine
-    engine = int(rollout.gpu_memory_utilization * device_total)
     engine_dtype = DTYPE_BYTES[rollout.dtype]
     engine_weights = -(-params // tp) * engine_dtype
     sizes = engine_capture_sizes(cfg)
     graphs = cuda_graph_bytes(shape, sizes, engine_dtype)
     kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
-    kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
+    rows = 0
+    if caps.reserves_budget:  # vLLM: its budget, taken at start; the KV cache is what weights and graphs leave
+        engine = int(rollout.gpu_memory_utilization * device_total)
+        kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
+        held_while_updating = graphs if caps.sleep_levels and rollout.enable_sleep_mode else engine
+    else:  # the HF engine: its weights, and in each call the KV cache of that call's rows at full length
+        rows = sequences_per_engine_call(cfg)
+        kv_tokens = rows * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        # a decoding step's fp32 next-token logits, their log-softmax and a processor's copy: rows x V x 4, 3 times
+        engine = engine_weights + kv_tokens * kv_per_token + 3 * rows * shape.vocab_size * 4
+        held_while_updating = engine_weights  # the call's cache is freed when it returns
     processes = 1 + int(ref_process) + int(critic is not None)
     per_process = processes * (CUDA_CONTEXT_BYTES + (NCCL_BYTES if ranks > 1 else 0))
     sleeps = bool(caps.sleep_levels) and rollout.enable_sleep_mode
@@ -429,9 +445,10 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         pinned_host=engine_weights if sleeps and run.sleep_level == 1 else 0,
         device_total=device_total,
         generating=engine + resident + ref_resident + critic_resident + per_process,
-        # asleep, the engine still holds its CUDA graphs (without sleep mode, all of its budget)
-        updating=actor_mem.total + ref_resident + critic_resident + per_process + (graphs if sleeps else engine),
+        # asleep, vLLM still holds its CUDA graphs (without sleep mode, all of its budget); the HF engine its weights
+        updating=actor_mem.total + ref_resident + critic_resident + per_process + held_while_updating,
         capture_sizes=tuple(sizes),
+        engine_rows=rows,
     )
 
 
@@ -453,13 +470,28 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         lines.append(f"reference: weights {_g(plan.ref_weights)} GiB")
     if plan.critic is not None:
         lines.append(f"critic: {_g(plan.critic.total)} GiB while it trains")
+    if plan.engine_rows:
+        engine = (
+            f"engine: {_g(plan.engine)} GiB while it generates (weights {_g(plan.engine_weights)} + one call's "
+            f"{plan.engine_rows} rows at full length, {plan.kv_cache_tokens} tokens: KV cache and a step's logits "
+            f"{_g(plan.kv_cache)}, freed when the call returns)"
+        )
+    else:
+        engine = (
+            f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)}"
+            + (
+                f" for {len(plan.capture_sizes)} batch sizes up to {max(plan.capture_sizes)}"
+                if plan.capture_sizes
+                else ""
+            )
+            + f" + KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)"
+        )
+    stays = "weights" if plan.engine_rows else "CUDA graphs"
     lines += [
-        f"engine: {_g(plan.engine)} GiB (weights {_g(plan.engine_weights)} + CUDA graphs {_g(plan.cuda_graphs)}"
-        + (f" for {len(plan.capture_sizes)} batch sizes up to {max(plan.capture_sizes)}" if plan.capture_sizes else "")
-        + f" + KV cache {_g(plan.kv_cache)}, about {plan.kv_cache_tokens} tokens)",
+        engine,
         f"processes on the GPU: {plan.processes}, their CUDA contexts and NCCL buffers {_g(plan.per_process)} GiB",
         f"while generating: {_g(plan.generating)} of {_g(plan.device_total)} GiB",
-        f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB (the engine's CUDA graphs stay)",
+        f"while updating: {_g(plan.updating)} of {_g(plan.device_total)} GiB (the engine's {stays} stay)",
     ]
     if plan.pinned_host:
         lines.append(f"host: {_g(plan.pinned_host)} GiB pinned per GPU for the engine's weights (sleep level 1)")
@@ -480,8 +512,13 @@ def plan_problems(plan: MemoryPlan) -> list[str]:
         problems.append(
             f"generating needs {_g(plan.generating)} of {_g(plan.device_total)} GiB (engine {_g(plan.engine)} + actor "
             f"weights {_g(a.weights)} + optimizer {_g(a.optimizer)} + reference {_g(plan.ref_weights)} + "
-            f"critic and contexts): lower worker.rollout.gpu_memory_utilization, or offload while generating "
-            "(worker.actor.offload.*, worker.ref.offload.offload_params)"
+            f"critic and contexts): "
+            + (
+                "fewer rows per engine call (data.rollout_batch_size, worker.rollout.n) or shorter ones"
+                if plan.engine_rows
+                else "lower worker.rollout.gpu_memory_utilization"
+            )
+            + ", or offload while generating (worker.actor.offload.*, worker.ref.offload.offload_params)"
         )
     if plan.updating > plan.device_total:
         problems.append(
@@ -525,7 +562,7 @@ def plan_fixes(shape: ModelShape, cfg: Any, device_total: int) -> list[str]:
     lower = copy.deepcopy(cfg)
     lower.worker.rollout.gpu_memory_utilization = utilization
     after = plan_memory(shape, lower, device_total)
-    if 0 < utilization < cfg.worker.rollout.gpu_memory_utilization and after.fits:
+    if not plan.engine_rows and 0 < utilization < cfg.worker.rollout.gpu_memory_utilization and after.fits:
         fixes.append(f"worker.rollout.gpu_memory_utilization={utilization}: KV cache {_g(after.kv_cache)} GiB")
     if not fixes:
         after = plan_memory(shape, combined, device_total)

@@ -43,6 +43,10 @@ class EngineCapabilities:
     cuda_graphs: bool = False
     """Captures CUDA graphs out of its `gpu_memory_utilization` budget (unless `enforce_eager`), which stay on the
     GPU while it sleeps: the memory plan counts them."""
+    reserves_budget: bool = False
+    """Takes `worker.rollout.gpu_memory_utilization` x the device when it starts (vLLM: weights, CUDA graphs and a
+    KV-cache pool) and keeps it, asleep or not. False: it holds its weights and allocates each call's KV cache in
+    that call (`easyrl.memory_plan` plans it from the call's rows, not from the utilization)."""
     env: tuple[tuple[str, str], ...] = ()
     """Environment variables it needs in every worker process (set when Ray starts)."""
     cpu_env: tuple[tuple[str, str], ...] = ()
@@ -100,6 +104,7 @@ BUILTIN_ENGINE_CAPABILITIES: Mapping[str, EngineCapabilities] = MappingProxyType
             max_lora_rank=512,
             sleep_levels=(1, 2),
             cuda_graphs=True,
+            reserves_budget=True,
             # the engine core in the worker's process (easyrl drives it step by step), and its log kept short
             env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
             cpu_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),  # GiB of KV cache: the CPU build's default is 4

@@ -255,7 +255,10 @@ def test_recipe_plan_on_the_published_thinker_fits_80_gib(tmp_path: Path, monkey
     assert "activations 8.2 (4096 tokens per micro-batch)" in text
     # and FSDP2's bf16 gathered copies at the head's backward: the untied embedding and head, two layers
     assert "gathered weights 3.0 = 27.8 GiB" in text
-    assert "while generating: 64.1 of 80.0 GiB" in text and "while updating: 79.4 of 80.0 GiB" in text
+    # the HF engine: its bf16 weights, and while it generates one call's KV cache: 128 prompts x 8 samples over 8
+    # engines, each row at 2048 + 1024 tokens, 2 x 28 layers x 4 KV heads x 128 x 2 bytes a token
+    assert "weights 16.6 + one call's 128 rows at full length, 393216 tokens" in text
+    assert "while generating: 53.9 of 80.0 GiB" in text and "while updating: 48.0 of 80.0 GiB" in text
 
 
 def test_a_missing_audio_folder_is_one_line(tmp_path: Path, omni_model: str, digits_data: dict[str, str]) -> None:

@@ -17,7 +17,7 @@ from easyrl.distributed.memory import (
     release_cached_memory,
     wake_error_message,
 )
-from easyrl.memory_plan import GiB, ModelShape, plan_lines, plan_memory, plan_problems
+from easyrl.memory_plan import GiB, ModelShape, plan_fixes, plan_lines, plan_memory, plan_problems
 from easyrl.trainer.role_specs import memory_levers
 
 
@@ -101,6 +101,33 @@ def test_memory_plan_of_qwen25_1_5b_over_two_ranks() -> None:
     assert plan_problems(plan) == []
     lines = "\n".join(plan_lines(plan))
     assert "1.54B parameters" in lines and "about 1667505 tokens" in lines
+
+
+def test_memory_plan_of_the_hf_engine_counts_its_weights_and_one_calls_cache() -> None:
+    """The HF engine reserves no budget (`EngineCapabilities.reserves_budget`): it holds its weights, and while a call
+    runs that call's KV cache at full length and a step's logits; `gpu_memory_utilization` does not size it. 1.5B on 2
+    ranks: 512 prompts x 5 samples / 2 engines = 1,280 rows of 1024 + 1024 tokens."""
+    cfg = _config(trainer={"n_gpus_per_node": 2}, worker={"rollout": {"name": "hf", "n": 5}},
+                  data={"rollout_batch_size": 512, "max_prompt_length": 1024, "max_response_length": 1024})  # fmt: skip
+    shape = ModelShape.from_hf_config(QWEN25_1_5B)
+    plan = plan_memory(shape, cfg, 80 * GiB)
+    assert plan.engine_rows == 1280 and plan.kv_cache_tokens == 1280 * 2048 and plan.cuda_graphs == 0
+    # bf16 weights, unsplit; 28,672 bytes of K and V a token (2 x 28 layers x 2 heads x 128 x 2); logits 3 x 4 bytes
+    assert plan.engine == 1_543_714_304 * 2 + 1280 * 2048 * 28_672 + 3 * 1280 * 151936 * 4
+    assert plan.updating - plan.actor.total - plan.ref_weights - plan.per_process == plan.engine_weights
+    assert (
+        plan.generating - plan.engine
+        == plan.actor.weights + plan.actor.optimizer + plan.ref_weights + plan.per_process
+    )
+    lines = "\n".join(plan_lines(plan))
+    assert "one call's 1280 rows at full length, 2621440 tokens" in lines and "(the engine's weights stay)" in lines
+    # one call of 2.6M tokens does not fit beside the training state: the fix is fewer or shorter rows
+    problems = plan_problems(plan)
+    assert (
+        len(problems) == 1 and "fewer rows per engine call (data.rollout_batch_size, worker.rollout.n)" in problems[0]
+    )
+    assert "gpu_memory_utilization" not in problems[0]
+    assert plan_fixes(shape, cfg, 80 * GiB) and not any("utilization" in f for f in plan_fixes(shape, cfg, 80 * GiB))
 
 
 def test_memory_plan_levers_and_problems() -> None:
