@@ -534,7 +534,7 @@ def _check_model_and_data(cfg: EasyRLConfig, length: int, length_key: str) -> No
         _check_family(cfg, Path(model) / "config.json")
         _check_liger(cfg, Path(model) / "config.json")
         _check_head_kernel(cfg)
-        _check_compile_layers(cfg, Path(model) / "config.json")
+        _check_compile_layers(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files", "is required: a jsonl/json/parquet/csv file, a folder or a hub ID")
     for key in ("data.train_files", "data.val_files"):
@@ -663,22 +663,15 @@ def _check_head_kernel(cfg: EasyRLConfig) -> None:
         raise ConfigError(key, "the Triton head runs on CUDA only and trainer.device is cpu: set it to torch")
 
 
-def _check_compile_layers(cfg: EasyRLConfig, config_json: Path) -> None:
+def _check_compile_layers(cfg: EasyRLConfig) -> None:
     """`compile_layers` and `liger_kernels` fuse the same elementwise work two ways: one of them (Liger's patched
-    classes inside inductor's graphs are untested); and no linear-attention model (`easyrl.models.compiled_layers`)."""
+    classes inside inductor's graphs have not run on a GPU)."""
     for role in ("actor", "critic"):
         model = getattr(cfg.worker, role).model
         key = f"worker.{role}.model.compile_layers"
         if model.compile_layers and model.liger_kernels:
             raise ConfigError(
                 key, f"and worker.{role}.model.liger_kernels both fuse RMSNorm/SwiGLU/RoPE: set one of them to false"
-            )
-        hf = json.loads(config_json.read_text()) if model.compile_layers else {}
-        if "linear_attention" in (hf.get("text_config", hf).get("layer_types") or []):
-            raise ConfigError(
-                key,
-                f"not built for models with linear-attention (Gated DeltaNet) layers, as {config_json.parent}: their "
-                "per-sample recurrence over packed rows compiles for minutes on each new shape; set it to false",
             )
 
 

@@ -59,8 +59,9 @@ class ModelConfig:
     """`torch.compile` each text decoder layer (inductor fuses RMSNorm, SwiGLU, RoPE and the other elementwise work
     of the training forward and backward, and of the log-prob passes): any family, on a GPU or the CPU. One layer
     class compiles once per worker process (dynamic shapes: micro-batch lengths do not recompile); parameter names
-    are unchanged. Refused together with `liger_kernels` (pick one), for linear-attention models (Qwen3.5) and for a
-    model without decoder layers (`easyrl.models.compiled_layers`)."""
+    are unchanged; the packed attention and a linear-attention (Qwen3.5) token mixer stay eager inside the compiled
+    layer. Refused together with `liger_kernels` (pick one) and for a model without decoder layers
+    (`easyrl.models.compiled_layers`)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning."""
 

@@ -15,8 +15,10 @@ How it is applied, and why:
   graph; FSDP2's hooks stay outside the compiled region (dynamo skips FSDP hooks by default).
 * `dynamic=True`: micro-batches differ in token count on every step; one graph with symbolic lengths serves them
   all instead of a recompile per shape.
-* Not for linear-attention (Gated DeltaNet) models: their layers recur over each packed sample
-  (`easyrl.models.linear_attention`), which did not finish compiling in minutes on the tiny Qwen3.5; refused.
+* A linear-attention (Gated DeltaNet) token mixer is kept out of the graph too: it recurs over each packed sample
+  (`easyrl.models.linear_attention`: data-dependent sample counts and lengths, a loop over chunks on transformers'
+  reference path), and traced whole the tiny Qwen3.5 did not finish compiling in 7 minutes. Excluded, its layers
+  compile in seconds around it (the norms, the MLP or experts, the residuals) and need no recompile.
 * The text decoder layers only (class names ending in ``DecoderLayer``): a vision tower's blocks split their rows
   per image with data-dependent lengths, which would recompile per image count.
 * A packed (padding-free) attention is kept out of the graph (`torch.compiler.disable`): it cuts the row at the
@@ -33,16 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from easyrl.models.linear_attention import has_linear_attention
+from easyrl.models.linear_attention import linear_attention_layers
 
 
 logger = logging.getLogger(__name__)
-
-LINEAR_ATTENTION_REFUSAL = (
-    "not built for models with linear-attention (Gated DeltaNet) layers, such as Qwen3.5: their per-sample "
-    "recurrence over packed rows compiles for minutes on each new shape; set it to false"
-)
-"""Why ``compile_layers`` is refused for a model with linear-attention layers (after the key)."""
 
 TRACED_ATTENTIONS = frozenset({"sdpa", "eager"})
 """Attention implementations left inside the compiled graph: padded rows, a mask built outside the layers, no
@@ -58,9 +54,7 @@ def compiled_layers(model: nn.Module) -> list[nn.Module]:
 
 def compile_decoder_layers(model: nn.Module, key: str) -> int:
     """Compile each text decoder layer of `model` in place (`dynamic=True`); returns how many. Refuses in one line,
-    naming `key`, a model with linear-attention layers and one without decoder layers to compile."""
-    if has_linear_attention(model):
-        raise ValueError(f"{key}: {LINEAR_ATTENTION_REFUSAL}")
+    naming `key`, a model without decoder layers to compile."""
     layers = compiled_layers(model)
     if not layers:
         raise ValueError(
@@ -68,6 +62,7 @@ def compile_decoder_layers(model: nn.Module, key: str) -> int:
             "liger_kernels on a Qwen2/Qwen3 model on a GPU)"
         )
     _keep_packed_attention_eager(model)
+    _keep_linear_attention_eager(model)
     for layer in layers:
         layer.compile(dynamic=True)
     logger.info("torch.compile on %d decoder layers of %s (%s)", len(layers), type(model).__name__, key)
@@ -93,3 +88,14 @@ def _keep_packed_attention_eager(model: nn.Module) -> None:
         eager: Any = torch.compiler.disable(function)
         eager._easyrl_eager = True
         AttentionInterface.register(name, eager)
+
+
+def _keep_linear_attention_eager(model: nn.Module) -> None:
+    """Exclude each linear-attention (Gated DeltaNet) token mixer from the graph (module docstring): the layer
+    compiles around it, as around the packed attention. Its `forward` is by then the instance's own (the packed
+    samples' wrapper, `keep_samples_apart`), so the exclusion wraps that one."""
+    for mixer in linear_attention_layers(model):
+        if not getattr(mixer.forward, "_easyrl_eager", False):
+            eager: Any = torch.compiler.disable(mixer.forward)
+            eager._easyrl_eager = True
+            mixer.forward = eager
