@@ -156,6 +156,15 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def audio_tower(model: nn.Module) -> nn.Module | None:
+    """The audio encoder (``audio_tower``) of an Omni thinker, or None."""
+    for candidate in (getattr(model, "model", None), model):
+        audio = getattr(candidate, "audio_tower", None)
+        if isinstance(audio, nn.Module):
+            return audio
+    return None
+
+
 def freeze_vision_tower(model: nn.Module) -> int:
     """Stop training the vision encoder (merger included); returns how many parameters were frozen.
 

@@ -55,12 +55,14 @@ def default_exclude(model: nn.Module) -> str | None:
     engine's weights nor checkpointed by easyrl's adapter path. The routers stay frozen so that the adapters never move
     which experts a token goes to (the engine and the trainer already disagree on near ties; docs/models.md)."""
     from easyrl.models import vision_tower
+    from easyrl.models.vision import audio_tower
 
     parts = []
-    visual = vision_tower(model)
-    if visual is not None:
-        prefix = next(name for name, m in model.named_modules() if m is visual)
-        parts.append(rf"{re.escape(prefix)}(\..*)?")  # the tower and all below it
+    # the media encoders: a VL model's vision tower, an Omni thinker's audio tower beside it
+    for tower in (vision_tower(model), audio_tower(model)):
+        if tower is not None:
+            prefix = next(name for name, m in model.named_modules() if m is tower)
+            parts.append(rf"{re.escape(prefix)}(\..*)?")  # the tower and all below it
     if _has_routed_experts(model):
         parts += [r".*\.mlp\.experts(\..*)?", r".*\.mlp\.gate", r".*\.mlp\.shared_expert_gate"]
     # peft full-matches a string exclude_modules as a regex: any one of the parts, whole

@@ -134,7 +134,6 @@ def test_forward_positions_and_generation_take_the_audio(tmp_path: Path, omni_mo
     [
         ({"worker.rollout.name": "vllm"}, "worker.rollout.name"),
         ({"worker.actor.ulysses_size": 2, "worker.actor.padding_free": True}, "worker.actor.ulysses_size"),
-        ({"worker.actor.model.lora.rank": 4}, "worker.actor.model.lora.rank"),
         pytest.param(
             {
                 "algorithm.adv_estimator": "gae",

@@ -1,6 +1,6 @@
 """GRPO with audio prompts on a tiny Qwen2.5-Omni thinker and a tiny Qwen3-Omni MoE thinker (2 FSDP2 workers, the HF engine, packed rows): one step
 trains the audio tower, a second resumes from its checkpoint, and the merge gives a folder whose weights and
-processor load back. The parts are tested in tests/models/test_omni.py."""
+processor load back; LoRA adapts the language layers alone. The parts are tested in tests/models/test_omni.py."""
 
 from __future__ import annotations
 
@@ -52,3 +52,35 @@ def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Pat
     for name, param in state.items():
         torch.testing.assert_close(param.detach(), resumed[name], rtol=0, atol=0, msg=name)
     assert load_processor(merged).feature_extractor.sampling_rate == 16000
+
+
+@pytest.mark.slow
+def test_lora_on_the_omni_thinker_adapts_its_language_layers_only(tmp_path: Path) -> None:
+    """LoRA on the Qwen2.5-Omni thinker (`all-linear`): the adapters go on the language model's linear layers, not
+    on the audio tower nor the vision tower (`lora.default_exclude`), so the merged policy after 2 steps (the first
+    step's update merged and pushed into the HF engine before the second generates) moves those layers alone; the
+    merge of the run's checkpoint is that policy."""
+    from transformers import AutoModelForImageTextToText
+
+    omni_model = build_tiny_omni_checkpoint(tmp_path / "model", variant="qwen2_5_omni")
+    data = audio_data(tmp_path / "data")
+    edits = {"data.audio_dir": data["audio_dir"], "data.max_prompt_length": 128, "trainer.save_freq": 2,
+             "worker.actor.padding_free": True, "worker.actor.model.lora.rank": 4,
+             "worker.actor.optim.lr": 1e-2}  # fmt: skip
+    rows, before, after = run(tmp_path / "run", omni_model, {"train": data["train"]}, edits, steps=2, weights=True)
+    assert_finite(rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
+    # step 2's engine generated with step 1's merged adapters: its log-probs are the actor's (a stale engine, 1e-2 of
+    # learning rate behind, would be far off)
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-4, rows[1]["rollout/logprob_diff_max"]
+    assert before is not None and after is not None and before.keys() == after.keys()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    language = {n for n in before if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    assert moved == language, sorted(moved ^ language)[:6]
+    merged = tmp_path / "merged"
+    assert (
+        merge_main([str(tmp_path / "run" / "run" / "global_step_2"), "--output", str(merged), "--dtype", "fp32"]) == 0
+    )
+    loaded = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32)
+    for name, param in dict(loaded.named_parameters(remove_duplicate=False)).items():
+        torch.testing.assert_close(param.detach(), after[name], rtol=0, atol=1e-6, msg=name)
