@@ -22,7 +22,8 @@ class LoraConfig:
     of linear-layer names (e.g. `q_proj,v_proj`)."""
     exclude_modules: str | None = None
     """Regular expression of module names left without adapters; null: the vision tower of a vision-language
-    model and the routed experts and routers of a mixture-of-experts model (nothing for a dense text model)."""
+    model (and the audio tower of an Omni thinker) and the routed experts and routers of a mixture-of-experts model
+    (nothing for a dense text model)."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
     rollout_sync: str = "merged"

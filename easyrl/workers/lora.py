@@ -49,7 +49,8 @@ def linear_layer_names(model: nn.Module) -> list[str]:
 
 def default_exclude(model: nn.Module) -> str | None:
     """What `all-linear` leaves alone unless `exclude_modules` says otherwise: the vision tower of a vision-language
-    model, and a mixture-of-experts model's routed experts and routers; None when nothing is left out.
+    model (and an Omni thinker's audio tower), and a mixture-of-experts model's routed experts and routers; None when
+    nothing is left out.
 
     Routed experts are fused (experts, out, in) tensors in transformers 5, not linear layers: neither merged into the
     engine's weights nor checkpointed by easyrl's adapter path. The routers stay frozen so that the adapters never move
