@@ -242,8 +242,11 @@ class FusedLinearLogProbs(torch.autograd.Function):
                 # d logp / dz = onehot(label) - p: the -p part over p, then the labels that fall in this block
                 term = p.mul_(-g_lp[:, None])
                 grad_z = term if grad_z is None else grad_z.add_(term)
-                rows = ((labels >= start) & (labels < end)).nonzero().squeeze(1)
-                grad_z.index_put_((rows, labels[rows] - start), g_lp[rows], accumulate=True)
+                # every row adds at a column of this block: its label's, or nothing (0 at column 0) for a label
+                # elsewhere; a scatter with no `nonzero`, so no host sync per block on a GPU
+                inside = (labels >= start) & (labels < end)
+                cols = (labels - start).clamp(0, end - start - 1)[:, None]
+                grad_z.scatter_add_(1, cols, torch.where(inside, g_lp, 0.0)[:, None])
             assert grad_z is not None
             if temperature != 1.0:
                 grad_z.div_(temperature)  # chain rule through z = logits / T
