@@ -48,3 +48,43 @@ def test_the_ray_modules_of_a_folder_run_one_after_another_after_the_others() ->
     conftest = (TESTS / "conftest.py").read_text(encoding="utf-8")
     hook = conftest[conftest.index("def pytest_collection_modifyitems") : conftest.index("def ray_modules_last")]
     assert "ray_modules_last(items)" in hook
+
+
+def _extended_estimators(source: str) -> list[str]:
+    """The `algorithm.adv_estimator` of each `pytest.param(..., marks=pytest.mark.extended)` case in `source`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.param"):
+            continue
+        if not any(k.arg == "marks" and "extended" in ast.unparse(k.value) for k in node.keywords):
+            continue
+        for arg in node.args:
+            if isinstance(arg, ast.Dict):
+                for key, value in zip(arg.keys, arg.values, strict=True):
+                    if isinstance(key, ast.Constant) and key.value == "algorithm.adv_estimator":
+                        found.append(ast.literal_eval(value))
+    return found
+
+
+def test_the_extended_estimator_runs_share_the_golden_runs_path() -> None:
+    """`test_e2e.py::test_two_steps_per_algorithm` leaves to `make test-extended` only estimators whose trainer path
+    is the golden GRPO run's (no critic, no greedy baseline: `easyrl.trainer` branches on nothing else), so their
+    `make test` cover is the golden run plus each estimator's own tests against hand numbers."""
+    from easyrl.config.names import BUILTIN_ESTIMATOR_NEEDS
+
+    sample = 'pytest.param({"algorithm.adv_estimator": "gae"}, marks=pytest.mark.extended)\n{"a": 1}'
+    assert _extended_estimators(sample) == ["gae"]
+    moved = _extended_estimators((TESTS / "trainer" / "test_e2e.py").read_text(encoding="utf-8"))
+    assert moved, "no extended estimator case found: update this rule with the test"
+    # what the run (outside the config's validation and the registry) reads of an estimator's needs
+    fields = ("needs_critic", "needs_greedy_baseline", "grouped")
+    run_code = [p for p in (TESTS.parent / "easyrl").rglob("*.py") if p.parent.name not in ("config", "algorithms")]
+    read = {f for p in run_code for f in fields if re.search(rf"\.{f}\b", p.read_text(encoding="utf-8"))}
+    assert read <= {"needs_critic", "needs_greedy_baseline"}, f"the run now branches on {read}: widen this rule"
+    golden = BUILTIN_ESTIMATOR_NEEDS["grpo"]
+    for name in moved:
+        needs = BUILTIN_ESTIMATOR_NEEDS[name]
+        same = (needs.needs_critic, needs.needs_greedy_baseline) == (golden.needs_critic, golden.needs_greedy_baseline)
+        assert same, f"{name}'s trainer path is not the golden run's: run its two steps in make test (drop the mark)"

@@ -83,14 +83,22 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
             "worker.critic.global_batch_size": 2,
             "worker.critic.micro_batch_size_per_device_for_update": 2,
         },
-        {"algorithm.adv_estimator": "reinforce_plus_plus"},
-        {"algorithm.adv_estimator": "rloo"},
+        # `extended`: these two run the golden run's code path (an estimator that needs no critic and no greedy
+        # baseline, `EstimatorNeeds()` but for `grouped`), with only the estimator function changed; `make test` has
+        # that path in `test_same_seed_same_trajectory` and each function against hand numbers, called with the
+        # trainer's arguments (string uids, gamma, lam, ...), in tests/algorithms/test_algo_advantages.py
+        # (`test_rloo`, `test_reinforce_plus_plus`, `test_common_extra_kwargs_are_ignored`).
+        # tests/test_structure_time.py holds the moved cases to that path.
+        pytest.param({"algorithm.adv_estimator": "reinforce_plus_plus"}, marks=pytest.mark.extended),
+        pytest.param({"algorithm.adv_estimator": "rloo"}, marks=pytest.mark.extended),
         {"algorithm.adv_estimator": "remax"},
         {"algorithm.disable_kl": False, "algorithm.use_kl_loss": False, "algorithm.kl_type": "adaptive"},
     ],
     ids=["gae", "reinforce_plus_plus", "rloo", "remax", "kl_in_reward"],  # the KL loss: the golden run below
 )
 def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -> None:
+    """Two steps of each estimator whose trainer path differs from the golden run's (a critic, a greedy baseline,
+    the KL in the reward); the two that share it are `extended` (above)."""
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert len(rows) == 2
     assert_finite(rows)
