@@ -78,11 +78,17 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
 @pytest.mark.parametrize(
     "edits",
     [
-        {
-            "algorithm.adv_estimator": "gae",
-            "worker.critic.global_batch_size": 2,
-            "worker.critic.micro_batch_size_per_device_for_update": 2,
-        },
+        # `extended`: GAE with its critic on 2 workers runs in `make test` in
+        # tests/workers/test_batching.py::test_dynamic_batching_two_workers_end_to_end (text, the same checks) and
+        # tests/trainer/test_vl_e2e.py::test_vl_ppo_with_critic (the padded rows this run trains on).
+        pytest.param(
+            {
+                "algorithm.adv_estimator": "gae",
+                "worker.critic.global_batch_size": 2,
+                "worker.critic.micro_batch_size_per_device_for_update": 2,
+            },
+            marks=pytest.mark.extended,
+        ),
         # `extended`: these two run the golden run's code path (an estimator that needs no critic and no greedy
         # baseline, `EstimatorNeeds()` but for `grouped`), with only the estimator function changed; `make test` has
         # that path in `test_same_seed_same_trajectory` and each function against hand numbers, called with the
@@ -97,8 +103,9 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
     ids=["gae", "reinforce_plus_plus", "rloo", "remax", "kl_in_reward"],  # the KL loss: the golden run below
 )
 def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -> None:
-    """Two steps of each estimator whose trainer path differs from the golden run's (a critic, a greedy baseline,
-    the KL in the reward); the two that share it are `extended` (above)."""
+    """Two steps of each estimator whose trainer path differs from the golden run's (a greedy baseline, the KL in
+    the reward); GAE and the two that share the golden run's path are `extended` (above: where `make test` has
+    them)."""
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert len(rows) == 2
     assert_finite(rows)
