@@ -29,9 +29,18 @@ def assert_finite(rows: list[dict[str, float]]) -> None:
         assert not bad, f"non-finite metrics at step {row['step']}: {bad}"
 
 
+@pytest.mark.extended  # make test: test_same_seed_same_trajectory's first run makes these checks (every_step_trains)
 def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digits_data) -> None:
+    """Plain GRPO (no KL). `make test` checks the same on the golden run (GRPO with a KL loss to a reference), whose
+    first run keeps its weights: one run shows both."""
     rows, before, after = run(tmp_path, tiny_model_dir, digits_data, {}, steps=3, weights=True)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    every_step_trains(rows, before, after)
+
+
+def every_step_trains(rows: list[dict[str, float]], before: dict | None, after: dict | None) -> None:
+    """Every step logs the loop's metrics, samples with the policy of the previous update, and the run moved every
+    parameter of the policy."""
     assert_finite(rows)
     for key in (
         "actor/pg_loss",
@@ -47,11 +56,8 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
     ):
         assert key in rows[-1], key
     # the initial checkpoint samples step 1 (version 0); each update's push makes the next version
-    assert [(r["rollout/policy_version_min"], r["rollout/policy_version_max"]) for r in rows] == [
-        (0.0, 0.0),
-        (1.0, 1.0),
-        (2.0, 2.0),
-    ]
+    versions = [(r["rollout/policy_version_min"], r["rollout/policy_version_max"]) for r in rows]
+    assert versions == [(float(step), float(step)) for step in range(len(rows))]
     assert before is not None and after is not None and before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters not trained: {unchanged}"
@@ -187,9 +193,10 @@ def test_golden_tolerance_catches_a_real_change() -> None:
 def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> None:
     """Two runs with one seed give bit-identical metrics for 5 steps (same machine), and match the golden trajectory
     recorded on another machine within `GOLDEN_RTOL`."""
-    first, _, _ = run(tmp_path / "a", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5)
-    # the golden run is GRPO with the low-variance KL as a loss term: it is also that algorithm's end-to-end check
-    assert_finite(first)
+    first, before, after = run(tmp_path / "a", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5, weights=True)
+    # the golden run is GRPO with the low-variance KL as a loss term: it is also that algorithm's end-to-end check,
+    # and `make test`'s check that every step trains (test_grpo_three_steps_changes_every_parameter's, on plain GRPO)
+    every_step_trains(first, before, after)
     assert all("actor/kl_loss" in r for r in first)
     second, _, _ = run(tmp_path / "b", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5)
     stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in first]
