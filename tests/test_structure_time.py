@@ -100,3 +100,45 @@ def test_the_extended_estimator_runs_share_the_golden_runs_path() -> None:
         needs = BUILTIN_ESTIMATOR_NEEDS[name]
         same = (needs.needs_critic, needs.needs_greedy_baseline) == (golden.needs_critic, golden.needs_greedy_baseline)
         assert same, f"{name}'s trainer path is not the golden run's: run its two steps in make test (drop the mark)"
+
+
+MOVED_TO_EXTENDED = {
+    ("trainer/test_e2e.py", "test_grpo_three_steps_changes_every_parameter"): (
+        "trainer/test_e2e.py",
+        "test_same_seed_same_trajectory",
+    ),
+    ("trainer/test_e2e.py", "test_two_steps_per_algorithm"): ("trainer/test_e2e.py", "test_same_seed_same_trajectory"),
+    ("trainer/test_vl_e2e.py", "test_vl_grpo_two_steps"): ("trainer/test_vl_e2e.py", "test_vl_ppo_with_critic"),
+    ("trainer/test_val_reward_errors.py", "test_val_reward_errors_are_counted"): (
+        "trainer/test_val_reward_errors.py",
+        "test_validation_asks_the_engines_for_no_log_probs",
+    ),
+    ("trainer/test_rollout_correction.py", "test_each_correction_trains_and_logs_its_metrics"): (
+        "trainer/test_rollout_correction.py",
+        "test_tis_cap_is_the_token_tis_preset",
+    ),
+}
+"""Tests (or some of their cases) that `make test` leaves to `make test-extended` because another `make test` test
+runs their code path or makes their checks on its own run (docs/testing.md, "round 4"): (file, test) -> the cover."""
+
+
+def _test_text(file: str, name: str) -> tuple[str, ast.FunctionDef]:
+    """The source lines of test `name` in tests/`file`, its decorators and their comments included, and its node."""
+    source = (TESTS / file).read_text(encoding="utf-8")
+    nodes = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert nodes, f"tests/{file} has no {name}: update MOVED_TO_EXTENDED with the test"
+    node = nodes[0]
+    first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    return "\n".join(source.splitlines()[first - 1 : node.end_lineno]), node
+
+
+def test_each_test_moved_to_extended_names_its_make_test_cover() -> None:
+    """A moved test carries the `extended` mark (on itself or on its moved cases) and names, in its marker comment or
+    docstring, the `make test` test that covers it; that cover exists and is not `extended` itself."""
+    for (file, name), (cover_file, cover) in MOVED_TO_EXTENDED.items():
+        text, _ = _test_text(file, name)
+        assert "pytest.mark.extended" in text, f"tests/{file}::{name} is not marked extended"
+        assert cover in text, f"tests/{file}::{name} does not name its make test cover {cover}"
+        _, node = _test_text(cover_file, cover)
+        marks = [ast.unparse(d) for d in node.decorator_list]
+        assert not [m for m in marks if "extended" in m], f"the cover tests/{cover_file}::{cover} is extended"
