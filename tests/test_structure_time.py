@@ -102,24 +102,24 @@ def test_the_extended_estimator_runs_share_the_golden_runs_path() -> None:
         assert same, f"{name}'s trainer path is not the golden run's: run its two steps in make test (drop the mark)"
 
 
+E2E = "trainer/test_e2e.py"
 MOVED_TO_EXTENDED = {
-    ("trainer/test_e2e.py", "test_grpo_three_steps_changes_every_parameter"): (
-        "trainer/test_e2e.py",
-        "test_same_seed_same_trajectory",
-    ),
-    ("trainer/test_e2e.py", "test_two_steps_per_algorithm"): ("trainer/test_e2e.py", "test_same_seed_same_trajectory"),
-    ("trainer/test_vl_e2e.py", "test_vl_grpo_two_steps"): ("trainer/test_vl_e2e.py", "test_vl_ppo_with_critic"),
-    ("trainer/test_val_reward_errors.py", "test_val_reward_errors_are_counted"): (
-        "trainer/test_val_reward_errors.py",
-        "test_validation_asks_the_engines_for_no_log_probs",
-    ),
-    ("trainer/test_rollout_correction.py", "test_each_correction_trains_and_logs_its_metrics"): (
-        "trainer/test_rollout_correction.py",
-        "test_tis_cap_is_the_token_tis_preset",
-    ),
+    (E2E, "test_grpo_three_steps_changes_every_parameter"): [(E2E, "test_same_seed_same_trajectory")],
+    (E2E, "test_two_steps_per_algorithm"): [
+        (E2E, "test_same_seed_same_trajectory"),
+        ("workers/test_batching.py", "test_dynamic_batching_two_workers_end_to_end"),
+        (E2E, "test_online_filtering_refills_the_batch"),
+    ],
+    ("trainer/test_vl_e2e.py", "test_vl_grpo_two_steps"): [("trainer/test_vl_e2e.py", "test_vl_ppo_with_critic")],
+    ("trainer/test_val_reward_errors.py", "test_val_reward_errors_are_counted"): [
+        ("trainer/test_val_reward_errors.py", "test_validation_asks_the_engines_for_no_log_probs")
+    ],
+    ("trainer/test_rollout_correction.py", "test_each_correction_trains_and_logs_its_metrics"): [
+        ("trainer/test_rollout_correction.py", "test_tis_cap_is_the_token_tis_preset")
+    ],
 }
 """Tests (or some of their cases) that `make test` leaves to `make test-extended` because another `make test` test
-runs their code path or makes their checks on its own run (docs/testing.md, "round 4"): (file, test) -> the cover."""
+runs their code path or makes their checks on its own run (docs/testing.md, "round 4"): (file, test) -> the covers."""
 
 
 def _test_text(file: str, name: str) -> tuple[str, ast.FunctionDef]:
@@ -135,10 +135,11 @@ def _test_text(file: str, name: str) -> tuple[str, ast.FunctionDef]:
 def test_each_test_moved_to_extended_names_its_make_test_cover() -> None:
     """A moved test carries the `extended` mark (on itself or on its moved cases) and names, in its marker comment or
     docstring, the `make test` test that covers it; that cover exists and is not `extended` itself."""
-    for (file, name), (cover_file, cover) in MOVED_TO_EXTENDED.items():
+    for (file, name), covers in MOVED_TO_EXTENDED.items():
         text, _ = _test_text(file, name)
         assert "pytest.mark.extended" in text, f"tests/{file}::{name} is not marked extended"
-        assert cover in text, f"tests/{file}::{name} does not name its make test cover {cover}"
-        _, node = _test_text(cover_file, cover)
-        marks = [ast.unparse(d) for d in node.decorator_list]
-        assert not [m for m in marks if "extended" in m], f"the cover tests/{cover_file}::{cover} is extended"
+        for cover_file, cover in covers:
+            assert cover in text, f"tests/{file}::{name} does not name its make test cover {cover}"
+            _, node = _test_text(cover_file, cover)
+            marks = [ast.unparse(d) for d in node.decorator_list]
+            assert not [m for m in marks if "extended" in m], f"the cover tests/{cover_file}::{cover} is extended"

@@ -81,6 +81,10 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
     assert 'id="plot-entropy"' in page and (run_dir / "report_entropy.png").stat().st_size > 0
 
 
+KL_IN_REWARD = {"algorithm.disable_kl": False, "algorithm.use_kl_loss": False, "algorithm.kl_type": "adaptive"}
+"""The adaptive KL penalty in the reward (against a reference model), not as a loss term."""
+
+
 @pytest.mark.parametrize(
     "edits",
     [
@@ -104,13 +108,14 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
         pytest.param({"algorithm.adv_estimator": "reinforce_plus_plus"}, marks=pytest.mark.extended),
         pytest.param({"algorithm.adv_estimator": "rloo"}, marks=pytest.mark.extended),
         {"algorithm.adv_estimator": "remax"},
-        {"algorithm.disable_kl": False, "algorithm.use_kl_loss": False, "algorithm.kl_type": "adaptive"},
+        # `extended`: make test runs the adaptive KL in the reward in test_online_filtering_refills_the_batch's run
+        pytest.param(KL_IN_REWARD, marks=pytest.mark.extended),
     ],
     ids=["gae", "reinforce_plus_plus", "rloo", "remax", "kl_in_reward"],  # the KL loss: the golden run below
 )
 def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -> None:
-    """Two steps of each estimator whose trainer path differs from the golden run's (a greedy baseline, the KL in
-    the reward); GAE and the two that share the golden run's path are `extended` (above: where `make test` has
+    """Two steps of each estimator whose trainer path differs from the golden run's (a greedy baseline); GAE, the
+    two that share the golden run's path and the KL in the reward are `extended` (above: where `make test` has
     them)."""
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert len(rows) == 2
@@ -119,12 +124,20 @@ def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -
     if edits.get("algorithm.adv_estimator") == "gae":
         assert "critic/vf_loss" in last and "critic/values/mean" in last
     if edits.get("algorithm.kl_type") == "adaptive":
-        assert "actor/reward_kl_penalty" in last
-        assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
+        kl_in_reward_adapts(rows)
+
+
+def kl_in_reward_adapts(rows: list[dict[str, float]]) -> None:
+    """The KL penalty in the reward is logged and its adaptive coefficient moved between the two steps."""
+    assert "actor/reward_kl_penalty" in rows[-1]
+    assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
 
 
 def test_online_filtering_refills_the_batch(tmp_path, tiny_model_dir, digits_data) -> None:
+    """DAPO's filter, with the adaptive KL penalty in the reward (`KL_IN_REWARD`: the filter judges the scores, the
+    penalty the token rewards after it); one run shows both (`test_two_steps_per_algorithm[kl_in_reward]`'s checks)."""
     edits = {
+        **KL_IN_REWARD,
         "algorithm.online_filtering": True,
         "algorithm.filter_low": 0.0,
         "algorithm.filter_high": 1.0,
@@ -137,6 +150,7 @@ def test_online_filtering_refills_the_batch(tmp_path, tiny_model_dir, digits_dat
     # The batch always ends full: rollout_batch_size prompts x n samples.
     assert all(r["perf/total_num_tokens"] > 0 for r in rows)
     assert all(r["batch/num_gen_batches"] >= 2 for r in rows), [r["batch/num_gen_batches"] for r in rows]
+    kl_in_reward_adapts(rows)
 
 
 # The golden run also trains with a KL loss to a reference model, so the trajectory covers the ref worker and
