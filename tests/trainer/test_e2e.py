@@ -29,9 +29,18 @@ def assert_finite(rows: list[dict[str, float]]) -> None:
         assert not bad, f"non-finite metrics at step {row['step']}: {bad}"
 
 
+@pytest.mark.extended  # make test: test_same_seed_same_trajectory's first run makes these checks (every_step_trains)
 def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digits_data) -> None:
+    """Plain GRPO (no KL). `make test` checks the same on the golden run (GRPO with a KL loss to a reference), whose
+    first run keeps its weights: one run shows both."""
     rows, before, after = run(tmp_path, tiny_model_dir, digits_data, {}, steps=3, weights=True)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    every_step_trains(rows, before, after)
+
+
+def every_step_trains(rows: list[dict[str, float]], before: dict | None, after: dict | None) -> None:
+    """Every step logs the loop's metrics, samples with the policy of the previous update, and the run moved every
+    parameter of the policy."""
     assert_finite(rows)
     for key in (
         "actor/pg_loss",
@@ -47,11 +56,8 @@ def test_grpo_three_steps_changes_every_parameter(tmp_path, tiny_model_dir, digi
     ):
         assert key in rows[-1], key
     # the initial checkpoint samples step 1 (version 0); each update's push makes the next version
-    assert [(r["rollout/policy_version_min"], r["rollout/policy_version_max"]) for r in rows] == [
-        (0.0, 0.0),
-        (1.0, 1.0),
-        (2.0, 2.0),
-    ]
+    versions = [(r["rollout/policy_version_min"], r["rollout/policy_version_max"]) for r in rows]
+    assert versions == [(float(step), float(step)) for step in range(len(rows))]
     assert before is not None and after is not None and before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters not trained: {unchanged}"
@@ -75,22 +81,42 @@ def test_default_grpo_logs_the_updates_entropy_and_the_report_plots_it(tmp_path,
     assert 'id="plot-entropy"' in page and (run_dir / "report_entropy.png").stat().st_size > 0
 
 
+KL_IN_REWARD = {"algorithm.disable_kl": False, "algorithm.use_kl_loss": False, "algorithm.kl_type": "adaptive"}
+"""The adaptive KL penalty in the reward (against a reference model), not as a loss term."""
+
+
 @pytest.mark.parametrize(
     "edits",
     [
-        {
-            "algorithm.adv_estimator": "gae",
-            "worker.critic.global_batch_size": 2,
-            "worker.critic.micro_batch_size_per_device_for_update": 2,
-        },
-        {"algorithm.adv_estimator": "reinforce_plus_plus"},
-        {"algorithm.adv_estimator": "rloo"},
+        # `extended`: GAE with its critic on 2 workers runs in `make test` in
+        # tests/workers/test_batching.py::test_dynamic_batching_two_workers_end_to_end (text, the same checks) and
+        # tests/trainer/test_vl_e2e.py::test_vl_ppo_with_critic (the padded rows this run trains on).
+        pytest.param(
+            {
+                "algorithm.adv_estimator": "gae",
+                "worker.critic.global_batch_size": 2,
+                "worker.critic.micro_batch_size_per_device_for_update": 2,
+            },
+            marks=pytest.mark.extended,
+        ),
+        # `extended`: these two run the golden run's code path (an estimator that needs no critic and no greedy
+        # baseline, `EstimatorNeeds()` but for `grouped`), with only the estimator function changed; `make test` has
+        # that path in `test_same_seed_same_trajectory` and each function against hand numbers, called with the
+        # trainer's arguments (string uids, gamma, lam, ...), in tests/algorithms/test_algo_advantages.py
+        # (`test_rloo`, `test_reinforce_plus_plus`, `test_common_extra_kwargs_are_ignored`).
+        # tests/test_structure_time.py holds the moved cases to that path.
+        pytest.param({"algorithm.adv_estimator": "reinforce_plus_plus"}, marks=pytest.mark.extended),
+        pytest.param({"algorithm.adv_estimator": "rloo"}, marks=pytest.mark.extended),
         {"algorithm.adv_estimator": "remax"},
-        {"algorithm.disable_kl": False, "algorithm.use_kl_loss": False, "algorithm.kl_type": "adaptive"},
+        # `extended`: make test runs the adaptive KL in the reward in test_online_filtering_refills_the_batch's run
+        pytest.param(KL_IN_REWARD, marks=pytest.mark.extended),
     ],
     ids=["gae", "reinforce_plus_plus", "rloo", "remax", "kl_in_reward"],  # the KL loss: the golden run below
 )
 def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -> None:
+    """Two steps of each estimator whose trainer path differs from the golden run's (a greedy baseline); GAE, the
+    two that share the golden run's path and the KL in the reward are `extended` (above: where `make test` has
+    them)."""
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=2)
     assert len(rows) == 2
     assert_finite(rows)
@@ -98,12 +124,20 @@ def test_two_steps_per_algorithm(tmp_path, tiny_model_dir, digits_data, edits) -
     if edits.get("algorithm.adv_estimator") == "gae":
         assert "critic/vf_loss" in last and "critic/values/mean" in last
     if edits.get("algorithm.kl_type") == "adaptive":
-        assert "actor/reward_kl_penalty" in last
-        assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
+        kl_in_reward_adapts(rows)
+
+
+def kl_in_reward_adapts(rows: list[dict[str, float]]) -> None:
+    """The KL penalty in the reward is logged and its adaptive coefficient moved between the two steps."""
+    assert "actor/reward_kl_penalty" in rows[-1]
+    assert rows[0]["actor/reward_kl_penalty_coeff"] != rows[1]["actor/reward_kl_penalty_coeff"]
 
 
 def test_online_filtering_refills_the_batch(tmp_path, tiny_model_dir, digits_data) -> None:
+    """DAPO's filter, with the adaptive KL penalty in the reward (`KL_IN_REWARD`: the filter judges the scores, the
+    penalty the token rewards after it); one run shows both (`test_two_steps_per_algorithm[kl_in_reward]`'s checks)."""
     edits = {
+        **KL_IN_REWARD,
         "algorithm.online_filtering": True,
         "algorithm.filter_low": 0.0,
         "algorithm.filter_high": 1.0,
@@ -116,6 +150,7 @@ def test_online_filtering_refills_the_batch(tmp_path, tiny_model_dir, digits_dat
     # The batch always ends full: rollout_batch_size prompts x n samples.
     assert all(r["perf/total_num_tokens"] > 0 for r in rows)
     assert all(r["batch/num_gen_batches"] >= 2 for r in rows), [r["batch/num_gen_batches"] for r in rows]
+    kl_in_reward_adapts(rows)
 
 
 # The golden run also trains with a KL loss to a reference model, so the trajectory covers the ref worker and
@@ -172,9 +207,10 @@ def test_golden_tolerance_catches_a_real_change() -> None:
 def test_same_seed_same_trajectory(tmp_path, tiny_model_dir, digits_data) -> None:
     """Two runs with one seed give bit-identical metrics for 5 steps (same machine), and match the golden trajectory
     recorded on another machine within `GOLDEN_RTOL`."""
-    first, _, _ = run(tmp_path / "a", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5)
-    # the golden run is GRPO with the low-variance KL as a loss term: it is also that algorithm's end-to-end check
-    assert_finite(first)
+    first, before, after = run(tmp_path / "a", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5, weights=True)
+    # the golden run is GRPO with the low-variance KL as a loss term: it is also that algorithm's end-to-end check,
+    # and `make test`'s check that every step trains (test_grpo_three_steps_changes_every_parameter's, on plain GRPO)
+    every_step_trains(first, before, after)
     assert all("actor/kl_loss" in r for r in first)
     second, _, _ = run(tmp_path / "b", tiny_model_dir, digits_data, GOLDEN_EDITS, steps=5)
     stable = [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in first]

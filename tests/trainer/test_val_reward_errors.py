@@ -22,7 +22,11 @@ def main(x):
 """
 
 
+@pytest.mark.extended  # make test: test_validation_asks_the_engines_for_no_log_probs's validation (below) checks it
 def test_val_reward_errors_are_counted(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
+    """A `val_only` run, greedy (n = 1): the errors are counted. `make test` has both halves on shorter paths: the
+    same counts on the greedy validation before `test_validation_asks_the_engines_for_no_log_probs`'s training step,
+    and a `val_only` run in `test_sampled_validation_reports_mean_best_and_pass_at_n`."""
     reward = tmp_path / "flaky.py"
     reward.write_text(FLAKY_REWARD)
     edits = {
@@ -78,17 +82,24 @@ def build(ctx: EngineContext):
 
 def test_validation_asks_the_engines_for_no_log_probs(tmp_path: Path, tiny_model_dir: str, digits_data) -> None:
     """Training asks for them (the engine-vs-actor figures: `rollout/token_prob_error`); validation, which nothing
-    compares with the trainer, does not."""
+    compares with the trainer, does not. The same run's greedy validation counts the reward's failures (one run
+    shows both: `test_val_reward_errors_are_counted`'s check)."""
     calls = tmp_path / "calls.txt"
     engine = tmp_path / "recording_engine.py"
     engine.write_text(RECORDING_ENGINE.format(path=str(calls)))
+    reward = tmp_path / "flaky.py"
+    reward.write_text(FLAKY_REWARD)
     edits = {
-        "data.val_files": digits_data["val"],
+        "data.val_files": digits_data["val"],  # 8 rows; the answers 000 and 010 end in 0
+        "worker.reward.reward_function": f"{reward}:main",
         "algorithm.user_modules": [str(engine)],
         "worker.rollout.name": "recording_hf",
         "trainer.val_before_train": True,
     }
     rows, _, _ = run(tmp_path, tiny_model_dir, digits_data, edits, steps=1)
+    (val,) = [r for r in rows if "val/reward_score" in r]
+    assert val["step"] == 0 and val["val/reward_errors"] == 2.0
+    assert val["val/reward_score"] == pytest.approx(6 / 8)
     assert "rollout/token_prob_error" in rows[-1]  # the training step's engine log-probs were compared
     asked = calls.read_text().split()
     # the validation calls ("False"), then the training step's ("True")

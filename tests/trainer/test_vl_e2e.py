@@ -44,12 +44,9 @@ def vl_edits(data: dict[str, str]) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("arch", VL_ARCHS)
-def test_vl_grpo_two_steps(tmp_path: Path, digits_data, arch: str) -> None:
-    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
-    data = _image_data(tmp_path / "data")
-    edits = vl_edits(data)
-    rows, before, after = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2, weights=True)
+def _assert_the_pixels_trained_the_tower(rows: list[dict[str, float]], before: Any, after: Any) -> None:
+    """The actor's vision tower moved (it can only get a gradient from pixels that reached the model), and the image
+    tokens were expanded into the prompt."""
     assert_finite(rows)
     assert before is not None and after is not None
     vision = [n for n in before if ".visual." in f".{n}" or n.startswith(("visual.", "model.visual."))]
@@ -58,10 +55,23 @@ def test_vl_grpo_two_steps(tmp_path: Path, digits_data, arch: str) -> None:
     assert rows[0]["prompt_length/mean"] > 40  # image tokens expanded into the prompt
 
 
+@pytest.mark.extended  # make test: test_vl_ppo_with_critic (below) makes the same checks on its own run
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vl_grpo_two_steps(tmp_path: Path, digits_data, arch: str) -> None:
+    """The actor's VL path under GRPO. Its checks run in `make test` on `test_vl_ppo_with_critic`'s run, whose actor
+    update is the same code (the estimator differs; GRPO's own path is the golden run, tests/trainer/test_e2e.py)."""
+    model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
+    data = _image_data(tmp_path / "data")
+    edits = vl_edits(data)
+    rows, before, after = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2, weights=True)
+    _assert_the_pixels_trained_the_tower(rows, before, after)
+
+
 @pytest.mark.parametrize("arch", VL_ARCHS)
 def test_vl_ppo_with_critic(tmp_path: Path, arch: str) -> None:
     """GAE with a VL critic (the checkpoint's backbone plus a value head): values and the critic update see the
-    same images as the actor."""
+    same images as the actor; and the actor's own vision tower trains from the pixels (`test_vl_grpo_two_steps`'s
+    checks, on this run: one run shows both)."""
     model = build_tiny_vl_checkpoint(tmp_path / "model", arch=arch)
     data = _image_data(tmp_path / "data")
     edits = vl_edits(data) | {
@@ -69,8 +79,8 @@ def test_vl_ppo_with_critic(tmp_path: Path, arch: str) -> None:
         "worker.critic.global_batch_size": 2,
         "worker.critic.micro_batch_size_per_device_for_update": 2,
     }
-    rows, _, _ = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2)
-    assert_finite(rows)
+    rows, before, after = run(tmp_path / "run", model, {"train": data["train"]}, edits, steps=2, weights=True)
+    _assert_the_pixels_trained_the_tower(rows, before, after)
     for row in rows:
         assert row["critic/vf_loss"] > 0
     assert rows[0]["critic/vpred_mean"] != rows[1]["critic/vpred_mean"]  # the critic trained between the steps

@@ -166,7 +166,7 @@ def test_adamw_bf16_states() -> None:
 @pytest.mark.slow
 def test_dynamic_batching_two_workers_end_to_end(ray_session, tmp_path, tiny_model_dir, digits_data) -> None:
     """The real trainer (Ray, 2 FSDP2 workers, GAE so the critic runs too) with dynamic batching, padding-free
-    packing and the fused head all on."""
+    packing and the fused head all on. It is `make test`'s text GAE run (test_e2e.py's GAE case is `extended`)."""
     from tests.trainer.test_e2e import assert_finite, run
 
     edits = {
@@ -185,6 +185,7 @@ def test_dynamic_batching_two_workers_end_to_end(ray_session, tmp_path, tiny_mod
     assert len(rows) == 2
     assert_finite(rows)
     assert "actor/kl_loss" in rows[-1] and "critic/vf_loss" in rows[-1] and "actor/pg_loss" in rows[-1]
+    assert "critic/values/mean" in rows[-1]  # the GAE run of tests/trainer/test_e2e.py's (extended) checks
 
 
 @pytest.mark.slow
