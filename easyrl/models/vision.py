@@ -147,22 +147,23 @@ def mrope_position_ids(
     return position_ids
 
 
+def _encoder(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule `name` of `model` or of its inner ``model`` (where transformers 5 keeps a VL model's parts)."""
+    for candidate in (getattr(model, "model", None), model):
+        encoder = getattr(candidate, name, None)
+        if isinstance(encoder, nn.Module):
+            return encoder
+    return None
+
+
 def vision_tower(model: nn.Module) -> nn.Module | None:
     """The vision encoder (``visual``, with its patch merger) of a VL model, or None for a text model."""
-    for candidate in (getattr(model, "model", None), model):
-        visual = getattr(candidate, "visual", None)
-        if isinstance(visual, nn.Module):
-            return visual
-    return None
+    return _encoder(model, "visual")
 
 
 def audio_tower(model: nn.Module) -> nn.Module | None:
     """The audio encoder (``audio_tower``) of an Omni thinker, or None."""
-    for candidate in (getattr(model, "model", None), model):
-        audio = getattr(candidate, "audio_tower", None)
-        if isinstance(audio, nn.Module):
-            return audio
-    return None
+    return _encoder(model, "audio_tower")
 
 
 def freeze_vision_tower(model: nn.Module) -> int:
