@@ -84,8 +84,11 @@ def _text_positions(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return pos[0]
 
 
-def _capture(holder: _Boundaries) -> Any:
+def _capture() -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # The holder hangs on the module the hook runs for, not in a closure: a copy of the model (`copy.deepcopy`)
+        # keeps the hook function itself but gets its own holder, shared with its own layers.
+        holder: _Boundaries = getattr(module, _STATE)
         holder.cu = None  # one sequence (or a padded batch): the layer's own path is exact
         pos = _text_positions(kwargs)
         if pos is None:
@@ -114,19 +117,27 @@ def _unpacked_forward(
 
 
 def _wrap(layer: nn.Module, holder: _Boundaries) -> None:
-    original = layer.forward  # the bound method of the layer's class (transformers' kernel hub may have swapped it)
+    # The layer's forward as a function of the layer (transformers' kernel hub may have swapped it), called on `self`
+    # below, and the holder read from `self`: a deep copy of the model then runs its own layers with its own holder
+    # (a bound method or a holder in this closure would keep pointing at the original model's).
+    bound = layer.forward
+    original: Any = getattr(bound, "__func__", None)
+    if original is None or getattr(bound, "__self__", None) is not layer:  # not a method of this layer: as it is
+
+        def original(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return bound(*args, **kwargs)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        cu = holder.cu
+        cu = getattr(self, _STATE).cu
         cache = kwargs.get("cache_params", args[0] if args else None)
         if cu is None or cache is not None or hidden_states.shape[0] != 1 or hidden_states.shape[1] != int(cu[-1]):
-            return original(hidden_states, *args, **kwargs)
+            return original(self, hidden_states, *args, **kwargs)
         if args:
             raise RuntimeError(f"{type(self).__name__} was called with positional inputs; expected keywords")
         if kwargs.get("attention_mask") is not None:
             raise RuntimeError("a packed row reached a linear-attention layer with a padding mask")
         rest = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "cache_params")}
-        return _unpacked_forward(original, cu.to(hidden_states.device), hidden_states, rest)
+        return _unpacked_forward(types.MethodType(original, self), cu.to(hidden_states.device), hidden_states, rest)
 
     layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
     setattr(layer, _STATE, holder)
@@ -150,7 +161,8 @@ def keep_samples_apart(model: nn.Module) -> int:
     if not owners:
         raise ValueError(f"{type(model).__name__}: linear-attention layers outside a decoder stack (no .layers)")
     for owner in owners:
-        owner.register_forward_pre_hook(_capture(holder), with_kwargs=True)
+        setattr(owner, _STATE, holder)
+        owner.register_forward_pre_hook(_capture(), with_kwargs=True)
     for layer in layers:
         _wrap(layer, holder)
     return len(layers)

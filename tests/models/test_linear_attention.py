@@ -78,6 +78,31 @@ def test_packed_samples_do_not_share_recurrent_state(hybrid: tuple[str, Batch]) 
     assert min(gap[1:]) > 1e-3, f"the unhooked model no longer leaks state across samples ({gap}): re-check the fix"
 
 
+def test_a_deep_copy_keeps_its_own_samples_apart_with_its_own_layers(hybrid: tuple[str, Batch]) -> None:
+    """`copy.deepcopy` of a hooked model (tests build eager/compiled pairs that way): the copy's linear-attention
+    layers run with its own weights and its own sample boundaries, and the original is untouched by the copy's
+    passes. (The hooks once kept the original's bound forward and holder in closures: a copy ran the original's
+    layers.)"""
+    import copy
+
+    path, mb = hybrid
+    model = _slow_decay(load_model(ModelConfig(model_path=path), attn_implementation=packed_attn_implementation()))
+    model.eval()
+    with torch.no_grad():
+        before, _ = token_log_probs(model, mb, CPU, 1.0, False, PACKED)
+    twin = copy.deepcopy(model)
+    for name, param in twin.named_parameters():
+        if name.endswith("linear_attn.A_log"):
+            param.data.fill_(SLOW_DECAY + 1.0)  # its own decay: its outputs must differ from the original's
+    mask = mb["response_mask"].bool()
+    with torch.no_grad():
+        copied, _ = token_log_probs(twin, mb, CPU, 1.0, False, PACKED)
+        after, _ = token_log_probs(model, mb, CPU, 1.0, False, PACKED)
+    assert (copied - _one_by_one(twin, mb))[mask].abs().max() < 1e-5  # the copy keeps its samples apart
+    assert (copied - before)[mask].abs().max() > 1e-4  # with its own layers' weights
+    assert torch.equal(after, before)  # and the original is as it was
+
+
 def test_packed_log_probs_and_gradients_equal_padded(hybrid: tuple[str, Batch]) -> None:
     """Every gradient, the linear-attention layers' (A_log, dt_bias, the convolution) included."""
     path, mb = hybrid
