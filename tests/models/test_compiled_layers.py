@@ -112,8 +112,7 @@ def _tiny(family: str, tmp_path: Path) -> str:
 def _compiled_against_eager(path: str, batches: list[Any] | None = None) -> None:
     """The tiny model at `path`, packed, its decoder layers compiled against the same weights eager: log-probs and
     every gradient within fp32 tolerance over three micro-batch lengths, no recompile after the first. Two loads of
-    the same folder, not a deepcopy: a linear-attention model's packed-sample hooks are bound to the model they were
-    installed on."""
+    the same folder (a deep copy would do too: tests/models/test_linear_attention.py)."""
     from easyrl.config import ModelConfig
     from easyrl.workers.model_setup import load_model
 
