@@ -183,16 +183,16 @@ class HFRolloutEngine(RolloutEngine):
             # Sample j gets the prompt's seed + j, as vLLM seeds the j-th sample of a request.
             seeds = [s + j for s in seeds_of_prompts(prompts, params, unseeded=0) for j in range(params.n)]
             processors = row_sampler(params, seeds, self.device)
-        recorder = None
-        if params.logprobs:  # after the sampler: it reads the token the perturbed scores pick
-            # greedy (0) has no distribution: its tokens are scored at T = 1
-            recorder = SampledLogProbs(self.model, 1.0 if greedy else params.temperature)
-            processors.append(recorder)
         fault = next_fault()
         if fault == "kill":  # the engine's state is gone: this call and any later one fail until it is rebuilt
             self.model = None
         elif fault is not None:  # fails inside the decoding loop, after the first token of every row was drawn
             processors.append(FailAtStep(fault, min(2, params.max_tokens)))
+        recorder = None
+        if params.logprobs and self.model is not None:  # last: it reads the token the perturbed scores pick
+            # greedy (0) has no distribution: its tokens are scored at T = 1
+            recorder = SampledLogProbs(self.model, 1.0 if greedy else params.temperature)
+            processors.append(recorder)
         extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
         try:
             out: Any = generate_with_media(
