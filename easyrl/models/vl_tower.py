@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from easyrl.models.family import family_of
-from easyrl.models.vision import vision_tower
+from easyrl.models.vision import audio_tower, vision_tower
 from easyrl.models.vl_sequence import language_model
 
 
@@ -139,8 +139,8 @@ def keep_vision_tower_in_step(model: nn.Module) -> None:
     # the Omni thinker's text model is its `model` (no language_model attribute)
     lm: Any = backbone.model if family_of(backbone).thinker else language_model(backbone)
     towers: list[tuple[nn.Module, tuple[str, ...], Any]] = [(visual, MEDIA_INPUTS, _dummy_tower_term)]
-    audio = getattr(backbone, "audio_tower", None)
-    if isinstance(audio, nn.Module):
+    audio = audio_tower(backbone)
+    if audio is not None:
         towers.append((audio, AUDIO_INPUTS, _dummy_audio_term))
     calls = [0] * len(towers)  # each tower's calls in the current forward
     needed = [len(names) for _, names, _ in towers]  # the calls every rank makes (agreed when the forward starts)

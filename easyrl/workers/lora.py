@@ -55,8 +55,7 @@ def default_exclude(model: nn.Module) -> str | None:
     Routed experts are fused (experts, out, in) tensors in transformers 5, not linear layers: neither merged into the
     engine's weights nor checkpointed by easyrl's adapter path. The routers stay frozen so that the adapters never move
     which experts a token goes to (the engine and the trainer already disagree on near ties; docs/models.md)."""
-    from easyrl.models import vision_tower
-    from easyrl.models.vision import audio_tower
+    from easyrl.models.vision import audio_tower, vision_tower
 
     parts = []
     # the media encoders: a VL model's vision tower, an Omni thinker's audio tower beside it
