@@ -408,11 +408,12 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
     sizes = engine_capture_sizes(cfg)
     graphs = cuda_graph_bytes(shape, sizes, engine_dtype)
     kv_per_token = 2 * shape.kv_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * engine_dtype
+    sleeps = bool(caps.sleep_levels) and rollout.enable_sleep_mode
     rows = 0
     if caps.reserves_budget:  # vLLM: its budget, taken at start; the KV cache is what weights and graphs leave
         engine = int(rollout.gpu_memory_utilization * device_total)
         kv_tokens = max(0, engine - engine_weights - graphs) // kv_per_token
-        held_while_updating = graphs if caps.sleep_levels and rollout.enable_sleep_mode else engine
+        held_while_updating = graphs if sleeps else engine
     else:  # the HF engine: its weights, and in each call the KV cache of that call's rows at full length
         rows = sequences_per_engine_call(cfg)
         kv_tokens = rows * (cfg.data.max_prompt_length + cfg.data.max_response_length)
@@ -421,7 +422,6 @@ def plan_memory(shape: ModelShape, cfg: Any, device_total: int) -> MemoryPlan:
         held_while_updating = engine_weights  # the call's cache is freed when it returns
     processes = 1 + int(ref_process) + int(critic is not None)
     per_process = processes * (CUDA_CONTEXT_BYTES + (NCCL_BYTES if ranks > 1 else 0))
-    sleeps = bool(caps.sleep_levels) and rollout.enable_sleep_mode
     off = actor.offload
     resident = (0 if off.offload_params else actor_mem.weights) + (0 if off.offload_optimizer else actor_mem.optimizer)
     ref_resident = 0 if w.ref.offload.offload_params else ref_weights
