@@ -107,6 +107,25 @@ def omni_family(ctx: Context, variant: str) -> Outcome:
     return Outcome(f"moved: {parts}; prompts {rows[0]['prompt_length/mean']:.0f} tokens", rows)
 
 
+def omni_lora(ctx: Context) -> Outcome:
+    """LoRA (rank 8, `all-linear`) on the Qwen2.5-Omni thinker through the HF engine on the GPU: the adapters land on
+    the language layers only (the audio and vision towers stay as loaded), and the merged policy reaches the engine
+    (the numerics gate's policy versions)."""
+    from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint
+    from tests.models.test_omni import audio_data
+
+    model = ctx.built("qwen2_5_omni", lambda folder: build_tiny_omni_checkpoint(folder, variant="qwen2_5_omni"))
+    audio = Path(ctx.built("audio", lambda folder: audio_data(folder)["audio_dir"]))
+    edits = {"data.audio_dir": str(audio), "data.max_prompt_length": 128, "worker.actor.model.lora.rank": 8}
+    rows, before, after = ctx.train(
+        model, {"train": str(audio.parent / "train.jsonl")}, edits, engine="hf", weights=True
+    )
+    expect(moved(before, after, "model.layers."), "qwen2_5_omni LoRA: the language layers did not move")
+    expect(not moved(before, after, "audio_tower."), "qwen2_5_omni LoRA: the audio tower moved (adapted?)")
+    expect(not moved(before, after, "visual."), "qwen2_5_omni LoRA: the vision tower moved (adapted?)")
+    return Outcome("LoRA on the Omni thinker: language layers moved, audio and vision towers not", rows)
+
+
 def _family(name: str, run: Any, limit_s: float = 45.0, cpu: bool = True) -> Recipe:
     return Recipe(name, "family", run, limit_s, cpu)
 
@@ -138,4 +157,5 @@ FAMILIES = (
     ),
     _family("qwen2_5_omni", partial(omni_family, variant="qwen2_5_omni"), limit_s=60),
     _family("qwen3_omni_moe", partial(omni_family, variant="qwen3_omni_moe"), limit_s=60),
+    _family("qwen2_5_omni_lora", omni_lora, limit_s=60),
 )
