@@ -90,16 +90,19 @@ def vl_family(ctx: Context, arch: str, parts: tuple[str, ...], media: str = "ima
     return Outcome(f"moved: {', '.join(parts)}; {media} prompts {prompt:.0f} tokens", rows)
 
 
-def omni_family(ctx: Context, variant: str) -> Outcome:
+def _train_omni(ctx: Context, variant: str, **edits: Any) -> tuple[list[dict[str, Any]], dict | None, dict | None]:
+    """The Omni thinker's run on the audio rows through the HF engine: (metric rows, weights before, after)."""
     from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint
     from tests.models.test_omni import audio_data
 
     model = ctx.built(variant, lambda folder: build_tiny_omni_checkpoint(folder, variant=variant))
     audio = Path(ctx.built("audio", lambda folder: audio_data(folder)["audio_dir"]))
-    edits = {"data.audio_dir": str(audio), "data.max_prompt_length": 128}
-    rows, before, after = ctx.train(
-        model, {"train": str(audio.parent / "train.jsonl")}, edits, engine="hf", weights=True
-    )
+    edits = {"data.audio_dir": str(audio), "data.max_prompt_length": 128, **edits}
+    return ctx.train(model, {"train": str(audio.parent / "train.jsonl")}, edits, engine="hf", weights=True)
+
+
+def omni_family(ctx: Context, variant: str) -> Outcome:
+    rows, before, after = _train_omni(ctx, variant)
     expect(moved(before, after, "audio_tower."), f"{variant}: the audio tower got no gradient: no audio?")
     parts = "audio tower" + (", routed experts" if variant == "qwen3_omni_moe" else "")
     if variant == "qwen3_omni_moe":
@@ -107,22 +110,14 @@ def omni_family(ctx: Context, variant: str) -> Outcome:
     return Outcome(f"moved: {parts}; prompts {rows[0]['prompt_length/mean']:.0f} tokens", rows)
 
 
-def omni_lora(ctx: Context) -> Outcome:
-    """LoRA (rank 8, `all-linear`) on the Qwen2.5-Omni thinker through the HF engine on the GPU: the adapters land on
-    the language layers only (the audio and vision towers stay as loaded), and the merged policy reaches the engine
+def omni_lora(ctx: Context, variant: str) -> Outcome:
+    """LoRA (rank 8, `all-linear`) on an Omni thinker through the HF engine on the GPU: the adapters land on the
+    language layers only (the audio and vision towers stay as loaded), and the merged policy reaches the engine
     (the numerics gate's policy versions)."""
-    from easyrl.testing.tiny_omni import build_tiny_omni_checkpoint
-    from tests.models.test_omni import audio_data
-
-    model = ctx.built("qwen2_5_omni", lambda folder: build_tiny_omni_checkpoint(folder, variant="qwen2_5_omni"))
-    audio = Path(ctx.built("audio", lambda folder: audio_data(folder)["audio_dir"]))
-    edits = {"data.audio_dir": str(audio), "data.max_prompt_length": 128, "worker.actor.model.lora.rank": 8}
-    rows, before, after = ctx.train(
-        model, {"train": str(audio.parent / "train.jsonl")}, edits, engine="hf", weights=True
-    )
-    expect(moved(before, after, "model.layers."), "qwen2_5_omni LoRA: the language layers did not move")
-    expect(not moved(before, after, "audio_tower."), "qwen2_5_omni LoRA: the audio tower moved (adapted?)")
-    expect(not moved(before, after, "visual."), "qwen2_5_omni LoRA: the vision tower moved (adapted?)")
+    rows, before, after = _train_omni(ctx, variant, **{"worker.actor.model.lora.rank": 8})
+    expect(moved(before, after, "model.layers."), f"{variant} LoRA: the language layers did not move")
+    expect(not moved(before, after, "audio_tower."), f"{variant} LoRA: the audio tower moved (adapted?)")
+    expect(not moved(before, after, "visual."), f"{variant} LoRA: the vision tower moved (adapted?)")
     return Outcome("LoRA on the Omni thinker: language layers moved, audio and vision towers not", rows)
 
 
@@ -157,5 +152,5 @@ FAMILIES = (
     ),
     _family("qwen2_5_omni", partial(omni_family, variant="qwen2_5_omni"), limit_s=60),
     _family("qwen3_omni_moe", partial(omni_family, variant="qwen3_omni_moe"), limit_s=60),
-    _family("qwen2_5_omni_lora", omni_lora, limit_s=60),
+    _family("qwen2_5_omni_lora", partial(omni_lora, variant="qwen2_5_omni"), limit_s=60),
 )
