@@ -81,6 +81,16 @@ def init_rank(rank: int, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def close_rank() -> None:
+    """Leave the gloo group together: without the barrier, a rank that destroys its group (and exits) while the other
+    still reads from its pairs can take gloo's threads down mid-read (`terminate called without an active exception`,
+    SIGABRT; seen once in CI under load)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _loss_fn(model: torch.nn.Module) -> Any:
     from easyrl.workers.forward_backward import MicroBatchLoss, token_log_probs
 
@@ -94,7 +104,6 @@ def _loss_fn(model: torch.nn.Module) -> Any:
 
 
 def _optimize_worker(rank: int, world: int, model_dir: str, out: str, uneven: bool) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig, OptimConfig
     from easyrl.workers.forward_backward import optimize
@@ -119,7 +128,7 @@ def _optimize_worker(rank: int, world: int, model_dir: str, out: str, uneven: bo
         results[str(budget)] = {n: t.tolist() for n, t in iter_full_weights(model)}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_rank()
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from easyrl.workers.forward_backward import token_log_probs
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing import make_batch
 
 
@@ -16,7 +16,6 @@ CPU = torch.device("cpu")
 
 
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig, OffloadConfig, OptimConfig
     from easyrl.workers.specs import ModelSpec
@@ -42,7 +41,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
         res[key] = lp.detach().tolist()
     if rank == 0:
         Path(out).write_text(json.dumps(res))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_fsdp_cpu_offload_is_a_noop_on_cpu(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 
 
 CPU = torch.device("cpu")
@@ -121,7 +121,6 @@ def _run_top1(models: dict[str, torch.nn.Module], opts: ForwardOptions) -> list[
 
 
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.workers.ulysses import enable_sequence_parallel
     from easyrl.workers.varlen import register_varlen_attention
@@ -138,7 +137,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
     }
     if rank == 0:
         Path(out).write_text(json.dumps(found))
-    dist.destroy_process_group()
+    close_rank()
 
 
 @pytest.fixture(scope="module")

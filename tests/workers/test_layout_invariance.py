@@ -20,7 +20,7 @@ import torch
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
 from tests.conftest import padded_rows, ppo_kl_loss
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 
 
 CPU = torch.device("cpu")
@@ -132,7 +132,6 @@ CASES: list[tuple[str, str, str, ForwardOptions, int]] = [
 
 
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     batch = _with_old_log_probs(model_dir, _batch())
@@ -158,7 +157,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
         }
     if rank == 0:
         Path(out).write_text(json.dumps(report))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_one_step_is_the_same_at_every_layout(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from easyrl.workers.forward_backward import token_log_probs
 from easyrl.workers.head_grad import vocab_block
 from easyrl.workers.packing import fused_linear_logprobs
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing import make_batch, tiny_lm
 
 
@@ -77,7 +77,6 @@ def test_fused_model_path_matches_plain(tie: bool) -> None:
 
 
 def _fsdp_worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.workers.model_setup import load_model, shard_model
@@ -96,7 +95,7 @@ def _fsdp_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         res[key] = {"lp": lp[mask].tolist(), "ent": ent[mask].tolist(), **grads}
     if rank == 0:
         Path(out).write_text(json.dumps(res))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_fused_and_packed_under_fsdp2_two_ranks(tmp_path, tiny_model_dir) -> None:

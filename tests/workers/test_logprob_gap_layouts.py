@@ -18,7 +18,7 @@ import torch
 from easyrl.algorithms.logprob_gap import DIFF_MAX, DIFF_MEAN, TOKEN_PROB_ERROR
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_layout_invariance import RESPONSES, WORLD, _batch, _step
 
 
@@ -63,7 +63,6 @@ def _with_engine_log_probs(model_dir: str) -> Batch:
 
 
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     batch = _with_engine_log_probs(model_dir)
@@ -77,7 +76,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
         report[name] = {k: got.get(k) for k in FIGURES}
     if rank == 0:
         Path(out).write_text(json.dumps(report))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_the_update_measures_the_engine_over_the_whole_mini_batch_at_every_layout(tmp_path: Path) -> None:

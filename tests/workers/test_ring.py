@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 
 
 LENGTHS = (5, 11, 1, 7)  # 24 tokens: 12 per block on a ring of 2, 6 on a ring of 4; sequences straddle the cuts
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     dist.all_gather_object(gathered, failures)
     if rank == 0:
         Path(out).write_text(json.dumps([f for part in gathered for f in part or []]))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_ring_attention_equals_one_rank(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_layout_invariance import _batch, _step, _with_old_log_probs
 
 
@@ -108,7 +108,7 @@ def _report(rank: int, world: int, failures: list[str], out: str) -> None:
     dist.all_gather_object(gathered, failures)
     if rank == 0:
         Path(out).write_text(json.dumps([f for part in gathered for f in part]))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def _fork_ranks(_rank: int, _world: int, worker: Any, world: int, *args: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing import make_batch
 
 
@@ -66,7 +66,6 @@ def _values(model_dir: str, mb: Batch, opts: ForwardOptions, attn: Any) -> torch
 
 
 def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.workers.model_setup import load_model, shard_model
@@ -107,7 +106,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, int, bool]], out: str)
                 failures.append(f"{Path(model_dir).name} sp={sp} fused={fused} {name}: {str(exc).splitlines()[:3]}")
     if rank == 0:
         Path(out).write_text(json.dumps(failures))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_ulysses_equals_unsplit(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing_vl import _batch, _write_video
 from tests.workers.test_ulysses import CPU, _loss
 
@@ -67,7 +67,6 @@ def _case(model_dir: str, video: str, fused: bool) -> dict[str, tuple[torch.Tens
 
 
 def _worker(rank: int, world: int, cases: list[tuple[str, bool]], video: str, out: str) -> None:
-    import torch.distributed as dist
 
     init_rank(rank, world)
     failures: list[str] = []
@@ -81,7 +80,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, bool]], video: str, ou
                 failures.append(f"{Path(model_dir).name} fused={fused} {name}: {str(exc).splitlines()[:3]}")
     if rank == 0:
         Path(out).write_text(json.dumps({"failures": failures, "compared": compared}))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_ulysses_vl_equals_unsplit(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from easyrl.batch import Batch
 from easyrl.workers.forward_backward import batched_log_probs
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing import make_batch, tiny_lm
 
 
@@ -38,7 +38,6 @@ def _loss_fn(model: torch.nn.Module, reduced: list[bool]) -> Any:
 
 
 def _levers_worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig, OptimConfig
     from easyrl.workers.forward_backward import optimize
@@ -61,7 +60,7 @@ def _levers_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         results[name] = {"metrics": metrics, "weights": weights, "reduced": reduced}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_levers_give_the_same_update_on_two_ranks(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing_vl import _batch, _write_video
 from tests.workers.test_ulysses import CPU, _loss
 
@@ -59,7 +59,6 @@ def _case(model_dir: str, video: str, fused: bool, frozen: bool) -> tuple[dict[s
 
 
 def _worker(rank: int, world: int, cases: list[tuple[str, bool, bool]], video: str, out: str) -> None:
-    import torch.distributed as dist
 
     init_rank(rank, world)
     failures: list[str] = []
@@ -74,7 +73,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, bool, bool]], video: s
             except AssertionError as exc:
                 failures.append(f"{Path(model_dir).name} frozen={frozen} {name}: {str(exc).splitlines()[:3]}")
     Path(f"{out}.{rank}").write_text(json.dumps({"failures": failures, "compared": compared, "rows": rows}))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_split_tower_equals_one_rank(tmp_path: Path) -> None:

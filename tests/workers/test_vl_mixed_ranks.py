@@ -14,7 +14,7 @@ import torch
 
 from easyrl.batch import Batch
 from easyrl.workers.specs import ForwardOptions
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 from tests.workers.test_packing_vl import _batch, _write_video
 
 
@@ -36,7 +36,6 @@ def _lp_grads(
 
 
 def _worker(rank: int, world: int, model_dir: str, video: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.models import load_processor
@@ -75,7 +74,7 @@ def _worker(rank: int, world: int, model_dir: str, video: str, out: str) -> None
                 failures.append(f"rank {rank} {path} {name}: {str(exc).splitlines()[:2]}")
     vision_none = [n for n, g in alone[1][1].items() if g is None and "visual" in n]
     Path(f"{out}.{rank}").write_text(json.dumps({"failures": failures, "vision_none_alone": len(vision_none)}))
-    dist.destroy_process_group()
+    close_rank()
 
 
 def test_ranks_with_and_without_media_pair_up(tmp_path: Path) -> None:
@@ -124,7 +123,6 @@ def test_text_only_forward_is_unchanged_and_reaches_the_tower(tmp_path: Path) ->
 def _calls_worker(rank: int, world: int, model_dir: str, video: str, out: str) -> None:
     """Each case of `CASES` (the rows of each rank) through the sharded model: the tower calls the forward makes, and
     whether the log-probs and gradients are those of the unsharded model (the ranks' average)."""
-    import torch.distributed as dist
 
     from easyrl.config import FSDPConfig, ModelConfig
     from easyrl.models import load_processor, vision_tower
@@ -155,7 +153,7 @@ def _calls_worker(rank: int, world: int, model_dir: str, video: str, out: str) -
                 failures.append(name)
         results.append({"failures": failures, "calls": calls[0]})
     Path(f"{out}.{rank}").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_rank()
 
 
 CASES = ([[0], [2]], [[2], [2]])

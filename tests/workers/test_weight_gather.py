@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.workers.test_batching import init_rank, run_ranks
+from tests.workers.test_batching import close_rank, init_rank, run_ranks
 
 
 CPU = torch.device("cpu")
@@ -76,7 +76,6 @@ def _count_collectives(calls: dict[str, int]) -> None:
 
 
 def _gather_worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     from easyrl.workers import model_setup
 
@@ -104,7 +103,7 @@ def _gather_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         }
     model_setup.GATHER_BUCKET_BYTES = default
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_rank()
 
 
 @pytest.fixture(scope="module")
