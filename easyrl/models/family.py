@@ -178,8 +178,6 @@ _THINKER_REFUSES = (
      "worker.rollout.name=hf"),
     ("ulysses", "sequence parallelism is not built for the Omni thinker (no language_model seam to split after its "
      "audio and vision towers); set it to 1"),
-    ("critic", "gae needs a critic, not built for the Omni thinker; use a critic-free estimator (grpo, rloo, "
-     "reinforce_plus_plus...)"),
 )  # fmt: skip
 
 

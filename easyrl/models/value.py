@@ -5,6 +5,11 @@ policy is built here: the checkpoint's backbone (vision tower and language model
 head is left out) and a one-output linear head on every token, initialised like transformers' token-classification
 heads. Its forward takes what the actor's forward takes (patches, grids, 3D positions, ``mm_token_type_ids``) and
 returns ``logits`` of shape (b, L, 1), so the critic worker treats text and VL critics alike.
+
+An Omni thinker has no backbone class of its own: its audio merge and its audio-aware 3D positions live in its
+``*ForConditionalGeneration`` forward (``AutoModel`` maps no thinker config). Its critic (:class:`ThinkerValueModel`)
+is that class with the LM head replaced by an identity, so the forward's ``logits`` are the last hidden states, under
+the same value head.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch import nn
 from transformers.modeling_outputs import TokenClassifierOutput
 
 
-__all__ = ["VisionValueModel"]
+__all__ = ["ThinkerValueModel", "VisionValueModel"]
 
 
 class VisionValueModel(nn.Module):
@@ -56,4 +61,25 @@ class VisionValueModel(nn.Module):
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **media
         )
-        return TokenClassifierOutput(logits=self.score(out.last_hidden_state))
+        return TokenClassifierOutput(logits=self.score(self.last_hidden(out)))
+
+    def last_hidden(self, out: Any) -> torch.Tensor:
+        """The backbone's last hidden states in its output."""
+        return out.last_hidden_state
+
+
+class ThinkerValueModel(VisionValueModel):
+    """The critic of an Omni thinker: the thinker with an identity for its LM head, plus the value head."""
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> ThinkerValueModel:
+        from transformers import AutoModelForImageTextToText
+
+        thinker = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+        # No (V, H) head on every token's hidden state: the value head reads them as they are. The thinker's tied-head
+        # key names a module that is gone; nothing re-ties it after loading.
+        thinker.lm_head = nn.Identity()
+        return cls(thinker)
+
+    def last_hidden(self, out: Any) -> torch.Tensor:
+        return out.logits  # the identity head's output

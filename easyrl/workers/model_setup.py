@@ -60,9 +60,12 @@ def load_model(
     elif attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if kind == "value":
-        from easyrl.models.value import VisionValueModel
+        from easyrl.models.family import family_of
+        from easyrl.models.value import ThinkerValueModel, VisionValueModel
 
-        if is_vision_language(hf_config):  # transformers has no token-classification class for VL configs
+        if family_of(hf_config).thinker:  # nor a backbone class for an Omni thinker
+            model: nn.Module = ThinkerValueModel.from_pretrained(model_cfg.model_path, **common)
+        elif is_vision_language(hf_config):  # transformers has no token-classification class for VL configs
             model = VisionValueModel.from_pretrained(model_cfg.model_path, **common)
         else:
             hf_config.num_labels = 1

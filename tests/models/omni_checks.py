@@ -42,14 +42,15 @@ def assert_packed_rows_give_the_padded_log_probs_and_gradients(
 ) -> None:
     """Four rows (a short clip; text only; a longer clip mid-prompt; an image and a clip), padded against packed
     with the fused-head setting on (the thinker computes its logits through its own forward): log-probs and every
-    gradient, with the parameters named by each of `parts` among those that get one."""
+    gradient, with the parameters named by each of `parts` among those that get one; then the same for the thinker's
+    critic (values and gradients)."""
     from PIL import Image
 
     from easyrl.batch import Batch
     from easyrl.config import ModelConfig
     from easyrl.data.dataset import RLDataset
     from easyrl.models import load_processor
-    from easyrl.workers.forward_backward import token_log_probs
+    from easyrl.workers.forward_backward import response_values, token_log_probs
     from easyrl.workers.model_setup import load_model
     from easyrl.workers.packing import packed_attn_implementation
     from easyrl.workers.specs import ForwardOptions
@@ -98,6 +99,29 @@ def assert_packed_rows_give_the_padded_log_probs_and_gradients(
     lp, grads = loss_grads(packed, ForwardOptions(padding_free=True, fused=True))
     m = mb["response_mask"].bool()
     torch.testing.assert_close(lp[m], ref[m], atol=1e-5, rtol=0)
+    _assert_same_grads(grads, ref_grads)
+
+    # The thinker's critic (`ThinkerValueModel`): the same rows give the same values and gradients packed as padded,
+    # and its value head reads the thinker's hidden states with the audio merged in (the audio tower gets gradients).
+    def value_grads(model: torch.nn.Module, opts: ForwardOptions | None) -> tuple[torch.Tensor, dict]:
+        model.zero_grad(set_to_none=True)
+        values = response_values(model, mb, torch.device("cpu"), opts)
+        (values * mb["response_mask"]).sum().backward()
+        return values.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+
+    torch.manual_seed(0)  # the same value head in both (it is new, not in the checkpoint)
+    padded = load_model(ModelConfig(model_path=model_dir), "value").train()
+    torch.manual_seed(0)
+    packed = load_model(ModelConfig(model_path=model_dir), "value", attn_implementation=packed_attn).train()
+    assert not any("lm_head" in n for n, _ in packed.named_parameters())  # no (V, H) head under the value head
+    ref, ref_grads = value_grads(padded, None)
+    assert any(n.startswith("model.audio_tower.") for n in ref_grads) and "score.weight" in ref_grads
+    values, grads = value_grads(packed, ForwardOptions(padding_free=True))
+    torch.testing.assert_close(values[m], ref[m], atol=1e-5, rtol=0)
+    _assert_same_grads(grads, ref_grads)
+
+
+def _assert_same_grads(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> None:
     assert grads.keys() == ref_grads.keys()
     for name, expected in ref_grads.items():
         torch.testing.assert_close(grads[name], expected, atol=1e-5, rtol=1e-4, msg=name)

@@ -139,9 +139,11 @@ def test_forward_positions_and_generation_take_the_audio(tmp_path: Path, omni_mo
                 "algorithm.adv_estimator": "gae",
                 "worker.critic.global_batch_size": 2,
                 "worker.critic.micro_batch_size_per_device_for_update": 2,
+                "worker.critic.ulysses_size": 2,
+                "worker.actor.padding_free": True,
             },
-            "algorithm.adv_estimator",
-            id="gae",
+            "worker.critic.ulysses_size",
+            id="critic_ulysses",
         ),
     ],
 )

@@ -1,6 +1,7 @@
-"""GRPO with audio prompts on a tiny Qwen2.5-Omni thinker and a tiny Qwen3-Omni MoE thinker (2 FSDP2 workers, the HF engine, packed rows): one step
-trains the audio tower, a second resumes from its checkpoint, and the merge gives a folder whose weights and
-processor load back; LoRA adapts the language layers alone. The parts are tested in tests/models/test_omni.py."""
+"""RL with audio prompts on a tiny Qwen2.5-Omni thinker (GRPO) and a tiny Qwen3-Omni MoE thinker (PPO with GAE and a
+thinker critic) on 2 FSDP2 workers, the HF engine, packed rows: one step trains the audio tower, a second resumes
+from its checkpoint, and the merge gives a folder whose weights and processor load back; LoRA adapts the language
+layers alone. The parts are tested in tests/models/test_omni.py."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # Ray: tests/conftest.py
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["qwen2_5_omni", "qwen3_omni_moe"])
-def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Path, variant: str) -> None:
+@pytest.mark.parametrize(("variant", "estimator"), [("qwen2_5_omni", "grpo"), ("qwen3_omni_moe", "gae")])
+def test_rl_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Path, variant: str, estimator: str) -> None:
     from transformers import AutoModelForImageTextToText
 
     from easyrl.models import load_processor
@@ -29,9 +30,13 @@ def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Pat
     data = audio_data(tmp_path / "data")
     # packed rows and the fused-head setting on: the Omni thinker computes its logits through its own forward
     edits = {"data.audio_dir": data["audio_dir"], "data.max_prompt_length": 128, "trainer.save_freq": 1,
-             "worker.actor.padding_free": True, "worker.actor.fused_logprobs": True}  # fmt: skip
+             "worker.actor.padding_free": True, "worker.actor.fused_logprobs": True, "algorithm.adv_estimator": estimator}  # fmt: skip
+    if estimator == "gae":  # the critic is the thinker under a value head (easyrl.models.value.ThinkerValueModel)
+        edits |= {"worker.critic.global_batch_size": 2, "worker.critic.micro_batch_size_per_device_for_update": 2}
     rows, before, after = run(tmp_path / "run", omni_model, {"train": data["train"]}, edits, steps=1, weights=True)
     assert_finite(rows)
+    if estimator == "gae":
+        assert rows[0]["critic/vf_loss"] > 0 and rows[0]["critic/grad_norm"] > 0
     assert before is not None and after is not None
     audio = [n for n in before if n.startswith("audio_tower.")]
     assert audio, f"no audio-tower parameters in {list(before)[:5]}"
@@ -42,6 +47,8 @@ def test_grpo_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Pat
     # The same folder and a longer run: it resumes from global_step_1 and trains step 2; the merge is that policy.
     rows, _, resumed = run(tmp_path / "run", omni_model, {"train": data["train"]}, edits, steps=2, weights=True)
     assert [r["step"] for r in rows] == [1, 2] and resumed is not None
+    if estimator == "gae":  # the critic resumed too: its values moved with step 1's update
+        assert rows[1]["critic/vf_loss"] > 0 and rows[1]["critic/vpred_mean"] != rows[0]["critic/vpred_mean"]
     merged = tmp_path / "merged"
     assert (
         merge_main([str(tmp_path / "run" / "run" / "global_step_2"), "--output", str(merged), "--dtype", "fp32"]) == 0
