@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from easyrl.config import EasyRLConfig
 from easyrl.config.algorithm import KLMode
 from easyrl.config.diffusion_run import is_diffusion_run
-from easyrl.config.worker import ActorConfig
+from easyrl.config.worker import ActorConfig, LoraConfig
 from easyrl.models.family import unlisted_family_warning
 from easyrl.trainer.plan import RunPlan, effective_reuse_first_forward, plan_of
 from easyrl.trainer.role_specs import cpu_threads
@@ -47,7 +47,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         where = "in the loss" if alg.kl_mode == KLMode.IN_LOSS else f"in the reward ({alg.kl_type})"
         kl = f"{alg.kl_penalty} x {alg.kl_coef} {where}"
     lora = w.actor.model.lora
-    adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha})" if lora.rank else ""
+    adapters = _adapters(lora)
     ref = "" if alg.kl_mode == KLMode.OFF else ", ref (the actor with its adapters off)" if lora.rank else ", ref"
     dist = alg.distill
     task = f"{alg.adv_estimator} advantages" if not dist.enabled or dist.with_task_reward else "no task advantage"
@@ -66,7 +66,7 @@ def plan_lines(cfg: EasyRLConfig) -> list[str]:
         f"workers: {t.nnodes} node(s) x {t.n_gpus_per_node} = {workers} per role; roles: actor"
         + ("" if separate else "+rollout")
         + ref
-        + (", critic" if plan.critic else "")
+        + (", critic" + _adapters(w.critic.model.lora) if plan.critic else "")
         + (", teacher" if plan.teacher_worker else "")
         + sp
         + ("" if plan.use_gpu else f"; {cpu_threads(cfg, plan)} torch thread(s) each"),
@@ -559,13 +559,18 @@ def _sp_layout(actor: ActorConfig) -> str:
     return str(actor.ulysses_size) if actor.ring_size == 1 else f"{actor.ulysses_size} x ring {actor.ring_size}"
 
 
+def _adapters(lora: LoraConfig) -> str:
+    """` (LoRA rank r, alpha a)` after a role trained with adapters; empty without."""
+    return f" (LoRA rank {lora.rank}, alpha {lora.alpha})" if lora.rank else ""
+
+
 def sft_plan_lines(cfg: EasyRLConfig) -> list[str]:
     """What `easyrl sft` will run: objective, model, workers and the batch arithmetic."""
     a, d, t = cfg.worker.actor, cfg.data, cfg.trainer
     plan = plan_of(cfg, "sft")
     workers, dp = plan.world_size, plan.data_parallel_size
     sp = f"; sequence parallel {_sp_layout(a)} ({dp} data-parallel groups)" if a.sp_size > 1 else ""
-    adapters = f" (LoRA rank {a.model.lora.rank}, alpha {a.model.lora.alpha})" if a.model.lora.rank else ""
+    adapters = _adapters(a.model.lora)
     micro = (
         f"micro-batches of up to {a.max_token_len_per_gpu} tokens per worker"
         if a.dynamic_batching

@@ -158,16 +158,19 @@ class CheckpointMixin:
         worker_cfg = getattr(cfg, "worker", None)
         if worker_cfg is None:
             return None, None
-        role = getattr(self, "role_name", None) or os.environ.get("EASYRL_ROLE") or "actor"
+        role = self._role()
         mcfg = getattr(getattr(worker_cfg, role, None), "model", None)
         actor_cfg = worker_cfg.actor.model
         model_path = getattr(mcfg, "model_path", None) or actor_cfg.model_path
         tokenizer_path = getattr(mcfg, "tokenizer_path", None) or actor_cfg.tokenizer_path or model_path
         return model_path, tokenizer_path
 
+    def _role(self) -> str:
+        return getattr(self, "role_name", None) or os.environ.get("EASYRL_ROLE") or "actor"
+
     def adapter_checkpoint(self) -> dict[str, Any] | None:
-        """A LoRA policy's adapter description (written as `lora.json`): its checkpoints hold only the trainable
-        adapters; None (default): every weight is saved."""
+        """A LoRA role's adapter description (written as `lora.json`): its checkpoints hold only the trainable
+        weights (the adapters, and a critic's value head); None (default): every weight is saved."""
         return None
 
     def after_load_checkpoint(self) -> None:
@@ -199,7 +202,7 @@ class CheckpointMixin:
         if adapters_only != os.path.isfile(os.path.join(folder, LORA_FILE)):
             raise CheckpointError(
                 f"{folder} was saved {'without' if adapters_only else 'with'} LoRA adapters, and this run "
-                f"{'trains them' if adapters_only else 'has none'}: resume with the same worker.actor.model.lora"
+                f"{'trains them' if adapters_only else 'has none'}: resume with the same worker.{self._role()}.model.lora"
             )
         scheduler = getattr(self, "scheduler", None)
         load_worker_state(folder, self.model, self.optimizer, scheduler, rank, world, adapters_only)

@@ -28,6 +28,7 @@ from easyrl.models.family import FAMILIES, UnknownFamilyError, family_of
 if TYPE_CHECKING:
     from easyrl.config.algorithm import RolloutCorrectionConfig
     from easyrl.config.schema import EasyRLConfig
+    from easyrl.config.worker import LoraConfig
 
 LOGGERS = ("console", "file", "tensorboard", "wandb", "swanlab", "mlflow")
 _ENUMS: dict[str, tuple[str, ...]] = {
@@ -138,33 +139,16 @@ def _check_sapo_temperatures(cfg: EasyRLConfig) -> None:
 
 
 def _check_lora(cfg: EasyRLConfig) -> None:
-    """LoRA: a non-negative integer rank, on the actor only; the model-dependent check (target_modules matching
-    no linear layer) runs where the model is loaded (`easyrl.workers.lora.apply_lora`)."""
+    """LoRA: a non-negative integer rank and sane adapter settings, on the actor and on a critic (`gae`); the
+    model-dependent check (target_modules matching no linear layer) runs before the workers start
+    (`easyrl.workers.lora.check_targets`)."""
+    roles = ("actor", "critic") if declared_needs(cfg.algorithm.adv_estimator).needs_critic else ("actor",)
+    for role in roles:
+        _check_adapters(getattr(cfg.worker, role).model.lora, f"worker.{role}.model.lora")
     lora = cfg.worker.actor.model.lora
-    key = "worker.actor.model.lora"
-    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
-        raise ConfigError(f"{key}.rank", f"must be a positive integer (0: LoRA off), got {lora.rank!r}")
-    critic_rank = cfg.worker.critic.model.lora.rank
-    if critic_rank != 0:
-        raise ConfigError(
-            "worker.critic.model.lora.rank",
-            f"{critic_rank}: LoRA is supported on the actor only (worker.actor.model.lora; its reference comes "
-            "free); the critic trains every weight: set it to 0",
-        )
     if lora.rank == 0:
         return
-    if declared_needs(cfg.algorithm.adv_estimator).needs_critic:  # the name was checked by _check_enums
-        raise ConfigError(
-            f"{key}.rank",
-            f"{lora.rank}: LoRA is supported with critic-free estimators (grpo, rloo, reinforce_plus_plus, ...), "
-            f"not with {cfg.algorithm.adv_estimator!r}, which trains a critic; set it to 0 or pick such an estimator",
-        )
-    if not lora.alpha > 0:
-        raise ConfigError(f"{key}.alpha", f"must be > 0, got {lora.alpha!r}")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"{key}.dropout", f"must be in [0, 1), got {lora.dropout!r}")
-    if not lora.target_modules.strip().strip(","):
-        raise ConfigError(f"{key}.target_modules", "is empty: use all-linear or a comma list such as q_proj,v_proj")
+    key = "worker.actor.model.lora"  # how the policy's adapters reach the engine: the actor's alone
     _one_of(f"{key}.rollout_sync", lora.rollout_sync, ["merged", "adapter"])
     if lora.rollout_sync == "adapter" and cfg.worker.rollout.sleep_level == 2:
         raise ConfigError(
@@ -172,6 +156,19 @@ def _check_lora(cfg: EasyRLConfig) -> None:
             "adapter sends only the adapters and leaves the base weights in the engine, which "
             "worker.rollout.sleep_level=2 discards at every sleep: use sleep_level 1 or rollout_sync=merged",
         )
+
+
+def _check_adapters(lora: LoraConfig, key: str) -> None:
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ConfigError(f"{key}.rank", f"must be a positive integer (0: LoRA off), got {lora.rank!r}")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"{key}.alpha", f"must be > 0, got {lora.alpha!r}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"{key}.dropout", f"must be in [0, 1), got {lora.dropout!r}")
+    if not lora.target_modules.strip().strip(","):
+        raise ConfigError(f"{key}.target_modules", "is empty: use all-linear or a comma list such as q_proj,v_proj")
     if lora.exclude_modules is not None:
         try:
             re.compile(lora.exclude_modules)

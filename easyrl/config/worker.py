@@ -13,8 +13,8 @@ from easyrl.config.multi_turn import MultiTurnConfig
 @dataclass
 class LoraConfig:
     rank: int = 0
-    """LoRA rank; 0: train every weight. A positive rank trains low-rank adapters only (actor only; see
-    docs/lora.md)."""
+    """LoRA rank; 0: train every weight. A positive rank trains low-rank adapters only (on the actor; on the critic
+    the adapters and its value head; see docs/lora.md)."""
     alpha: int = 64
     """LoRA scaling numerator: the adapters' update is scaled by `alpha / rank`."""
     target_modules: str = "all-linear"
@@ -27,7 +27,7 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
     rollout_sync: str = "merged"
-    """How the engine gets the policy after an update: merged (stream base + scale * B @ A per layer, no merged
+    """The actor's only: how the engine gets the policy after an update: merged (stream base + scale * B @ A per layer, no merged
     copy kept; any engine) or adapter (vLLM only: load the adapters with vLLM's LoRA support)."""
 
 

@@ -372,8 +372,12 @@ def build_workers(cfg: EasyRLConfig, plan: RunPlan, optimizer_steps: int, *datas
     """The worker groups; ``datasets`` (train, validation) tell the rollout engine how many images and videos one
     prompt may carry."""
     if cfg.worker.actor.model.lora.rank > 0:  # target_modules is checked against the model before workers start
-        check_targets: Callable[[Any], None] = _load(LORA_TARGET_CHECKS[plan.modality])
+        check_targets: Callable[..., None] = _load(LORA_TARGET_CHECKS[plan.modality])
         check_targets(cfg.worker.actor.model)
+    if plan.critic and cfg.worker.critic.model.lora.rank > 0:
+        from easyrl.workers.lora import check_targets as check_critic_targets
+
+        check_critic_targets(cfg.worker.critic.model, "worker.critic.model.lora")
     media: dict[str, int] = {}
     for data in datasets:
         if data is not None:

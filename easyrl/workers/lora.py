@@ -84,8 +84,13 @@ def _linear_layers_outside(model: nn.Module, exclude: str | None) -> list[str]:
     ]
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model.lora") -> int:
+def apply_lora(
+    model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model.lora", trained_whole: tuple[str, ...] = ()
+) -> int:
     """Inject adapters into `model` in place and freeze everything else; returns the trainable parameter count.
+
+    `trained_whole`: top-level modules that get no adapter and train every weight (a critic's new value head, `score`,
+    which no checkpoint holds: an adapter on a random head would learn nothing the head could not).
 
     Raises `ConfigError` (one line naming the model's linear layers) when nothing matches `target_modules`.
     """
@@ -93,6 +98,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
     from peft import inject_adapter_in_model
 
     exclude = cfg.exclude_modules if cfg.exclude_modules is not None else default_exclude(model)
+    if trained_whole:  # left out of the adapters whatever exclude_modules says
+        whole = "|".join(rf"(?:{re.escape(name)}(\..*)?)" for name in trained_whole)
+        exclude = whole if exclude is None else f"(?:{exclude})|{whole}"
     targets = target_modules(cfg)
     if targets == "all-linear" and _has_routed_experts(model):
         # peft (0.21, transformers 5) resolves `all-linear` on a MoE model into the fused experts and the router, past
@@ -125,13 +133,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
             f"{cfg.target_modules!r} adapts layers that are not linear ({', '.join(not_linear[:3])}); name linear "
             f"layers only: {', '.join(linear_layer_names(model))}",
         )
-    trainable = 0
-    # Exactly the `lora_A` / `lora_B` weights train, whatever peft left trainable.
+    trainable = adapters = 0
+    # Exactly the `lora_A` / `lora_B` weights (and `trained_whole`) train, whatever peft left trainable.
     for name, param in model.named_parameters():
         is_adapter = _LORA_PART.search(name) is not None
-        param.requires_grad_(is_adapter)
-        trainable += param.numel() if is_adapter else 0
-    if trainable == 0:
+        trains = is_adapter or name.split(".", 1)[0] in trained_whole
+        param.requires_grad_(trains)
+        trainable += param.numel() if trains else 0
+        adapters += param.numel() if is_adapter else 0
+    if adapters == 0:
         raise ConfigError(
             f"{key}.target_modules",
             f"no adapter was created; the model's linear layers are: {', '.join(linear_layer_names(model))}",
@@ -143,9 +153,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, key: str = "worker.actor.model
     return trainable
 
 
-def check_targets(model_cfg: ModelConfig) -> None:
+def check_targets(model_cfg: ModelConfig, key: str = "worker.actor.model.lora") -> None:
     """On the driver, before any worker starts: `apply_lora` on the model built on the meta device (no weights are
-    read), so `target_modules` matching nothing stops the run with one line instead of a worker traceback."""
+    read), so `target_modules` matching nothing stops the run with one line (naming `key`) instead of a worker
+    traceback. A critic's model is checked as its causal LM: the same linear layers under another head."""
     from transformers import AutoConfig
 
     from easyrl.models import model_class_for
@@ -156,7 +167,7 @@ def check_targets(model_cfg: ModelConfig) -> None:
         setattr(hf_config, key, value)
     with torch.device("meta"):
         model = model_class_for(hf_config).from_config(hf_config, trust_remote_code=model_cfg.trust_remote_code)
-    apply_lora(model, model_cfg.lora)
+    apply_lora(model, model_cfg.lora, key)
 
 
 def lora_layers(model: nn.Module) -> dict[str, Any]:

@@ -87,9 +87,14 @@ class TrainableModel:
             raise ConfigError(f"worker.{role}.{key}", f"{size} {SEQUENCE_PARALLEL_REFUSAL}")
         if not spec.trainable:
             model.requires_grad_(False)
-        self.lora = spec.trainable and spec.kind == "causal_lm" and spec.model.lora.rank > 0
-        """Low-rank adapters are trained (only they require gradients; see `easyrl.workers.lora`)."""
-        if self.lora:
+        self.lora = spec.trainable and spec.model.lora.rank > 0
+        """Low-rank adapters are trained (only they require gradients, and a critic's value head; see
+        `easyrl.workers.lora`)."""
+        if self.lora and spec.kind == "value":  # the value head is new: it trains whole beside the adapters
+            from easyrl.workers.lora import apply_lora
+
+            apply_lora(model, spec.model.lora, "worker.critic.model.lora", trained_whole=("score",))
+        elif self.lora:
             from easyrl.workers.lora import apply_lora
 
             apply_lora(model, spec.model.lora)

@@ -250,7 +250,6 @@ def test_trainer_max_try_make_batch_and_rollout_limit_images_keep_their_meaning(
 @pytest.mark.parametrize(
     ("override", "key", "feature"),
     [
-        ("worker.critic.model.lora.rank=16", "worker.critic.model.lora.rank", "LoRA is supported on the actor only"),
         ("worker.actor.tau_negative=0", "worker.actor.tau_negative", "must be > 0"),
     ],
 )
@@ -260,6 +259,17 @@ def test_values_easyrl_refuses_stop_with_one_line(
     with pytest.raises(ConfigError, match=f"^{key}: .*{feature}") as info:
         load_config(write_config(tmp_path / "c.yaml", conf), [override])
     assert "\n" not in str(info.value)
+
+
+def test_easyr1_critic_lora_trains_the_critic_with_adapters(tmp_path: Path, conf: dict[str, Any]) -> None:
+    """EasyR1's `worker.critic.model.lora.rank` gives a `gae` run's critic adapters (docs/lora.md)."""
+    override = ["algorithm.adv_estimator=gae", "worker.critic.model.lora.rank=16", "worker.critic.global_batch_size=2",
+                "worker.critic.micro_batch_size_per_device_for_update=2"]  # fmt: skip
+    path = write_config(tmp_path / "c.yaml", conf)
+    cfg = load_config(path, override)
+    assert cfg.worker.critic.model.lora.rank == 16 and cfg.worker.actor.model.lora.rank == 0
+    with pytest.raises(ConfigError, match=r"^worker.critic.model.lora.alpha: must be > 0, got 0$"):
+        load_config(path, [*override, "worker.critic.model.lora.alpha=0"])
 
 
 def test_sapo_and_gspo_token_are_known_losses(tmp_path: Path, conf: dict[str, Any]) -> None:

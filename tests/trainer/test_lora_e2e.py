@@ -1,9 +1,10 @@
 """LoRA end to end on CPU (Ray, 2 FSDP2 workers, the HF engine): adapters-only training with the reference taken
 from the same model, the engine in step with the merged policy, small checkpoints with exact resume, and both
-merge outputs."""
+merge outputs. The run is PPO (`gae`) with LoRA on its critic too: adapters plus its whole value head."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ LORA = {"rank": 4, "alpha": 8}
 
 def _config(tmp: Path, model_dir: str, data: dict[str, str], **trainer: Any) -> str:
     conf = base_config(model_dir, data, tmp / "run")
-    conf["algorithm"] = {"adv_estimator": "grpo", "disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}
+    conf["algorithm"] = {"adv_estimator": "gae", "disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}
     actor = conf["worker"]["actor"]
     actor["model"]["lora"] = LORA
+    conf["worker"]["critic"] = {"global_batch_size": 2, "micro_batch_size_per_device_for_update": 2,
+                                "model": {"lora": LORA}, "optim": {"lr": 3e-2}}  # fmt: skip
     actor["model"]["enable_gradient_checkpointing"] = True
     for fast_path in ("dynamic_batching", "fused_logprobs"):  # the defaults: on
         actor.pop(fast_path)
@@ -112,6 +115,9 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(
     with safe_open(str(step1 / "optim_rank0_of2.safetensors"), framework="pt") as handle:
         optim_names = list(handle.keys())
         assert optim_names and all(".lora_" in n for n in optim_names)
+    with safe_open(str(step1.parent / "critic" / "model_rank0_of2.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())  # the critic's adapters and its value head, no frozen base
+    assert "score.weight" in names and all(".lora_" in n or n.startswith("score.") for n in names), names[:4]
     resume = {"load_checkpoint_path": str(step1.parent), "max_steps": 2}
     trainer = Trainer(*load_config_and_secrets(_config(tmp_path, tiny_model_dir, digits_data, **resume)))
     try:
@@ -119,13 +125,13 @@ def test_checkpoint_holds_adapters_and_resume_is_exact(
     finally:
         trainer.close()
     assert _rows(tmp_path) == trained["rows"][1:], "the resumed step left the uninterrupted run"
-    for rank in range(2):
+    for role, rank in itertools.product(("actor", "critic"), range(2)):
         file = f"model_rank{rank}_of2.safetensors"
-        a = safe_open(str(trained["tmp"] / "run" / "global_step_2" / "actor" / file), framework="pt")
-        b = safe_open(str(tmp_path / "run" / "global_step_2" / "actor" / file), framework="pt")
+        a = safe_open(str(trained["tmp"] / "run" / "global_step_2" / role / file), framework="pt")
+        b = safe_open(str(tmp_path / "run" / "global_step_2" / role / file), framework="pt")
         names = list(a.keys())
         for name in names:
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), f"{role}: {name}"
 
 
 def test_merge_writes_the_merged_model_and_a_peft_adapter(

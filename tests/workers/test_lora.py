@@ -113,10 +113,13 @@ def test_target_modules_matching_nothing_names_the_linear_layers(tiny_model_dir:
     ("edits", "message"),
     [
         ({"worker.actor.model.lora.rank": -2}, r"^worker.actor.model.lora.rank: must be a positive integer"),
-        ({"worker.critic.model.lora.rank": 8}, r"^worker.critic.model.lora.rank: 8: LoRA is supported on the actor"),
         (
-            {"worker.actor.model.lora.rank": 8, "algorithm.adv_estimator": "gae"},
-            r"^worker.actor.model.lora.rank: 8: LoRA is supported with critic-free estimators",
+            {
+                "worker.critic.model.lora.rank": 8,
+                "worker.critic.model.lora.alpha": 0,
+                "algorithm.adv_estimator": "gae",
+            },
+            r"^worker.critic.model.lora.alpha: must be > 0, got 0",
         ),
         (
             {"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.rollout_sync": "adapter"},
@@ -152,6 +155,27 @@ def test_bad_lora_settings_stop_with_one_line(edits: dict, message: str) -> None
     assert "\n" not in str(info.value)
 
 
+def test_a_critic_with_lora_trains_its_adapters_and_its_whole_value_head(tiny_model_dir: str) -> None:
+    """The critic (`gae`) with LoRA: adapters on its linear layers but none on its new value head (`score`), which
+    trains whole; nothing else requires gradients, and one step moves exactly those."""
+    torch.manual_seed(0)
+    critic = load_model(ModelConfig(model_path=tiny_model_dir), "value")
+    apply_lora(critic, LoraConfig(rank=4, alpha=8), "worker.critic.model.lora", trained_whole=("score",))
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert {"score.weight"} <= trainable and all(n.startswith("score.") or ".lora_" in n for n in trainable)
+    assert "score" not in lora_layers(critic) and any(n.endswith("q_proj") for n in lora_layers(critic))
+    with torch.no_grad():  # peft starts B at zero: move it, so the adapters' own gradients are not all zero
+        for name, p in critic.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.3)
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    optimizer = build_optimizer(critic, OptimConfig(lr=1e-2))
+    critic(input_ids=torch.randint(3, 90, (2, 12))).logits.square().mean().backward()
+    optimizer.step()
+    for name, p in critic.named_parameters():
+        assert torch.equal(p, before[name]) != (name in trainable), f"{name}: trained {name in trainable}"
+
+
 def test_plan_names_the_adapters_and_the_free_reference() -> None:
     from easyrl.check import plan_lines
 
@@ -162,3 +186,7 @@ def test_plan_names_the_adapters_and_the_free_reference() -> None:
     assert lines[1] == "model: m (LoRA rank 8, alpha 64)"
     workers = next(line for line in lines if line.startswith("workers:"))  # found by name: lines come and go
     assert "roles: actor+rollout, ref (the actor with its adapters off)" in workers
+    cfg.algorithm.adv_estimator = "gae"
+    cfg.worker.critic.model.lora.rank = 4
+    workers = next(line for line in plan_lines(cfg) if line.startswith("workers:"))
+    assert "ref (the actor with its adapters off), critic (LoRA rank 4, alpha 64)" in workers
