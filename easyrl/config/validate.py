@@ -597,24 +597,13 @@ def _check_attention_heads(cfg: EasyRLConfig) -> None:
             )
 
 
-_REFUSED_KEYS = (
-    ("vllm", "worker.rollout.name", lambda cfg: cfg.worker.rollout.name != "hf"),
-    ("ulysses", "worker.actor.ulysses_size", lambda cfg: cfg.worker.actor.ulysses_size > 1),
-    ("ulysses", "worker.actor.ring_size", lambda cfg: cfg.worker.actor.ring_size > 1),
-    # a critic (gae) splits its own rows over its own group
-    (
-        "ulysses",
-        "worker.critic.ulysses_size",
-        lambda cfg: declared_needs(cfg.algorithm.adv_estimator).needs_critic and cfg.worker.critic.ulysses_size > 1,
-    ),
-)
+_REFUSED_KEYS = (("vllm", "worker.rollout.name", lambda cfg: cfg.worker.rollout.name != "hf"),)
 """(capability of `FamilyProfile.refuses`, the key that asks for it, whether this config asks for it)."""
 
 
 def _check_family(cfg: EasyRLConfig, config_json: Path) -> None:
     """The model's family (`easyrl.models.family`): a whole Omni model is refused (train its thinker), and so is what
-    its family was not run through (the Omni thinkers: the HF engine, padded or packed rows without sequence
-    parallelism), with one line rather than failing inside a worker."""
+    its family was not run through (the Omni thinkers: the HF engine), with one line rather than failing inside a worker."""
     hf = json.loads(config_json.read_text())
     path = cfg.worker.actor.model.model_path
     try:

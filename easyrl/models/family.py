@@ -176,8 +176,6 @@ def _vl(model_type: str, title: str, media: str, **kw: Any) -> FamilyProfile:
 _THINKER_REFUSES = (
     ("vllm", "vllm is not wired for the Omni thinker's audio inputs (nor can vLLM's CPU build serve it); use "
      "worker.rollout.name=hf"),
-    ("ulysses", "sequence parallelism is not built for the Omni thinker (no language_model seam to split after its "
-     "audio and vision towers); set it to 1"),
 )  # fmt: skip
 
 

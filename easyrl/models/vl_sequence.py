@@ -3,7 +3,7 @@
 A VL forward on a packed row is: token embeddings of the whole row, the vision tower on the row's patches, its
 output scattered into the image/video slots, then the decoder layers. Under sequence parallelism the split belongs
 between the last two steps, so :func:`split_after_embeddings` hooks the language model's entry (a forward pre-hook on
-``model.language_model``, the Qwen2.5-VL / Qwen3-VL text model) and hands it this rank's slice of
+``model.language_model``, the Qwen2.5-VL / Qwen3-VL text model; an Omni thinker's ``model``) and hands it this rank's slice of
 
 * ``inputs_embeds`` (1, T, H), vision embeddings already in place,
 * ``position_ids`` (4, 1, T) (text row, then M-RoPE rows: each position stays with its token),
@@ -35,11 +35,15 @@ positions (e.g. the first result of ``easyrl.distributed.sequence_parallel.shard
 
 
 def language_model(model: nn.Module) -> nn.Module:
-    """The text decoder of a VL model (``*ForConditionalGeneration``, its backbone, or the VL critic)."""
+    """The text decoder of a VL model (``*ForConditionalGeneration``, its backbone, or the VL critic), or of an Omni
+    thinker (or its critic): the thinker has no backbone, its text model is its ``model``, beside its audio tower."""
     for owner in (model, getattr(model, "model", None)):
         lm = getattr(owner, "language_model", None)
         if isinstance(lm, nn.Module):
             return lm
+        text = getattr(owner, "model", None)
+        if isinstance(getattr(owner, "audio_tower", None), nn.Module) and isinstance(text, nn.Module):
+            return text
     raise ValueError(f"{type(model).__name__} has no language_model: not a Qwen-VL style vision-language model")
 
 

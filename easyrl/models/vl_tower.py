@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from easyrl.models.family import family_of
 from easyrl.models.vision import audio_tower, vision_tower
 from easyrl.models.vl_sequence import language_model
 
@@ -136,8 +135,7 @@ def keep_vision_tower_in_step(model: nn.Module) -> None:
     backbone = _backbone(model)
     visual = vision_tower(backbone)
     assert visual is not None
-    # the Omni thinker's text model is its `model` (no language_model attribute)
-    lm: Any = backbone.model if family_of(backbone).thinker else language_model(backbone)
+    lm: Any = language_model(backbone)
     towers: list[tuple[nn.Module, tuple[str, ...], Any]] = [(visual, MEDIA_INPUTS, _dummy_tower_term)]
     audio = audio_tower(backbone)
     if audio is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from easyrl.batch import Batch
 from easyrl.config import DataConfig
 from easyrl.testing.tiny_omni import write_tone_wav
 
@@ -37,23 +38,13 @@ def assert_padded_rows_equal_each_alone(model: torch.nn.Module, items: list[dict
     return batch
 
 
-def assert_packed_rows_give_the_padded_log_probs_and_gradients(
-    model_dir: str, folder: Path, parts: tuple[str, ...]
-) -> None:
-    """Four rows (a short clip; text only; a longer clip mid-prompt; an image and a clip), padded against packed
-    with the fused-head setting on (the thinker computes its logits through its own forward): log-probs and every
-    gradient, with the parameters named by each of `parts` among those that get one; then the same for the thinker's
-    critic (values and gradients)."""
+def omni_batch(model_dir: str, folder: Path) -> Batch:
+    """A micro-batch of four rows through the thinker's processor (a short clip; text only; a longer clip mid-prompt;
+    an image and a clip), each with a response of its own length, left-padded."""
     from PIL import Image
 
-    from easyrl.batch import Batch
-    from easyrl.config import ModelConfig
     from easyrl.data.dataset import RLDataset
     from easyrl.models import load_processor
-    from easyrl.workers.forward_backward import response_values, token_log_probs
-    from easyrl.workers.model_setup import load_model
-    from easyrl.workers.packing import packed_attn_implementation
-    from easyrl.workers.specs import ForwardOptions
 
     write_tone_wav(folder / "a.wav", 0.5, 8000)
     write_tone_wav(folder / "b.wav", 1.2, 22050)
@@ -77,11 +68,27 @@ def assert_packed_rows_give_the_padded_log_probs_and_gradients(
         ids[row, p - n : p] = torch.tensor(item["prompt_ids"])
         ids[row, p : p + len(text)] = torch.tensor([ord(c) for c in text])
         mask[row, p - n : p + len(text)] = 1
-    mb = Batch(
+    return Batch(
         {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
          "responses": ids[:, p:], "response_mask": mask[:, p:].clone()},
         {"multi_modal_inputs": [item["multi_modal_inputs"] for item in items]},
     )  # fmt: skip
+
+
+def assert_packed_rows_give_the_padded_log_probs_and_gradients(
+    model_dir: str, folder: Path, parts: tuple[str, ...]
+) -> None:
+    """Four rows (a short clip; text only; a longer clip mid-prompt; an image and a clip), padded against packed
+    with the fused-head setting on (the thinker computes its logits through its own forward): log-probs and every
+    gradient, with the parameters named by each of `parts` among those that get one; then the same for the thinker's
+    critic (values and gradients)."""
+    from easyrl.config import ModelConfig
+    from easyrl.workers.forward_backward import response_values, token_log_probs
+    from easyrl.workers.model_setup import load_model
+    from easyrl.workers.packing import packed_attn_implementation
+    from easyrl.workers.specs import ForwardOptions
+
+    mb = omni_batch(model_dir, folder)
 
     def loss_grads(model: torch.nn.Module, opts: ForwardOptions | None) -> tuple[torch.Tensor, dict]:
         model.zero_grad(set_to_none=True)

@@ -129,40 +129,26 @@ def test_forward_positions_and_generation_take_the_audio(tmp_path: Path, omni_mo
     assert not audio_ids & set(out[:, width:].flatten().tolist())
 
 
-@pytest.mark.parametrize(
-    ("edit", "key"),
-    [
-        ({"worker.rollout.name": "vllm"}, "worker.rollout.name"),
-        ({"worker.actor.ulysses_size": 2, "worker.actor.padding_free": True}, "worker.actor.ulysses_size"),
-        pytest.param(
-            {
-                "algorithm.adv_estimator": "gae",
-                "worker.critic.global_batch_size": 2,
-                "worker.critic.micro_batch_size_per_device_for_update": 2,
-                "worker.critic.ulysses_size": 2,
-                "worker.actor.padding_free": True,
-            },
-            "worker.critic.ulysses_size",
-            id="critic_ulysses",
-        ),
-    ],
-)
-def test_paths_not_built_for_the_omni_thinker_are_refused(
-    tmp_path: Path, omni_model: str, digits_data: dict[str, str], edit: dict[str, object], key: str
+def test_vllm_is_refused_for_the_omni_thinker_and_sequence_parallelism_with_a_critic_loads(
+    tmp_path: Path, omni_model: str, digits_data: dict[str, str]
 ) -> None:
+    """vLLM is the one path not built for the thinker (one line naming the key); Ulysses on the actor and on a `gae`
+    critic is (tests/workers/test_ulysses_vl.py)."""
     from easyrl.config import load_config
     from tests.conftest import base_config, write_config
 
     conf = base_config(omni_model, digits_data, tmp_path / "run")
-    for dotted, value in edit.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    with pytest.raises(ConfigError, match=r"is a Qwen2\.5-Omni thinker: ") as err:
+    conf["worker"]["rollout"]["name"] = "vllm"
+    with pytest.raises(ConfigError, match=r"^worker\.rollout\.name: .* is a Qwen2\.5-Omni thinker: vllm is not wired"):
         load_config(write_config(tmp_path / "cfg.yaml", conf))
-    assert str(err.value).startswith(key)
+    conf["worker"]["rollout"]["name"] = "hf"
+    conf["algorithm"] = {"adv_estimator": "gae"}
+    for role in ("actor", "critic"):
+        conf["worker"].setdefault(role, {})["ulysses_size"] = 2
+    conf["worker"]["actor"]["padding_free"] = True
+    conf["worker"]["critic"] |= {"global_batch_size": 2, "micro_batch_size_per_device_for_update": 2}
+    cfg = load_config(write_config(tmp_path / "sp.yaml", conf))
+    assert cfg.worker.actor.ulysses_size == cfg.worker.critic.ulysses_size == 2
 
 
 def test_packed_rows_give_the_padded_log_probs_and_gradients(tmp_path: Path, omni_model: str) -> None:
