@@ -318,15 +318,30 @@ def gathered_weights(shape: ModelShape, role: Any, params: int, lm_head: bool = 
     return (root + 2 * layer) * act
 
 
+def lora_parameters(shape: ModelShape, rank: int) -> int:
+    """The adapters of `all-linear` LoRA of `rank` (`easyrl.workers.lora`): rank x (in + out) for each of a decoder
+    layer's attention projections (q, k, v, o) and MLP projections (gate, up, down), in every layer. The default
+    targets leave the vision tower, routed experts and routers alone; a MoE model is counted as dense at its MLP
+    working-set width, a linear-attention layer as an attention one (both on the safe side: no more than a few
+    percent of the adapters). A comma list of targets is a subset of these."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    return rank * per_layer * shape.num_layers
+
+
 def _training(
     shape: ModelShape, role: Any, params: int, ranks: int, tokens: int, head: int, lm_head: bool = True
 ) -> TrainingMemory:
     """`role`: the actor's or critic's config. `head`: bytes of the output head's activations. A frozen vision tower
-    keeps its weights but gets no gradients and no optimizer state."""
+    keeps its weights but gets no gradients and no optimizer state; with LoRA only the adapters (and a critic's
+    value head, `lm_head` False) get them: the base is frozen."""
     master = DTYPE_BYTES[role.fsdp.torch_dtype or "fp32"]
     act = DTYPE_BYTES[role.fsdp.mp_param_dtype]
     on_gpu = not role.fsdp.enable_cpu_offload
     trained = params - (shape.vision_parameters if getattr(role.model, "freeze_vision_tower", False) else 0)
+    if role.model.lora.rank > 0:
+        trained = lora_parameters(shape, role.model.lora.rank) + (0 if lm_head else shape.hidden_size + 1)
     moments = 2 * (DTYPE_BYTES["bf16"] if role.optim.strategy == "adamw_bf16" else master)
     # auto (null) is resolved before a run plans (`easyrl.update_levers`); unresolved it counts as on, the safe side
     checkpointing = role.model.enable_gradient_checkpointing is not False

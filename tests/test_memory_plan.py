@@ -195,6 +195,31 @@ def test_level_one_sleep_pins_the_engine_weights_and_lora_serves_the_reference()
     assert eager.cuda_graphs == 0 and eager.kv_cache == int(0.6 * H100) - 2 * 1_543_714_304
 
 
+def test_a_lora_role_plans_gradients_and_optimizer_states_for_its_adapters_alone(tiny_model_dir: str) -> None:
+    """`lora_parameters` is the adapter count peft makes on a dense model (`all-linear`), and a LoRA actor or critic
+    plans gradients and Adam moments for those (plus the critic's value head), not for its frozen base."""
+    from transformers import AutoConfig
+
+    from easyrl.config.worker import LoraConfig, ModelConfig
+    from easyrl.memory_plan import _sharded, lora_parameters
+    from easyrl.workers.lora import apply_lora
+    from easyrl.workers.model_setup import load_model
+
+    model = load_model(ModelConfig(model_path=tiny_model_dir))
+    made = apply_lora(model, LoraConfig(rank=4))
+    assert lora_parameters(ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir)), 4) == made
+    shape = _shape("1.5b")
+    full = plan_memory(shape, _config(algorithm={"adv_estimator": "gae"}), H100)
+    lora = {"model": {"lora": {"rank": 8}}}
+    cfg = _config(algorithm={"adv_estimator": "gae"}, worker={"actor": lora, "critic": lora})
+    plan = plan_memory(shape, cfg, H100)
+    adapters, ranks = lora_parameters(shape, 8), 8  # the default 8 GPUs shard everything
+    # fp32 master weights, two fp32 moments
+    assert (plan.actor.grads, plan.actor.optimizer) == (_sharded(adapters, 4, ranks), _sharded(adapters, 8, ranks))
+    assert plan.critic is not None and plan.critic.grads == _sharded(adapters + shape.hidden_size + 1, 4, ranks)
+    assert plan.actor.weights == full.actor.weights and plan.updating < full.updating - 5 * 10**9  # of ~14 GB
+
+
 # The published config.json fields of the models the 8-GPU recipes train (configs/easyr1), written from what is
 # known of them here, not downloaded (no network); Qwen3.5-4B's are the least certain. A field that differs moves
 # the figures below, not whether the plan fits by a wide margin.
