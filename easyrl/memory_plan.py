@@ -84,9 +84,6 @@ class ModelShape:
     counted_parameters: int = 0
     """The whole model's parameters counted on the meta device (`counted_parameter_count`), for the families the
     dense formula of `parameter_count` does not describe (routed experts, linear attention); 0: use the formula."""
-    full_logits: bool = False
-    """The model computes every position's logits whatever `fused_logprobs` says (an Omni thinker: the fused head
-    would skip its audio merge, `easyrl.workers.head`)."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -123,7 +120,6 @@ class ModelShape:
             vision_parameters=vision_parameter_count(config),
             attention_layers=sum(t == "full_attention" for t in layer_types) if layer_types else None,
             counted_parameters=counted_parameter_count(config) if irregular else 0,
-            full_logits=not family.fused_head,
         )
 
     @property
@@ -273,7 +269,7 @@ def head_activations(shape: ModelShape, actor: Any, tokens: int, backward: bool 
     stays in the model's dtype: x V x 2 in bf16). `backward`: the update's micro-batch, which also builds the head
     weight's gradient (`head_weight_grad`); a forward-only pass does not."""
     act = DTYPE_BYTES[actor.fsdp.mp_param_dtype]
-    fused = actor.fused_logprobs and not shape.full_logits
+    fused = actor.fused_logprobs
     triton = fused and getattr(actor, "fused_head_kernel", "torch") == "triton"
     head_tokens = min(tokens, actor.logprob_chunk_size) if fused else tokens
     per_token = act if triton else 8 if fused else act + 8

@@ -139,9 +139,6 @@ class FamilyProfile:
     (and no token types), it keeps ``rope_deltas`` on the top model and its text model is its ``model`` attribute."""
     logits_to_keep: bool = True
     """Its forward takes ``logits_to_keep`` (packed rows then compute logits only at the predicted positions)."""
-    fused_head: bool = True
-    """The fused chunked head may run the backbone and the LM head itself (false where the forward does more than
-    backbone + head, as the thinker's audio merge)."""
     mm_token_types: bool = True
     """A vision-language forward takes ``mm_token_type_ids`` (Qwen-VL needs it whenever grids are passed)."""
     vllm_embeds: bool = False
@@ -157,7 +154,8 @@ class FamilyProfile:
     audio_n_window: int | None = None
     """The ``audio_config.n_window`` its audio token arithmetic assumes; None: any."""
     refuses: tuple[tuple[str, str], ...] = ()
-    """(capability, why) for what it was not run through: ``vllm``, ``ulysses``, ``lora``, ``critic``."""
+    """(capability, why) for what it was not run through (``vllm``; the config check's ``_REFUSED_KEYS`` names the
+    key each capability is asked for by)."""
 
     def refusal(self, capability: str) -> str | None:
         """Why ``capability`` is refused for this family, or None where it is supported."""
@@ -181,10 +179,10 @@ _THINKER_REFUSES = (
 
 def _thinker(model_type: str, title: str, media: str, variant: str, **kw: Any) -> FamilyProfile:
     tiny = TinyModel("easyrl.testing.tiny_omni:build_tiny_omni_checkpoint", (("variant", variant),))
-    # the thinker's forward merges its audio: no logits_to_keep, no fused head (which would run the backbone alone),
-    # no token types (they would reach its attention as kwargs)
+    # the thinker's forward merges its audio: no logits_to_keep (the fused head runs that forward with an identity
+    # head, `easyrl.workers.packing`), no token types (they would reach its attention as kwargs)
     return FamilyProfile(
-        model_type, title, tiny, media=MEDIA_FAMILIES[media], thinker=True, logits_to_keep=False, fused_head=False,
+        model_type, title, tiny, media=MEDIA_FAMILIES[media], thinker=True, logits_to_keep=False,
         mm_token_types=False, refuses=_THINKER_REFUSES, **kw,
     )  # fmt: skip
 

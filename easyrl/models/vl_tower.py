@@ -41,7 +41,7 @@ from easyrl.models.vision import audio_tower, vision_tower
 from easyrl.models.vl_sequence import language_model
 
 
-__all__ = ["TOWER_CALLS", "keep_vision_tower_in_step"]
+__all__ = ["TOWER_CALLS", "entering_backbone", "keep_vision_tower_in_step"]
 
 TOWER_CALLS = 2
 """Vision tower calls of one Qwen-VL forward with both media kinds: the images, then the videos."""
@@ -129,6 +129,20 @@ def _backbone(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__} has no vision tower (visual): not a Qwen-VL style model")
 
 
+_ENTRY = "_easyrl_towers_entry"
+"""The backbone's attribute holding what its forward pre-hook runs (the ranks' agreement on the media kinds)."""
+
+
+def entering_backbone(backbone: nn.Module, kwargs: dict[str, Any]) -> None:
+    """What entering `backbone` (a module whose forward calls the towers) runs before its forward, for a caller that
+    calls ``backbone.forward`` directly rather than the module (the fused head on an Omni thinker, whose own module
+    call would go through FSDP2's root hooks a second time): the ranks agree on the media kinds of this forward. A
+    no-op where `keep_vision_tower_in_step` installed nothing."""
+    entry = getattr(backbone, _ENTRY, None)
+    if entry is not None:
+        entry(backbone, (), kwargs)
+
+
 def keep_vision_tower_in_step(model: nn.Module) -> None:
     """Install (once, at sharding time) the hooks that run `model`'s vision tower (and an Omni thinker's audio tower)
     on every forward (module doc)."""
@@ -170,6 +184,7 @@ def keep_vision_tower_in_step(model: nn.Module) -> None:
         return args, (dict(kwargs, inputs_embeds=embeds) if changed else kwargs)
 
     backbone.register_forward_pre_hook(reset, with_kwargs=True)
+    setattr(backbone, _ENTRY, reset)  # for a caller that runs the backbone's `forward` itself (`entering_backbone`)
     for i, (tower, _, _) in enumerate(towers):
         tower.register_forward_hook(counter(i))
     # prepend: the term joins the whole row before a sequence-parallel split (vl_sequence) slices it

@@ -76,9 +76,7 @@ def _run_head(
     `temperature` None: the value head (a one-output token classifier), read as is. Otherwise the sampled tokens'
     log-probs under logits / temperature.
     """
-    # A family whose forward does more than backbone + head (the Omni thinker merges its audio and image features)
-    # computes full logits: the fused head runs the backbone alone
-    if temperature is not None and fused and family_of(model).fused_head:
+    if temperature is not None and fused:
         # The fused head computes the entropy of each chunk it already holds anyway: a metric costs a detach only
         kind = "top1" if second == "top1" else "entropy"
         lp, stat = fused_forward(model, inputs, temperature, chunk_size, kind, head_kernel)

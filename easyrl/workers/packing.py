@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ from easyrl.algorithms import scale_logits
 from easyrl.batch import Batch
 from easyrl.models.family import family_of
 from easyrl.models.vision import is_vision_language, multimodal_forward_kwargs
+from easyrl.models.vl_tower import entering_backbone
 from easyrl.workers.head_grad import backward_by_vocab_blocks
 
 
@@ -307,22 +310,42 @@ def _fused_method(
 ) -> tuple[Any, Any]:
     """Backbone forward, then the fused head on the selected positions. Runs as a method of the root module so
     FSDP2 unshards the root's parameters (embedding, final norm, head) around it."""
-    backbone: Any = self.model  # type: ignore[attr-defined]
     head: Any = self.lm_head  # type: ignore[attr-defined]
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("the fused head supports a bias-free lm_head only")
-    # The backbone alone (`self.model`): the root's own forward would compute the full logits this head avoids.
-    out = backbone(
-        input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
+    call = {
+        "input_ids": inputs.input_ids,
+        "attention_mask": inputs.attention_mask,
+        "position_ids": inputs.position_ids,
+        "use_cache": False,
         **inputs.media,
-    )
-    hidden = out.last_hidden_state
+    }
+    if family_of(self).thinker:
+        # An Omni thinker merges its audio and images in its own forward, before its text model: that forward runs,
+        # with an identity in place of the head, so its `logits` are the last hidden states. `forward` itself, not
+        # the module call: FSDP2's hooks around this method already gathered the root's parameters. So the one
+        # other pre-hook on it, keeping the towers in step over the ranks, runs here.
+        entering_backbone(self, call)
+        with _identity_head(self):
+            hidden = self.forward(**call).logits
+    else:
+        # The backbone alone (`self.model`): the root's own forward would compute the full logits this head avoids.
+        hidden = self.model(**call).last_hidden_state  # type: ignore[operator]
     # (N, H): `select` indexes the flattened (rows * width) positions
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.select)
     return fused_linear_logprobs(selected, head.weight, inputs.labels, temperature, chunk_size, second, kernel)
+
+
+@contextmanager
+def _identity_head(model: nn.Module) -> Iterator[None]:
+    """`model.lm_head` is an identity for the block; the head module (and its parameter, which FSDP2 tracks through
+    it) is put back after."""
+    head = model.lm_head
+    model.lm_head = nn.Identity()
+    try:
+        yield
+    finally:
+        model.lm_head = head
 
 
 def fused_forward(

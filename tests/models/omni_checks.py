@@ -79,7 +79,7 @@ def assert_packed_rows_give_the_padded_log_probs_and_gradients(
     model_dir: str, folder: Path, parts: tuple[str, ...]
 ) -> None:
     """Four rows (a short clip; text only; a longer clip mid-prompt; an image and a clip), padded against packed
-    with the fused-head setting on (the thinker computes its logits through its own forward): log-probs and every
+    through the fused head (the thinker's own forward with an identity head, then the chunked head): log-probs and every
     gradient, with the parameters named by each of `parts` among those that get one; then the same for the thinker's
     critic (values and gradients)."""
     from easyrl.config import ModelConfig
@@ -103,7 +103,11 @@ def assert_packed_rows_give_the_padded_log_probs_and_gradients(
     ref, ref_grads = loss_grads(padded, None)
     for part in parts:
         assert any(n.startswith(part) for n in ref_grads), part
+    head_calls: list[int] = []  # the fused head runs the thinker's forward with an identity head: no (T, V) logits
+    hook = packed.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     lp, grads = loss_grads(packed, ForwardOptions(padding_free=True, fused=True))
+    hook.remove()
+    assert not head_calls, "the fused setting computed the thinker's full logits"
     m = mb["response_mask"].bool()
     torch.testing.assert_close(lp[m], ref[m], atol=1e-5, rtol=0)
     _assert_same_grads(grads, ref_grads)

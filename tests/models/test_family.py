@@ -43,7 +43,7 @@ def test_every_family_the_recipe_matrix_trains_is_in_the_table() -> None:
 def test_an_unlisted_model_type_trains_as_a_dense_text_decoder_and_the_whole_omni_models_are_refused() -> None:
     profile = family_of("mistral")
     assert profile.model_type == "mistral" and profile.media is None and not profile.thinker and profile.tiny is None
-    assert profile.logits_to_keep and profile.fused_head and profile.refusal("vllm") is None
+    assert profile.logits_to_keep and profile.refusal("vllm") is None
     for model_type, why in NOT_TRAINED.items():  # the whole Omni models: what to train instead
         with pytest.raises(UnknownFamilyError) as info:
             family_of(model_type)

@@ -218,7 +218,8 @@ def test_recipe_passes_check_on_a_tiny_stand_in(tmp_path: Path, omni_model: str,
 def test_recipe_plan_on_the_published_thinker_fits_80_gib(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
     """The published Qwen2.5-Omni-7B thinker's shape (transformers' default thinker config but for the vision
     tower's width, 1280 as in the hub's config.json); its folder with only config.json gives `easyrl check
-    --gpu-memory 80`'s plan, the audio encoder counted and full logits (no fused head) in the activations."""
+    --gpu-memory 80`'s plan, the audio encoder counted and the fused head's one (chunk, V) block in the
+    activations."""
     import io
     from contextlib import redirect_stdout
 
@@ -238,14 +239,15 @@ def test_recipe_plan_on_the_published_thinker_fits_80_gib(tmp_path: Path, monkey
     text = out.getvalue()
     assert code == 0, text
     assert "model: 8.93B parameters" in text, text
-    # 4096 x 152064 logits: bf16 and fp32 grads, and the head's bf16 weight gradient 152064 x 3584 x 2
-    assert "activations 8.2 (4096 tokens per micro-batch)" in text
+    # checkpointed layers, one (1024, 152064) fp32 block of the fused head, the head's bf16 weight gradient
+    # 152064 x 3584 x 2 and its fp32 (T, H) sum over blocks
+    assert "activations 7.9 (16384 tokens per micro-batch)" in text
     # and FSDP2's bf16 gathered copies at the head's backward: the untied embedding and head, two layers
-    assert "gathered weights 3.0 = 27.8 GiB" in text
+    assert "gathered weights 3.0 = 27.5 GiB" in text
     # the HF engine: its bf16 weights, and while it generates one call's KV cache: 128 prompts x 8 samples over 8
     # engines, each row at 2048 + 1024 tokens, 2 x 28 layers x 4 KV heads x 128 x 2 bytes a token
     assert "weights 16.6 + one call's 128 rows at full length, 393216 tokens" in text
-    assert "while generating: 53.9 of 80.0 GiB" in text and "while updating: 48.0 of 80.0 GiB" in text
+    assert "while generating: 53.9 of 80.0 GiB" in text and "while updating: 47.7 of 80.0 GiB" in text
 
 
 def test_a_missing_audio_folder_is_one_line(tmp_path: Path, omni_model: str, digits_data: dict[str, str]) -> None:

@@ -28,7 +28,7 @@ def test_rl_with_audio_trains_the_audio_tower_resumes_and_merges(tmp_path: Path,
 
     omni_model = build_tiny_omni_checkpoint(tmp_path / "model", variant=variant)
     data = audio_data(tmp_path / "data")
-    # packed rows and the fused-head setting on: the Omni thinker computes its logits through its own forward
+    # packed rows and the fused head: the thinker's own forward with an identity head, then the chunked head
     edits = {"data.audio_dir": data["audio_dir"], "data.max_prompt_length": 128, "trainer.save_freq": 1,
              "worker.actor.padding_free": True, "worker.actor.fused_logprobs": True, "algorithm.adv_estimator": estimator}  # fmt: skip
     if estimator == "gae":  # the critic is the thinker under a value head (easyrl.models.value.ThinkerValueModel)

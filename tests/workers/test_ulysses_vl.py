@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism on vision-language rows equals no split: log-probs, entropy, loss and FSDP2 gradients
 (vision tower included) with ulysses_size 2 on 2 gloo ranks, for tiny Qwen2.5-VL (plain head, and the critic's values)
 and Qwen3-VL (fused head, deepstack), on a micro-batch with images, a video and a text-only row; and for the tiny
-Omni thinkers (Qwen2.5-Omni with Ulysses, Qwen3-Omni MoE with ring attention: audio and vision towers included, and
-their critics' values) on rows with clips, an image and a text-only row."""
+Omni thinkers (Qwen2.5-Omni with Ulysses and the fused head, Qwen3-Omni MoE with ring attention and its critic's
+values: audio and vision towers included) on rows with clips, an image and a text-only row."""
 
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def test_ulysses_vl_and_omni_equal_unsplit(tmp_path: Path) -> None:
     qwen25, qwen3, moe = (
         build_tiny_vl_checkpoint(tmp_path / a, a) for a in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
     )
-    # the thinkers compute their logits in their own forward (no fused head): their critics' values are compared too;
-    # Qwen3-Omni MoE is split by ring attention, behind the same seam
+    # Qwen2.5-Omni through the fused head (its own forward, an identity head); Qwen3-Omni MoE unfused, with its critic's
+    # values, split by ring attention behind the same seam
     omni, omni_moe = (build_tiny_omni_checkpoint(tmp_path / v, variant=v) for v in ("qwen2_5_omni", "qwen3_omni_moe"))
     video = tmp_path / "clip.mp4"
     _write_video(video)
@@ -127,7 +127,7 @@ def test_ulysses_vl_and_omni_equal_unsplit(tmp_path: Path) -> None:
         (qwen25, False, False),
         (qwen3, True, False),
         (moe, True, False),
-        (omni, False, False),
+        (omni, True, False),
         (omni_moe, False, True),
     ]
     run_ranks(_worker, SP, cases, str(video), str(out))
