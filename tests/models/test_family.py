@@ -40,6 +40,16 @@ def test_every_family_the_recipe_matrix_trains_is_in_the_table() -> None:
     assert not unknown, f"recipes train families without a profile: {unknown}"
 
 
+def test_each_refused_capability_is_asked_for_by_a_config_key_and_each_key_refuses_some_family() -> None:
+    """A profile's `refuses` works only through `_REFUSED_KEYS` (the key that asks for the capability); a key no
+    profile refuses any more is a lifted refusal left behind."""
+    from easyrl.config.validate import _REFUSED_KEYS
+
+    refused = {capability for profile in FAMILIES.values() for capability, _ in profile.refuses}
+    asked = {capability for capability, _, _ in _REFUSED_KEYS}
+    assert refused == asked, f"refused by a profile but asked by no key: {refused - asked}; keys left: {asked - refused}"
+
+
 def test_an_unlisted_model_type_trains_as_a_dense_text_decoder_and_the_whole_omni_models_are_refused() -> None:
     profile = family_of("mistral")
     assert profile.model_type == "mistral" and profile.media is None and not profile.thinker and profile.tiny is None
