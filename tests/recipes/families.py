@@ -101,12 +101,19 @@ def _train_omni(ctx: Context, variant: str, **edits: Any) -> tuple[list[dict[str
     return ctx.train(model, {"train": str(audio.parent / "train.jsonl")}, edits, engine="hf", weights=True)
 
 
-def omni_family(ctx: Context, variant: str) -> Outcome:
-    rows, before, after = _train_omni(ctx, variant)
+def omni_family(ctx: Context, variant: str, critic: bool = False) -> Outcome:
+    """`critic`: PPO with GAE, the thinker under a value head as its critic (`ThinkerValueModel`)."""
+    gae = {"algorithm.adv_estimator": "gae", "worker.critic.global_batch_size": 2,
+           "worker.critic.micro_batch_size_per_device_for_update": 2}  # fmt: skip
+    rows, before, after = _train_omni(ctx, variant, **(gae if critic else {}))
     expect(moved(before, after, "audio_tower."), f"{variant}: the audio tower got no gradient: no audio?")
     parts = "audio tower" + (", routed experts" if variant == "qwen3_omni_moe" else "")
     if variant == "qwen3_omni_moe":
         expect(moved(before, after, ".experts."), f"{variant}: the routed experts got no gradient")
+    if critic:
+        losses = [r.get("critic/vf_loss") for r in rows]
+        expect(all(v is not None and v > 0 for v in losses), f"{variant}: critic/vf_loss {losses}")
+        parts += f"; thinker critic vf_loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     return Outcome(f"moved: {parts}; prompts {rows[0]['prompt_length/mean']:.0f} tokens", rows)
 
 
@@ -153,4 +160,5 @@ FAMILIES = (
     _family("qwen2_5_omni", partial(omni_family, variant="qwen2_5_omni"), limit_s=60),
     _family("qwen3_omni_moe", partial(omni_family, variant="qwen3_omni_moe"), limit_s=60),
     _family("qwen2_5_omni_lora", partial(omni_lora, variant="qwen2_5_omni"), limit_s=60),
+    _family("qwen3_omni_moe_gae", partial(omni_family, variant="qwen3_omni_moe", critic=True), limit_s=60),
 )

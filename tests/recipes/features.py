@@ -78,16 +78,25 @@ def tis(ctx: Context) -> Outcome:
     return Outcome(f"truncated IS weights applied ({len(keys)} rollout_corr metrics)", rows)
 
 
-def ppo_critic(ctx: Context) -> Outcome:
-    edits = {
+def ppo_critic(ctx: Context, lora: bool = False) -> Outcome:
+    """PPO with a critic; `lora`: adapters on both the actor and the critic (whose value head trains whole)."""
+    edits: dict[str, Any] = {
         "algorithm.adv_estimator": "gae",
         "worker.critic.global_batch_size": 2,
         "worker.critic.micro_batch_size_per_device_for_update": 2,
     }
-    rows, _, _ = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits)
+    if lora:
+        edits |= {
+            "worker.actor.model.lora": {"rank": 4, "alpha": 8},
+            "worker.critic.model.lora": {"rank": 4, "alpha": 8},
+        }
+    rows, before, after = ctx.train(_qwen(ctx), digits_recipe_data(ctx), edits, weights=lora)
     losses = [r.get("critic/vf_loss") for r in rows]
     expect(all(v is not None for v in losses), f"critic/vf_loss {losses}")
-    return Outcome(f"critic trained: vf_loss {losses[0]:.4f} -> {losses[1]:.4f}", rows)
+    if lora:  # the merged policy: adapted projections move, the embedding (no adapter) does not
+        expect(moved(before, after, "self_attn.q_proj."), "the actor's adapted projections did not move")
+        expect(not moved(before, after, "embed_tokens."), "the embedding moved: it has no adapter")
+    return Outcome(f"critic trained{' with LoRA' if lora else ''}: vf_loss {losses[0]:.4f} -> {losses[1]:.4f}", rows)
 
 
 def dapo(ctx: Context) -> Outcome:
@@ -403,6 +412,7 @@ FEATURES = (
     _feature("bypass_mode", bypass),
     _feature("tis", tis),
     _feature("ppo_critic", ppo_critic, limit_s=50),
+    _feature("ppo_critic_lora", partial(ppo_critic, lora=True), limit_s=50),
     _feature("dapo_filtering", dapo),
     _feature("gspo", gspo),
     _feature("multi_turn_tools", multi_turn_tools, limit_s=50),
