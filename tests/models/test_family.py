@@ -47,7 +47,9 @@ def test_each_refused_capability_is_asked_for_by_a_config_key_and_each_key_refus
 
     refused = {capability for profile in FAMILIES.values() for capability, _ in profile.refuses}
     asked = {capability for capability, _, _ in _REFUSED_KEYS}
-    assert refused == asked, f"refused by a profile but asked by no key: {refused - asked}; keys left: {asked - refused}"
+    assert refused == asked, (
+        f"refused by a profile but asked by no key: {refused - asked}; keys left: {asked - refused}"
+    )
 
 
 def test_an_unlisted_model_type_trains_as_a_dense_text_decoder_and_the_whole_omni_models_are_refused() -> None:
