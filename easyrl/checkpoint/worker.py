@@ -202,7 +202,8 @@ class CheckpointMixin:
         if adapters_only != os.path.isfile(os.path.join(folder, LORA_FILE)):
             raise CheckpointError(
                 f"{folder} was saved {'without' if adapters_only else 'with'} LoRA adapters, and this run "
-                f"{'trains them' if adapters_only else 'has none'}: resume with the same worker.{self._role()}.model.lora"
+                f"{'trains them' if adapters_only else 'has none'}: resume with the same "
+                f"worker.{self._role()}.model.lora"
             )
         scheduler = getattr(self, "scheduler", None)
         load_worker_state(folder, self.model, self.optimizer, scheduler, rank, world, adapters_only)

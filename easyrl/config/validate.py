@@ -603,7 +603,8 @@ _REFUSED_KEYS = (("vllm", "worker.rollout.name", lambda cfg: cfg.worker.rollout.
 
 def _check_family(cfg: EasyRLConfig, config_json: Path) -> None:
     """The model's family (`easyrl.models.family`): a whole Omni model is refused (train its thinker), and so is what
-    its family was not run through (the Omni thinkers: the HF engine), with one line rather than failing inside a worker."""
+    its family was not run through (the Omni thinkers: the HF engine), with one line rather than failing inside a
+    worker."""
     hf = json.loads(config_json.read_text())
     path = cfg.worker.actor.model.model_path
     try:

@@ -27,8 +27,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
     rollout_sync: str = "merged"
-    """The actor's only: how the engine gets the policy after an update: merged (stream base + scale * B @ A per layer, no merged
-    copy kept; any engine) or adapter (vLLM only: load the adapters with vLLM's LoRA support)."""
+    """The actor's only: how the engine gets the policy after an update: merged (stream base + scale * B @ A per
+    layer, no merged copy kept; any engine) or adapter (vLLM only: load the adapters with vLLM's LoRA support)."""
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A VL forward on a packed row is: token embeddings of the whole row, the vision tower on the row's patches, its
 output scattered into the image/video slots, then the decoder layers. Under sequence parallelism the split belongs
 between the last two steps, so :func:`split_after_embeddings` hooks the language model's entry (a forward pre-hook on
-``model.language_model``, the Qwen2.5-VL / Qwen3-VL text model; an Omni thinker's ``model``) and hands it this rank's slice of
+``model.language_model``, the Qwen2.5-VL / Qwen3-VL text model; an Omni thinker's ``model``) and hands it this
+rank's slice of
 
 * ``inputs_embeds`` (1, T, H), vision embeddings already in place,
 * ``position_ids`` (4, 1, T) (text row, then M-RoPE rows: each position stays with its token),
