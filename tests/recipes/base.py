@@ -25,6 +25,12 @@ LR = 1e-2
 KV_CACHE_BYTES = 256 << 20
 """vLLM's KV cache per engine on a GPU: sized, not profiled, so engines of recipes run side by side never see each
 other's memory moving during vLLM's start-up profile (which it refuses), and a tiny run reserves no more."""
+GAE = {
+    "algorithm.adv_estimator": "gae",
+    "worker.critic.global_batch_size": 2,
+    "worker.critic.micro_batch_size_per_device_for_update": 2,
+}
+"""PPO with a critic, at the recipes' batch of 2 prompts."""
 
 
 @dataclass

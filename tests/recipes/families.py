@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tests.recipes.base import Context, Outcome, Recipe, expect, moved
+from tests.recipes.base import GAE, Context, Outcome, Recipe, expect, moved
 
 
 def text_model(ctx: Context, arch: str) -> str:
@@ -103,9 +103,7 @@ def _train_omni(ctx: Context, variant: str, **edits: Any) -> tuple[list[dict[str
 
 def omni_family(ctx: Context, variant: str, critic: bool = False) -> Outcome:
     """`critic`: PPO with GAE, the thinker under a value head as its critic (`ThinkerValueModel`)."""
-    gae = {"algorithm.adv_estimator": "gae", "worker.critic.global_batch_size": 2,
-           "worker.critic.micro_batch_size_per_device_for_update": 2}  # fmt: skip
-    rows, before, after = _train_omni(ctx, variant, **(gae if critic else {}))
+    rows, before, after = _train_omni(ctx, variant, **(GAE if critic else {}))
     expect(moved(before, after, "audio_tower."), f"{variant}: the audio tower got no gradient: no audio?")
     parts = "audio tower" + (", routed experts" if variant == "qwen3_omni_moe" else "")
     if variant == "qwen3_omni_moe":
