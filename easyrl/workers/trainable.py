@@ -90,14 +90,13 @@ class TrainableModel:
         self.lora = spec.trainable and spec.model.lora.rank > 0
         """Low-rank adapters are trained (only they require gradients, and a critic's value head; see
         `easyrl.workers.lora`)."""
-        if self.lora and spec.kind == "value":  # the value head is new: it trains whole beside the adapters
+        if self.lora:
             from easyrl.workers.lora import apply_lora
 
-            apply_lora(model, spec.model.lora, "worker.critic.model.lora", trained_whole=("score",))
-        elif self.lora:
-            from easyrl.workers.lora import apply_lora
-
-            apply_lora(model, spec.model.lora)
+            if spec.kind == "value":  # the critic's value head is new: it trains whole beside the adapters
+                apply_lora(model, spec.model.lora, "worker.critic.model.lora", trained_whole=("score",))
+            else:
+                apply_lora(model, spec.model.lora)
         if spec.kind == "causal_lm":  # after freezing and adapters: whether the tower trains decides the reuse
             _reuse_tower_outputs(model, spec.embeds, tower_compute_dtype(spec, device))
         if sp is not None:  # the model carries its group: the forward head and the attention read it from there
